@@ -1,0 +1,1 @@
+"""Entry points: mgrpo-train, mgrpo-convert, mgrpo-prepare, mgrpo-reward, mgrpo-plan."""

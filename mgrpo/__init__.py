@@ -1,0 +1,1 @@
+"""mgrpo: GRPO-family RL for Qwen3 on Megatron-Core, SGLang and Ray."""

@@ -1,0 +1,22 @@
+"""Typed run configuration (Hydra structured configs) and its validation."""
+
+from mgrpo.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    EvaluationConfig,
+    FilterGroupsConfig,
+    MGRPOConfig,
+    ModelConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from mgrpo.config.validate import ConfigError, Layout, layout, output_dir, validate
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "ConfigError", "DataConfig", "EvaluationConfig", "FilterGroupsConfig",
+    "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig",
+    "TrainerConfig", "layout", "output_dir", "validate",
+]

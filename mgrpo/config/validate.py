@@ -1,0 +1,210 @@
+"""The one place where a config is checked as a whole.
+
+Every message names the field and its value (`actor.tp=3 does not divide model.num_attention_heads=4`)
+so a user can fix the command line without reading code. Runs in the driver before any process is
+spawned. Capability checks that depend on the machine (is Triton / Transformer Engine / SGLang
+importable, is there a GPU) happen at call time where the feature is used, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mgrpo.config.schema import MGRPOConfig
+
+# The names each registry in algorithms/, rewards/, data/ accepts. Tests assert that the registries
+# and these tuples agree, so a new estimator cannot be added in one place only.
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+POLICY_LOSSES = ("vanilla", "gspo")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOGPROB_IMPLS = ("fused", "chunked", "naive")
+SYNTHETIC_TASKS = ("sum",)
+ROLLOUT_ENGINES = ("hf", "sglang")
+ROLLOUT_MODES = ("colocated", "disaggregated")
+DEVICES = ("auto", "cpu", "cuda")
+FP8_FORMATS = (None, "e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LOGGERS = ("console", "tensorboard")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending field(s)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the accelerators (CPU bundles on CPU) are split, derived from a validated config."""
+
+    total: int
+    trainer_world: int
+    rollout_devices: int
+    dp: int
+
+
+def _choice(errors: list[str], name: str, value, allowed) -> None:
+    if value not in allowed:
+        errors.append(f"{name}={value!r} is not one of {list(allowed)}")
+
+
+def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
+    if a <= 0:
+        errors.append(f"{a_name}={a} must be positive")
+    elif b % a != 0:
+        errors.append(f"{a_name}={a} does not divide {b_name}={b}")
+
+
+def layout(cfg: MGRPOConfig) -> Layout:
+    """Trainer world size and data-parallel size. Assumes `validate` passed."""
+    a, t, r = cfg.actor, cfg.trainer, cfg.rollout
+    model_parallel = a.tp * a.pp * a.cp
+    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else model_parallel
+    total = t.nnodes * per_node
+    rollout_devices = r.num_engines * r.tp
+    trainer_world = total - rollout_devices if r.mode == "disaggregated" else total
+    return Layout(total, trainer_world, rollout_devices, max(trainer_world // model_parallel, 1))
+
+
+def validate(cfg: MGRPOConfig) -> Layout:
+    """Raise ConfigError listing every problem found; return the resource layout otherwise."""
+    e: list[str] = []
+    m, d, al, a, r, rw, ev, t = (cfg.model, cfg.data, cfg.algorithm, cfg.actor, cfg.rollout,
+                                 cfg.reward, cfg.evaluation, cfg.trainer)
+
+    # --- model shape ---------------------------------------------------------------------------
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                 "head_dim", "ffn_hidden_size", "max_position_embeddings"):
+        if getattr(m, name) <= 0:
+            e.append(f"model.{name}={getattr(m, name)} must be positive")
+    if m.num_query_groups > 0:
+        _divides(e, "model.num_query_groups", m.num_query_groups,
+                 "model.num_attention_heads", m.num_attention_heads)
+    if m.hf_path is not None and not os.path.isfile(os.path.join(m.hf_path, "config.json")):
+        e.append(f"model.hf_path={m.hf_path!r}: no config.json there")
+
+    # --- parallel sizes ------------------------------------------------------------------------
+    _divides(e, "actor.tp", a.tp, "model.num_attention_heads", m.num_attention_heads)
+    _divides(e, "actor.tp", a.tp, "model.num_query_groups", m.num_query_groups)
+    _divides(e, "actor.tp", a.tp, "model.ffn_hidden_size", m.ffn_hidden_size)
+    _divides(e, "actor.pp", a.pp, "model.num_layers", m.num_layers)
+    if a.cp < 1:
+        e.append(f"actor.cp={a.cp} must be positive")
+    if a.cp > 1 and t.device == "cpu":
+        e.append(f"actor.cp={a.cp} needs Transformer Engine attention on GPU; on trainer.device=cpu use actor.cp=1")
+    _choice(e, "actor.fp8", a.fp8, FP8_FORMATS)
+    _choice(e, "actor.fp8_recipe", a.fp8_recipe, FP8_RECIPES)
+    if a.fp8 is not None and t.device == "cpu":
+        e.append(f"actor.fp8={a.fp8!r} needs Transformer Engine on a GPU; on trainer.device=cpu use actor.fp8=null")
+    _choice(e, "actor.logprob_impl", a.logprob_impl, LOGPROB_IMPLS)
+    _choice(e, "actor.lr_decay_style", a.lr_decay_style, LR_DECAY_STYLES)
+    if a.lr <= 0:
+        e.append(f"actor.lr={a.lr} must be positive")
+    if a.ppo_epochs < 1:
+        e.append(f"actor.ppo_epochs={a.ppo_epochs} must be at least 1")
+    if a.max_tokens_per_gpu < d.max_prompt_length + d.max_response_length and a.max_tokens_per_gpu > 0:
+        e.append(f"actor.max_tokens_per_gpu={a.max_tokens_per_gpu} is smaller than one sequence "
+                 f"(data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length})")
+    if a.ppo_mini_batch_size is not None:
+        _divides(e, "actor.ppo_mini_batch_size", a.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
+
+    # --- resources -------------------------------------------------------------------------------
+    _choice(e, "trainer.device", t.device, DEVICES)
+    _choice(e, "rollout.engine", r.engine, ROLLOUT_ENGINES)
+    _choice(e, "rollout.mode", r.mode, ROLLOUT_MODES)
+    if t.nnodes < 1:
+        e.append(f"trainer.nnodes={t.nnodes} must be at least 1")
+    if t.n_gpus_per_node is not None and t.n_gpus_per_node < 1:
+        e.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} must be at least 1")
+    if r.num_engines < 1 or r.tp < 1:
+        e.append(f"rollout.num_engines={r.num_engines} and rollout.tp={r.tp} must be at least 1")
+    if r.engine == "sglang" and t.device == "cpu":
+        e.append("rollout.engine='sglang' needs a GPU; on trainer.device=cpu use rollout.engine=hf")
+    lay = None
+    if not e:
+        lay = layout(cfg)
+        mp = a.tp * a.pp * a.cp
+        if lay.trainer_world < 1:
+            e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} leaves no accelerator for the trainer "
+                     f"out of trainer.nnodes*trainer.n_gpus_per_node={lay.total}")
+        elif lay.trainer_world % mp != 0:
+            e.append(f"actor.tp*actor.pp*actor.cp={mp} does not divide the trainer's {lay.trainer_world} "
+                     f"accelerators (trainer.nnodes*trainer.n_gpus_per_node"
+                     f"{' - rollout.num_engines*rollout.tp' if r.mode == 'disaggregated' else ''})")
+        if r.mode == "colocated" and lay.rollout_devices > lay.total:
+            e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} exceeds the {lay.total} accelerators")
+
+    # --- data ------------------------------------------------------------------------------------
+    for key in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(d, key)):
+            if not os.path.exists(f):
+                e.append(f"data.{key}[{i}]={f!r} does not exist")
+            elif not f.endswith((".jsonl", ".json", ".parquet")):
+                e.append(f"data.{key}[{i}]={f!r} is neither .jsonl nor .parquet")
+    if not d.train_files:
+        _choice(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
+    for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        if getattr(d, name) <= 0:
+            e.append(f"data.{name}={getattr(d, name)} must be positive")
+    if d.max_prompt_length + d.max_response_length > m.max_position_embeddings:
+        e.append(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "
+                 f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
+
+    # --- algorithm -------------------------------------------------------------------------------
+    _choice(e, "algorithm.adv_estimator", al.adv_estimator, ADV_ESTIMATORS)
+    _choice(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
+    _choice(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_TYPES)
+    _choice(e, "algorithm.kl_penalty", al.kl_penalty, KL_TYPES)
+    _choice(e, "algorithm.loss_agg_mode", al.loss_agg_mode, LOSS_AGG_MODES)
+    if al.clip_ratio_low < 0 or al.clip_ratio_high < 0:
+        e.append(f"algorithm.clip_ratio_low={al.clip_ratio_low} and clip_ratio_high={al.clip_ratio_high} "
+                 "must be non-negative")
+    if al.clip_ratio_c is not None and al.clip_ratio_c <= 1.0:
+        e.append(f"algorithm.clip_ratio_c={al.clip_ratio_c} must be greater than 1 (dual-clip bound)")
+    if al.tis_cap is not None and al.tis_cap <= 0:
+        e.append(f"algorithm.tis_cap={al.tis_cap} must be positive")
+    if al.kl_coef < 0:
+        e.append(f"algorithm.kl_coef={al.kl_coef} must be non-negative")
+    if al.overlong_buffer.enable and not 0 < al.overlong_buffer.len <= d.max_response_length:
+        e.append(f"algorithm.overlong_buffer.len={al.overlong_buffer.len} must be in "
+                 f"1..data.max_response_length={d.max_response_length}")
+    if al.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "dr_grpo") and r.n < 2:
+        e.append(f"rollout.n={r.n} must be at least 2 for algorithm.adv_estimator={al.adv_estimator!r} "
+                 "(advantages are relative to the prompt group)")
+
+    # --- rollout / evaluation / reward -----------------------------------------------------------
+    if r.n < 1:
+        e.append(f"rollout.n={r.n} must be at least 1")
+    if r.temperature <= 0:
+        e.append(f"rollout.temperature={r.temperature} must be positive for training rollouts "
+                 "(use evaluation.temperature=0 for greedy validation)")
+    if not 0 < r.top_p <= 1:
+        e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if ev.n < 1:
+        e.append(f"evaluation.n={ev.n} must be at least 1")
+    if ev.temperature < 0:
+        e.append(f"evaluation.temperature={ev.temperature} must be non-negative")
+    if rw.timeout_s <= 0:
+        e.append(f"reward.timeout_s={rw.timeout_s} must be positive")
+    for src, spec in rw.custom_functions.items():
+        if ":" not in spec:
+            e.append(f"reward.custom_functions[{src!r}]={spec!r} must look like 'module:function'")
+
+    # --- trainer ---------------------------------------------------------------------------------
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        e.append(f"trainer.total_training_steps={t.total_training_steps} must be at least 1 (or null)")
+    for name in t.logger:
+        _choice(e, "trainer.logger[]", name, LOGGERS)
+    if t.resume not in ("auto", "disable") and not os.path.isdir(t.resume):
+        e.append(f"trainer.resume={t.resume!r} is neither 'auto', 'disable' nor a checkpoint directory")
+
+    if e:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
+    assert lay is not None
+    return lay
+
+
+def output_dir(cfg: MGRPOConfig) -> str:
+    t = cfg.trainer
+    return t.output_dir or os.path.join("outputs", t.project_name, t.experiment_name)
