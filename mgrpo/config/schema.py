@@ -42,6 +42,9 @@ class ModelConfig:
     max_position_embeddings: int = 256
     init_std: float = 0.02
     """Std of the normal init for a randomly initialised model."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times actor.tp; padded rows are masked out of
+    every log-softmax and stripped on export to HF."""
 
 
 @dataclass
