@@ -1,0 +1,175 @@
+"""Run megatron-core on a machine without CUDA (development, CI, the default demo).
+
+megatron-core assumes CUDA in a handful of places that our CPU path (local layer spec, fp32, gloo)
+reaches. Each patch below redirects exactly one such assumption to the CPU and is applied only when
+no CUDA device is present. Every patch names the megatron-core code it relies on (`premise`), so
+`tests/test_cpu_compat.py` fails with the patch's name when a megatron-core upgrade moves or
+removes that code, instead of failing somewhere deep inside a training step.
+
+Checked against megatron-core 0.16.1 with torch 2.13 (CPU build).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# Modules that build tensors with a hard-coded device="cuda" on the paths we use:
+#   pipeline_parallel.schedules   total_num_tokens = torch.zeros([], device="cuda") in every schedule
+#   transformer.utils             get_default_causal_mask (local attention without an explicit mask)
+#   optimizer.optimizer           FP32Optimizer._scale, found_inf buffers
+#   optimizer.clip_grads          grad-norm accumulators
+#   utils                         local_multi_tensor_l2_norm (the no-apex grad-norm fallback)
+CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+)
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    why: str
+    premise: Callable[[], bool]
+    """True while megatron-core still contains the CUDA-only code this patch works around."""
+    apply: Callable[[], None]
+
+
+def _source_has(module: str, attr: str | None, needle: str) -> bool:
+    mod = importlib.import_module(module)
+    obj = getattr(mod, attr) if attr else mod
+    return needle in inspect.getsource(obj)
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for `torch` inside selected megatron modules: tensor factories asked for device
+    'cuda' get 'cpu'; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _apply_cuda_factories() -> None:
+    proxy = _CpuTorch("torch_cpu_factories")
+    for fn in _FACTORIES:
+        setattr(proxy, fn, _cpu_factory(getattr(torch, fn)))
+    for mod in CUDA_FACTORY_MODULES:
+        importlib.import_module(mod).torch = proxy
+
+
+def _apply_current_device() -> None:
+    # Buffers in tensor_parallel layers/mappings, p2p shape tensors and rotary embeddings are made
+    # with device=torch.cuda.current_device().
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _apply_synchronize() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _apply_rng() -> None:
+    # The CUDA RNG tracker keeps separate streams per tensor-parallel rank (for dropout); on CPU we
+    # back it with the CPU default generator. With dropout 0 (our CPU setting) it draws nothing.
+    import megatron.core.tensor_parallel.random as mrandom
+
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _apply_tensor_cuda() -> None:
+    # With tied embeddings and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the
+    # output-layer copy of the embedding with `weight.data.cuda()` before all-reducing it across
+    # the embedding group. Without CUDA, `.cuda()` can only fail, so it becomes "stay where you are".
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's version asserts `grad.type() == 'torch.cuda.FloatTensor'`; same maths on CPU."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if g is not None:
+                g.detach().mul_(coeff)
+
+
+def _apply_clip_grads() -> None:
+    import megatron.core.optimizer.optimizer as mopt
+
+    mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("current_device", "tensor_parallel buffers use device=torch.cuda.current_device()",
+          lambda: _source_has("megatron.core.tensor_parallel.mappings", None, "torch.cuda.current_device()"),
+          _apply_current_device),
+    Patch("synchronize", "p2p_communication and parallel_state call torch.cuda.synchronize()",
+          lambda: _source_has("megatron.core.pipeline_parallel.p2p_communication", None, "torch.cuda.synchronize()"),
+          _apply_synchronize),
+    Patch("cuda_factory", "schedules, optimizer, clip_grads and utils hard-code device='cuda'",
+          lambda: (_source_has("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+                               'device="cuda"')
+                   and _source_has("megatron.core.optimizer.optimizer", "FP32Optimizer", "device='cuda'")
+                   and _source_has("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"')),
+          _apply_cuda_factories),
+    Patch("rng", "the model-parallel RNG tracker reads and writes CUDA RNG state",
+          lambda: _source_has("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "_set_cuda_rng_state"),
+          _apply_rng),
+    Patch("tensor_cuda", "tied embeddings with PP>1 move the output-layer copy with .cuda()",
+          lambda: _source_has("megatron.core.models.common.language_module.language_module", "LanguageModule",
+                              "weight.data.cuda()"),
+          _apply_tensor_cuda),
+    Patch("clip_grads", "clip_grad_by_total_norm_fp32 asserts CUDA float tensors",
+          lambda: _source_has("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+                              "torch.cuda.FloatTensor"),
+          _apply_clip_grads),
+)
+
+_applied: list[str] = []
+
+
+def needs_patches() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_patches() -> list[str]:
+    """Apply every patch once (idempotent) when no CUDA device is present; return their names.
+
+    A patch whose premise no longer holds is an error: the upgrade changed megatron-core and the
+    patch must be re-checked, not applied blindly.
+    """
+    if not needs_patches() or _applied:
+        return list(_applied)
+    stale = [p.name for p in PATCHES if not p.premise()]
+    if stale:
+        raise RuntimeError(f"megatron-core CPU patches {stale} no longer match the installed megatron-core; "
+                           "see mgrpo/training/cpu_compat.py")
+    for p in PATCHES:
+        p.apply()
+        _applied.append(p.name)
+    return list(_applied)

@@ -1,0 +1,113 @@
+"""Process groups of one trainer rank.
+
+`init_parallel` is the only place that touches megatron's global `parallel_state`: it creates the
+tensor/pipeline/context/data-parallel groups and hands them back in a `ParallelContext`, which the
+rest of the trainer passes explicitly (models, schedules, kernels, weight sync never look groups up).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mgrpo.training.cpu_compat import apply_cpu_patches, needs_patches
+
+
+@dataclass
+class ParallelContext:
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    device: torch.device
+    pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def tp_group(self):
+        return self.pg_collection.tp
+
+    @property
+    def pp_group(self):
+        return self.pg_collection.pp
+
+    @property
+    def dp_group(self):
+        return self.pg_collection.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_weight_source(self) -> bool:
+        """Ranks that send their pipeline stage's weights to the rollout engines."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+
+def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, pp: int,
+                  cp: int = 1, seed: int = 1, timeout_s: float = 600.0) -> ParallelContext:
+    """Join the trainer's process group (NCCL on GPU, gloo on CPU) and build megatron's groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cuda = not needs_patches()
+    if not cuda:
+        apply_cpu_patches()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+        )
+    # Same seed on every rank for replicated parameters; megatron offsets the TP-rank streams.
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    return ParallelContext(
+        world_size=world_size,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        pg_collection=pgs,
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
