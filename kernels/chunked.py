@@ -1,0 +1,299 @@
+"""Chunked log-prob / entropy / token-loss over a (vocab-parallel) output layer, in plain torch.
+
+The CPU production path and the fallback everywhere. The [T, V] logits are never materialised:
+tokens are processed `chunk_size` at a time and, inside a chunk, the vocabulary `vocab_chunk_size`
+rows at a time with an online log-sum-exp (running max m, sum-exp s, and for the entropy the
+running sum t of exp(z - m) * z). Those three numbers per token are all a softmax needs, so they
+also combine across tensor-parallel ranks with two O(tokens) all-reduces (MAX, then SUM), and the
+backward recomputes logits tile by tile from them.
+
+Statistics are fp32 whatever the input dtype: exp/sum over 150k logits in bf16 loses the log-prob
+of rare tokens entirely, while the GEMMs themselves are fine in bf16 with fp32 accumulation.
+
+Two entry points:
+- `linear_logprobs` is a normal autograd Function (forward: 1 GEMM, backward: 3 GEMMs).
+- `fused_linear_loss` also runs the caller's token loss chunk by chunk and computes dHidden and
+  dWeight right there in the forward, from the chunk's logits it still holds, so forward+backward
+  costs 3 GEMMs and one chunk of logits; its backward only scales the stored grads (Liger's trick).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_SIZE = 512  # tokens; the fused path keeps chunk_size x V_local fp32 logits alive
+DEFAULT_VOCAB_CHUNK = 8192  # vocab rows per tile: a 512 x 8192 fp32 tile (16 MB) stays cache-warm
+
+
+def num_valid_rows(v_local: int, vocab_start: int, vocab_size: Optional[int]) -> int:
+    """Rows of this shard that are real tokens; rows with global id >= vocab_size are padding."""
+    if vocab_size is None:
+        return v_local
+    return max(0, min(v_local, vocab_size - vocab_start))
+
+
+def _tile_logits(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """out <- (h @ w.T) * inv_temp in fp32, reusing `out` (fresh pages cost more than the math)."""
+    if h.dtype == torch.float32:
+        return torch.addmm(out, h, w.T, beta=0.0, alpha=inv_temp, out=out)
+    return out.copy_(h @ w.T).mul_(inv_temp)  # low-precision GEMM, fp32 statistics
+
+
+def _tiles(n_valid: int, vocab_chunk: int):
+    return [(lo, min(lo + vocab_chunk, n_valid)) for lo in range(0, n_valid, vocab_chunk)]
+
+
+def chunk_stats(h, w, labels_local, n_valid, inv_temp, vocab_chunk, entropy, zbuf, scratch, keep=False):
+    """Online log-sum-exp of one token chunk over this shard's valid vocabulary.
+
+    Returns fp32 partial stats (m, s, t, target) per token (target: the label's logit when this
+    shard owns the label, else 0) and the logit tiles. With keep=True every tile gets its own slice
+    of `zbuf` (chunk x V_valid) so the fused gradient can reuse them; else one slice is recycled.
+    """
+    n = h.shape[0]
+    f32 = dict(device=h.device, dtype=torch.float32)
+    m = torch.full((n,), -math.inf, **f32)
+    s, t, target = (torch.zeros(n, **f32) for _ in range(3))
+    tiles, offset = [], 0
+    for lo, hi in _tiles(n_valid, vocab_chunk):
+        z = _tile_logits(zbuf[offset : offset + n * (hi - lo)].view(n, hi - lo), h, w[lo:hi], inv_temp)
+        if keep:
+            tiles.append(((lo, hi), z))
+            offset += z.numel()
+        m_new = torch.maximum(m, z.amax(-1))
+        e = torch.sub(z, m_new[:, None], out=scratch[: z.numel()].view_as(z)).exp_()
+        rescale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile
+        s = s * rescale + e.sum(-1)
+        if entropy:
+            t = t * rescale + torch.linalg.vecdot(e, z)
+        m = m_new
+        owned = (labels_local >= lo) & (labels_local < hi)
+        col = (labels_local - lo).clamp(0, hi - lo - 1)
+        target += torch.where(owned, z.gather(1, col[:, None]).squeeze(1), 0.0)
+    return (m, s, t, target), tiles
+
+
+def merge_stats(m, s, t, target, group=None):
+    """Combine per-shard partial stats into lse, E_p[z] and the target logit (all fp32)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        m_all = m.clone()
+        dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+        scale = torch.exp(m - m_all)  # a shard with no valid rows has m = -inf and scale 0
+        packed = torch.stack([s * scale, t * scale, target])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        m, (s, t, target) = m_all, packed.unbind(0)
+    lse = m + torch.log(s)
+    return lse, t / s, target
+
+
+def tile_dlogits(z, lse, a, b, g_tgt, labels_local, lo, scratch):
+    """In place on z: dL/dlogits = p * (a + b * z) + g_tgt * onehot(label), p = exp(z - lse).
+
+    With z = logits / T, p the softmax, logprob = z_y - lse and entropy = lse - E_p[z]:
+      dlogprob/dz_k = 1[k=y] - p_k,   dentropy/dz_k = -p_k * (z_k - E_p[z]),
+    so dL/dz_k = p_k * (-g_lp + g_ent * E_p[z] - g_ent * z_k) + g_lp * 1[k=y]; `coefficients`
+    folds these per-token numbers and the 1/T of dz/dlogits into a, b and g_tgt.
+    """
+    p = torch.sub(z, lse[:, None], out=scratch[: z.numel()].view_as(z)).exp_()
+    if b is None:  # the loss does not use the entropy
+        dz = z.copy_(a[:, None].expand_as(z))
+    else:
+        dz = torch.addcmul(a[:, None], z, b[:, None], out=z)
+    dz.mul_(p)
+    owned = (labels_local >= lo) & (labels_local < lo + z.shape[1])
+    col = (labels_local - lo).clamp(0, z.shape[1] - 1)
+    dz.scatter_add_(1, col[:, None], torch.where(owned, g_tgt, 0.0)[:, None])
+    return dz
+
+
+def coefficients(g_lp, g_ent, e_z, inv_temp):
+    g_lp = torch.zeros_like(e_z) if g_lp is None else g_lp.float()
+    a = -g_lp if g_ent is None else g_ent.float() * e_z - g_lp
+    b = None if g_ent is None else -g_ent.float() * inv_temp
+    return a * inv_temp, b, g_lp * inv_temp
+
+
+def _addmm(out, a, b):
+    """out += a @ b, in place when dtypes allow (fp32); low-precision GEMM into fp32 otherwise."""
+    if out.dtype == a.dtype == b.dtype:
+        return out.addmm_(a, b)
+    return out.add_(a @ b)
+
+
+def grad_tiles(tiles, h, w, labels_local, lse, coeffs, dh, dw, scratch):
+    """Accumulate one token chunk's dHidden (into dh) and dWeight (into dw) from its logit tiles."""
+    a, b, g_tgt = coeffs
+    for (lo, hi), z in tiles:
+        dz = tile_dlogits(z, lse, a, b, g_tgt, labels_local, lo, scratch).to(w.dtype)
+        if dh is not None:
+            _addmm(dh, dz, w[lo:hi])
+        if dw is not None:
+            _addmm(dw[lo:hi], dz.T, h)
+
+
+def _recomputed_tiles(h, w, n_valid, inv_temp, vocab_chunk, zbuf):
+    n = h.shape[0]
+    for lo, hi in _tiles(n_valid, vocab_chunk):
+        yield (lo, hi), _tile_logits(zbuf[: n * (hi - lo)].view(n, hi - lo), h, w[lo:hi], inv_temp)
+
+
+class _Setup:
+    """Per-call constants and reusable buffers (allocated once: fresh pages cost more than math)."""
+
+    def __init__(self, hidden, weight, labels, temperature, chunk_size, vocab_chunk, vocab_start, vocab_size, keep):
+        self.n_valid = num_valid_rows(weight.shape[0], vocab_start, vocab_size)
+        self.inv_temp = 1.0 / temperature
+        self.chunk = max(1, min(chunk_size, hidden.shape[0]))
+        self.vocab_chunk = max(1, min(vocab_chunk, max(self.n_valid, 1)))
+        self.labels_local = labels.long() - vocab_start
+        zsize = self.chunk * (max(self.n_valid, 1) if keep else self.vocab_chunk)
+        f32 = dict(device=hidden.device, dtype=torch.float32)
+        self.zbuf = torch.empty(zsize, **f32)
+        self.scratch = torch.empty(self.chunk * self.vocab_chunk, **f32)
+
+    def chunks(self, n_tokens):
+        return [slice(a, min(a + self.chunk, n_tokens)) for a in range(0, n_tokens, self.chunk)]
+
+
+def _grad_buffers(hidden, weight, need_h, need_w):
+    # fp32 accumulators: low-precision grads summed over many chunks would lose their small terms.
+    dh = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_h else None
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+    return dh, dw
+
+
+def _allreduce_(x, group):
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, cfg):
+        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
+                    cfg["vocab_start"], cfg["vocab_size"], keep=False)
+        n_tok = hidden.shape[0]
+        lse, e_z, logprob = (torch.empty(n_tok, device=hidden.device, dtype=torch.float32) for _ in range(3))
+        for sl in ws.chunks(n_tok):
+            stats, _ = chunk_stats(hidden[sl], weight, ws.labels_local[sl], ws.n_valid, ws.inv_temp,
+                                   ws.vocab_chunk, cfg["compute_entropy"], ws.zbuf, ws.scratch)
+            lse[sl], e_z[sl], target = merge_stats(*stats, group=cfg["tp_group"])
+            logprob[sl] = target - lse[sl]
+        # Saved: the inputs and 2 fp32 numbers per token; the backward recomputes logit tiles.
+        ctx.save_for_backward(hidden, weight, labels, lse, e_z)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return logprob, (lse - e_z if cfg["compute_entropy"] else None)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, labels, lse, e_z = ctx.saved_tensors
+        cfg = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None
+        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
+                    cfg["vocab_start"], cfg["vocab_size"], keep=False)
+        dh, dw = _grad_buffers(hidden, weight, need_h, need_w)
+        for sl in ws.chunks(hidden.shape[0]):
+            coeffs = coefficients(None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
+                                  e_z[sl], ws.inv_temp)
+            h = hidden[sl]
+            tiles = _recomputed_tiles(h, weight, ws.n_valid, ws.inv_temp, ws.vocab_chunk, ws.zbuf)
+            grad_tiles(tiles, h, weight, ws.labels_local[sl], lse[sl], coeffs,
+                       None if dh is None else dh[sl], dw, ws.scratch)
+        if dh is not None:
+            dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
+        return dh, None if dw is None else dw.to(weight.dtype), None, None
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_loss_fn, cfg, metrics_out):
+        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
+                    cfg["vocab_start"], cfg["vocab_size"], keep=True)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        dh, dw = _grad_buffers(hidden, weight, need_h, need_w)
+        n_tok, entropy_on = hidden.shape[0], cfg["compute_entropy"]
+        logprob = torch.empty(n_tok, device=hidden.device, dtype=torch.float32)
+        entropy = torch.empty_like(logprob) if entropy_on else None
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        for sl in ws.chunks(n_tok):
+            h = hidden[sl]
+            stats, tiles = chunk_stats(h, weight, ws.labels_local[sl], ws.n_valid, ws.inv_temp,
+                                       ws.vocab_chunk, entropy_on, ws.zbuf, ws.scratch, keep=True)
+            lse, e_z, target = merge_stats(*stats, group=cfg["tp_group"])
+            logprob[sl] = target - lse
+            if entropy_on:
+                entropy[sl] = lse - e_z
+            # Autograd only over O(chunk) vectors: dLoss/dlogprob and dLoss/dentropy per token.
+            with torch.enable_grad():
+                lp = logprob[sl].detach().requires_grad_()
+                ent = entropy[sl].detach().requires_grad_() if entropy_on else None
+                loss_c, metrics_c = token_loss_fn(lp, ent, sl)
+                wrt = [lp] + ([ent] if entropy_on else [])
+                grads = (torch.autograd.grad(loss_c, wrt, allow_unused=True) if loss_c.requires_grad
+                         else [None] * len(wrt))
+            loss += loss_c.detach().float()
+            for k, v in metrics_c.items():
+                metrics_out[k] = metrics_out.get(k, 0.0) + v.detach()
+            g_lp, g_ent = grads[0], (grads[1] if entropy_on else None)
+            if (need_h or need_w) and (g_lp is not None or g_ent is not None):
+                # The chunk's logits are still in ws.zbuf: use them now instead of recomputing
+                # them in a backward pass (3 GEMMs in all instead of 4).
+                grad_tiles(tiles, h, weight, ws.labels_local[sl], lse,
+                           coefficients(g_lp, g_ent, e_z, ws.inv_temp),
+                           None if dh is None else dh[sl], dw, ws.scratch)
+        if dh is not None:
+            dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        ctx.save_for_backward(dh, dw)
+        ctx.mark_non_differentiable(logprob, *([entropy] if entropy_on else []))
+        return loss, logprob, entropy
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        dh, dw = ctx.saved_tensors
+        scale = lambda g: None if g is None else (g if bool(g_loss == 1) else g * g_loss)  # noqa: E731
+        return scale(dh), scale(dw), None, None, None, None
+
+
+def _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy):
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return dict(temperature=float(temperature), chunk_size=int(chunk_size), vocab_chunk_size=int(vocab_chunk_size),
+                tp_group=tp_group, vocab_start=int(vocab_start), vocab_size=vocab_size,
+                compute_entropy=bool(compute_entropy))
+
+
+def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
+                    vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
+                    compute_entropy=True):
+    """(logprob [T] fp32, entropy [T] fp32 or None) of labels under softmax(hidden @ weight.T / T).
+
+    `weight` is this rank's rows [vocab_start, vocab_start + V_local) of the padded vocabulary; rows
+    with global id >= vocab_size are padding. Differentiable w.r.t. hidden and weight.
+    """
+    cfg = _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    return _LinearLogprobs.apply(hidden, weight, labels, cfg)
+
+
+def fused_linear_loss(hidden, weight, labels, token_loss_fn, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
+                      vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
+                      compute_entropy=True):
+    """(loss, metrics, logprob, entropy) of a token-local loss, grads computed during the forward.
+
+    token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) must be a
+    sum over the chunk's tokens (weights carry mask and normalisation); losses and metrics are summed
+    over chunks. logprob and entropy come back detached.
+    """
+    cfg = _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    metrics: dict = {}
+    loss, logprob, entropy = _FusedLinearLoss.apply(hidden, weight, labels, token_loss_fn, cfg, metrics)
+    return loss, metrics, logprob, entropy
