@@ -1,1 +1,1 @@
-
+"""Observe: metrics to TensorBoard / console / JSONL, trajectories, phase timers."""

@@ -1,0 +1,109 @@
+"""The trainer's Ray actors: one per Megatron rank, placed one per bundle.
+
+The group fans a call out to every rank (megatron ranks must all enter the same collective), hands
+each data-parallel replica its shard of the batch, and gathers what the ranks that hold the answer
+return (the last pipeline stage for log-probs and metrics, the weight sources for weights).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+
+from mgrpo.cluster.ray_env import Bundles
+from mgrpo.config import Layout, MGRPOConfig
+
+
+@ray.remote
+class TrainerRank:
+    """A process that hosts one `MegatronActor` (imported inside, so the driver never loads megatron)."""
+
+    def __init__(self, num_threads: int):
+        import torch
+
+        torch.set_num_threads(num_threads)
+        self.num_threads = num_threads
+        self.impl = None
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, cfg: MGRPOConfig, **kwargs) -> dict:
+        from mgrpo.training.actor import MegatronActor
+
+        self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
+        return self.impl.info()
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.impl, method)(*args, **kwargs)
+
+
+class TrainerGroup:
+    def __init__(self, cfg: MGRPOConfig, layout: Layout, bundles: Bundles, *, init_hf_dir: str, total_steps: int,
+                 need_ref: bool):
+        self.world = layout.trainer_world
+        self.dp = layout.dp
+        threads = cfg.trainer.cpus_per_worker
+        gpus = 1.0 if cfg.trainer.device == "cuda" else 0.0
+        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        self.ranks = [
+            TrainerRank.options(num_cpus=threads, num_gpus=gpus, scheduling_strategy=bundles.strategy(i),
+                                runtime_env={"env_vars": env}).remote(threads)
+            for i in range(self.world)
+        ]
+        master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        self.info = ray.get([
+            r.setup.remote(cfg, rank=i, world_size=self.world, master_addr=master_addr, master_port=master_port,
+                           init_hf_dir=init_hf_dir, total_steps=total_steps, need_ref=need_ref)
+            for i, r in enumerate(self.ranks)
+        ])
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+
+    def _sharded(self, method: str, shards: list, *args, **kwargs) -> list:
+        """Call `method(shard_of_my_replica, ...)` on every rank; return results by rank."""
+        if len(shards) != self.dp:
+            raise ValueError(f"{len(shards)} shards for {self.dp} data-parallel replicas")
+        refs = [ray.put(s) for s in shards]
+        return ray.get([r.call.remote(method, refs[info["dp_rank"]], *args, **kwargs)
+                        for r, info in zip(self.ranks, self.info)])
+
+    def compute_logprobs(self, shards: list, which: str, temperature: float) -> list[dict]:
+        """Per-shard {'logprobs', 'entropy'}, in data-parallel order."""
+        results = self._sharded("compute_logprobs", shards, which, temperature)
+        by_dp = {info["dp_rank"]: res for info, res in zip(self.info, results) if res is not None}
+        return [by_dp[d] for d in range(self.dp)]
+
+    def train_mini_batch(self, shards: list, temperature: float) -> dict:
+        return self._sharded("train_mini_batch", shards, temperature)[0]
+
+    def sync_weights(self, receivers: list, bucket_bytes: int) -> dict:
+        results = self._all("sync_weights", receivers, bucket_bytes)
+        return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
+                "seconds": max(r["seconds"] for r in results)}
+
+    def hf_weights(self) -> list:
+        return [item for part in self._all("hf_weights") for item in part]
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        self._all("save_checkpoint", ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        self._all("load_checkpoint", ckpt_dir)
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for r in self.ranks:
+                ray.kill(r)
+
+
+def local_ip() -> str:
+    return os.environ.get("MGRPO_NODE_IP") or ray.util.get_node_ip_address()

@@ -1,0 +1,120 @@
+"""In-process rollout engine on Hugging Face transformers (the CPU backend of DESIGN.md section 4).
+
+It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
+log-probs, receive HF-named weight buckets from the trainer, report health. It is what the default
+CPU job and the tests use; on GPUs SGLang takes its place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+
+
+class HFRolloutEngine:
+    def __init__(self, hf_dir: str, *, eos_token_ids: Sequence[int], pad_token_id: int, chunk_size: int = 512,
+                 num_threads: int | None = None, weight_version: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.chunk_size = chunk_size
+        self.weight_version = weight_version
+        self._params = dict(self.model.named_parameters())
+        self._received: set[str] = set()
+        self._generated = 0
+
+    # --- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        # Similar lengths share a forward batch, which keeps left padding small.
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        results: list[GenerateResult] = []
+        for start in range(0, len(order), self.chunk_size):
+            chunk = [requests[i] for i in order[start:start + self.chunk_size]]
+            results.extend(self._generate_chunk(chunk, sampling))
+        self._generated += len(results)
+        return sorted(results, key=lambda r: r.uid)
+
+    def _generate_chunk(self, chunk: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        width = max(len(r.prompt_ids) for r in chunk)
+        ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(chunk):  # left padding: every prompt ends at the same column
+            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids):] = 1
+        sample = not sampling.greedy
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=sample,
+            temperature=sampling.temperature if sample else None,
+            top_p=sampling.top_p if sample else None,
+            top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new_tokens = out.sequences[:, width:]
+        # Raw logits (before temperature / top-p / top-k processors) -> log-probs of the tempered
+        # distribution, exactly what the trainer recomputes for the same tokens.
+        logits = torch.stack(out.logits, dim=1).float()
+        temperature = sampling.temperature if sample else 1.0
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        eos = set(self.eos_token_ids)
+        for row, r in enumerate(chunk):
+            toks = new_tokens[row].tolist()
+            n, finish = len(toks), "length"
+            for j, t in enumerate(toks):
+                if t in eos:
+                    n, finish = j + 1, "stop"
+                    break
+            results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=token_logprobs[row, :n].tolist(),
+                                          finish_reason=finish, weight_version=self.weight_version))
+        return results
+
+    # --- weight sync ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"weight sync: engine has no parameter {name!r}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, engine expects "
+                                 f"{tuple(param.shape)}")
+            param.copy_(tensor)
+            self._received.add(name)
+
+    def finish_weight_update(self, version: int) -> None:
+        missing = sorted(set(self._params) - self._received)
+        self._received = set()
+        if missing:
+            raise RuntimeError(f"weight sync to version {version} is incomplete: {len(missing)} tensors never "
+                               f"arrived, e.g. {missing[:5]}")
+        self.weight_version = version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def health(self) -> EngineHealth:
+        return EngineHealth(ok=True, weight_version=self.weight_version, detail={"generated": self._generated})
+
+    def release_memory(self) -> None:  # nothing to release on CPU
+        pass
+
+    def resume_memory(self) -> None:
+        pass

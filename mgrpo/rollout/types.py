@@ -1,0 +1,69 @@
+"""What goes into and comes out of a rollout engine, whatever the engine (SGLang server or the
+in-process transformers engine on CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    seed: int | None = None
+    """Seeds the engine's sampler for this call (reproducible rollouts on CPU; best effort on GPU)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerateRequest:
+    uid: int
+    """Position of the request in the caller's list; results come back under the same uid."""
+    prompt_ids: list[int]
+
+
+@dataclass
+class GenerateResult:
+    uid: int
+    token_ids: list[int]
+    """Response tokens, including the EOS token when the response stopped on it."""
+    logprobs: list[float]
+    """Log-prob of each response token under the engine's weights at the sampling temperature
+    (the full tempered distribution, before top-p/top-k truncation), as the trainer computes it."""
+    finish_reason: str
+    """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
+    weight_version: int
+
+
+@dataclass
+class EngineHealth:
+    ok: bool
+    weight_version: int
+    detail: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """The interface every rollout engine implements (CPU transformers engine, SGLang client)."""
+
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]: ...
+
+    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-named, HF-layout tensors."""
+
+    def finish_weight_update(self, version: int) -> None:
+        """All buckets of one sync have arrived: verify completeness and bump the weight version."""
+
+    def health(self) -> EngineHealth: ...
+
+    def release_memory(self) -> None:
+        """Colocated mode: free accelerator memory while the trainer runs."""
+
+    def resume_memory(self) -> None: ...

@@ -1,0 +1,212 @@
+"""One trainer rank: a pipeline stage of the trainable actor and of the frozen reference model.
+
+Everything here is plain Python over megatron-core and torch.distributed; `mgrpo.cluster` wraps
+this class in a Ray actor and calls its methods on every rank at once. Process groups come from
+`init_parallel` and are passed explicitly to the model, the schedules, the kernel and weight sync.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mgrpo.config import MGRPOConfig
+from mgrpo.data.packing import pack_micro_batches
+from mgrpo.models import hf_checkpoint
+from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
+from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
+from mgrpo.training.optim import build_optimizer, build_scheduler
+from mgrpo.training.parallel import init_parallel
+
+
+class MegatronActor:
+    def __init__(self, cfg: MGRPOConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 init_hf_dir: str, total_steps: int, need_ref: bool, num_threads: Optional[int] = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.cfg = cfg
+        a = cfg.actor
+        self.ctx = init_parallel(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                                 tp=a.tp, pp=a.pp, cp=a.cp, seed=a.seed)
+        use_cpu = self.ctx.device.type == "cpu"
+        self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
+                                            fp8=a.fp8, fp8_recipe=a.fp8_recipe)
+        self.head = LogProbHead(cfg, self.ctx)
+
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        gpt = self._build_stage(self.tf_config, init_hf_dir)
+        self.actor = DistributedDataParallel(
+            config=self.tf_config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=a.use_distributed_optimizer),
+            module=gpt,
+        )
+        self.tf_config.finalize_model_grads_func = finalize_model_grads
+        self.tf_config.no_sync_func = self.actor.no_sync
+        self.optimizer = build_optimizer(a, [self.actor])
+        self.scheduler = build_scheduler(a, self.optimizer, total_steps)
+
+        self.ref = None
+        if need_ref:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
+            self.ref = self._build_stage(replace(self.tf_config), init_hf_dir)
+            self.ref.requires_grad_(False)
+            self.ref.eval()
+        self.skipped_steps = 0
+
+    # --- construction ---------------------------------------------------------------------------
+    def _build_stage(self, tf_config, hf_dir: str):
+        c = self.ctx
+        gpt = build_gpt_model(self.cfg.model, tf_config, pre_process=c.is_first_stage, post_process=c.is_last_stage,
+                              pg_collection=c.pg_collection)
+        hf_checkpoint.load_hf_into_megatron(gpt, hf_dir, self.cfg.model, tp_rank=c.tp_rank, tp_size=c.tp,
+                                            pp_rank=c.pp_rank, pp_size=c.pp)
+        emit_hidden_states(gpt)
+        return gpt
+
+    @property
+    def gpt(self):
+        """The unwrapped actor stage."""
+        return self.actor.module
+
+    def info(self) -> dict:
+        c = self.ctx
+        return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank,
+                    is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source)
+
+    # --- megatron schedule plumbing ---------------------------------------------------------------
+    def _micro_batches(self, batch: RankBatch):
+        groups = pack_micro_batches(batch.lengths(), self.cfg.actor.max_tokens_per_gpu)
+        return [build_micro_batch(batch.select(idx)) for idx in groups], groups
+
+    def _run(self, model, step_fn, micro_batches, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=step_fn,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    # --- log-probs ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RankBatch, which: str, temperature: float) -> Optional[dict]:
+        """Per-response-token log-probs (and entropy) of `which` in {'actor', 'ref'}.
+
+        Returned by the last pipeline stage (one TP rank suffices; all hold the same values)."""
+        model = self.actor if which == "actor" else self.ref
+        if model is None:
+            raise RuntimeError("reference log-probs requested but no reference model was built")
+        gpt = model.module if which == "actor" else model
+        mbs, groups = self._micro_batches(batch)
+        out = self._run(model, forward_only_step(self.head, lambda: output_weight(gpt), temperature), mbs, True)
+        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
+            return None
+        logprobs: list = [None] * len(batch)
+        entropy: list = [None] * len(batch)
+        for mb, idx, res in zip(mbs, groups, out):
+            for i, lp, ent in zip(idx, split_per_sample(res["logprobs"], mb.response_lens),
+                                  split_per_sample(res["entropy"], mb.response_lens)):
+                logprobs[i], entropy[i] = lp, ent
+        return {"logprobs": logprobs, "entropy": entropy}
+
+    # --- training -------------------------------------------------------------------------------
+    def train_mini_batch(self, batch: RankBatch, temperature: float) -> dict:
+        """One optimizer step on this rank's share of a mini-batch. Returns the step's metrics from the
+        last pipeline stage, already summed over micro-batches and data-parallel ranks.
+
+        `temperature` is the rollout temperature: training log-probs use the same tempered
+        distribution as the rollout and old-policy log-probs."""
+        self.actor.train()
+        self.actor.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs, _ = self._micro_batches(batch)
+        # megatron divides each micro-batch loss by num_microbatches and averages gradients over DP;
+        # our token weights are already normalised by the global mini-batch, so both are undone.
+        scale = float(len(mbs) * self.ctx.dp)
+        t0 = time.perf_counter()
+        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale)
+        metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
+        finite = torch.tensor([float(all(map(math.isfinite, metrics.values())))])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to step or to skip
+        ok, grad_norm = False, float("nan")
+        if finite.item() == 1.0:
+            ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        else:  # a non-finite loss or gradient: no update, counted in metrics
+            self.skipped_steps += 1
+            self.optimizer.zero_grad()
+        metrics = {("actor/" + k): v for k, v in metrics.items()}
+        metrics.update({
+            "actor/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/skipped_steps": float(self.skipped_steps),
+            "actor/micro_batches": float(len(mbs)),
+            "timing_s/fwd_bwd": time.perf_counter() - t0,
+        })
+        return metrics
+
+    def _reduce_metrics(self, out: Sequence[dict]) -> dict:
+        """Sum the per-micro-batch metric sums on the last stage, then over DP; share along the pipeline."""
+        c = self.ctx
+        metrics: dict = {}
+        if c.is_last_stage:
+            keys = sorted(out[0]) if out else []
+            vec = torch.tensor([sum(float(m[k]) for m in out) for k in keys], dtype=torch.float64)
+            dist.all_reduce(vec, group=c.dp_group)
+            metrics = dict(zip(keys, vec.tolist()))
+        if c.pp > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(c.pp_group, c.pp - 1), group=c.pp_group)
+            metrics = box[0]
+        return metrics
+
+    # --- weight sync ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_weights(self, receivers: Sequence, bucket_bytes: int) -> dict:
+        """Stream this stage's weights in HF layout to every rollout engine.
+
+        All TP ranks of data-parallel replica 0 iterate (the TP gather is a collective); the TP-rank-0
+        ranks (one per pipeline stage) send. Other replicas hold identical weights and do nothing."""
+        from mgrpo.models.weight_iter import bucketize, iter_megatron_to_hf
+
+        c = self.ctx
+        sent, tensors, t0 = 0, 0, time.perf_counter()
+        if c.dp_rank == 0 and c.cp_rank == 0:
+            named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
+                                        pp_rank=c.pp_rank, pp_size=c.pp)
+            for bucket in bucketize(named, bucket_bytes):
+                if c.tp_rank == 0:
+                    for r in receivers:
+                        r.update_weights(bucket)
+                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                    tensors += len(bucket)
+        return {"bytes": sent, "tensors": tensors, "seconds": time.perf_counter() - t0}
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """This stage's weights in HF layout (source ranks); for the final HF checkpoint."""
+        from mgrpo.models.weight_iter import iter_megatron_to_hf
+
+        c = self.ctx
+        if c.dp_rank != 0 or c.cp_rank != 0:
+            return []
+        named = list(iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
+                                         pp_rank=c.pp_rank, pp_size=c.pp))
+        return named if c.tp_rank == 0 else []
+
+    def shutdown(self) -> None:
+        from mgrpo.training.parallel import destroy_parallel
+
+        destroy_parallel()

@@ -1,0 +1,127 @@
+"""Megatron forward steps of the actor and the reference: hidden states in, log-probs and loss out.
+
+The last pipeline stage never computes the `[tokens x vocab]` logits through megatron's output
+layer. Its output layer is switched to hand back the final hidden states; the response positions
+are gathered and passed, with the output weight (this rank's vocabulary shard), to the fused
+chunked kernel in `mgrpo_kernels`, which combines statistics across the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+import mgrpo_kernels
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn, policy_loss
+from mgrpo.config import MGRPOConfig
+from mgrpo.training.batch import MicroBatch
+from mgrpo.training.parallel import ParallelContext
+
+
+def _return_hidden(self, hidden_states, weight=None, runtime_gather_output=None):
+    return hidden_states, None
+
+
+def emit_hidden_states(gpt) -> None:
+    """Make GPTModel return final hidden states [b, s, h] instead of logits (last stage only).
+
+    The output layer keeps its parameters (and their gradients, DDP hooks and checkpoints); only
+    its matmul is skipped, because the kernel does that matmul chunk by chunk.
+    """
+    if gpt.post_process:
+        gpt.output_layer.forward = types.MethodType(_return_hidden, gpt.output_layer)
+
+
+def output_weight(gpt) -> torch.Tensor:
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+class LogProbHead:
+    """Log-probs / loss of response tokens from the last stage's hidden states."""
+
+    def __init__(self, cfg: MGRPOConfig, ctx: ParallelContext):
+        self.cfg = cfg
+        self.ctx = ctx
+
+    def _kernel_kwargs(self, weight: torch.Tensor, temperature: float) -> dict:
+        v_local = weight.shape[0]
+        return dict(
+            temperature=temperature,
+            impl=self.cfg.actor.logprob_impl,
+            chunk_size=self.cfg.actor.logprob_chunk_size,
+            tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None,
+            vocab_start=self.ctx.tp_rank * v_local,
+            vocab_size=self.cfg.model.vocab_size,
+        )
+
+    @staticmethod
+    def _gather(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        return hidden.reshape(-1, hidden.shape[-1])[mb.positions]
+
+    def logprobs(self, hidden, weight, mb: MicroBatch, temperature: float):
+        lp, ent = mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels,
+                                                compute_entropy=True, **self._kernel_kwargs(weight, temperature))
+        return lp, ent
+
+    def loss(self, hidden, weight, mb: MicroBatch, temperature: float):
+        """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums."""
+        f = mb.fields
+        inputs = TokenLossInputs(
+            old_logprob=f["old_logprobs"],
+            ref_logprob=f.get("ref_logprobs"),
+            advantages=f["advantages"],
+            rollout_logprob=f.get("rollout_logprobs"),
+            token_weight=f["token_weight"],
+            metric_weight=torch.full_like(f["token_weight"], mb.metric_weight),
+            seq_index=f.get("seq_index"),
+        )
+        algo = self.cfg.algorithm
+        h = self._gather(hidden, mb)
+        token_level = algo.policy_loss != "gspo" and self.cfg.actor.logprob_impl != "naive"
+        if token_level:
+            loss, metrics, _, _ = mgrpo_kernels.fused_linear_loss(
+                h, weight, mb.labels, make_token_loss_fn(inputs, algo), **self._kernel_kwargs(weight, temperature))
+        else:
+            lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
+                                                    **self._kernel_kwargs(weight, temperature))
+            loss, metrics = policy_loss(lp, ent, inputs, algo)
+        return loss, metrics
+
+
+def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float):
+    """forward_step_func for megatron's schedules collecting per-token log-probs (and entropy)."""
+
+    def step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        out = model(mb.tokens, mb.position_ids, attention_mask=None)
+
+        def collect(hidden):
+            lp, ent = head.logprobs(hidden, get_weight(), mb, temperature)
+            return torch.zeros((), dtype=torch.float32), {"logprobs": lp.detach(), "entropy": ent.detach()}
+
+        return out, collect
+
+    return step
+
+
+def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float):
+    """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
+    data-parallel ranks: our token weights already normalise by the global mini-batch."""
+
+    def step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        out = model(mb.tokens, mb.position_ids, attention_mask=None)
+
+        def loss_func(hidden):
+            loss, metrics = head.loss(hidden, get_weight(), mb, temperature)
+            reported = {k: v.detach().float() for k, v in metrics.items()}
+            reported["loss"] = loss.detach().float()
+            return loss * loss_scale, reported
+
+        return out, loss_func
+
+    return step

@@ -1,0 +1,51 @@
+"""Megatron optimizer and learning-rate schedule of the actor.
+
+megatron's optimizer (rather than torch.optim directly) because it computes the gradient norm
+correctly across tensor/pipeline ranks (parameters replicated across TP counted once) and owns
+the distributed-optimizer and mixed-precision variants used on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mgrpo.config import ActorConfig
+
+
+def build_optimizer(actor: ActorConfig, model_chunks: list, *, bf16: bool = False):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=actor.lr,
+        min_lr=actor.min_lr,
+        weight_decay=actor.weight_decay,
+        adam_beta1=actor.adam_beta1,
+        adam_beta2=actor.adam_beta2,
+        adam_eps=actor.adam_eps,
+        clip_grad=actor.grad_clip,
+        bf16=bf16,
+        fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=actor.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(cfg, model_chunks)
+
+
+def build_scheduler(actor: ActorConfig, optimizer, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = max(total_steps, actor.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if actor.lr_warmup_steps > 0 else actor.lr,
+        max_lr=actor.lr,
+        min_lr=actor.min_lr if actor.lr_decay_style != "constant" else actor.lr,
+        lr_warmup_steps=actor.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=actor.lr_decay_style,
+        start_wd=actor.weight_decay,
+        end_wd=actor.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
