@@ -100,8 +100,9 @@ class RolloutGroup:
                                   scheduling_strategy=self.bundles.strategy(index),
                                   max_concurrency=2).remote(*self._host_args)
 
-    def receivers(self) -> list:
-        return [EngineReceiver(self.engines)]
+    def receivers(self, engines: Optional[list] = None) -> list:
+        """Objects the trainer ranks push weight buckets through (all engines, or the given ones)."""
+        return [EngineReceiver(engines if engines is not None else self.engines)]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"

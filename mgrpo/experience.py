@@ -1,0 +1,181 @@
+"""One step's experience on the driver: sampled responses with their rewards, log-probs and advantages,
+and the cuts that feed the trainer (mini-batches, then one shard per data-parallel replica).
+
+Everything here is per sample, in rollout order: sample i*n + j is the j-th response to prompt i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
+from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
+from mgrpo.algorithms.filtering import overlong_filter
+from mgrpo.algorithms.kl import apply_kl_in_reward
+from mgrpo.config import MGRPOConfig
+from mgrpo.rollout.types import GenerateResult
+from mgrpo.training.batch import RankBatch
+
+
+@dataclass
+class Experience:
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    weight_versions: list[int]
+    group_index: list[int]
+    """Which prompt of this step's batch a response answers (its GRPO group)."""
+    items: list = field(default_factory=list)
+    """The PromptItem of each sample (data_source, ground_truth, extra_info, text)."""
+    response_texts: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    """Judged reward of each response."""
+    rewards: list[float] = field(default_factory=list)
+    """Reward used for advantages: score plus shaping (overlong buffer)."""
+    in_loss: list[bool] = field(default_factory=list)
+    """False for responses masked out of the loss (overlong filtering)."""
+    old_logprobs: Optional[list[list[float]]] = None
+    ref_logprobs: Optional[list[list[float]]] = None
+    entropy: Optional[list[list[float]]] = None
+    advantages: Optional[list[list[float]]] = None
+
+    @classmethod
+    def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int) -> "Experience":
+        return cls(
+            prompt_ids=[items[i // n].prompt_ids for i in range(len(results))],
+            response_ids=[r.token_ids for r in results],
+            rollout_logprobs=[r.logprobs for r in results],
+            finish_reasons=[r.finish_reason for r in results],
+            weight_versions=[r.weight_version for r in results],
+            group_index=[i // n for i in range(len(results))],
+            items=[items[i // n] for i in range(len(results))],
+            in_loss=[True] * len(results),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence["Experience"]) -> "Experience":
+        """Join experiences (dynamic sampling joins kept groups of several rounds); group ids are
+        renumbered so that groups of different parts never merge."""
+        out = cls([], [], [], [], [], [])
+        for p in parts:
+            for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
+                         "items", "response_texts", "scores", "rewards", "in_loss"):
+                getattr(out, name).extend(getattr(p, name))
+            remap: dict[int, int] = {}
+            offset = len(set(out.group_index))
+            out.group_index.extend(offset + remap.setdefault(g, len(remap)) for g in p.group_index)
+        return out
+
+    def select(self, idx: Sequence[int]) -> "Experience":
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return Experience(**{name: pick(getattr(self, name)) for name in self.__dataclass_fields__})
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    # --- tensors --------------------------------------------------------------------------------
+    def response_mask(self, *, loss_only: bool = False) -> torch.Tensor:
+        """[N, L] 1 on response tokens (and, with loss_only, only of responses in the loss)."""
+        width = max((len(r) for r in self.response_ids), default=0)
+        mask = torch.zeros(len(self), max(width, 1))
+        for i, r in enumerate(self.response_ids):
+            if not loss_only or self.in_loss[i]:
+                mask[i, :len(r)] = 1.0
+        return mask
+
+    def padded(self, values: list[list[float]]) -> torch.Tensor:
+        out = torch.zeros(len(self), max(max((len(r) for r in self.response_ids), default=0), 1))
+        for i, v in enumerate(values):
+            out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
+        return out
+
+    def unpadded(self, values: torch.Tensor) -> list[list[float]]:
+        return [values[i, :len(r)].tolist() for i, r in enumerate(self.response_ids)]
+
+    # --- phases -----------------------------------------------------------------------------------
+    def apply_overlong_filter(self) -> int:
+        truncated = torch.tensor([f == "length" for f in self.finish_reasons])
+        mask, dropped = overlong_filter(self.response_mask(), truncated)
+        self.in_loss = [bool(row.any()) and keep for row, keep in zip(mask, self.in_loss)]
+        return dropped
+
+    def compute_advantages(self, cfg: MGRPOConfig) -> None:
+        al = cfg.algorithm
+        mask = self.response_mask()
+        token_rewards = None
+        if al.use_kl_in_reward:
+            token_rewards = scores_to_token_rewards(torch.tensor(self.rewards), mask)
+            token_rewards = apply_kl_in_reward(token_rewards, self.padded(self.old_logprobs),
+                                               self.padded(self.ref_logprobs), mask, al.kl_coef, al.kl_penalty)
+        adv = compute_advantages(torch.tensor(self.rewards), torch.tensor(self.group_index), mask, al, token_rewards)
+        self.advantages = self.unpadded(adv)
+
+    # --- cuts for the trainer ------------------------------------------------------------------------
+    def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:
+        """Sample indices of each mini-batch (whole prompt groups, shuffled with a seeded generator
+        when there are several mini-batches)."""
+        groups = sorted(set(self.group_index))
+        per = cfg.actor.ppo_mini_batch_size or len(groups)
+        if per < len(groups):
+            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(epoch_seed)).tolist()
+            groups = [groups[i] for i in order]
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(self.group_index):
+            members.setdefault(g, []).append(i)
+        return [[i for g in groups[k:k + per] for i in members[g]] for k in range(0, len(groups), per)]
+
+    def rank_batches(self, idx: Sequence[int], dp: int, cfg: MGRPOConfig, *, for_training: bool) -> list[RankBatch]:
+        """One RankBatch per data-parallel replica, balanced by tokens. For training, every token carries
+        its aggregation weight normalised over the whole mini-batch `idx` (so the gradient does not
+        depend on how the mini-batch is cut into replicas and micro-batches)."""
+        sub = self.select(idx)
+        shards = balanced_split([len(p) + len(r) for p, r in zip(sub.prompt_ids, sub.response_ids)], dp)
+        token_weight, metric_weight = None, 0.0
+        if for_training:
+            loss_mask = sub.response_mask(loss_only=True)
+            tokens, seqs = global_counts(loss_mask)
+            w = token_weights(loss_mask, effective_loss_agg_mode(cfg.algorithm), global_tokens=tokens,
+                              global_seqs=seqs, max_response_length=cfg.data.max_response_length)
+            token_weight, metric_weight = sub.unpadded(w), 1.0 / max(tokens, 1)
+        batches = []
+        for shard in shards:
+            pick = lambda xs: None if xs is None else [xs[i] for i in shard]  # noqa: E731
+            batches.append(RankBatch(
+                input_ids=[sub.prompt_ids[i] + sub.response_ids[i] for i in shard],
+                prompt_lens=[len(sub.prompt_ids[i]) for i in shard],
+                seq_index=list(shard),
+                advantages=pick(sub.advantages) if for_training else None,
+                old_logprobs=pick(sub.old_logprobs) if for_training else None,
+                ref_logprobs=pick(sub.ref_logprobs) if for_training else None,
+                rollout_logprobs=pick(sub.rollout_logprobs) if for_training else None,
+                token_weight=pick(token_weight),
+                metric_weight=metric_weight,
+            ))
+        return batches
+
+    def merge_shards(self, idx: Sequence[int], dp: int, shard_values: Sequence[list]) -> list:
+        """Inverse of rank_batches for per-sample outputs: values back in the order of `idx`."""
+        shards = balanced_split([len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx], dp)
+        out: list = [None] * len(idx)
+        for shard, values in zip(shards, shard_values):
+            for pos, v in zip(shard, values):
+                out[pos] = v
+        return out
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Deterministic longest-first greedy split of sample indices into `parts` lists of similar total
+    length; indices inside a part stay in ascending order. Every part gets at least one sample."""
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel replicas")
+    load = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min(range(parts), key=lambda k: (load[k], len(out[k]), k))
+        out[p].append(i)
+        load[p] += lengths[i]
+    return [sorted(o) for o in out]

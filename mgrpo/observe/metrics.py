@@ -1,0 +1,38 @@
+"""Metrics of one step's experience, under the names veRL users read (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(statistics.fmean(xs)) if xs else 0.0
+
+
+def experience_metrics(exp, *, max_response_length: int) -> dict:
+    lengths = [len(r) for r in exp.response_ids]
+    adv_tokens = [a for adv, keep in zip(exp.advantages or [], exp.in_loss) if keep for a in adv]
+    diffs = [abs(a - b) for ro, old in zip(exp.rollout_logprobs, exp.old_logprobs or []) for a, b in zip(ro, old)]
+    out = {
+        "critic/score/mean": _mean(exp.scores),
+        "critic/score/max": max(exp.scores, default=0.0),
+        "critic/score/min": min(exp.scores, default=0.0),
+        "critic/rewards/mean": _mean(exp.rewards),
+        "critic/advantages/mean": _mean(adv_tokens),
+        "critic/advantages/max": max(adv_tokens, default=0.0),
+        "critic/advantages/min": min(adv_tokens, default=0.0),
+        "response_length/mean": _mean(lengths),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/min": float(min(lengths, default=0)),
+        "response_length/clip_ratio": _mean(f == "length" for f in exp.finish_reasons),
+        "prompt_length/mean": _mean(len(p) for p in exp.prompt_ids),
+        "rollout/samples": float(len(exp)),
+        # Same tokens, same weights: the engine's log-probs and the trainer's should agree (bf16 and
+        # kernel differences show up here first).
+        "rollout/logprob_abs_diff": _mean(diffs),
+        "rollout/logprob_abs_diff_max": max(diffs, default=0.0),
+    }
+    if exp.entropy:
+        out["rollout/entropy"] = _mean(x for e in exp.entropy for x in e)
+    return out
