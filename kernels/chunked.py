@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_SIZE = 512  # tokens; the fused path keeps chunk_size x V_local fp32 logits alive
+DEFAULT_CHUNK_SIZE = 256  # tokens; the fused path keeps chunk_size x V_local fp32 logits alive (155 MB at V=152k)
 DEFAULT_VOCAB_CHUNK = 8192  # vocab rows per tile: a 512 x 8192 fp32 tile (16 MB) stays cache-warm
 
 

@@ -1,0 +1,181 @@
+"""mgrpo_kernels: the chunked torch path (and the dispatcher) against the full-logits reference, fp32.
+
+Tolerances from the kernel's contract: log-probs 1e-5, entropy 1e-4, gradient relative error 1e-4.
+Shapes are tiny but chunk sizes are chosen so that every run crosses several token chunks and
+vocabulary tiles, with a ragged last tile, and padded rows hold large values that would dominate
+the softmax if they leaked in.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mgrpo_kernels as K
+from mgrpo_kernels.reference import full_linear_loss, full_logprobs, make_grpo_token_loss
+
+SMALL_CHUNKS = dict(chunk_size=16, vocab_chunk_size=24)
+
+
+def make_problem(T=50, H=32, V=96, vocab_size=None, seed=0, dtype=torch.float32):
+    """hidden, full weight [V, H] (rows >= vocab_size are 'padding' with big values), labels, loss inputs."""
+    g = torch.Generator().manual_seed(seed)
+    real = V if vocab_size is None else vocab_size
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    weight[real:] = 5.0  # padding rows: if they took part, their logits would swamp the softmax
+    labels = torch.randint(0, real, (T,), generator=g)
+    mask = torch.rand(T, generator=g) > 0.2
+    mask[:4] = True
+    labels[~mask] = -100  # an ignore index on masked positions must be harmless
+    with torch.no_grad():
+        lp, _ = full_logprobs(hidden, weight, labels, vocab_size=vocab_size)
+    # Old/ref log-probs off by up to ~1.5 nats so that clipping and dual-clip both engage.
+    old_lp = lp + 0.6 * torch.randn(T, generator=g)
+    ref_lp = lp + 0.6 * torch.randn(T, generator=g)
+    adv = torch.randn(T, generator=g)
+    old_lp[:4], adv[:4] = lp[:4] - 2.0, -1.0  # ratio e^2 > clip_ratio_c with A < 0: dual-clip territory
+    weights = mask.float() / mask.sum()
+    return dict(hidden=hidden.to(dtype), weight=weight.to(dtype), labels=labels, old_lp=old_lp, ref_lp=ref_lp,
+                adv=adv, weights=weights, mask=mask)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def leaves(p):
+    return p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+
+
+def grpo_fn(p, **cfg):
+    return make_grpo_token_loss(p["old_lp"], p["adv"], p["weights"], ref_logprob=p["ref_lp"], **cfg)
+
+
+def run_logprobs(p, impl, **kw):
+    h, w = leaves(p)
+    lp, ent = K.linear_logprobs(h, w, p["labels"], impl=impl, **kw)
+    # Any downstream use: mixes both outputs, masked tokens included.
+    c = torch.linspace(-1.0, 1.0, lp.shape[0])
+    (c * lp + 0.5 * c.flip(0) * ent).sum().backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+def run_loss(p, impl, fn, scale=1.0, **kw):
+    h, w = leaves(p)
+    loss, metrics, lp, ent = K.fused_linear_loss(h, w, p["labels"], fn, impl=impl, **kw)
+    (scale * loss).backward()
+    return loss.detach(), metrics, lp, ent, h.grad, w.grad
+
+
+def assert_close_outputs(got, want, grads=True):
+    lp, ent, gh, gw = got
+    lp0, ent0, gh0, gw0 = want
+    assert (lp - lp0).abs().max().item() < 1e-5
+    if ent0 is not None:
+        assert (ent - ent0).abs().max().item() < 1e-4
+    if grads:
+        assert rel_err(gh, gh0) < 1e-4, rel_err(gh, gh0)
+        assert rel_err(gw, gw0) < 1e-4, rel_err(gw, gw0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_size", [None, 83])
+def test_linear_logprobs_matches_reference(temperature, vocab_size):
+    p = make_problem(vocab_size=vocab_size)
+    kw = dict(temperature=temperature, vocab_size=vocab_size)
+    want = run_logprobs(p, "naive", **kw)
+    got = run_logprobs(p, "chunked", **kw, **SMALL_CHUNKS)
+    assert_close_outputs(got, want)
+    if vocab_size is not None:  # padded rows get exactly zero gradient
+        assert got[3][vocab_size:].abs().max().item() == 0.0
+
+
+def test_linear_logprobs_default_chunking_and_no_entropy():
+    p = make_problem(T=300, V=9000)
+    want = run_logprobs(p, "naive")
+    assert_close_outputs(run_logprobs(p, "chunked"), want)
+    h, w = leaves(p)
+    lp, ent = K.linear_logprobs(h, w, p["labels"], compute_entropy=False, **SMALL_CHUNKS)
+    assert ent is None
+    lp.sum().backward()
+    h0, w0 = leaves(p)
+    full_logprobs(h0, w0, p["labels"], compute_entropy=False)[0].sum().backward()
+    assert rel_err(h.grad, h0.grad) < 1e-4 and rel_err(w.grad, w0.grad) < 1e-4
+
+
+@pytest.mark.parametrize("kl_loss_type", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
+@pytest.mark.parametrize("temperature,vocab_size", [(1.0, None), (0.7, 83)])
+def test_fused_linear_loss_matches_reference(kl_loss_type, clip_ratio_c, temperature, vocab_size):
+    p = make_problem(vocab_size=vocab_size, seed=1)
+    fn = grpo_fn(p, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c,
+                 kl_loss_type=kl_loss_type, kl_coef=0.1, entropy_coeff=0.01)
+    kw = dict(temperature=temperature, vocab_size=vocab_size)
+    loss0, m0, lp0, ent0, gh0, gw0 = run_loss(p, "naive", fn, **kw)
+    loss, m, lp, ent, gh, gw = run_loss(p, "chunked", fn, **kw, **SMALL_CHUNKS)
+    assert abs(loss.item() - loss0.item()) < 1e-5
+    assert set(m) == set(m0) and all(abs(m[k].item() - m0[k].item()) < 1e-5 for k in m0)
+    assert m0["pg_clipfrac"].item() > 0  # the test really exercises clipping...
+    if clip_ratio_c is not None:
+        assert m0["pg_clipfrac_lower"].item() > 0  # ... and the dual clip
+    assert not lp.requires_grad and not ent.requires_grad
+    assert_close_outputs((lp, ent, gh, gw), (lp0, ent0, gh0, gw0))
+
+
+def test_fused_backward_scales_by_grad_output_and_masks_tokens():
+    p = make_problem(seed=2)
+    fn = grpo_fn(p, kl_loss_type="low_var_kl", kl_coef=0.05, entropy_coeff=0.02)
+    *_, gh0, gw0 = run_loss(p, "naive", fn, scale=3.0)
+    *_, gh, gw = run_loss(p, "chunked", fn, scale=3.0, **SMALL_CHUNKS)
+    assert rel_err(gh, gh0) < 1e-4 and rel_err(gw, gw0) < 1e-4
+    assert gh[~p["mask"]].abs().max().item() == 0.0  # zero-weight tokens contribute nothing
+
+
+def test_fused_without_entropy_and_with_frozen_weight():
+    p = make_problem(seed=3)
+    fn = grpo_fn(p, kl_loss_type="k1", kl_coef=0.1)
+    h = p["hidden"].clone().requires_grad_()
+    loss, metrics, lp, ent = K.fused_linear_loss(h, p["weight"], p["labels"], fn, compute_entropy=False,
+                                                 **SMALL_CHUNKS)
+    loss.backward()
+    assert ent is None and "entropy" not in metrics
+    h0 = p["hidden"].clone().requires_grad_()
+    full_linear_loss(h0, p["weight"], p["labels"], fn, compute_entropy=False)[0].backward()
+    assert rel_err(h.grad, h0.grad) < 1e-4
+
+
+def test_chunked_bf16_inputs_keep_fp32_statistics():
+    p = make_problem(seed=4)
+    lp0, ent0, _, _ = run_logprobs(p, "naive")
+    pb = make_problem(seed=4, dtype=torch.bfloat16)
+    lp, ent, gh, gw = run_logprobs(pb, "chunked", **SMALL_CHUNKS)
+    assert lp.dtype == ent.dtype == torch.float32 and gh.dtype == gw.dtype == torch.bfloat16
+    assert (lp - lp0).abs().max().item() < 0.1 and (ent - ent0).abs().max().item() < 0.1
+
+
+def test_dispatch_errors(monkeypatch):
+    p = make_problem()
+    with pytest.raises(ValueError, match="actor.logprob_impl"):
+        K.linear_logprobs(p["hidden"], p["weight"], p["labels"], impl="flash")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"actor\.logprob_impl=fused.*CUDA device"):
+            K.linear_logprobs(p["hidden"], p["weight"], p["labels"], impl="fused")
+        assert K.capabilities()["fused"] is False
+
+
+def test_imports_and_runs_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, mgrpo_kernels as K\n"
+        "caps = K.capabilities(); assert caps['triton'] is None and not caps['fused'], caps\n"
+        "h, w = torch.randn(5, 8), torch.randn(11, 8); lp, ent = K.linear_logprobs(h, w, torch.arange(5))\n"
+        "assert lp.shape == ent.shape == (5,)\n"
+        "try:\n    K.linear_logprobs(h, w, torch.arange(5), impl='fused')\nexcept RuntimeError as e:\n"
+        "    assert 'triton package' in str(e), e\nelse:\n    raise SystemExit('fused did not refuse')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
