@@ -1,0 +1,74 @@
+"""Loss aggregation as per-token weights normalised over the GLOBAL mini-batch.
+
+Every aggregation mode is a weighted sum of per-token losses, loss = sum_t w_t * l_t, once the
+normalisers are fixed constants of the global mini-batch (all micro-batches on all data-parallel
+ranks of one optimizer step). Computing w_t up front, on the driver, makes the loss a plain sum, so:
+  - a micro-batch contributes sum over its tokens of w_t * l_t, and gradients simply accumulate;
+  - data-parallel ranks all-reduce with SUM (not mean: the 1/N is already inside w_t);
+  - the chunked loss kernel can process any slice of tokens independently.
+The gradient is then the same for any micro-batch size, number of micro-batches or DP size.
+(The usual per-micro-batch mean followed by averaging micro-batches is not: it weights a token by
+1/(tokens in its micro-batch), which depends on how the batch was cut.)
+
+Modes, with N_tok the global number of response tokens, N_seq the global number of responses that
+have at least one token in the loss, |y_i| the length of response i and L_max the max response length:
+  token-mean               w = 1 / N_tok                          (DAPO; every token counts equally)
+  seq-mean-token-sum       w = 1 / N_seq                          (sum over a response, mean over responses)
+  seq-mean-token-mean      w = 1 / (N_seq * |y_i|)                (original GRPO)
+  seq-mean-token-sum-norm  w = 1 / (N_seq * L_max)                (Dr. GRPO: a constant length divisor)
+For seq-mean-token-sum-norm veRL divides the per-response token sums by a constant,
+`actor.loss_scale_factor`, which defaults to the (padded) max response length; this is that
+constant. veRL's `agg_loss` then leaves out the 1/N_seq and relies on its engine's micro-batch
+scaling; we keep Dr. GRPO's written objective, (1/G) sum_i sum_t l_it / L_max, so the loss scale does
+not grow with the batch size. (Our value = veRL's sum / N_seq.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mgrpo.config.schema import AlgorithmConfig
+
+Tensor = torch.Tensor
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def global_counts(response_mask: Tensor) -> tuple[int, int]:
+    """(global_tokens, global_seqs) of a whole mini-batch: tokens in the loss, and responses with at
+    least one such token (fully masked responses, e.g. overlong-filtered ones, do not count)."""
+    m = response_mask.to(torch.bool)
+    return int(m.sum()), int(m.any(-1).sum())
+
+
+def effective_loss_agg_mode(cfg: AlgorithmConfig) -> str:
+    """The mode the weights must be computed with. GSPO optimises a sequence-level objective, so
+    like veRL it always aggregates seq-mean-token-mean whatever loss_agg_mode says."""
+    return "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode
+
+
+def token_weights(response_mask: Tensor, mode: str, *, global_tokens: int, global_seqs: int,
+                  max_response_length: int) -> Tensor:
+    """Per-token weights [N, L] (float32, 0 where the mask is 0) for any slice of the global batch.
+
+    `response_mask` may be the whole mini-batch or any subset of its rows (a micro-batch, one rank's
+    share); the global counts come from `global_counts` over the whole mini-batch.
+    """
+    m = response_mask.to(torch.float64)
+    if mode == "token-mean":
+        w = m / max(global_tokens, 1)
+    elif mode == "seq-mean-token-sum":
+        w = m / max(global_seqs, 1)
+    elif mode == "seq-mean-token-mean":
+        lengths = m.sum(-1, keepdim=True).clamp(min=1)
+        w = m / (lengths * max(global_seqs, 1))
+    elif mode == "seq-mean-token-sum-norm":
+        w = m / (max(global_seqs, 1) * max_response_length)
+    else:
+        raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {list(AGGREGATION_MODES)}")
+    return w.to(torch.float32)
+
+
+def metric_weights(response_mask: Tensor, *, global_tokens: int) -> Tensor:
+    """1 / global_tokens on each response token: weights for token-mean metrics (clipfrac, ppo_kl)."""
+    return response_mask.to(torch.float32) / max(global_tokens, 1)

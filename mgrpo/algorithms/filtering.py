@@ -1,0 +1,128 @@
+"""DAPO's batch shaping: dynamic sampling (filter_groups), overlong filtering and overlong reward shaping.
+
+Each function returns counts next to its result, so the trainer can log what was dropped or changed
+(nothing is lost silently, DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from mgrpo.config.schema import OverlongBufferConfig
+
+Tensor = torch.Tensor
+
+
+# --- dynamic sampling ------------------------------------------------------------------------------
+
+def groups_with_signal(scores: Sequence[float], group_ids: Sequence[Hashable]) -> tuple[list[Hashable], int]:
+    """(ids of groups whose scores are not all equal, in first-seen order; number of groups dropped).
+
+    A group whose responses all got the same score has zero advantage under every group-relative
+    estimator: it costs a forward/backward and contributes no gradient (DAPO's dynamic sampling).
+    """
+    seen: dict[Hashable, set] = {}
+    for s, g in zip(scores, group_ids, strict=True):
+        seen.setdefault(g, set()).add(float(s))
+    kept = [g for g, vals in seen.items() if len(vals) > 1]
+    return kept, len(seen) - len(kept)
+
+
+@dataclass
+class GroupAccumulator:
+    """Collects kept prompt groups over several generation rounds until `train_batch_size` prompts.
+
+    Usage per training step:
+        acc = GroupAccumulator(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches)
+        while not acc.full and not acc.exhausted:
+            samples, scores, groups = generate(next_batch())
+            acc.add(samples, scores, groups)
+        batch = acc.take()      # samples of the first train_batch_size kept groups, in order
+        metrics.update(acc.metrics())
+    `samples` are opaque (whatever the trainer keeps per response). Group ids only need to be unique
+    within one round: rounds are kept apart internally.
+    """
+
+    train_batch_size: int
+    max_num_gen_batches: int = 0
+    """Rounds allowed before `exhausted` (0 = unlimited)."""
+    num_gen_batches: int = 0
+    num_filtered_groups: int = 0
+    num_kept_groups: int = 0
+    num_surplus_groups: int = 0
+    """Kept groups beyond train_batch_size, dropped by `take` (the last round overshot)."""
+    _groups: dict[tuple[int, Hashable], list[Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def add(self, samples: Sequence[Any], scores: Sequence[float], group_ids: Sequence[Hashable]) -> int:
+        """Add one round's responses; returns how many groups of it were kept."""
+        if not len(samples) == len(scores) == len(group_ids):
+            raise ValueError(f"samples, scores and group_ids differ in length: "
+                             f"{len(samples)}, {len(scores)}, {len(group_ids)}")
+        kept, dropped = groups_with_signal(scores, group_ids)
+        keep = set(kept)
+        r = self.num_gen_batches
+        for s, g in zip(samples, group_ids):
+            if g in keep:
+                self._groups.setdefault((r, g), []).append(s)
+        self.num_gen_batches += 1
+        self.num_filtered_groups += dropped
+        self.num_kept_groups += len(kept)
+        return len(kept)
+
+    @property
+    def full(self) -> bool:
+        return len(self._groups) >= self.train_batch_size
+
+    @property
+    def exhausted(self) -> bool:
+        return 0 < self.max_num_gen_batches <= self.num_gen_batches and not self.full
+
+    def take(self) -> list[list[Any]]:
+        """The first train_batch_size kept groups (fewer if exhausted), each a list of its samples.
+        Extra kept groups beyond the batch are dropped and counted."""
+        groups = list(self._groups.values())
+        self.num_surplus_groups = max(len(groups) - self.train_batch_size, 0)
+        return groups[: self.train_batch_size]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "dynamic_sampling/num_gen_batches": float(self.num_gen_batches),
+            "dynamic_sampling/kept_groups": float(self.num_kept_groups),
+            "dynamic_sampling/filtered_groups": float(self.num_filtered_groups),
+            "dynamic_sampling/surplus_groups": float(self.num_surplus_groups),
+            "dynamic_sampling/batch_groups": float(min(len(self._groups), self.train_batch_size)),
+        }
+
+
+# --- overlong responses ----------------------------------------------------------------------------
+
+def overlong_filter(response_mask: Tensor, truncated: Tensor) -> tuple[Tensor, int]:
+    """Mask truncated responses (hit max_response_length without EOS) out of the loss entirely
+    (DAPO's overlong filtering): their reward says nothing about the answer, which was cut off.
+    Returns (new mask, number of responses masked). The trainer's global token/sequence counts
+    must be taken after this."""
+    truncated = truncated.to(torch.bool)
+    mask = response_mask * (~truncated).unsqueeze(-1).to(response_mask.dtype)
+    return mask, int((truncated & response_mask.to(torch.bool).any(-1)).sum())
+
+
+def overlong_penalty(response_lengths: Tensor, max_response_length: int, cfg: OverlongBufferConfig) -> Tensor:
+    """DAPO's soft overlong punishment [N]: 0 up to max_response_length - len tokens, then falling
+    linearly to -penalty_factor at max_response_length:
+        penalty = min(0, -(length - (max_len - buffer_len)) / buffer_len * penalty_factor)
+    """
+    expected = max_response_length - cfg.len
+    exceed = response_lengths.to(torch.float32) - expected
+    return torch.clamp(-exceed / cfg.len * cfg.penalty_factor, max=0.0)
+
+
+def apply_overlong_buffer(scores: Tensor, response_lengths: Tensor, max_response_length: int,
+                          cfg: OverlongBufferConfig) -> tuple[Tensor, int]:
+    """(scores + overlong penalty, number of responses penalised); scores unchanged when disabled."""
+    if not cfg.enable:
+        return scores, 0
+    pen = overlong_penalty(response_lengths, max_response_length, cfg)
+    return scores.to(torch.float32) + pen, int((pen < 0).sum())

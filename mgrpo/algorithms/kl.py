@@ -1,0 +1,72 @@
+"""Per-token KL estimators between the policy and the frozen reference, from sampled tokens only.
+
+We never see the full distributions, only log pi(y_t) and log pi_ref(y_t) of the sampled token, so
+KL(pi || pi_ref) is estimated per token (J. Schulman, "Approximating KL divergence", 2020), with
+r = log pi_ref(y_t) - log pi(y_t) and y_t ~ pi:
+
+    k1 = -r                 unbiased, high variance, can be negative
+    k2 = r^2 / 2            biased, low variance; its gradient is the gradient of the true KL
+    k3 = exp(r) - r - 1     unbiased, low variance, never negative
+    low_var_kl              k3 made safe for training: r clamped to [-20, 20] before exp and the
+                            result clamped to [-10, 10], so one far-off-policy token cannot dominate
+
+veRL treats `k3` as an alias of `low_var_kl` (both clamped); here `k3` is the textbook estimator
+and only `low_var_kl` clamps. The two agree exactly whenever |r| <= 20 and k3 <= 10, i.e. in any
+healthy run; they differ only where the clamps engage.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return logprob - ref_logprob
+
+
+def _k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+def _k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    r = ref_logprob - logprob
+    return torch.exp(r) - r - 1.0
+
+
+def _low_var_kl(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    r = (ref_logprob - logprob).clamp(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow even in bf16 inputs
+    return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "low_var_kl": _low_var_kl,
+}
+
+
+def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    """Elementwise KL estimate (same shape as the inputs); differentiable w.r.t. `logprob`."""
+    try:
+        fn = KL_ESTIMATORS[kind]
+    except KeyError:
+        raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(KL_ESTIMATORS)}") from None
+    return fn(logprob, ref_logprob)
+
+
+def apply_kl_in_reward(token_rewards: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor,
+                       kl_coef: float, kind: str) -> Tensor:
+    """Token rewards minus a KL penalty on every response token: r_t - kl_coef * KL_t (veRL's
+    `use_kl_in_reward`). All tensors [N, L]; positions where `mask` is 0 are left untouched.
+
+    `logprob` is the policy that sampled the responses (the old policy), so the result is a constant
+    of the update: it is computed under no_grad.
+    """
+    with torch.no_grad():
+        kl = kl_estimate(logprob.float(), ref_logprob.float(), kind)
+        return token_rewards - kl_coef * kl * mask.to(kl.dtype)
