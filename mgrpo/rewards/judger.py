@@ -1,0 +1,230 @@
+"""The Judger: scores responses with the reward function of their data_source, safely and in parallel.
+
+Reward functions are arbitrary code (user functions, symbolic math that can hang), so each call is
+isolated: with reward.num_workers > 0 they run in that many worker processes (mgrpo.rewards.worker),
+one request per worker at a time. A call that raises scores 0 and counts as `failed`; a call that
+runs past reward.timeout_s gets its worker killed and restarted and scores 0 as `timeout`. Nothing
+a reward function does can crash the run or stall it for longer than the timeout.
+
+With num_workers=0 functions run in the calling process: cheaper, but a hung function cannot be
+interrupted; a call that took longer than timeout_s still scores 0 and counts as a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mgrpo.config.schema import RewardConfig
+from mgrpo.rewards.registry import get_reward_fn, reward_functions, to_score
+
+log = logging.getLogger("mgrpo.rewards")
+
+MAX_ERRORS_KEPT = 5
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ScoreRequest:
+    data_source: str
+    response: str
+    """The decoded response (the reward function's `solution_str`)."""
+    ground_truth: str
+    extra_info: Optional[dict] = None
+
+
+@dataclass
+class ScoreResult:
+    scores: list[float]
+    failed: int = 0
+    """Calls that raised or returned something other than a finite number (scored 0)."""
+    timeout: int = 0
+    """Calls that exceeded reward.timeout_s (scored 0)."""
+    status: list[str] = field(default_factory=list)
+    """Per request: 'ok' | 'failed' | 'timeout'."""
+    errors: list[str] = field(default_factory=list)
+    """The first few failure messages, for logs."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"reward/failed": float(self.failed), "reward/timeout": float(self.timeout)}
+
+
+class _Worker:
+    """One reward worker subprocess and its line buffer."""
+
+    def __init__(self, custom_functions: dict[str, str]):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rewards.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
+        self.proc.stdin.write((json.dumps({"custom_functions": custom_functions}) + "\n").encode())
+        self.proc.stdin.flush()
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.buf = b""
+        self.ready = False
+        self.started = time.monotonic()
+        self.job: Optional[tuple[int, float]] = None  # (request index, deadline)
+
+    def send(self, idx: int, req: ScoreRequest, timeout_s: float) -> None:
+        msg = {"id": idx, "data_source": req.data_source, "response": req.response,
+               "ground_truth": req.ground_truth, "extra_info": req.extra_info}
+        self.proc.stdin.write((json.dumps(msg, default=str) + "\n").encode())
+        self.proc.stdin.flush()
+        self.job = (idx, time.monotonic() + timeout_s)
+
+    def read_lines(self) -> Optional[list[dict]]:
+        """Complete messages received so far; None once the worker has exited (EOF)."""
+        try:
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            return None
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()  # the worker's read loop ends
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class Judger:
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self._fns = reward_functions(cfg)  # imports custom functions now: a bad spec fails here
+        self._workers: list[_Worker] = []
+
+    # --- public ------------------------------------------------------------------------------------
+    def score(self, requests: list[ScoreRequest]) -> ScoreResult:
+        result = ScoreResult(scores=[0.0] * len(requests), status=["ok"] * len(requests))
+        if requests:
+            if self.cfg.num_workers > 0:
+                self._score_in_workers(requests, result)
+            else:
+                self._score_in_process(requests, result)
+        if result.failed or result.timeout:
+            log.warning("reward: %d failed, %d timed out of %d; e.g. %s", result.failed, result.timeout,
+                        len(requests), result.errors[:2])
+        return result
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.stop()
+        self._workers = []
+
+    def __enter__(self) -> "Judger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # --- internals ---------------------------------------------------------------------------------
+    @staticmethod
+    def _record(result: ScoreResult, idx: int, status: str, error: str, req: ScoreRequest) -> None:
+        result.status[idx] = status
+        result.scores[idx] = 0.0
+        if status == "failed":
+            result.failed += 1
+        else:
+            result.timeout += 1
+        if len(result.errors) < MAX_ERRORS_KEPT:
+            result.errors.append(f"{req.data_source}: {error}")
+
+    def _score_in_process(self, requests: list[ScoreRequest], result: ScoreResult) -> None:
+        for i, req in enumerate(requests):
+            t0 = time.monotonic()
+            try:
+                fn = get_reward_fn(req.data_source, self._fns)
+                score = to_score(fn(req.data_source, req.response, req.ground_truth, req.extra_info))
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a reward function must not end the run
+                self._record(result, i, "failed", f"{type(e).__name__}: {e}", req)
+                continue
+            if time.monotonic() - t0 > self.cfg.timeout_s:
+                self._record(result, i, "timeout", f"took longer than reward.timeout_s={self.cfg.timeout_s}", req)
+            else:
+                result.scores[i] = score
+
+    def _score_in_workers(self, requests: list[ScoreRequest], result: ScoreResult) -> None:
+        # Workers persist between calls; dead ones are replaced.
+        self._workers = [w for w in self._workers if w.proc.poll() is None]
+        while len(self._workers) < self.cfg.num_workers:
+            self._workers.append(_Worker(self.cfg.custom_functions))
+        pending = deque(range(len(requests)))
+        sel = selectors.DefaultSelector()
+        for w in self._workers:
+            sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+        try:
+            while pending or any(w.job for w in self._workers):
+                for w in self._workers:  # hand out work
+                    if w.ready and w.job is None and pending:
+                        i = pending.popleft()
+                        w.send(i, requests[i], self.cfg.timeout_s)
+                now = time.monotonic()
+                deadlines = [w.job[1] for w in self._workers if w.job] + \
+                            [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+                wait = max(0.0, min(deadlines) - now) if deadlines else 0.0
+                for key, _ in sel.select(timeout=wait):
+                    w = key.data
+                    msgs = w.read_lines()
+                    if msgs is None:  # the worker died (a reward function crashed the interpreter?)
+                        self._replace(w, sel, result, requests, "failed", "reward worker exited")
+                        continue
+                    for msg in msgs:
+                        if msg.get("ready"):
+                            w.ready = True
+                        elif w.job and msg["id"] == w.job[0]:
+                            i, w.job = w.job[0], None
+                            if msg["error"] is None:
+                                result.scores[i] = float(msg["score"])
+                            else:
+                                self._record(result, i, "failed", msg["error"], requests[i])
+                now = time.monotonic()
+                for w in list(self._workers):
+                    if w.job and now > w.job[1]:
+                        self._replace(w, sel, result, requests, "timeout",
+                                      f"exceeded reward.timeout_s={self.cfg.timeout_s}")
+                    elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
+                        raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S:.0f}s")
+        finally:
+            sel.close()
+
+    def _replace(self, w: _Worker, sel, result, requests, status: str, error: str) -> None:
+        """Kill `w`, score its request 0 (counted) and start a fresh worker in its place."""
+        if not w.ready:
+            raise RuntimeError(f"reward worker failed to start (exit code {w.proc.poll()}); see its stderr above")
+        sel.unregister(w.proc.stdout)
+        w.kill()
+        if w.job is not None:
+            self._record(result, w.job[0], status, error, requests[w.job[0]])
+        fresh = _Worker(self.cfg.custom_functions)
+        self._workers[self._workers.index(w)] = fresh
+        sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)

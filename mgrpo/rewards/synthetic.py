@@ -1,0 +1,20 @@
+"""Rewards of the built-in synthetic tasks (mgrpo.data.synthetic).
+
+mgrpo/sum: 1.0 only for exactly the digits of the sum followed by EOS, i.e. the decoded response
+(special tokens skipped) equals the ground truth and the engine stopped on EOS
+(extra_info['finish_reason'] == 'stop'); 0.0 otherwise. A response cut at max_response_length
+("10" then more digits, or no EOS) earns nothing, which is what teaches the model to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
+    if not extra_info or "finish_reason" not in extra_info:
+        raise ValueError("mgrpo/sum needs extra_info['finish_reason'] ('stop' when the response ended with EOS)")
+    text = solution_str
+    if text.endswith("<eos>"):  # decoded without skip_special_tokens
+        text = text[: -len("<eos>")]
+    return 1.0 if extra_info["finish_reason"] == "stop" and text == str(ground_truth) else 0.0

@@ -1,0 +1,47 @@
+"""A reward worker process: `python -m mgrpo.rewards.worker`, driven by the Judger over pipes.
+
+Protocol, one JSON object per line: the first stdin line is the config {"custom_functions": {...}};
+the worker answers {"ready": true}; then each request {"id", "data_source", "response",
+"ground_truth", "extra_info"} gets {"id", "score", "error"} back. The protocol owns the original
+stdout; anything a reward function prints goes to stderr instead, so user code cannot corrupt it.
+A plain subprocess rather than multiprocessing: it starts from Ray actors and daemon processes
+alike and does not re-import the parent's __main__.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # fd 1 (C-level prints too) now goes to stderr
+    sys.stdout = sys.stderr
+
+    from mgrpo.rewards.registry import BUILTIN_REWARDS, get_reward_fn, load_function, to_score
+
+    config = json.loads(sys.stdin.readline())
+    custom: dict[str, str] = config.get("custom_functions", {})
+    fns = {**BUILTIN_REWARDS, **{src: None for src in custom}}  # custom functions are imported on first use
+
+    def resolve(src: str):
+        if fns.get(src) is None and src in custom:
+            fns[src] = load_function(custom[src], src)
+        return get_reward_fn(src, fns)
+
+    proto.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        src = req["data_source"]
+        try:
+            fn = resolve(src)
+            score, error = to_score(fn(src, req["response"], req["ground_truth"], req["extra_info"])), None
+        except BaseException as e:  # noqa: BLE001 - a bad reward function must never kill the worker
+            score, error = None, f"{type(e).__name__}: {e}"
+        proto.write(json.dumps({"id": req["id"], "score": score, "error": error}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

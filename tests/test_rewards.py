@@ -1,0 +1,203 @@
+"""Reward functions, the registry, the Judger's isolation (failures, timeouts, dying workers),
+evaluation metrics and the mgrpo-reward command."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+
+from mgrpo.config import RewardConfig
+from mgrpo.rewards import BUILTIN_REWARDS, Judger, ScoreRequest, check_data_sources, eval_metrics, to_score
+from mgrpo.rewards.gsm8k import compute_score as gsm8k
+from mgrpo.rewards.math_reward import compute_score as math_score
+from mgrpo.rewards.synthetic import sum_score
+
+
+# --- built-in reward functions -------------------------------------------------------------------
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("... so she makes 18 dollars.\n#### 18", "18", 1.0),
+    ("#### $1,234.", "1234", 1.0),                       # '$', thousands commas, sentence '.'
+    ("#### 1234.00", "1234", 1.0),                       # compared as numbers
+    ("#### -3", "-3", 1.0),
+    ("The answer is 72.", "72", 1.0),                    # no '####': the last number
+    ("I get 5 then 7", "5", 0.0),                        # ... which is the last one, not any one
+    ("#### 18 (because 3 * 6 = 18, not 20)", "18", 1.0), # after '####', the first number
+    ("#### 19", "18", 0.0),
+    ("no number at all", "18", 0.0),
+    ("", "18", 0.0),
+])
+def test_gsm8k_reward(response, truth, score):
+    assert gsm8k("openai/gsm8k", response, truth, None) == score
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("so the answer is $\\boxed{\\frac{1}{2}}$", "\\frac12", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("\\boxed{(1,2)}", "(1, 2)", 1.0),
+    ("\\boxed{3}", "4", 0.0),
+    ("no answer", "4", 0.0),
+])
+def test_math_reward(response, truth, score):
+    assert math_score("math", response, truth, None) == score
+
+
+def test_sum_reward():
+    stop, cut = {"finish_reason": "stop"}, {"finish_reason": "length"}
+    assert sum_score("mgrpo/sum", "7", "7", stop) == 1.0
+    assert sum_score("mgrpo/sum", "7<eos>", "7", stop) == 1.0   # decoded without skipping specials
+    assert sum_score("mgrpo/sum", "7", "7", cut) == 0.0         # no EOS: the model did not stop
+    assert sum_score("mgrpo/sum", "77", "7", stop) == 0.0
+    assert sum_score("mgrpo/sum", "8", "7", stop) == 0.0
+    with pytest.raises(ValueError, match="finish_reason"):
+        sum_score("mgrpo/sum", "7", "7", None)
+
+
+def test_to_score():
+    assert to_score({"score": 1, "acc": True}) == 1.0 and to_score(True) == 1.0 and to_score(0) == 0.0
+    for bad in ("1", None, float("nan"), {"acc": 1}):
+        with pytest.raises(ValueError):
+            to_score(bad)
+
+
+# --- registry ------------------------------------------------------------------------------------
+
+def test_builtin_sources():
+    for src in ("openai/gsm8k", "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math_dapo",
+                "mgrpo/sum"):
+        assert src in BUILTIN_REWARDS
+
+
+def test_unknown_data_source_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"no reward function for data_source 'my/data'; known: \[.*'openai/gsm8k'"):
+        check_data_sources({"openai/gsm8k", "my/data"}, RewardConfig())
+    check_data_sources({"openai/gsm8k", "mgrpo/sum"}, RewardConfig())
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A user reward module on sys.path (worker processes inherit it through PYTHONPATH)."""
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+        import os, time
+
+        def exact(data_source, solution_str, ground_truth, extra_info=None):
+            print("user functions may print; the worker protocol must not care")
+            return {"score": float(solution_str.strip() == ground_truth), "extra": 1}
+
+        def boom(data_source, solution_str, ground_truth, extra_info=None):
+            raise RuntimeError("reward bug")
+
+        def slow(data_source, solution_str, ground_truth, extra_info=None):
+            time.sleep(float(solution_str))
+            return 1.0
+
+        def crash(data_source, solution_str, ground_truth, extra_info=None):
+            os._exit(7)
+
+        def text(data_source, solution_str, ground_truth, extra_info=None):
+            return "high"
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("exact", "boom", "slow", "crash", "text")
+    return {f"my/{n}": f"my_rewards:{n}" for n in names}
+
+
+def test_custom_functions_and_bad_specs(user_module):
+    check_data_sources({"my/exact"}, RewardConfig(custom_functions=user_module))
+    with pytest.raises(ValueError, match=r"reward.custom_functions\['x'\]='no_such_mod:f': cannot import"):
+        check_data_sources({"x"}, RewardConfig(custom_functions={"x": "no_such_mod:f"}))
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        check_data_sources({"x"}, RewardConfig(custom_functions={"x": "my_rewards:nope"}))
+
+
+# --- the Judger ----------------------------------------------------------------------------------
+
+def _requests():
+    return [
+        ScoreRequest("openai/gsm8k", "#### 72", "72"),
+        ScoreRequest("my/exact", " 5 ", "5"),
+        ScoreRequest("my/boom", "", "1"),
+        ScoreRequest("my/slow", "30", "1"),           # would take 30 s: must be cut at the timeout
+        ScoreRequest("mgrpo/sum", "7", "7", {"finish_reason": "stop"}),
+        ScoreRequest("my/text", "", "1"),
+        ScoreRequest("math", "\\boxed{\\frac{2}{4}}", "\\frac{1}{2}"),
+        ScoreRequest("my/crash", "", "1"),            # kills its worker process
+        ScoreRequest("openai/gsm8k", "#### 71", "72"),
+        ScoreRequest("my/slow", "0.01", "1"),
+    ]
+
+
+def test_judger_workers_isolate_failures_and_timeouts(user_module):
+    cfg = RewardConfig(custom_functions=user_module, timeout_s=2.0, num_workers=2)
+    with Judger(cfg) as judger:
+        t0 = time.monotonic()
+        res = judger.score(_requests())
+        assert time.monotonic() - t0 < 20       # the 30 s call was cut off
+        assert res.scores == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+        assert res.status == ["ok", "ok", "failed", "timeout", "ok", "failed", "ok", "failed", "ok", "ok"]
+        assert (res.failed, res.timeout) == (3, 1)
+        assert any("reward bug" in e for e in res.errors)
+        assert res.metrics() == {"reward/failed": 3.0, "reward/timeout": 1.0}
+        # replaced workers keep serving the next batch
+        again = judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")] * 50)
+        assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
+
+
+def test_judger_in_process(user_module):
+    reqs = [r for r in _requests() if r.data_source != "my/crash"]
+    reqs[3] = ScoreRequest("my/slow", "0.3", "1")   # in-process calls cannot be cut: only counted
+    with Judger(RewardConfig(custom_functions=user_module, timeout_s=0.2, num_workers=0)) as judger:
+        res = judger.score(reqs)
+    assert res.scores == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert (res.failed, res.timeout) == (2, 1)
+
+
+def test_judger_unknown_source_at_score_time_is_counted():
+    with Judger(RewardConfig(num_workers=1)) as judger:
+        res = judger.score([ScoreRequest("nobody/knows", "x", "y"), ScoreRequest("openai/gsm8k", "#### 2", "2")])
+    assert res.scores == [0.0, 1.0] and res.failed == 1 and "nobody/knows" in res.errors[0]
+
+
+# --- evaluation metrics --------------------------------------------------------------------------
+
+def test_eval_metrics_by_hand():
+    # gsm8k: prompt 0 samples [1, 0], prompt 1 [0, 0]; math: prompt 2 [1, 1]
+    scores = [1, 0, 0, 0, 1, 1]
+    groups = [0, 0, 1, 1, 2, 2]
+    sources = ["openai/gsm8k"] * 4 + ["math"] * 2
+    m = eval_metrics(scores, groups, sources, n=2)
+    assert m == {
+        "val/math/score": 1.0, "val/math/mean@2": 1.0, "val/math/pass@2": 1.0,
+        "val/openai/gsm8k/score": 0.25, "val/openai/gsm8k/mean@2": 0.25, "val/openai/gsm8k/pass@2": 0.5,
+    }
+    # partial credit (0.5) is not a pass
+    assert eval_metrics([0.5, 0.5], [0, 0], ["s", "s"], 2)["val/s/pass@2"] == 0.0
+
+
+# --- mgrpo-reward --------------------------------------------------------------------------------
+
+def test_reward_cli(tmp_path, capsys, user_module):
+    from mgrpo_launchers.reward import main
+
+    inp, out = tmp_path / "responses.jsonl", tmp_path / "scored.jsonl"
+    rows = [{"data_source": "openai/gsm8k", "response": "#### 72", "ground_truth": "72", "id": "a"},
+            {"data_source": "openai/gsm8k", "response": "#### 7", "ground_truth": 72},
+            {"data_source": "mgrpo/sum", "response": "3", "ground_truth": "3", "extra_info": {"finish_reason": "stop"}},
+            {"data_source": "my/boom", "response": "", "ground_truth": "1"}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--in", str(inp), "--out", str(out), "--custom", "my/boom=my_rewards:boom"]) == 0
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["score"] for r in scored] == [1.0, 0.0, 1.0, 0.0]
+    assert scored[0]["id"] == "a" and scored[3]["reward_status"] == "failed"
+    assert "failed 1, timeout 0" in capsys.readouterr().out
+
+    inp.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"data_source": "openai/gsm8k", "response": "x"}) + "\n")
+    assert main(["--in", str(inp), "--out", str(out)]) == 2
+    assert "responses.jsonl:2: field 'ground_truth' missing" in capsys.readouterr().err
+    inp.write_text(json.dumps({**rows[0], "data_source": "who/knows"}) + "\n")
+    assert main(["--in", str(inp), "--out", str(out)]) == 2
+    assert "'who/knows'" in capsys.readouterr().err
