@@ -305,3 +305,15 @@ def test_missing_inputs_are_named():
         make_token_loss_fn(_inputs(), replace(CFG, use_kl_loss=True))
     with pytest.raises(ValueError, match="rollout_logprob"):
         make_token_loss_fn(_inputs(), replace(CFG, tis_cap=2.0))
+
+
+def test_tokens_out_of_the_loss_are_out_of_the_metrics():
+    # Same six tokens plus two with token_weight 0 (an overlong-filtered response) whose metric
+    # weight the caller filled uniformly: the metrics must not change.
+    w = torch.cat([torch.full((6,), 1 / 6), torch.zeros(2)])
+    inputs = TokenLossInputs(old_logprob=torch.cat([OLD, torch.tensor([0.0, 0.0])]),
+                             advantages=torch.cat([ADV, torch.tensor([5.0, 5.0])]), token_weight=w,
+                             metric_weight=torch.full((8,), 1 / 6))
+    loss, m = policy_loss(torch.cat([NEW, torch.tensor([-3.0, -3.0])]), None, inputs, CFG)
+    assert loss.item() == pytest.approx(2.22 / 6)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(2 / 6)

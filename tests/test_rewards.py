@@ -147,6 +147,16 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
         assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
 
 
+def test_judger_replaces_a_worker_that_died_while_idle():
+    with Judger(RewardConfig(num_workers=1)) as judger:
+        assert judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")]).scores == [1.0]
+        w = judger._workers[0]
+        w.proc.kill()   # our own child; simulates an OOM kill between steps
+        w.proc.wait()
+        res = judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")] * 3)
+        assert res.scores == [1.0] * 3 and res.failed == 0
+
+
 def test_judger_in_process(user_module):
     reqs = [r for r in _requests() if r.data_source != "my/crash"]
     reqs[3] = ScoreRequest("my/slow", "0.3", "1")   # in-process calls cannot be cut: only counted

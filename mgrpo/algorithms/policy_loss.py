@@ -42,8 +42,9 @@ LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| cap before exp, as veRL: exp must not 
 class TokenLossInputs:
     """Per-token tensors [T] of the response tokens of one micro-batch, flattened in one order.
 
-    Padding tokens may be included with token_weight = metric_weight = 0 (their other values must
-    be finite). Everything here is a constant of the update (no grad).
+    Padding tokens may be included with token_weight = 0 (their other values must be finite); a
+    token with token_weight 0 counts in no loss and no metric. Everything here is a constant of the
+    update (no grad).
     """
 
     old_logprob: Tensor
@@ -132,7 +133,10 @@ TOKEN_LEVEL_LOSSES = ("vanilla",)
 def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entropy: Optional[Tensor],
              inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Add IS weights, KL and entropy; reduce to (weighted loss sum, weighted metric sums)."""
-    w, mw = inputs.token_weight[sl], inputs.metric_weight[sl]
+    w = inputs.token_weight[sl]
+    # A token with no loss weight (padding, an overlong-filtered response) is out of the metrics too,
+    # even if the caller filled metric_weight uniformly.
+    mw = torch.where(w != 0, inputs.metric_weight[sl], torch.zeros_like(inputs.metric_weight[sl]))
     if cfg.tis_cap is not None:
         pg = pg * tis_weight(inputs.old_logprob[sl], inputs.rollout_logprob[sl], cfg.tis_cap)
     loss = pg

@@ -184,10 +184,15 @@ class Judger:
             sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         try:
             while pending or any(w.job for w in self._workers):
-                for w in self._workers:  # hand out work
+                for w in list(self._workers):  # hand out work
                     if w.ready and w.job is None and pending:
                         i = pending.popleft()
-                        w.send(i, requests[i], self.cfg.timeout_s)
+                        try:
+                            w.send(i, requests[i], self.cfg.timeout_s)
+                        except OSError:  # the idle worker died since its last answer: the call never ran
+                            w.job = None
+                            pending.appendleft(i)
+                            self._replace(w, sel, result, requests, "failed", "reward worker exited")
                 now = time.monotonic()
                 deadlines = [w.job[1] for w in self._workers if w.job] + \
                             [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
