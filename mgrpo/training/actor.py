@@ -206,6 +206,16 @@ class MegatronActor:
                                          pp_rank=c.pp_rank, pp_size=c.pp))
         return named if c.tp_rank == 0 else []
 
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        from mgrpo.training.checkpoint import save_checkpoint
+
+        save_checkpoint(self, ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        from mgrpo.training.checkpoint import load_checkpoint
+
+        load_checkpoint(self, ckpt_dir)
+
     def shutdown(self) -> None:
         from mgrpo.training.parallel import destroy_parallel
 

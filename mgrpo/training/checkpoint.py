@@ -1,0 +1,43 @@
+"""Resumable trainer checkpoints in megatron's distributed format.
+
+Weights and optimizer moments are saved as sharded tensors (each rank writes its shards; a checkpoint
+loads at the layout it was written with and, for weights, at any other). The learning-rate schedule
+and counters ride along as common state. No pickles of arbitrary objects are loaded: megatron's
+torch_dist format stores tensors plus plain metadata.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _sharded(actor, *, is_loading: bool) -> dict:
+    model_sd = actor.gpt.sharded_state_dict()
+    # is_loading makes the optimizer create its (still empty) Adam moments first, so that the
+    # template has a place for every tensor being loaded.
+    return {"model": model_sd, "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def save_checkpoint(actor, ckpt_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    state = _sharded(actor, is_loading=False)
+    state["scheduler"] = actor.scheduler.state_dict()
+    state["skipped_steps"] = actor.skipped_steps
+    dist_checkpointing.save(state, ckpt_dir)
+
+
+def load_checkpoint(actor, ckpt_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"no megatron checkpoint at {ckpt_dir}")
+    template = _sharded(actor, is_loading=True)
+    template["scheduler"] = actor.scheduler.state_dict()
+    template["skipped_steps"] = 0
+    state = dist_checkpointing.load(template, ckpt_dir)
+    actor.gpt.load_state_dict(state["model"])
+    actor.optimizer.load_state_dict(state["optimizer"])
+    actor.scheduler.load_state_dict(state["scheduler"])
+    actor.skipped_steps = int(state["skipped_steps"])
