@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from mgrpo.config import MGRPOConfig, output_dir, validate
+from mgrpo.config import MGRPOConfig, output_dir, resolve_device, validate
 from mgrpo.experience import Experience
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.rollout.types import SamplingParams
@@ -21,7 +21,7 @@ log = logging.getLogger("mgrpo")
 
 class Trainer:
     def __init__(self, config: MGRPOConfig):
-        self.cfg = config
+        self.cfg = config = resolve_device(config)
         self.layout = validate(config)  # every config error surfaces here, before any process exists
         self.run_dir = output_dir(config)
         self.rt: Runtime | None = None

@@ -9,7 +9,7 @@ importable, is there a GPU) happen at call time where the feature is used, not h
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mgrpo.config.schema import MGRPOConfig
 
@@ -97,6 +97,9 @@ def validate(cfg: MGRPOConfig) -> Layout:
     _choice(e, "actor.fp8_recipe", a.fp8_recipe, FP8_RECIPES)
     if a.fp8 is not None and t.device == "cpu":
         e.append(f"actor.fp8={a.fp8!r} needs Transformer Engine on a GPU; on trainer.device=cpu use actor.fp8=null")
+    if a.use_distributed_optimizer and t.device == "cpu":
+        e.append("actor.use_distributed_optimizer=True needs CUDA tensors in megatron-core; "
+                 "on trainer.device=cpu use actor.use_distributed_optimizer=false")
     _choice(e, "actor.logprob_impl", a.logprob_impl, LOGPROB_IMPLS)
     _choice(e, "actor.lr_decay_style", a.lr_decay_style, LR_DECAY_STYLES)
     if a.lr <= 0:
@@ -203,6 +206,16 @@ def validate(cfg: MGRPOConfig) -> Layout:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
     assert lay is not None
     return lay
+
+
+def resolve_device(cfg: MGRPOConfig) -> MGRPOConfig:
+    """trainer.device=auto becomes cuda when a GPU is visible, else cpu (a new config; input untouched)."""
+    if cfg.trainer.device != "auto":
+        return cfg
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return replace(cfg, trainer=replace(cfg.trainer, device=device))
 
 
 def output_dir(cfg: MGRPOConfig) -> str:

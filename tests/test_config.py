@@ -1,0 +1,92 @@
+"""Config: Hydra composition onto the typed dataclasses, and the validator's messages."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from mgrpo.config import ActorConfig, ConfigError, MGRPOConfig, layout, validate
+from mgrpo.config.validate import ADV_ESTIMATORS, LOSS_AGG_MODES
+from mgrpo_launchers.train import CONFIG_DIR, to_config
+
+
+def _compose(*overrides: str) -> MGRPOConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_default_composes_to_the_typed_default_job():
+    cfg = _compose()
+    assert isinstance(cfg, MGRPOConfig) and isinstance(cfg.actor, ActorConfig)
+    assert cfg.model.vocab_size == 16 and cfg.model.tokenizer == "synthetic"
+    assert cfg.trainer.device == "cpu" and cfg.rollout.engine == "hf"
+    validate(cfg)
+
+
+def test_python_config_equals_command_line():
+    """The two front doors build the same run."""
+    cli = _compose("actor.lr=1e-5", "rollout.n=4", "trainer.total_training_steps=50")
+    py = MGRPOConfig()
+    py = dataclasses.replace(py, actor=dataclasses.replace(py.actor, lr=1e-5),
+                             rollout=dataclasses.replace(py.rollout, n=4),
+                             trainer=dataclasses.replace(py.trainer, total_training_steps=50, device="cpu"))
+    assert cli == py
+
+
+@pytest.mark.parametrize("override, error", [
+    ("actor.not_a_key=1", (ConfigAttributeError, ConfigKeyError)),
+    ("actor.lr=fast", ValidationError),
+    ("rollout.n=eight", ValidationError),
+])
+def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
+    with pytest.raises(Exception) as info:
+        _compose(override)
+    text = str(info.value) + str(info.value.__cause__ or "")
+    assert override.split("=")[0].split(".")[-1] in text
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"actor": {"tp": 3}}, "actor.tp=3 does not divide model.num_attention_heads=4"),
+    ({"actor": {"pp": 3}}, "actor.pp=3 does not divide model.num_layers=2"),
+    ({"actor": {"tp": 4}}, "actor.tp=4 does not divide model.num_query_groups=2"),
+    ({"trainer": {"n_gpus_per_node": 3}, "actor": {"tp": 2}}, "does not divide the trainer's 3 accelerators"),
+    ({"algorithm": {"adv_estimator": "ppo"}}, "algorithm.adv_estimator='ppo' is not one of"),
+    ({"data": {"train_files": ["/nope.jsonl"]}}, "data.train_files[0]='/nope.jsonl' does not exist"),
+    ({"rollout": {"n": 1}}, "rollout.n=1 must be at least 2"),
+    ({"rollout": {"engine": "sglang"}, "trainer": {"device": "cpu"}}, "rollout.engine='sglang' needs a GPU"),
+    ({"actor": {"ppo_mini_batch_size": 5}}, "actor.ppo_mini_batch_size=5 does not divide data.train_batch_size=32"),
+])
+def test_validation_names_the_field(changes, message):
+    cfg = MGRPOConfig()
+    for group, fields in changes.items():
+        cfg = dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert message in str(info.value)
+
+
+def test_layout_splits_accelerators():
+    cfg = _compose("actor.tp=2", "trainer.n_gpus_per_node=4")
+    lay = layout(cfg)
+    assert (lay.trainer_world, lay.dp) == (4, 2)
+    cfg = _compose("actor.pp=2")  # n_gpus_per_node unset: exactly tp*pp*cp ranks
+    assert layout(cfg).trainer_world == 2
+
+
+def test_registries_match_validator():
+    from mgrpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from mgrpo.algorithms.aggregation import AGGREGATION_MODES
+
+    assert set(ADVANTAGE_ESTIMATORS) == set(ADV_ESTIMATORS)
+    assert set(AGGREGATION_MODES) == set(LOSS_AGG_MODES)
+
+
+def test_cli_rejects_bad_config_before_spawning_anything():
+    out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "actor.tp=3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "actor.tp=3 does not divide model.num_attention_heads=4" in out.stderr
+    assert "Ray" not in out.stdout + out.stderr.split("actor.tp=3")[0]
