@@ -9,11 +9,12 @@ groups (they come in through `pg_collection`) and no training logic.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from mgrpo.config import ModelConfig
+from mgrpo.models.capability import FP8_FORMATS, FP8_RECIPES, require_fp8, te_available, te_importable
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -22,17 +23,41 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
-                       params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                       fp8: Optional[str] = None, fp8_recipe: str = "delayed"):
-    """TransformerConfig for Qwen3 at the given parallel layout.
+def fp8_kwargs(fp8: Optional[str], fp8_recipe: str = "delayed", *, fp8_param: bool = False) -> dict:
+    """TransformerConfig fields for FP8 through Transformer Engine (empty when fp8 is None).
 
-    On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
-    weights are initialised on the CPU, which also makes the initial weights independent of TP size.
+    `fp8` is the format (`e4m3`: e4m3 everywhere; `hybrid`: e4m3 forward, e5m2 for gradients) and
+    `fp8_recipe` the scaling recipe, both spelled as megatron's TransformerConfig spells them.
+    Delayed scaling keeps an amax history; the others scale from the current tensor (tensorwise),
+    per 128x128 / 1x128 block (blockwise) or per 32-element micro-block (mxfp8).
+    """
+    if fp8 is None:
+        if fp8_param:
+            raise ValueError("fp8_param=True needs fp8 set to 'e4m3' or 'hybrid'")
+        return {}
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8={fp8!r} is not one of {list(FP8_FORMATS)}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {list(FP8_RECIPES)}")
+    kwargs = dict(fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param, fp8_wgrad=True)
+    if fp8_recipe == "delayed":
+        # TE's own DelayedScaling defaults (megatron's are a 1-step history, which is noisier).
+        kwargs.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_margin=0)
+    return kwargs
+
+
+def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
+                              use_te: bool = False, params_dtype: torch.dtype = torch.float32,
+                              sequence_parallel: bool = False, fp8: Optional[str] = None,
+                              fp8_recipe: str = "delayed", fp8_param: bool = False) -> dict:
+    """The TransformerConfig fields for Qwen3 at a parallel layout, without any capability check.
+
+    Kept separate from `transformer_config` so the GPU configuration can be inspected on a CPU.
     """
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if fp8 is not None and not use_te:
+        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True)")
     bf16 = params_dtype == torch.bfloat16
     kwargs = dict(
         num_layers=model.num_layers,
@@ -59,11 +84,8 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
-        # RL micro-batches are packed under a token budget, so their shapes differ: pipeline stages
-        # exchange shapes before activations. (megatron rejects this flag with its default MoE
-        # dispatcher 'allgather' even for dense models; 'alltoall' is inert without experts.)
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
+        # Pipeline stages exchange activations of one shape per forward_backward call: the trainer
+        # pads every micro-batch of a call to the same length (seq_length argument).
         deallocate_pipeline_outputs=False,
     )
     if use_cpu:
@@ -78,16 +100,63 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
             cross_entropy_loss_fusion=False,
             attention_backend=AttnBackend.local,
         )
+    elif use_te:
+        # TE picks flash / cuDNN fused attention (both take THD-packed sequences); RoPE and
+        # SwiGLU fusions are TE kernels too.
+        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True,
+                      masked_softmax_fusion=True)
     else:
-        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True)
+        # Local spec on a GPU without TE: megatron's own fused kernels only (RoPE fusion needs TE).
+        kwargs.update(attention_backend=AttnBackend.local, bias_activation_fusion=True, apply_rope_fusion=False)
+    kwargs.update(fp8_kwargs(fp8, fp8_recipe, fp8_param=fp8_param))
+    return kwargs
+
+
+def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
+                       params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                       fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
+                       use_te: Optional[bool] = None):
+    """TransformerConfig for Qwen3 at the given parallel layout.
+
+    On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
+    weights are initialised on the CPU, which also makes the initial weights independent of TP size.
+    `use_te=None` picks the Transformer Engine path when it can run here (TE importable, CUDA present,
+    not `use_cpu`); asking for TE or FP8 where it cannot run is a ValueError naming what is missing.
+    Pass the same `use_te` to `build_gpt_model`.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     if fp8 is not None:
-        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
+        require_fp8(fp8, fp8_recipe)  # names what is missing: a GPU, TE, a TE version, the GPU generation
+    if use_cpu and use_te:
+        raise ValueError("use_cpu=True runs the local layer spec; use_te=True needs a GPU")
+    use_te = resolve_use_te(use_te, use_cpu=use_cpu)
+    if fp8 is not None and not use_te:
+        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec, but use_te=False")
+    kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
+                                       params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                       fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(*, use_te: bool):
-    """Decoder layer spec: Transformer Engine modules on GPU, megatron's local modules on CPU."""
-    if use_te:
+def resolve_use_te(use_te: Optional[bool], *, use_cpu: bool = False) -> bool:
+    """None -> whether TE can run here; True where it cannot -> ValueError."""
+    if use_te is None:
+        return (not use_cpu) and te_available()
+    if use_te and not te_available():
+        raise ValueError("use_te=True needs Transformer Engine importable and a CUDA GPU; this machine has "
+                         f"cuda={torch.cuda.is_available()}, transformer_engine={te_importable()}")
+    return bool(use_te)
+
+
+def layer_spec(*, use_te: Optional[bool] = None):
+    """Decoder layer spec: Transformer Engine modules on GPU, megatron's local modules on CPU.
+
+    The TE spec fuses the pre-attention and pre-MLP RMSNorms into `linear_qkv` / `linear_fc1`
+    (`layer_norm_weight`); the local spec keeps them as `input_layernorm` / `pre_mlp_layernorm`.
+    The weight converter handles both key sets.
+    """
+    if resolve_use_te(use_te):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
@@ -97,10 +166,17 @@ def layer_spec(*, use_te: bool):
 
 
 def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_process: bool,
-                    pg_collection=None, use_te: bool = False, vocab_padded: Optional[int] = None):
-    """One pipeline stage of Qwen3 as a GPTModel."""
-    from megatron.core.models.gpt import GPTModel
+                    pg_collection=None, use_te: Optional[bool] = None, vocab_padded: Optional[int] = None):
+    """One pipeline stage of Qwen3 as a GPTModel.
 
+    `use_te=None` follows the config: the TE spec exactly when `tf_config` was built for it
+    (fp8 set or a non-local attention backend) and TE can run here.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
+
+    if use_te is None:
+        use_te = (tf_config.fp8 is not None or tf_config.attention_backend != AttnBackend.local) and te_available()
     tp = tf_config.tensor_model_parallel_size
     return GPTModel(
         config=tf_config,
@@ -117,10 +193,46 @@ def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_pr
     )
 
 
-def hf_config(model: ModelConfig, **extra):
-    """The transformers `Qwen3Config` describing the same architecture."""
+def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple_of: int = 1,
+                      device: Optional[torch.device | str] = None):
+    """megatron's PackedSeqParams (THD format) for sequences laid end to end in one row.
+
+    `cu_seqlens` are the int32 prefix sums [0, l0, l0+l1, ...] that TE's flash / fused attention
+    take. With `pad_to_multiple_of` > 1 (context parallelism needs each sequence padded to a
+    multiple of 2*cp; FP8 GEMMs like multiples of 16) each sequence occupies its length rounded
+    up in the packed row, and `cu_seqlens_*_padded` give those padded offsets while `cu_seqlens_*`
+    keep the real lengths. THD needs the TE spec (a CUDA attention kernel); the local spec on CPU
+    runs padded [b, s] batches instead.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64).flatten().cpu()
+    if lens.numel() == 0 or bool((lens <= 0).any()):
+        raise ValueError(f"packed sequence lengths must be positive and non-empty, got {lens.tolist()}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+
+    def cumulative(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros(1), x.cumsum(0)]).to(torch.int32).to(device or "cpu")
+
+    cu = cumulative(lens)
+    padded = None
+    max_len = int(lens.max())
+    if pad_to_multiple_of > 1:
+        plens = (lens + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
+        padded = cumulative(plens)
+        max_len = int(plens.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def hf_config(model: ModelConfig, *, dtype: str = "float32", **extra):
+    """The transformers `Qwen3Config` describing the same architecture (`dtype`: the weights' dtype)."""
+    import transformers
     from transformers import Qwen3Config
 
+    # transformers 5 names the weights' dtype `dtype`; 4.x named it `torch_dtype`.
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return Qwen3Config(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
@@ -136,6 +248,6 @@ def hf_config(model: ModelConfig, **extra):
         initializer_range=model.init_std,
         hidden_act="silu",
         attention_bias=False,
-        torch_dtype="float32",
+        **{dtype_key: dtype},
         **extra,
     )

@@ -1,0 +1,84 @@
+"""Which accelerated paths this machine can take, asked at call time (never at import time).
+
+Transformer Engine (TE) does not install on a CPU-only machine, and FP8 needs a recent GPU on top
+of TE: Hopper (sm90) or Ada (sm89) for `delayed` / `tensorwise`, Hopper with CUDA >= 12.9 for
+`blockwise`, Blackwell (sm100) for `mxfp8`. TE itself answers those questions with its
+`check_*_support()` functions, which moved from `transformer_engine.pytorch.fp8` (TE 2.x) to
+`transformer_engine.pytorch.quantization` (newer); we ask whichever module exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+# recipe -> name of TE's support check; delayed and tensorwise only need plain FP8 GEMMs.
+_TE_RECIPE_CHECK = {
+    "delayed": "check_fp8_support",
+    "tensorwise": "check_fp8_support",
+    "blockwise": "check_fp8_block_scaling_support",
+    "mxfp8": "check_mxfp8_support",
+}
+# The first TE version that has each recipe (megatron-core's fp8_utils.get_fp8_recipe asks the same).
+_TE_MIN_VERSION = {"delayed": "1.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
+
+
+def te_importable() -> bool:
+    """Transformer Engine's PyTorch extension and megatron-core's TE spec are both importable."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
+    except ImportError:
+        return False
+
+
+def te_available() -> bool:
+    """The Transformer Engine layer spec can run here: TE importable and a CUDA device present."""
+    return torch.cuda.is_available() and te_importable()
+
+
+def _te_support_fn(name: str):
+    for module in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            fn = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if fn is not None:
+            return fn
+    return None
+
+
+def fp8_support(recipe: str) -> tuple[bool, str]:
+    """(supported, reason) for running FP8 with `recipe` on this machine."""
+    if recipe not in FP8_RECIPES:
+        return False, f"unknown FP8 recipe {recipe!r}; expected one of {list(FP8_RECIPES)}"
+    if not torch.cuda.is_available():
+        return False, "FP8 needs a CUDA GPU and none is present"
+    if not te_importable():
+        return False, "FP8 needs Transformer Engine (pip install 'transformer-engine[pytorch]'), which is not importable"
+    from megatron.core.utils import is_te_min_version
+
+    if not is_te_min_version(_TE_MIN_VERSION[recipe]):
+        return False, f"FP8 recipe {recipe!r} needs Transformer Engine >= {_TE_MIN_VERSION[recipe]}"
+    check = _te_support_fn(_TE_RECIPE_CHECK[recipe])
+    if check is None:
+        return False, f"this Transformer Engine has no {_TE_RECIPE_CHECK[recipe]}() for recipe {recipe!r}"
+    ok, reason = check()
+    return bool(ok), str(reason or "")
+
+
+def require_fp8(fp8: str, recipe: str) -> None:
+    """Raise a ValueError naming the missing capability when FP8 cannot run here."""
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8={fp8!r} is not one of {list(FP8_FORMATS)}")
+    ok, reason = fp8_support(recipe)
+    if not ok:
+        raise ValueError(f"fp8={fp8!r} with fp8_recipe={recipe!r} cannot run on this machine: {reason}")

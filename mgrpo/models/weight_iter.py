@@ -1,0 +1,76 @@
+"""Megatron -> HF: stream one pipeline stage's weights as full HF tensors, and group them in buckets.
+
+Weight sync to every rollout engine and every HF export go through `iter_megatron_to_hf` and
+`bucketize`. Tensor-parallel shards are all-gathered one parameter at a time over the TP group the
+caller passes in, so the stream never holds more than one full parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from mgrpo.config import ModelConfig
+from mgrpo.models.hf_checkpoint import Stage, check_stage_layout, raise_problems
+from mgrpo.models.layout import REPLICATED, hf_from_shards
+
+
+def _dense(p: torch.Tensor) -> torch.Tensor:
+    """Plain high-precision values of a parameter: TE's FP8 parameters (fp8_param=True) are
+    dequantized with megatron's helpers; everything else is returned as is."""
+    from megatron.core.fp8_utils import dequantize_fp8_tensor, is_float8tensor
+
+    p = p.detach()
+    return dequantize_fp8_tensor(p) if is_float8tensor(p) else p
+
+
+def _gather(t: torch.Tensor, tp_group, tp_size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(tp_size)]
+    dist.all_gather(out, t, group=tp_group)
+    return out
+
+
+def iter_megatron_to_hf(model, model_cfg: ModelConfig, *, tp_group, tp_size: int, pp_rank: int,
+                        pp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's weights as (HF name, full HF-layout tensor), global layer indices.
+
+    One parameter at a time: TP shards are all-gathered over `tp_group` (every TP rank of the stage
+    must iterate, in the same order; all of them receive the full tensors), converted, and yielded;
+    nothing else is held. Padded vocabulary rows are stripped. With tied embeddings only the
+    embedding is emitted (from the first stage); `lm_head.weight` only when untied (last stage).
+    Tensors stay on the parameters' device and may share memory with them.
+    """
+    stage = Stage.of(model)
+    d = check_stage_layout(model_cfg, stage, tp_size, pp_rank, pp_size)
+    weights = stage.weights(model_cfg)
+    raise_problems(f"cannot export Megatron stage pp_rank={pp_rank}", stage.check(model_cfg, d, weights))
+    for w in weights:
+        if not w.export:
+            continue
+        local = _dense(stage.params[w.megatron])
+        shards = [local] if w.kind == REPLICATED or tp_size == 1 else _gather(local, tp_group, tp_size)
+        for name, tensor in hf_from_shards(w, shards, d):
+            yield name, tensor.contiguous()
+
+
+def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]],
+              bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most `bucket_bytes` (in stream order);
+    a tensor larger than that gets a bucket of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        n = tensor.numel() * tensor.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += n
+    if bucket:
+        yield bucket
