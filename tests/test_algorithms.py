@@ -48,10 +48,14 @@ def test_kl_estimators_by_hand():
     assert kl_estimate(lp, ref, "k2").item() == pytest.approx(0.5 * L(2) ** 2)    # r^2/2 = 0.240227
     assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.5 + L(2) - 1)     # e^r - r - 1 = 0.193147
     assert kl_estimate(lp, ref, "low_var_kl").item() == pytest.approx(0.5 + L(2) - 1)
-    # Far off-policy: r = -30. k3 = e^-30 + 30 - 1 = 29; low_var_kl clamps r to -20 (-> 19) then to 10.
+    # Far off-policy: r = -30. The raw k3 would be e^-30 + 30 - 1 = 29; like veRL, r is clamped to -20
+    # (-> 19) and the estimate to 10, for k3 and its alias low_var_kl alike.
     lp, ref = torch.tensor([0.0]), torch.tensor([-30.0])
-    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(29.0)
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(10.0)
     assert kl_estimate(lp, ref, "low_var_kl").item() == pytest.approx(10.0)
+    # r = -12: 11 > 10 is clamped too; r = -5: 4 + e^-5 is not
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-12.0]), "k3").item() == pytest.approx(10.0)
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-5.0]), "k3").item() == pytest.approx(4 + math.exp(-5))
     # r = +25: exp(25) would dominate everything; low_var_kl caps at 10
     assert kl_estimate(torch.tensor([-25.0]), torch.tensor([0.0]), "low_var_kl").item() == pytest.approx(10.0)
     with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):

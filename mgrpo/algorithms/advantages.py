@@ -36,7 +36,7 @@ def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     rewards = torch.zeros_like(mask)
     rows = torch.nonzero(lengths > 0).squeeze(-1)
     # The last response token is the last position where the mask is 1 (masks may not start at 0).
-    last = (mask * torch.arange(mask.shape[1], dtype=mask.dtype)).argmax(-1)
+    last = (mask * torch.arange(mask.shape[1], dtype=mask.dtype, device=mask.device)).argmax(-1)
     rewards[rows, last[rows]] = scores.to(torch.float32)[rows]
     return rewards
 
@@ -48,11 +48,12 @@ def group_stats(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Te
     """
     scores = scores.to(torch.float64)  # sums of many small rewards: keep the statistics exact
     _, inv = torch.unique(group_index, return_inverse=True)
+    inv = inv.to(scores.device)
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, torch.ones_like(scores))
-    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, scores)
+    count = scores.new_zeros(n_groups).index_add_(0, inv, torch.ones_like(scores))
+    total = scores.new_zeros(n_groups).index_add_(0, inv, scores)
     mean = total / count
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, (scores - mean[inv]) ** 2)
+    sq = scores.new_zeros(n_groups).index_add_(0, inv, (scores - mean[inv]) ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
     single = count == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)

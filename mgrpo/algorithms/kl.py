@@ -7,12 +7,13 @@ r = log pi_ref(y_t) - log pi(y_t) and y_t ~ pi:
     k1 = -r                 unbiased, high variance, can be negative
     k2 = r^2 / 2            biased, low variance; its gradient is the gradient of the true KL
     k3 = exp(r) - r - 1     unbiased, low variance, never negative
-    low_var_kl              k3 made safe for training: r clamped to [-20, 20] before exp and the
-                            result clamped to [-10, 10], so one far-off-policy token cannot dominate
+    low_var_kl              another name for k3
 
-veRL treats `k3` as an alias of `low_var_kl` (both clamped); here `k3` is the textbook estimator
-and only `low_var_kl` clamps. The two agree exactly whenever |r| <= 20 and k3 <= 10, i.e. in any
-healthy run; they differ only where the clamps engage.
+As in veRL (whose `k3` and `low_var_kl` are the same function), k3 is made safe for training: r is
+clamped to [-20, 20] before exp and the estimate to [-10, 10], so one far-off-policy token cannot
+dominate the batch. The clamps engage only where pi_ref/pi on a token exceeds ~13 (r > 2.6) or
+pi/pi_ref exceeds e^11 (r < -11). The kernels' reference twin (kernels/reference.py) uses the same
+definitions.
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ def _k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
 
 
 def _k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
-    r = ref_logprob - logprob
-    return torch.exp(r) - r - 1.0
-
-
-def _low_var_kl(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
-    r = (ref_logprob - logprob).clamp(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow even in bf16 inputs
+    r = (ref_logprob - logprob).clamp(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow
     return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
 
 
@@ -46,7 +42,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k1": _k1,
     "k2": _k2,
     "k3": _k3,
-    "low_var_kl": _low_var_kl,
+    "low_var_kl": _k3,
 }
 
 

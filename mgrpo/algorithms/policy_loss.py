@@ -114,8 +114,8 @@ def _gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: Algorithm
     n = int(inv.max()) + 1 if inv.numel() else 0
     # Only tokens in the loss define a sequence's length and mean (padding has weight 0).
     in_loss = (inputs.token_weight[sl] != 0).to(log_ratio.dtype)
-    lengths = torch.zeros(n, dtype=log_ratio.dtype).index_add_(0, inv, in_loss).clamp(min=1)
-    total = torch.zeros(n, dtype=log_ratio.dtype).index_add_(0, inv, (log_ratio * in_loss).detach())
+    lengths = log_ratio.new_zeros(n).index_add_(0, inv, in_loss).clamp(min=1)
+    total = log_ratio.new_zeros(n).index_add_(0, inv, (log_ratio * in_loss).detach())
     seq_log_ratio = (total / lengths)[inv]
     # Value s_i, gradient s_i * d logprob_t; veRL clamps the log-ratio at 10 for stability.
     log_s = (logprob - logprob.detach() + seq_log_ratio).clamp(max=10.0)
