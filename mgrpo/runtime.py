@@ -172,7 +172,7 @@ class Runtime:
     def write_trajectories(self, exp: Experience) -> None:
         if self.trajectories is None:
             return
-        self.trajectories.write(self.step, [
+        self.trajectories.write(self.step + 1, [  # the step number its metrics are logged under
             {"prompt": it.prompt_text, "response": text, "reward": rew, "score": sc,
              "advantage": adv[0] if adv else 0.0, "weight_version": ver, "finish_reason": fr,
              "data_source": it.data_source, "group": g}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.packing import pack_micro_batches
-from mgrpo.models import hf_checkpoint
+from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.qwen3 import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
@@ -66,7 +66,7 @@ class MegatronActor:
         c = self.ctx
         gpt = build_gpt_model(self.cfg.model, tf_config, pre_process=c.is_first_stage, post_process=c.is_last_stage,
                               pg_collection=c.pg_collection)
-        hf_checkpoint.load_hf_into_megatron(gpt, hf_dir, self.cfg.model, tp_rank=c.tp_rank, tp_size=c.tp,
+        load_hf_into_megatron(gpt, hf_dir, self.cfg.model, tp_rank=c.tp_rank, tp_size=c.tp,
                                             pp_rank=c.pp_rank, pp_size=c.pp)
         emit_hidden_states(gpt)
         return gpt
@@ -148,7 +148,7 @@ class MegatronActor:
         else:  # a non-finite loss or gradient: no update, counted in metrics
             self.skipped_steps += 1
             self.optimizer.zero_grad()
-        metrics = {("actor/" + k): v for k, v in metrics.items()}
+        metrics = {(k if k.startswith("actor/") else "actor/" + k): v for k, v in metrics.items()}
         metrics.update({
             "actor/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "actor/lr": self.optimizer.param_groups[0]["lr"],
@@ -180,8 +180,6 @@ class MegatronActor:
 
         All TP ranks of data-parallel replica 0 iterate (the TP gather is a collective); the TP-rank-0
         ranks (one per pipeline stage) send. Other replicas hold identical weights and do nothing."""
-        from mgrpo.models.weight_iter import bucketize, iter_megatron_to_hf
-
         c = self.ctx
         sent, tensors, t0 = 0, 0, time.perf_counter()
         if c.dp_rank == 0 and c.cp_rank == 0:
@@ -197,8 +195,6 @@ class MegatronActor:
 
     def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
         """This stage's weights in HF layout (source ranks); for the final HF checkpoint."""
-        from mgrpo.models.weight_iter import iter_megatron_to_hf
-
         c = self.ctx
         if c.dp_rank != 0 or c.cp_rank != 0:
             return []
