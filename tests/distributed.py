@@ -37,6 +37,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
 
     `fn` must be a module-level function (it is pickled) and may use `port` to join a process group
     at tcp://127.0.0.1:port. Any rank's exception fails the call with that rank's traceback.
+    Return plain Python values (`tensor.tolist()`): torch tensors travel between processes as
+    shared-memory handles that die with the rank's process.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -54,7 +54,8 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)
     """RL records (JSONL or Parquet). Several files are mixed. Empty = the built-in synthetic task."""
     val_files: list[str] = field(default_factory=list)
-    """Validation RL records; empty with a synthetic task = a held-out split of that task."""
+    """Validation RL records; empty with the synthetic task = that task's prompts (it has only
+    (synthetic_max_operand + 1)^2 of them, so validation measures greedy accuracy on all of them)."""
     synthetic_task: str = "sum"
     """Built-in task used when train_files is empty: 'sum' (a+b for single digits)."""
     synthetic_max_operand: int = 4
