@@ -14,9 +14,10 @@ from mgrpo.models.hf_checkpoint import load_hf_into_megatron
 from mgrpo.models.hf_io import (check_hf_config, init_hf_checkpoint, model_config_from_hf,
                                 save_hf_checkpoint)
 from mgrpo.models.megatron_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
-from mgrpo.models.weight_iter import bucketize, iter_megatron_to_hf
+from mgrpo.models.weight_iter import bucketize, iter_megatron_to_hf, save_hf_checkpoint_distributed
 
 __all__ = [
     "bucketize", "check_hf_config", "init_hf_checkpoint", "iter_megatron_to_hf", "load_hf_into_megatron",
-    "load_megatron_checkpoint", "model_config_from_hf", "save_hf_checkpoint", "save_megatron_checkpoint",
+    "load_megatron_checkpoint", "model_config_from_hf", "save_hf_checkpoint", "save_hf_checkpoint_distributed",
+    "save_megatron_checkpoint",
 ]

@@ -8,7 +8,7 @@ live in `layout.py`; the way back (Megatron -> HF) is `weight_iter.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -84,7 +84,7 @@ def check_stage_layout(cfg: ModelConfig, stage: Stage, tp_size: int, pp_rank: in
 
 
 def load_hf_into_megatron(model, hf_dir: str, model_cfg: ModelConfig, *, tp_rank: int, tp_size: int, pp_rank: int,
-                          pp_size: int) -> None:
+                          pp_size: int, on_weight: Optional[Callable[[str], None]] = None) -> None:
     """Fill one unwrapped pipeline stage from an HF Qwen3 directory (config.json + safetensors).
 
     Every check runs before any weight is copied and covers the whole checkpoint on every rank, so
@@ -92,6 +92,7 @@ def load_hf_into_megatron(model, hf_dir: str, model_cfg: ModelConfig, *, tp_rank
     mis-shaped tensors (named by HF and Megatron name), then the stage's own parameters. Each rank
     reads only its slices; padded vocabulary rows become zeros. A tied checkpoint that also stores
     lm_head.weight loads like transformers loads it: the embedding is the output layer.
+    `on_weight(megatron_name)` is called after each parameter is filled (progress bars).
     """
     check_hf_config(hf_dir, model_cfg)
     stage = Stage.of(model)
@@ -103,3 +104,5 @@ def load_hf_into_megatron(model, hf_dir: str, model_cfg: ModelConfig, *, tp_rank
     with torch.no_grad():
         for w in weights:
             stage.params[w.megatron].copy_(shard_from_hf(w, ckpt.read, d, tp_rank))
+            if on_weight is not None:
+                on_weight(w.megatron)

@@ -302,7 +302,8 @@ def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: Mode
 
     written = {k: s for f in files for k, s in f.shapes.items()}
     expected = hf_shapes(model_cfg)
-    problems = [f"missing tensor {k}" for k in expected if k not in written]
+    problems = [f"tensor {k} written twice" for k in written if sum(k in f.shapes for f in files) > 1]
+    problems += [f"missing tensor {k}" for k in expected if k not in written]
     problems += [f"unexpected tensor {k}" for k in written if k not in expected]
     problems += [f"tensor {k} has shape {list(s)}, expected {list(expected[k])}"
                  for k, s in written.items() if k in expected and s != expected[k]]
@@ -336,8 +337,9 @@ def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: Mode
     elif tokenizer_dir:
         _need(tokenizer_dir, "tokenizer directory")
         copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, f))]
-        if not copied:
-            raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} has none of {list(TOKENIZER_FILES)}")
+        if not copied and not os.path.exists(os.path.join(tokenizer_dir, GENERATION_CONFIG)):
+            raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} has none of "
+                                    f"{list(TOKENIZER_FILES) + [GENERATION_CONFIG]}")
         for f in copied:
             shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(out_dir, f))
     source_gen = os.path.join(tokenizer_dir, GENERATION_CONFIG) if tokenizer_dir else None

@@ -7,7 +7,8 @@ caller passes in, so the stream never holds more than one full parameter.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import os
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -74,3 +75,51 @@ def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]],
         size += n
     if bucket:
         yield bucket
+
+
+def save_hf_checkpoint_distributed(out_dir: str, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                   model_cfg: ModelConfig, *, writer: bool, stage: int, group=None, tokenizer=None,
+                                   tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 2**30,
+                                   on_tensor: Optional[Callable[[str, int], None]] = None) -> None:
+    """`save_hf_checkpoint` for a pipeline-parallel model: every rank of `group` (default: the world)
+    calls it with its own stage's stream (typically `iter_megatron_to_hf`, which all TP ranks must
+    iterate); the `writer` ranks, one per stage, write that stage's shards; the group's first rank
+    names them in stage order and writes the index, config.json and tokenizer. Any rank's failure
+    is raised on every rank."""
+    import torch.distributed as dist
+
+    from mgrpo.models.hf_io import clear_hf_weights, finalize_hf_checkpoint, write_safetensors_shards
+
+    first = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
+    if first:
+        os.makedirs(out_dir, exist_ok=True)
+        clear_hf_weights(out_dir)
+    dist.barrier(group=group)
+    mine, error = None, None
+    try:
+        if writer:
+            mine = (stage, write_safetensors_shards(out_dir, named_tensors, max_shard_bytes=max_shard_bytes,
+                                                    tag=str(stage), on_tensor=on_tensor))
+        else:
+            for _ in named_tensors:  # the TP collectives need every rank to iterate
+                pass
+    except Exception as e:  # noqa: BLE001  (reported to every rank below instead of hanging them)
+        error = f"{type(e).__name__}: {e}"
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (mine, error), group=group)
+    errors = [err for _, err in gathered if err]
+    if first and not errors:
+        writers = sorted((s for s, _ in gathered if s is not None), key=lambda x: x[0])
+        stages = [s for s, _ in writers]
+        try:
+            if len(stages) != len(set(stages)):
+                raise ValueError(f"several writers for one pipeline stage: stages {stages}")
+            files = [f for _, fs in writers for f in fs]
+            finalize_hf_checkpoint(out_dir, files, model_cfg, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+    box = [errors]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0]:
+        raise RuntimeError(f"writing the HF checkpoint {out_dir} failed: " + "; ".join(box[0]))

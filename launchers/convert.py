@@ -1,0 +1,293 @@
+"""mgrpo-convert: Qwen3 checkpoints between Hugging Face and Megatron's distributed format.
+
+    mgrpo-convert hf-to-megatron --hf-dir D --out O --tp N --pp M [--dtype auto|float32|bfloat16]
+    mgrpo-convert megatron-to-hf --ckpt O --out D2 [--tp N --pp M] [--max-shard-gb G]
+
+hf-to-megatron spawns tp*pp ranks (gloo on CPU, NCCL on GPU), each loading only its slices of the
+safetensors, and writes a megatron distributed checkpoint plus `mgrpo_model.json` (the ModelConfig,
+the layout and dtype it was written with) and the source's tokenizer files under `O/tokenizer/`.
+megatron-to-hf loads that checkpoint at any TP/PP layout (default: the one it was written with)
+and streams it to an HF directory that transformers loads. The source is checked (files, config,
+tensor names and shapes, parallel sizes) before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import sys
+import traceback
+from typing import Optional
+
+MODEL_JSON = "mgrpo_model.json"
+TOKENIZER_SUBDIR = "tokenizer"
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+class ConvertError(Exception):
+    """Bad input, reported as one message before any rank starts."""
+
+
+# ---------------------------------------------------------------------------------------------
+# ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        queue.put((rank, None, fn(rank, world_size, port, *args)))
+    except BaseException as e:  # noqa: BLE001  (sent to the driver, which reports it)
+        expected = isinstance(e, (ValueError, FileNotFoundError))
+        queue.put((rank, (f"{type(e).__name__}: {e}", expected), traceback.format_exc()))
+
+
+def spawn_ranks(fn, world_size: int, *args, timeout_s: float = 24 * 3600) -> list:
+    """Run `fn(rank, world_size, port, *args)` on `world_size` fresh processes; results by rank.
+    The first failing rank's error is raised as RuntimeError (its traceback in `.rank_traceback`)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        for _ in range(world_size):
+            rank, error, value = queue.get(timeout=timeout_s)
+            if error:
+                err = RuntimeError(f"rank {rank} failed: {error[0]}")
+                err.rank_traceback = value
+                err.expected = error[1]  # bad input (ValueError / FileNotFoundError), not a bug
+                raise err
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(results) == world_size else 1)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def _build(cfg, ctx, dtype: str):
+    from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+
+    tf = transformer_config(cfg, tp=ctx.tp, pp=ctx.pp, use_cpu=ctx.device.type == "cpu",
+                            params_dtype=_torch_dtype(dtype))
+    model = build_gpt_model(cfg, tf, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage,
+                            pg_collection=ctx.pg_collection)
+    return model.to(ctx.device)
+
+
+def _progress(ctx, total: int, desc: str, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", position=ctx.pp_rank, disable=not show, leave=True,
+                file=sys.stderr)
+
+
+def _rank_hf_to_megatron(rank, world_size, port, cfg, hf_dir, out, tp, pp, dtype):
+    from mgrpo.models import load_hf_into_megatron, save_megatron_checkpoint
+    from mgrpo.training.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=tp, pp=pp)
+    model = _build(cfg, ctx, dtype)
+    n = sum(1 for p in model.parameters() if p.numel())
+    with _progress(ctx, n, f"load stage {ctx.pp_rank}", show=ctx.tp_rank == 0) as bar:
+        load_hf_into_megatron(model, hf_dir, cfg, tp_rank=ctx.tp_rank, tp_size=tp, pp_rank=ctx.pp_rank, pp_size=pp,
+                              on_weight=lambda _: bar.update())
+    save_megatron_checkpoint(model, out)
+    destroy_parallel()
+    return n
+
+
+def _rank_megatron_to_hf(rank, world_size, port, cfg, ckpt, out, tp, pp, dtype, tokenizer_dir, max_shard_bytes):
+    from mgrpo.models import iter_megatron_to_hf, load_megatron_checkpoint, save_hf_checkpoint_distributed
+    from mgrpo.models.layout import stage_weights
+    from mgrpo.training.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=tp, pp=pp)
+    model = _build(cfg, ctx, dtype)
+    load_megatron_checkpoint(model, ckpt)
+    layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    n = sum(len(w.hf) for w in stage_weights(cfg, layers=layers, pre_process=ctx.is_first_stage,
+                                             post_process=ctx.is_last_stage) if w.export)
+    writer = ctx.tp_rank == 0 and ctx.dp_rank == 0
+    with _progress(ctx, n, f"write stage {ctx.pp_rank}", show=writer) as bar:
+        named = iter_megatron_to_hf(model, cfg, tp_group=ctx.tp_group, tp_size=tp, pp_rank=ctx.pp_rank, pp_size=pp)
+        save_hf_checkpoint_distributed(out, named, cfg, writer=writer, stage=ctx.pp_rank, tokenizer_dir=tokenizer_dir,
+                                       max_shard_bytes=max_shard_bytes, on_tensor=lambda *_: bar.update())
+    destroy_parallel()
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# checks before spawning
+
+
+def _check_layout(cfg, tp: int, pp: int) -> None:
+    errors = []
+    for name, value in (("--tp", tp), ("--pp", pp)):
+        if value < 1:
+            errors.append(f"{name}={value} must be >= 1")
+    if tp >= 1:
+        for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(cfg, field) % tp:
+                errors.append(f"--tp={tp} does not divide model {field}={getattr(cfg, field)}")
+    if pp >= 1 and cfg.num_layers % pp:
+        errors.append(f"--pp={pp} does not divide model num_layers={cfg.num_layers}")
+    if errors:
+        raise ConvertError("; ".join(errors))
+
+
+def _prepare_out(out: str, force: bool) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        if not force:
+            raise ConvertError(f"--out {out} exists and is not empty (pass --force to replace it)")
+        shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+    os.makedirs(out, exist_ok=True)
+
+
+def _source_dtype(hf_dir: str) -> str:
+    from mgrpo.models.hf_io import read_hf_config
+
+    raw = read_hf_config(hf_dir)
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    return DTYPES.get(name, "float32")
+
+
+def hf_to_megatron(hf_dir: str, out: str, tp: int, pp: int, dtype: str = "auto", force: bool = False) -> dict:
+    from mgrpo.models import model_config_from_hf
+    from mgrpo.models.hf_io import GENERATION_CONFIG, TOKENIZER_FILES, SafetensorsCheckpoint, check_hf_tensors
+
+    try:
+        cfg = model_config_from_hf(hf_dir)
+        problems = check_hf_tensors(SafetensorsCheckpoint(hf_dir), cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConvertError(str(e)) from e
+    if problems:
+        raise ConvertError(f"{hf_dir} does not hold the model its config.json describes:\n  - " + "\n  - ".join(problems))
+    _check_layout(cfg, tp, pp)
+    dtype = _source_dtype(hf_dir) if dtype == "auto" else DTYPES[dtype]
+    _prepare_out(out, force)
+
+    spawn_ranks(_rank_hf_to_megatron, tp * pp, cfg, hf_dir, out, tp, pp, dtype)
+
+    tok_files = [f for f in TOKENIZER_FILES + (GENERATION_CONFIG,) if os.path.exists(os.path.join(hf_dir, f))]
+    if tok_files:
+        os.makedirs(os.path.join(out, TOKENIZER_SUBDIR), exist_ok=True)
+        for f in tok_files:
+            shutil.copyfile(os.path.join(hf_dir, f), os.path.join(out, TOKENIZER_SUBDIR, f))
+        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(out, TOKENIZER_SUBDIR, "config.json"))
+    meta = {"format": "megatron-core dist_checkpointing (torch_dist), model weights only",
+            "model": dataclasses.asdict(cfg), "tp": tp, "pp": pp, "dtype": dtype, "source": os.path.abspath(hf_dir),
+            "tokenizer_dir": TOKENIZER_SUBDIR if tok_files else None}
+    with open(os.path.join(out, MODEL_JSON), "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta
+
+
+def read_model_json(ckpt: str):
+    """(ModelConfig, metadata) of a checkpoint written by hf-to-megatron."""
+    from mgrpo.config import ModelConfig
+
+    path = os.path.join(ckpt, MODEL_JSON)
+    if not os.path.isdir(ckpt):
+        raise ConvertError(f"--ckpt {ckpt} does not exist")
+    if not os.path.exists(path):
+        raise ConvertError(f"{ckpt} has no {MODEL_JSON}: not written by `mgrpo-convert hf-to-megatron`")
+    if not os.path.exists(os.path.join(ckpt, "metadata.json")):
+        raise ConvertError(f"{ckpt} has no metadata.json: not a megatron distributed checkpoint")
+    with open(path) as f:
+        meta = json.load(f)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(meta.get("model", {})) - fields)
+    if unknown:
+        raise ConvertError(f"{path}: model fields {unknown} are not ModelConfig fields")
+    return ModelConfig(**meta["model"]), meta
+
+
+def megatron_to_hf(ckpt: str, out: str, tp: Optional[int] = None, pp: Optional[int] = None,
+                   max_shard_bytes: int = 2**30, force: bool = False) -> dict:
+    cfg, meta = read_model_json(ckpt)
+    tp = tp or meta["tp"]
+    pp = pp or meta["pp"]
+    _check_layout(cfg, tp, pp)
+    if os.path.abspath(out) == os.path.abspath(ckpt):
+        raise ConvertError("--out must differ from --ckpt")
+    _prepare_out(out, force)
+    tok = os.path.join(ckpt, meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
+    spawn_ranks(_rank_megatron_to_hf, tp * pp, cfg, ckpt, out, tp, pp, meta["dtype"], tok, max_shard_bytes)
+    return {"tp": tp, "pp": pp, "out": out}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mgrpo-convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF safetensors directory -> megatron distributed checkpoint")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--tp", type=int, default=1)
+    a.add_argument("--pp", type=int, default=1)
+    a.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="parameter dtype of the megatron model (auto: config.json's dtype)")
+    a.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    b = sub.add_parser("megatron-to-hf", help="megatron distributed checkpoint -> HF safetensors directory")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--tp", type=int, default=None, help="layout to load at (default: the one it was saved with)")
+    b.add_argument("--pp", type=int, default=None)
+    b.add_argument("--max-shard-gb", type=float, default=1.0, help="safetensors shard size")
+    b.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-megatron":
+            meta = hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype, args.force)
+            print(f"wrote megatron checkpoint {args.out} (tp={meta['tp']} pp={meta['pp']} dtype={meta['dtype']})")
+        else:
+            if args.max_shard_gb <= 0:
+                raise ConvertError(f"--max-shard-gb={args.max_shard_gb} must be positive")
+            res = megatron_to_hf(args.ckpt, args.out, args.tp, args.pp, int(args.max_shard_gb * 2**30), args.force)
+            print(f"wrote HF checkpoint {res['out']} (loaded at tp={res['tp']} pp={res['pp']})")
+    except ConvertError as e:
+        print(f"mgrpo-convert {args.command}: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"mgrpo-convert {args.command}: {e}", file=sys.stderr)
+        if not getattr(e, "expected", True):
+            print(e.rank_traceback, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
