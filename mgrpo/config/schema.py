@@ -223,7 +223,7 @@ class TrainerConfig:
     cpus_per_worker: int = 1
     """CPU threads of one trainer rank (the CPU bundle size)."""
     total_epochs: int = 1
-    total_training_steps: Optional[int] = 120
+    total_training_steps: Optional[int] = 150
     """Stop after this many steps; None = total_epochs over the training data."""
     save_freq: int = -1
     """Checkpoint every N steps (-1 = only at the end)."""
