@@ -1,0 +1,485 @@
+"""The SGLang rollout engine: a client for one SGLang HTTP server, optionally launched and owned.
+
+It implements `RolloutEngine` (types.py) like the CPU transformers engine, so the rollout group
+does not care which one it hosts. Request and response shapes are SGLang 0.5.23's
+(`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`, the JSON contract in
+`sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
+
+Left out, on purpose: streaming (rollouts want whole responses), text prompts (the trainer owns
+tokenisation), SGLang's router (one client per server; the rollout group spreads the load).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mgrpo.rollout.sglang_http import HTTPClient, SGLangRequestError, require_sglang
+from mgrpo.rollout.sglang_weights import FLATTENED, WeightSession, tensor_payloads
+from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_TYPE_*
+
+
+# --- request / response (pure functions, tested against SGLang's shapes) ------------------------------
+def request_seed(seed: int, uid: int) -> int:
+    """Per-request sampling seed. SGLang's deterministic sampler draws from (seed, position), so the
+    n copies of one prompt need different seeds or they come back identical."""
+    return (seed * 1_000_003 + uid * 7_919 + 1) % (2 ** 63)
+
+
+def build_generate_payload(requests: Sequence[GenerateRequest], sampling: SamplingParams, *, rids: Sequence[str],
+                           stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True) -> dict:
+    """The JSON body of one batched `POST /generate` (io_struct.GenerateReqInput)."""
+    params: dict[str, Any] = {
+        "temperature": float(sampling.temperature),  # 0 -> SGLang samples greedily (top_k=1)
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k),  # -1 = whole vocabulary
+        "max_new_tokens": int(sampling.max_new_tokens),
+        "skip_special_tokens": False,  # only the text is affected; ids are what we use
+        "no_stop_trim": True,  # keep the matched stop (EOS) token: the trainer scores it
+    }
+    if stop_token_ids:
+        params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+    if sampling.seed is not None and send_seed:
+        # Honoured by SGLang's deterministic sampler (--enable-deterministic-inference), ignored otherwise.
+        sampling_params: Any = [{**params, "sampling_seed": request_seed(sampling.seed, r.uid)} for r in requests]
+    else:
+        sampling_params = params
+    return {
+        "rid": list(rids),
+        "input_ids": [list(map(int, r.prompt_ids)) for r in requests],
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+    }
+
+
+def parse_weight_version(value: Any, default: int) -> int:
+    """SGLang reports weight_version as a string ('default' until set); ours are integers."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def parse_generate_item(item: dict, uid: int, default_version: int) -> Optional[GenerateResult]:
+    """One element of the /generate answer -> GenerateResult; None when SGLang aborted the request
+    (finish_reason type 'abort'), which the caller retries."""
+    meta = item.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind == "abort":
+        return None
+    if kind not in ("stop", "length"):
+        raise SGLangRequestError(f"request {uid}: unexpected finish_reason {finish!r}")
+    lp = meta.get("output_token_logprobs")
+    if lp is None:
+        raise SGLangRequestError(f"request {uid}: meta_info has no output_token_logprobs (return_logprob ignored?)")
+    # Entries are (logprob, token_id, text-or-None), one per generated token, EOS included.
+    token_ids = [int(e[1]) for e in lp]
+    logprobs = [float(e[0]) if e[0] is not None else float("nan") for e in lp]
+    out_ids = item.get("output_ids")
+    if out_ids is not None and list(out_ids) != token_ids:
+        raise SGLangRequestError(f"request {uid}: output_ids ({len(out_ids)}) and output_token_logprobs "
+                                 f"({len(token_ids)}) disagree")
+    return GenerateResult(uid=uid, token_ids=token_ids, logprobs=logprobs, finish_reason=kind,
+                          weight_version=parse_weight_version(meta.get("weight_version"), default_version))
+
+
+# --- addresses and the server process ---------------------------------------------------------------
+def node_ip() -> str:
+    """This node's cluster address: $MGRPO_NODE_IP, else the address of the interface that routes
+    outward (a UDP connect sends nothing), else the host name's address."""
+    ip = os.environ.get("MGRPO_NODE_IP")
+    if ip:
+        return ip
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def check_host(host: str) -> str:
+    if host.strip() in WILDCARD_HOSTS:
+        raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "
+                         "node's cluster address only (DESIGN.md section 7); pass host=<node IP> or leave it "
+                         "unset to use this node's address")
+    return host
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Optional[str], lines: int = 40) -> str:
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64_000))
+        text = f.read().decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# Kills the server's process group once the process that launched it is gone (a Ray actor killed
+# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
+_WATCHDOG = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        os.kill(pid, 0); return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while True:
+    time.sleep(2)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    if not alive(parent):
+        try:
+            os.killpg(pgid, signal.SIGTERM); time.sleep(15); os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.exit(0)
+"""
+
+
+def _terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
+                 env: Optional[dict] = None, poll_s: float = 1.0) -> subprocess.Popen:
+    """Start `cmd` in its own process group with its output in `log_path`; return once
+    GET {url}/health_generate answers 200. On death or timeout: kill it and raise with the log tail."""
+    import requests
+
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            try:  # children it left behind
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            raise RuntimeError(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
+                               f"last lines of {log_path}:\n{log_tail(log_path)}")
+        try:
+            if requests.get(f"{url}/health_generate", timeout=min(30.0, startup_timeout_s)).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            _terminate_group(proc)
+            raise TimeoutError(f"SGLang server at {url} not healthy within startup_timeout_s={startup_timeout_s}; "
+                               f"killed it.\ncommand: {' '.join(cmd)}\nlast lines of {log_path}:\n{log_tail(log_path)}")
+        time.sleep(poll_s)
+
+
+def checkpoint_tensor_names(hf_dir: str) -> Optional[set[str]]:
+    """Names of the tensors an HF checkpoint holds (what a complete weight sync must deliver),
+    read from the safetensors index or headers; lm_head.weight is dropped for tied embeddings
+    (the trainer sends only the embedding then). None when the folder has no safetensors."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    names: set[str] = set()
+    if os.path.exists(index):
+        with open(index) as f:
+            names = set(json.load(f)["weight_map"])
+    else:
+        files = [f for f in sorted(os.listdir(hf_dir)) if f.endswith(".safetensors")] if os.path.isdir(hf_dir) else []
+        if not files:
+            return None
+        for fn in files:
+            with open(os.path.join(hf_dir, fn), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                names |= {k for k in json.loads(f.read(n)) if k != "__metadata__"}
+    cfg = os.path.join(hf_dir, "config.json")
+    if os.path.exists(cfg):
+        with open(cfg) as f:
+            if json.load(f).get("tie_word_embeddings", False):
+                names.discard("lm_head.weight")
+    return names
+
+
+# --- the engine ----------------------------------------------------------------------------------------
+class SGLangEngine:
+    """`RolloutEngine` over one SGLang server. Make it with `launch` (start and own a server) or
+    `connect` (use a running one)."""
+
+    def __init__(self, url: str, *, tp: int = 1, process: Optional[subprocess.Popen] = None,
+                 log_path: Optional[str] = None, expected_names: Optional[set[str]] = None,
+                 stop_token_ids: Optional[Sequence[int]] = None, max_retries: int = 3, retry_backoff_s: float = 0.5,
+                 request_timeout_s: float = 600.0, health_timeout_s: float = 25.0, batch_size: int = 256,
+                 concurrency: int = 4, send_seed: bool = True, load_format: Optional[str] = FLATTENED,
+                 weight_version: int = 0):
+        self.url = url.rstrip("/")
+        self.tp = tp
+        self.process = process
+        self.log_path = log_path
+        self.expected_names = expected_names
+        self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
+        self.max_retries = max_retries
+        self.health_timeout_s = health_timeout_s
+        self.batch_size = batch_size
+        self.concurrency = concurrency
+        self.send_seed = send_seed
+        self.load_format = load_format
+        self.weight_version = weight_version
+        self.client = HTTPClient(self.url, timeout_s=request_timeout_s, max_retries=max_retries,
+                                 backoff_s=retry_backoff_s, alive=self._dead_message)
+        self.session = WeightSession(self.client)
+        self._lock = threading.Lock()
+        self._received: set[str] = set()
+        self._released: set[str] = set()
+        self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "weight_buckets": 0,
+                      "weight_bytes": 0}
+
+    @property
+    def retries(self) -> int:
+        """Every retry: resent /generate batches, requests SGLang aborted, other HTTP calls retried."""
+        return self.client.retries + self.stats["generate_retries"] + self.stats["aborted_retries"]
+
+    # --- construction -------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, hf_dir: str, *, tp: int = 1, host: Optional[str] = None, port: Optional[int] = None,
+               mem_fraction_static: float = 0.7, extra_args: Sequence[str] = (), startup_timeout_s: float = 900.0,
+               enable_memory_saver: bool = True, log_dir: Optional[str] = None, env: Optional[dict] = None,
+               **engine_kwargs) -> "SGLangEngine":
+        """Start `python -m sglang.launch_server` on this node's cluster address and wait until
+        /health_generate answers. `engine_kwargs` go to the constructor (stop_token_ids, retries, ...)."""
+        host = check_host(host if host is not None else node_ip())
+        if "--host" in extra_args or "--port" in extra_args:
+            raise ValueError("pass host=/port= to SGLangEngine.launch, not --host/--port in extra_args")
+        require_sglang("SGLangEngine.launch")
+        port = port or _free_port(host)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir, "--tp-size", str(tp),
+               "--host", host, "--port", str(port), "--mem-fraction-static", str(mem_fraction_static),
+               "--weight-version", str(engine_kwargs.get("weight_version", 0))]
+        if enable_memory_saver:
+            cmd.append("--enable-memory-saver")  # lets colocated mode release and resume GPU memory
+        cmd += list(extra_args)
+        log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
+        log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info("starting SGLang: %s (log: %s)", " ".join(cmd), log_path)
+        proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env)
+        return cls(url, tp=tp, process=proc, log_path=log_path, expected_names=checkpoint_tensor_names(hf_dir),
+                   **engine_kwargs)
+
+    @classmethod
+    def connect(cls, url: str, *, tp: int = 1, hf_dir: Optional[str] = None, **engine_kwargs) -> "SGLangEngine":
+        """A client for a server someone else runs (`hf_dir`, when given, enables the completeness
+        check of weight syncs)."""
+        if hf_dir:
+            engine_kwargs.setdefault("expected_names", checkpoint_tensor_names(hf_dir))
+        return cls(url, tp=tp, **engine_kwargs)
+
+    def _dead_message(self) -> Optional[str]:
+        if self.process is None or self.process.poll() is None:
+            return None
+        return f"server process exited with code {self.process.returncode}; last lines of {self.log_path}:\n" \
+               f"{log_tail(self.log_path)}"
+
+    # --- generation ---------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        if not requests:
+            return []
+        batches = [list(requests[i:i + self.batch_size]) for i in range(0, len(requests), self.batch_size)]
+        if len(batches) == 1:
+            parts = [self._generate_batch(batches[0], sampling)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(batches))) as pool:
+                parts = list(pool.map(lambda b: self._generate_batch(b, sampling), batches))
+        results = sorted((r for part in parts for r in part), key=lambda r: r.uid)
+        with self._lock:
+            self.stats["generated"] += len(results)
+        return results
+
+    def _generate_batch(self, batch: list[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        """One batched POST. Transient failures resend the batch, requests SGLang aborted go again;
+        both bounded by max_retries and counted."""
+        done: list[GenerateResult] = []
+        pending, attempt = batch, 0
+        while pending:
+            tag = uuid.uuid4().hex[:12]  # fresh rids per attempt: SGLang rejects a rid still in flight
+            rids = [f"mgrpo-{tag}-{r.uid}" for r in pending]
+            body = build_generate_payload(pending, sampling, rids=rids, stop_token_ids=self.stop_token_ids,
+                                          send_seed=self.send_seed)
+            try:
+                items = self.client.post("/generate", body, max_retries=0).json()
+            except SGLangRequestError as e:
+                dead = self._dead_message()
+                if dead or not e.transient or attempt >= self.max_retries:
+                    raise SGLangRequestError(f"/generate of {len(pending)} requests failed after {attempt + 1} "
+                                             f"attempts (retry budget {self.max_retries}): {e}"
+                                             + (f"\n{dead}" if dead else ""), status=e.status) from e
+                if e.timeout:  # the server may still be generating them: do not let two copies run
+                    self._abort(rids)
+                attempt += 1
+                self._count("generate_retries", 1)
+                log.warning("SGLang /generate failed (%s); retry %d of %d", e, attempt, self.max_retries)
+                time.sleep(min(self.client.backoff_s * 2 ** (attempt - 1), self.client.max_backoff_s))
+                continue
+            if isinstance(items, dict):
+                items = [items]
+            if len(items) != len(pending):
+                raise SGLangRequestError(f"/generate answered {len(items)} results for {len(pending)} requests")
+            aborted = []
+            for r, item in zip(pending, items):
+                res = parse_generate_item(item, r.uid, self.weight_version)
+                if res is None:
+                    aborted.append(r)
+                else:
+                    done.append(res)
+            if aborted:
+                if attempt >= self.max_retries:
+                    reason = next((it.get("meta_info") or {}).get("finish_reason") for it in items
+                                  if ((it.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort")
+                    raise SGLangRequestError(f"{len(aborted)} requests were aborted by SGLang after {attempt + 1} "
+                                             f"attempts (retry budget {self.max_retries}); e.g. {reason}")
+                attempt += 1
+                self._count("aborted_retries", len(aborted))
+                log.warning("SGLang aborted %d of %d requests; retrying them (attempt %d)", len(aborted),
+                            len(pending), attempt)
+            pending = aborted
+        return done
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _abort(self, rids: Sequence[str]) -> None:
+        for rid in rids:  # best effort: a server that does not answer has nothing to abort
+            try:
+                self.client.post("/abort_request", {"rid": rid}, timeout_s=10, max_retries=0)
+            except SGLangRequestError:
+                return
+
+    # --- weight sync (buckets arriving in this process, e.g. through the rollout group's Ray actor) ---
+    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        bucket = list(named_tensors)
+        if not bucket:
+            return
+        if "weights" in self._released:
+            self.resume_memory(["weights"])  # loading into released weight memory would be lost
+        if torch.cuda.is_available():
+            # Handles to GPU memory: the server copies from it over CUDA IPC (same node, same GPUs).
+            bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
+        self.session.begin()
+        payloads, keep_alive = tensor_payloads(bucket, self.tp, self.load_format)
+        self.client.post_result("/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads, "load_format": self.load_format,
+            "flush_cache": False, "abort_all_requests": False})
+        del keep_alive
+        with self._lock:
+            self._received.update(n for n, _ in bucket)
+            self.stats["weight_buckets"] += 1
+            self.stats["weight_bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close the session, check completeness (for buckets that came through this object), set
+        the server's weight version, flush the prefix cache (it holds KV of the old weights)."""
+        with self._lock:
+            received, self._received = self._received, set()
+        had_session = self.session.end()
+        if not had_session:
+            raise RuntimeError(f"weight sync to version {version}: no bucket reached the SGLang server at {self.url}")
+        if received and self.expected_names is not None:
+            missing = sorted(self.expected_names - received)
+            if missing:
+                raise RuntimeError(f"weight sync to version {version} is incomplete: {len(missing)} tensors never "
+                                   f"arrived at {self.url}, e.g. {missing[:5]}")
+        self.session.set_version(version)
+        self.session.flush_cache()
+        self.weight_version = version
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def health(self) -> EngineHealth:
+        detail: dict[str, Any] = {"url": self.url, "retries": self.retries, "http_retries": self.client.retries,
+                                  **self.stats, "released": sorted(self._released)}
+        dead = self._dead_message()
+        if dead:
+            return EngineHealth(ok=False, weight_version=self.weight_version, detail={**detail, "error": dead})
+        # /health_generate runs a one-token generation; with memory released that must not happen.
+        path = "/health" if self._released else "/health_generate"
+        try:
+            ok = self.client.get(path, timeout_s=self.health_timeout_s, max_retries=0).status_code == 200
+        except SGLangRequestError as e:
+            return EngineHealth(ok=False, weight_version=self.weight_version, detail={**detail, "error": str(e)})
+        try:
+            info = self.client.get("/model_info", timeout_s=self.health_timeout_s, max_retries=0).json()
+            detail["server_weight_version"] = info.get("weight_version")
+        except (SGLangRequestError, ValueError):
+            pass
+        return EngineHealth(ok=ok, weight_version=self.weight_version, detail=detail)
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Colocated mode: free the server's GPU memory (all of it by default) while the trainer runs.
+        Needs the server started with --enable-memory-saver and no request in flight."""
+        todo = [t for t in (tags or MEMORY_TAGS) if t not in self._released]
+        if not todo:
+            return
+        self.client.post("/release_memory_occupation", {"tags": todo})
+        self._released.update(todo)
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take back what was released (all by default; `["weights"]` first when weights are about to
+        be synced, then the rest before generating). Resuming what is not released is a no-op:
+        SGLang would fail on it."""
+        todo = [t for t in (tags or MEMORY_TAGS) if t in self._released]
+        if not todo:
+            return
+        self.client.post("/resume_memory_occupation", {"tags": todo})
+        self._released.difference_update(todo)
+
+    def abort_all(self) -> None:
+        self.client.post("/abort_request", {"abort_all": True})
+
+    def shutdown(self) -> None:
+        """Stop the server this object launched (its whole process group); no-op for `connect`."""
+        if self.process is not None:
+            _terminate_group(self.process)
