@@ -135,6 +135,13 @@ def test_ipc_sender_across_syncs_closed_by_the_driver():
         assert not fake.errors
 
 
+def test_senders_travel_pickled():
+    ipc = pickle.loads(pickle.dumps(IPCWeightSender(["http://10.0.0.5:30000"], [2])))
+    assert ipc.clients[0].url == "http://10.0.0.5:30000" and ipc.tp_sizes == [2]
+    d = DistributedWeightSender(["http://10.0.0.5:30000"], 4)
+    assert pickle.loads(pickle.dumps(d)) is d and d.world_size == 5
+
+
 def test_ipc_sender_needs_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     sender = IPCWeightSender(["http://127.0.0.1:9"])
@@ -151,17 +158,17 @@ def test_distributed_sender_needs_cuda_for_nccl(monkeypatch):
         DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="0.0.0.0")
 
 
-def _trainer_rank(url: str, port: int, load_format, group: str, out) -> None:
-    """The trainer's source rank, in its own process: join as rank 0, send two buckets, leave."""
+def _trainer_rank(sender: DistributedWeightSender, out) -> None:
+    """The trainer's source rank, in its own process: it got the sender the way a Ray task gets its
+    arguments (pickled); join as rank 0, send two buckets, leave."""
     try:
-        sender = DistributedWeightSender([url], [1], master_address="127.0.0.1", master_port=port,
-                                         group_name=group, backend="gloo", load_format=load_format,
-                                         timeout_s=60)
+        assert pickle.loads(pickle.dumps(sender)) is sender  # one live sender per spec in a process
         b = _bucket(5)
         sender.update_weights(b[:3])
         sender.update_weights(b[3:])
+        name = sender.group_name
         sender.close()
-        out.put(("ok", sender.bytes_sent))
+        out.put(("ok", (sender.bytes_sent, name)))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         out.put(("error", repr(e)))
 
@@ -172,10 +179,13 @@ def test_distributed_sender_broadcasts_over_a_group_sglang_joins(load_format):
     of the group is made by SGLang's own init_custom_process_group where the wheel is present."""
     ctx = mp.get_context("spawn")
     with FakeSGLang(lifetime_s=90) as fake:
-        fake.session_open = False
+        # group_name left to the sender in one case: it is then named after the sending process
+        group = f"mgrpo-test-{load_format}" if load_format else None
+        sender = DistributedWeightSender([fake.url], [1], master_address="127.0.0.1",
+                                         master_port=free_port("127.0.0.1"), group_name=group, backend="gloo",
+                                         load_format=load_format, timeout_s=60)
         out = ctx.Queue()
-        group = f"mgrpo-test-{load_format}"
-        proc = ctx.Process(target=_trainer_rank, args=(fake.url, free_port("127.0.0.1"), load_format, group, out))
+        proc = ctx.Process(target=_trainer_rank, args=(sender, out))
         proc.start()
         try:
             status, detail = out.get(timeout=80)
@@ -185,6 +195,8 @@ def test_distributed_sender_broadcasts_over_a_group_sglang_joins(load_format):
                 proc.kill()
         assert status == "ok", detail
         assert not fake.errors, fake.errors
+        sent_bytes, group = detail
+        assert group.startswith("mgrpo-test-" if load_format else "mgrpo-weights-pid")
         (init,) = fake.bodies("/init_weights_update_group")
         assert init["rank_offset"] == 1 and init["world_size"] == 2
         assert init["group_name"] == group and init["backend"] == "gloo"
@@ -198,4 +210,4 @@ def test_distributed_sender_broadcasts_over_a_group_sglang_joins(load_format):
         for n, t in _bucket(5):
             assert fake.weights[n].dtype == t.dtype and torch.equal(fake.weights[n], t), n
         assert fake.bodies("/destroy_weights_update_group") == [{"group_name": group}]
-        assert detail == sum(t.numel() * t.element_size() for _, t in _bucket(5))
+        assert sent_bytes == sum(t.numel() * t.element_size() for _, t in _bucket(5))

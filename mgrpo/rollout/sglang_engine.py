@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang_http import HTTPClient, SGLangRequestError, require_sglang
+from mgrpo.rollout.sglang_http import HTTPClient, SGLangRequestError, node_ip, require_sglang
 from mgrpo.rollout.sglang_weights import FLATTENED, WeightSession, tensor_payloads
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
@@ -103,20 +103,6 @@ def parse_generate_item(item: dict, uid: int, default_version: int) -> Optional[
 
 
 # --- addresses and the server process ---------------------------------------------------------------
-def node_ip() -> str:
-    """This node's cluster address: $MGRPO_NODE_IP, else the address of the interface that routes
-    outward (a UDP connect sends nothing), else the host name's address."""
-    ip = os.environ.get("MGRPO_NODE_IP")
-    if ip:
-        return ip
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
 def check_host(host: str) -> str:
     if host.strip() in WILDCARD_HOSTS:
         raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "

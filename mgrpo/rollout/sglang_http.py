@@ -8,6 +8,8 @@ Also the capability checks that keep SGLang-only paths from failing obscurely on
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -48,6 +50,20 @@ def require_cuda(what: str) -> None:
                                      f"{ENGINE_HINT}.")
 
 
+def node_ip() -> str:
+    """This node's cluster address: $MGRPO_NODE_IP, else the address of the interface that routes
+    outward (a UDP connect sends nothing), else the host name's address."""
+    ip = os.environ.get("MGRPO_NODE_IP")
+    if ip:
+        return ip
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 def _transient_status(status: int) -> bool:
     return status >= 500
 
@@ -70,6 +86,16 @@ class HTTPClient:
         """Transient failures that were retried, over the client's life."""
         self._lock = threading.Lock()
         self._local = threading.local()  # requests.Session is not documented thread-safe: one per thread
+
+    def __getstate__(self):  # travels to trainer ranks inside the senders (Ray pickles them)
+        state = dict(self.__dict__)
+        del state["_lock"], state["_local"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._local = threading.local()
 
     def _session(self) -> requests.Session:
         s = getattr(self._local, "session", None)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import copyreg
 import io
+import os
 import threading
 import time
 import types
@@ -46,7 +47,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang_http import HTTPClient, SGLangRequestError, SGLangUnavailableError, require_cuda
+from mgrpo.rollout.sglang_http import (HTTPClient, SGLangRequestError, SGLangUnavailableError, node_ip,
+                                      require_cuda)
 
 Bucket = Sequence[tuple[str, torch.Tensor]]
 
@@ -147,6 +149,13 @@ class WeightSession:
         self.client = client
         self._lock = threading.Lock()
         self.open = False
+
+    def __getstate__(self):
+        return {"client": self.client, "open": False}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def begin(self, force: bool = False) -> None:
         """Open the session unless this object opened it already (`force`: ask the server anyway,
@@ -259,21 +268,43 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
+_LIVE_SENDERS: dict[str, "DistributedWeightSender"] = {}
+
+
+def _live_sender(key: str, spec: dict) -> "DistributedWeightSender":
+    """Unpickling a sender in a process that already holds one for the same spec returns that one:
+    the process group is made once per trainer process, not once per sync."""
+    sender = _LIVE_SENDERS.get(key)
+    if sender is None:
+        sender = _LIVE_SENDERS[key] = DistributedWeightSender(**spec, _key=key)
+    return sender
+
+
 class DistributedWeightSender:
     """Disaggregated mode: the trainer's source rank (one per pipeline stage) broadcasts each bucket
     over a process group it shares with every engine TP rank. World size = 1 + sum of engine TP
     sizes; the trainer is rank 0, engine i's ranks start at 1 + (TP sizes of engines before i).
 
-    Several senders (pipeline stages) each need their own `group_name` and must not interleave
-    their buckets: an engine serves one update at a time, so two stages reaching two engines in
-    opposite orders would deadlock. Pass one shared `lock` (a context manager) to all of them."""
+    Made on the driver and shipped to the trainer ranks (it pickles as its spec; a rank keeps one
+    live sender per spec). Resolved on the rank that first sends: `master_address` (this node's
+    address), `master_port` (a free one), `group_name` (per global rank, so pipeline stages get
+    their own groups). Several stages must not interleave their buckets: an engine serves one
+    update at a time, so two stages reaching two engines in opposite orders would deadlock; pass
+    one shared `lock` (a picklable context manager) to serialise them."""
 
-    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int, *, master_address: str,
-                 master_port: Optional[int] = None, group_name: str = "mgrpo-weights-pp0", backend: str = "nccl",
-                 load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, device: Optional[torch.device] = None,
-                 lock=None):
-        if master_address in ("", "0.0.0.0", "::"):
+    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int, *, master_address: Optional[str] = None,
+                 master_port: Optional[int] = None, group_name: Optional[str] = None, backend: str = "nccl",
+                 load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, device: Optional[str] = None,
+                 lock=None, _key: Optional[str] = None):
+        if master_address is not None and master_address.strip() in ("", "0.0.0.0", "::", "[::]"):
             raise ValueError(f"master_address must be this node's cluster address, got {master_address!r}")
+        self._spec = dict(urls=list(urls), tp_sizes=tp_sizes, master_address=master_address, master_port=master_port,
+                          group_name=group_name, backend=backend, load_format=load_format, timeout_s=timeout_s,
+                          device=device, lock=lock)
+        import uuid
+
+        self._key = _key or uuid.uuid4().hex
+        _LIVE_SENDERS.setdefault(self._key, self)
         self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=0) for u in urls]
         self.tp_sizes = [tp_sizes] * len(urls) if isinstance(tp_sizes, int) else list(tp_sizes)
         if len(self.tp_sizes) != len(self.clients):
@@ -290,7 +321,16 @@ class DistributedWeightSender:
         self.group = None
         self.broken = False
         self.bytes_sent = 0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="mgrpo-wsync")
+        self._pool_: Optional[ThreadPoolExecutor] = None
+
+    def __reduce__(self):
+        return _live_sender, (self._key, self._spec)
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._pool_ is None:
+            self._pool_ = ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="mgrpo-wsync")
+        return self._pool_
 
     @property
     def world_size(self) -> int:
@@ -314,8 +354,15 @@ class DistributedWeightSender:
         if self.group is not None:
             return
         self._check_capability()
+        import torch.distributed as dist
+
+        if self.master_address is None:
+            self.master_address = node_ip()
         if self.master_port is None:
             self.master_port = free_port(self.master_address)
+        if self.group_name is None:
+            who = f"rank{dist.get_rank()}" if dist.is_initialized() else f"pid{os.getpid()}"
+            self.group_name = f"mgrpo-weights-{who}"
         offsets, acc = [], 1
         for tp in self.tp_sizes:
             offsets.append(acc)
@@ -331,6 +378,7 @@ class DistributedWeightSender:
             errors = [_error_of(f) for f in futures]
         errors = [e for e in errors if e]
         if errors:
+            self.broken = True
             raise SGLangRequestError(f"init_weights_update_group {self.group_name!r} failed: " + "; ".join(errors))
 
     def update_weights(self, bucket: Bucket) -> None:
@@ -358,6 +406,7 @@ class DistributedWeightSender:
             # broadcasting then would wait for a receiver that never comes.
             early = [_error_of(f) for f in futures if f.done()]
             if any(early):
+                self.broken = True  # engines that did accept now wait for a broadcast that will not come
                 raise SGLangRequestError(f"update_weights_from_distributed refused before the broadcast: "
                                          + "; ".join(e for e in early if e))
             import torch.distributed as dist
@@ -397,6 +446,8 @@ class DistributedWeightSender:
         for f in futures:
             _error_of(f)  # best effort: an engine that is gone has no group left to destroy
         self._pool.shutdown(wait=False)
+        self._pool_ = None
+        _LIVE_SENDERS.pop(self._key, None)
 
 
 def _error_of(future) -> Optional[str]:
