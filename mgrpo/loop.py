@@ -56,6 +56,7 @@ class Trainer:
         with timer("step"):
             with timer("gen"):
                 exp = self.generate_and_judge(metrics, timer)
+            rt.release_rollout_memory()
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
 

@@ -102,7 +102,8 @@ class Runtime:
                                        name="mgrpo-rollout")
         eos = [self.tokenizer.eos_token_id]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
-        self.rollout = RolloutGroup(cfg, self.rollout_bundles, hf_dir=init_dir, eos_token_ids=eos, pad_token_id=pad)
+        self.rollout = RolloutGroup(cfg, self.rollout_bundles, hf_dir=init_dir, eos_token_ids=eos, pad_token_id=pad,
+                                    log_dir=os.path.join(self.run_dir, "logs"))
         self.trainer = TrainerGroup(cfg, lay, self.trainer_bundles, init_hf_dir=init_dir,
                                     total_steps=self.total_steps, need_ref=self.need_ref)
         self.rollout.on_restart = lambda engines: self.trainer.sync_weights(
@@ -146,12 +147,22 @@ class Runtime:
         outs = self.trainer.compute_logprobs(shards, which, temperature)
         return {k: exp.merge_shards(idx, self.layout.dp, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
 
+    def release_rollout_memory(self) -> None:
+        """Colocated engines give their accelerator memory to the trainer between generation and sync."""
+        if self.cfg.rollout.mode == "colocated":
+            self.rollout.release_memory()
+
     def sync_weights(self) -> dict:
         t0 = time.perf_counter()
+        colocated = self.cfg.rollout.mode == "colocated"
         self.rollout.health_check()
+        if colocated:
+            self.rollout.resume_memory(["weights"])  # room for the new weights, KV cache still released
         sent = self.trainer.sync_weights(self.rollout.receivers(), self.cfg.rollout.update_weights_bucket_mb << 20)
         self.weight_version += 1
         self.rollout.finish_weight_update(self.weight_version)
+        if colocated:
+            self.rollout.resume_memory()
         seconds = time.perf_counter() - t0
         return {"perf/update_weights_bytes": float(sent["bytes"]), "rollout/weight_version": float(self.weight_version),
                 "perf/update_weights_gbps": sent["bytes"] / max(seconds, 1e-9) / 1e9}

@@ -9,6 +9,7 @@ restart is counted and reported in the step's metrics.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -30,6 +31,7 @@ class EngineHost:
 
     def __init__(self, kind: str, hf_dir: str, eos_token_ids: list[int], pad_token_id: int, chunk_size: int,
                  num_threads: int, engine_kwargs: Optional[dict] = None):
+        self.kind = kind
         if kind == "hf":
             from mgrpo.rollout.hf_engine import HFRolloutEngine
 
@@ -38,7 +40,10 @@ class EngineHost:
         else:
             from mgrpo.rollout.sglang_engine import SGLangEngine
 
-            self.engine = SGLangEngine.launch(hf_dir, **(engine_kwargs or {}))
+            kwargs = dict(engine_kwargs or {})
+            # Bind to the address of the node this actor landed on (never 0.0.0.0).
+            kwargs.setdefault("host", ray.util.get_node_ip_address())
+            self.engine = SGLangEngine.launch(hf_dir, **kwargs)
 
     def generate(self, requests, sampling):
         return self.engine.generate(requests, sampling)
@@ -52,23 +57,68 @@ class EngineHost:
     def health(self):
         return self.engine.health()
 
-    def release_memory(self):
-        self.engine.release_memory()
+    def address(self) -> dict:
+        """Where the engine is: its node and (SGLang) URL and TP size, for direct weight senders."""
+        return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
+                "tp": getattr(self.engine, "tp", 1)}
 
-    def resume_memory(self):
-        self.engine.resume_memory()
+    def retries(self) -> int:
+        """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
+        return int(getattr(self.engine, "retries", 0))
+
+    def release_memory(self, tags=None):
+        if tags is None:
+            self.engine.release_memory()
+        else:
+            self.engine.release_memory(tags)
+
+    def resume_memory(self, tags=None):
+        if tags is None:
+            self.engine.resume_memory()
+        else:
+            self.engine.resume_memory(tags)
+
+    def shutdown(self):
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
 
 class EngineReceiver:
     """What a trainer rank holds to push weight buckets to engines hosted in Ray actors: one object
-    transfer per bucket, shared by all engines."""
+    transfer per bucket, shared by all engines (the engine host then loads it, or for SGLang hands
+    it to its server over CUDA IPC from the engine's own node)."""
 
     def __init__(self, handles: list):
         self.handles = handles
 
     def update_weights(self, bucket) -> None:
+        if not self.handles:
+            return
         ref = ray.put(bucket)
         ray.get([h.update_weights.remote(ref) for h in self.handles])
+
+
+class ColocatedSGLangReceiver:
+    """Colocated SGLang: engines on the sending rank's node get CUDA IPC handles straight from the
+    trainer's memory; engines on other nodes (IPC is intra-node) get the bucket through Ray."""
+
+    def __init__(self, engines: list[tuple[object, dict]]):
+        self.engines = engines  # (actor handle, EngineHost.address())
+        self._split = None
+
+    def update_weights(self, bucket) -> None:
+        if self._split is None:
+            from mgrpo.rollout.sglang_weights import IPCWeightSender
+
+            here = ray.util.get_node_ip_address()
+            local = [a for _, a in self.engines if a["node_ip"] == here]
+            self._split = (IPCWeightSender([a["url"] for a in local], [a["tp"] for a in local]) if local else None,
+                           EngineReceiver([h for h, a in self.engines if a["node_ip"] != here]))
+        ipc, remote = self._split
+        if ipc is not None:
+            ipc.update_weights(bucket)
+        remote.update_weights(bucket)
 
 
 @dataclass
@@ -81,18 +131,26 @@ class RolloutStats:
 
 class RolloutGroup:
     def __init__(self, cfg: MGRPOConfig, bundles: Bundles, *, hf_dir: str, eos_token_ids: list[int],
-                 pad_token_id: int):
+                 pad_token_id: int, log_dir: Optional[str] = None):
         self.cfg = cfg
         self.bundles = bundles
         self.hf_dir = hf_dir
-        self._host_args = (cfg.rollout.engine, hf_dir, list(eos_token_ids), pad_token_id, cfg.rollout.generate_chunk,
-                           cfg.trainer.cpus_per_worker)
+        r = cfg.rollout
+        engine_kwargs = None
+        if r.engine == "sglang":
+            engine_kwargs = dict(tp=r.tp, mem_fraction_static=r.gpu_memory_utilization, stop_token_ids=list(eos_token_ids),
+                                 max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
+                                 log_dir=os.path.join(log_dir, "sglang") if log_dir else None,
+                                 enable_memory_saver=r.mode == "colocated")
+        self._host_args = (r.engine, hf_dir, list(eos_token_ids), pad_token_id, r.generate_chunk,
+                           cfg.trainer.cpus_per_worker, engine_kwargs)
         self.engines = [self._start(i) for i in range(cfg.rollout.num_engines)]
         ray.get([e.health.remote() for e in self.engines])  # wait until every engine is up
         self.weight_version = 0
         self.on_restart: Optional[Callable[[list], None]] = None
         """Set by the loop: pushes the current weights to the given engine handles."""
         self.total = RolloutStats()
+        self._engine_retries = 0
 
     def _start(self, index: int):
         gpus = self.cfg.rollout.tp if self.cfg.trainer.device == "cuda" else 0
@@ -101,8 +159,19 @@ class RolloutGroup:
                                   max_concurrency=2).remote(*self._host_args)
 
     def receivers(self, engines: Optional[list] = None) -> list:
-        """Objects the trainer ranks push weight buckets through (all engines, or the given ones)."""
-        return [EngineReceiver(engines if engines is not None else self.engines)]
+        """Objects the trainer ranks push weight buckets through (to all engines, or the given ones):
+        through Ray for the transformers engine; CUDA IPC (colocated) or an NCCL broadcast
+        (disaggregated) for SGLang."""
+        handles = engines if engines is not None else self.engines
+        r = self.cfg.rollout
+        if r.engine != "sglang":
+            return [EngineReceiver(handles)]
+        addresses = ray.get([h.address.remote() for h in handles])
+        if r.mode == "colocated":
+            return [ColocatedSGLangReceiver(list(zip(handles, addresses)))]
+        from mgrpo.rollout.sglang_weights import DistributedWeightSender
+
+        return [DistributedWeightSender([a["url"] for a in addresses], [a["tp"] for a in addresses], backend="nccl")]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
@@ -144,6 +213,10 @@ class RolloutGroup:
                 results.extend(out)
                 stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
                 bar.update(len(out))
+        # Retries the engines did themselves (HTTP errors, aborted requests) count as well.
+        engine_retries = sum(ray.get([e.retries.remote() for e in self.engines]))
+        stats.retries += max(engine_retries - self._engine_retries, 0)
+        self._engine_retries = engine_retries
         stats.seconds = time.perf_counter() - t0
         self.total.retries += stats.retries
         self.total.restarts += stats.restarts
@@ -161,6 +234,7 @@ class RolloutGroup:
             return False
 
     def _restart(self, index: int) -> None:
+        self._stop(self.engines[index])
         try:
             ray.kill(self.engines[index])
         except Exception:
@@ -181,12 +255,21 @@ class RolloutGroup:
         self.total.restarts += restarted
         return restarted
 
-    def release_memory(self) -> None:
-        ray.get([e.release_memory.remote() for e in self.engines])
+    def release_memory(self, tags=None) -> None:
+        ray.get([e.release_memory.remote(tags) for e in self.engines])
 
-    def resume_memory(self) -> None:
-        ray.get([e.resume_memory.remote() for e in self.engines])
+    def resume_memory(self, tags=None) -> None:
+        ray.get([e.resume_memory.remote(tags) for e in self.engines])
+
+    @staticmethod
+    def _stop(engine) -> None:
+        """Let the engine stop what it owns (an SGLang server) before its actor is killed."""
+        try:
+            ray.get(engine.shutdown.remote(), timeout=30)
+        except Exception:  # a dead engine has nothing left to stop
+            pass
 
     def shutdown(self) -> None:
         for e in self.engines:
+            self._stop(e)
             ray.kill(e)

@@ -122,6 +122,9 @@ def validate(cfg: MGRPOConfig) -> Layout:
         e.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} must be at least 1")
     if r.num_engines < 1 or r.tp < 1:
         e.append(f"rollout.num_engines={r.num_engines} and rollout.tp={r.tp} must be at least 1")
+    if r.engine == "sglang" and r.mode == "disaggregated" and a.pp > 1:
+        e.append("rollout.mode=disaggregated with actor.pp>1: the per-stage NCCL weight broadcasts are not "
+                 "serialised yet; use actor.pp=1 or rollout.mode=colocated")
     if r.engine == "sglang" and t.device == "cpu":
         e.append("rollout.engine='sglang' needs a GPU; on trainer.device=cpu use rollout.engine=hf")
     lay = None

@@ -113,8 +113,8 @@ class HFRolloutEngine:
     def health(self) -> EngineHealth:
         return EngineHealth(ok=True, weight_version=self.weight_version, detail={"generated": self._generated})
 
-    def release_memory(self) -> None:  # nothing to release on CPU
+    def release_memory(self, tags=None) -> None:  # nothing to release on CPU
         pass
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags=None) -> None:
         pass

@@ -63,7 +63,8 @@ class RolloutEngine(Protocol):
 
     def health(self) -> EngineHealth: ...
 
-    def release_memory(self) -> None:
-        """Colocated mode: free accelerator memory while the trainer runs."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Colocated mode: free accelerator memory (all, or the named parts) while the trainer runs."""
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take it back: ["weights"] before a weight sync, everything before generating."""
