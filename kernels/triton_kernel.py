@@ -34,7 +34,7 @@ def _stats_kernel(H, W, LAB, M, S, TT, TGT, n_tok, hdim, split, n_valid, inv_tem
                   ENTROPY: tl.constexpr, PREC: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_t = pid_t * BT + tl.arange(0, BT).to(tl.int64)  # int64: V * H can exceed 2^31 elements
     tmask = offs_t < n_tok
     lab = tl.load(LAB + offs_t, mask=tmask, other=-1)
     m = tl.full([BT], float("-inf"), tl.float32)
@@ -44,7 +44,7 @@ def _stats_kernel(H, W, LAB, M, S, TT, TGT, n_tok, hdim, split, n_valid, inv_tem
     v_lo = pid_s * split
     v_hi = tl.minimum(v_lo + split, n_valid)
     for v0 in range(v_lo, v_hi, BV):
-        offs_v = v0 + tl.arange(0, BV)
+        offs_v = v0 + tl.arange(0, BV).to(tl.int64)
         vmask = offs_v < v_hi
         acc = tl.zeros([BT, BV], tl.float32)
         for k0 in range(0, hdim, BK):
@@ -76,8 +76,8 @@ def _grad_kernel(H, W, LAB, LSE, A, B, G, DH, DW, n_tok, hdim, n_valid, inv_temp
                  NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, PREC: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_v = tl.program_id(1)
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_t = pid_t * BT + tl.arange(0, BT).to(tl.int64)
+    offs_v = pid_v * BV + tl.arange(0, BV).to(tl.int64)
     tmask = offs_t < n_tok
     vmask = offs_v < n_valid
     acc = tl.zeros([BT, BV], tl.float32)
@@ -120,6 +120,9 @@ def _blocks(device):
 def triton_stats(hidden, weight, labels_local, n_valid, inv_temp, entropy, group):
     """Per-token (lse, E_p[z], target logit) in fp32; splits merged here, TP ranks by merge_stats."""
     n_tok, hdim = hidden.shape
+    if n_tok == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty, empty
     blk, sms = _blocks(hidden.device)
     t_blocks = triton.cdiv(n_tok, blk["BT"])
     v_blocks = max(1, triton.cdiv(n_valid, blk["BV"]))
@@ -131,9 +134,7 @@ def triton_stats(hidden, weight, labels_local, n_valid, inv_temp, entropy, group
     _stats_kernel[(t_blocks, n_splits)](
         hidden, weight, labels_local, part[0], part[1], part[2], part[3], n_tok, hdim, split, n_valid,
         inv_temp, hidden.stride(0), weight.stride(0), ENTROPY=entropy, PREC=prec, **blk)
-    m, s, t, tgt = part.unbind(0)
-    if n_valid == 0:
-        m.fill_(float("-inf"))
+    m, s, t, tgt = part.unbind(0)  # a shard of padding only keeps m = -inf, s = t = 0
     m_max = m.amax(0)
     scale = torch.where(torch.isinf(m), 0.0, torch.exp(m - m_max))
     return merge_stats(m_max, (s * scale).sum(0), (t * scale).sum(0), tgt.sum(0), group=group)
