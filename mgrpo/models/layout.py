@@ -216,26 +216,28 @@ def shard_from_hf(w: Weight, read: Reader, d: Dims, tp_rank: int) -> torch.Tenso
     raise ValueError(f"unknown weight kind {w.kind!r} of {w.megatron}")
 
 
-def hf_from_shards(w: Weight, shards: Sequence[torch.Tensor], d: Dims) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF tensors of `w` from its TP shards in rank order (one shard for replicated weights)."""
-    H = d.hidden
+def hf_from_shards(w: Weight, shards, d: Dims) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors of `w` from its TP shards: a tensor [tp, *local_shape] (stacked in rank
+    order, as `all_gather` into one buffer leaves them) or a list of shards. Results are views of
+    `shards` where the layout allows (always at TP=1), otherwise one copy."""
+    if not isinstance(shards, torch.Tensor):
+        shards = torch.stack(list(shards))
+    tp, H = shards.shape[0], d.hidden
     if w.kind == REPLICATED:
         yield w.hf[0], shards[0]
-    elif w.kind == ROW_PARALLEL:
-        yield w.hf[0], shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=1)
+    elif w.kind == ROW_PARALLEL:  # [tp, H, cols/tp] -> [H, cols]
+        yield w.hf[0], shards[0] if tp == 1 else shards.permute(1, 0, 2).reshape(H, -1)
     elif w.kind == VOCAB:
-        full = shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=0)
-        yield w.hf[0], full[: d.vocab]
+        yield w.hf[0], shards.reshape(-1, H)[: d.vocab]
     elif w.kind == QKV:
         hpg, hd = d.heads_per_group, d.head_dim
-        full = torch.cat([s.reshape(-1, hpg + 2, hd, H) for s in shards], dim=0)  # [groups, hpg+2, hd, H]
+        full = shards.reshape(d.groups, hpg + 2, hd, H)  # TP shards hold consecutive query groups
         yield w.hf[0], full[:, :hpg].reshape(d.heads * hd, H)
         yield w.hf[1], full[:, hpg].reshape(d.groups * hd, H)
         yield w.hf[2], full[:, hpg + 1].reshape(d.groups * hd, H)
-    elif w.kind == FC1:
-        halves = [s.chunk(2, dim=0) for s in shards]
+    elif w.kind == FC1:  # each shard is [gate rows; up rows]
+        halves = shards.reshape(tp, 2, d.ffn // tp, H)
         for k, name in enumerate(w.hf):
-            parts = [h[k] for h in halves]
-            yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            yield name, halves[:, k].reshape(d.ffn, H)
     else:
         raise ValueError(f"unknown weight kind {w.kind!r} of {w.megatron}")

@@ -26,12 +26,12 @@ def _dense(p: torch.Tensor) -> torch.Tensor:
     return dequantize_fp8_tensor(p) if is_float8tensor(p) else p
 
 
-def _gather(t: torch.Tensor, tp_group, tp_size: int) -> list[torch.Tensor]:
+def _gather(t: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
+    """All TP shards stacked [tp, *shape], gathered straight into one buffer (no concatenation copy)."""
     import torch.distributed as dist
 
-    t = t.contiguous()
-    out = [torch.empty_like(t) for _ in range(tp_size)]
-    dist.all_gather(out, t, group=tp_group)
+    out = torch.empty((tp_size, *t.shape), dtype=t.dtype, device=t.device)
+    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=tp_group)
     return out
 
 
@@ -47,13 +47,18 @@ def iter_megatron_to_hf(model, model_cfg: ModelConfig, *, tp_group, tp_size: int
     """
     stage = Stage.of(model)
     d = check_stage_layout(model_cfg, stage, tp_size, pp_rank, pp_size)
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        if dist.get_world_size(tp_group) != tp_size:
+            raise ValueError(f"tp_size={tp_size} but tp_group has {dist.get_world_size(tp_group)} ranks")
     weights = stage.weights(model_cfg)
     raise_problems(f"cannot export Megatron stage pp_rank={pp_rank}", stage.check(model_cfg, d, weights))
     for w in weights:
         if not w.export:
             continue
         local = _dense(stage.params[w.megatron])
-        shards = [local] if w.kind == REPLICATED or tp_size == 1 else _gather(local, tp_group, tp_size)
+        shards = local.unsqueeze(0) if w.kind == REPLICATED or tp_size == 1 else _gather(local, tp_group, tp_size)
         for name, tensor in hf_from_shards(w, shards, d):
             yield name, tensor.contiguous()
 
