@@ -25,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from mgrpo.config import ConfigError, MGRPOConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+EXIT_STOPPED = 75
+"""Exit status after a requested stop (SIGUSR1) with a checkpoint written: resume continues the run."""
 
 ConfigStore.instance().store(name="mgrpo_schema", node=MGRPOConfig)
 
@@ -36,7 +38,7 @@ def to_config(cfg: DictConfig) -> MGRPOConfig:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
-    from mgrpo.loop import Trainer
+    from mgrpo.loop import StopRequested, Trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
@@ -51,6 +53,9 @@ def _main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print("mgrpo-train: interrupted; Ray shut down and files flushed", file=sys.stderr)
         sys.exit(130)
+    except StopRequested as stop:
+        print(f"mgrpo-train: {stop}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
 
 
 def main() -> None:

@@ -19,6 +19,10 @@ from mgrpo.runtime import Runtime
 log = logging.getLogger("mgrpo")
 
 
+class StopRequested(Exception):
+    """The run stopped early on request (SIGUSR1) after writing a checkpoint; resume continues it."""
+
+
 class Trainer:
     def __init__(self, config: MGRPOConfig):
         self.cfg = config = resolve_device(config)
@@ -37,6 +41,10 @@ class Trainer:
             while rt.step < rt.total_steps:
                 metrics = self.train_step()
                 rt.after_step(metrics)
+                if rt.stop_requested:
+                    path = rt.save_checkpoint()
+                    raise StopRequested(f"stopped at step {rt.step} on request; checkpoint {path}; "
+                                        "run again with trainer.resume=auto to continue")
                 if rt.should_test():
                     val = self.evaluate()
                     rt.tracker.log(val, step=rt.step)

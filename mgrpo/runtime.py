@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -32,16 +34,24 @@ class Runtime:
         self.trainer = self.rollout = self.tracker = self.trajectories = self.judger = None
         self.counters = {"reward/failed": 0, "reward/timeout": 0, "rollout/retries": 0, "rollout/restarts": 0}
         self._ray_started = False
+        self.stop_requested = False
 
     # --- start ----------------------------------------------------------------------------------------
+    def _on_stop_signal(self, signum, frame) -> None:
+        log.warning("signal %d: finishing step %d, then checkpoint and exit", signum, self.step + 1)
+        self.stop_requested = True
+
     def start(self) -> None:
         from mgrpo.data import PromptDataset, load_tokenizer
-        from mgrpo.observe.tracker import Tracker
+        from mgrpo.observe.tracker import Tracker, truncate_jsonl
         from mgrpo.observe.trajectories import TrajectoryWriter
         from mgrpo.rewards import Judger, check_data_sources
 
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
+        if threading.current_thread() is threading.main_thread():
+            # SIGUSR1 (SLURM's warning before the time limit): stop after this step with a checkpoint.
+            signal.signal(signal.SIGUSR1, self._on_stop_signal)
         # Data and judges first: an unknown data_source or a bad record fails before any process starts.
         self.tokenizer = load_tokenizer(cfg.model)
         self.train_data = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files, split="train")
@@ -57,9 +67,13 @@ class Runtime:
         self._start_processes(init_dir)
         if state is not None:
             self._restore(resume_dir, state)
-        self.tracker = Tracker(self.run_dir, cfg.trainer.logger, total_steps=self.total_steps)
-        self.trajectories = TrajectoryWriter(os.path.join(self.run_dir, "trajectories.jsonl")) \
-            if cfg.trainer.log_trajectories else None
+        resumed = self.step if state is not None else None
+        self.tracker = Tracker(self.run_dir, cfg.trainer.logger, total_steps=self.total_steps, resume_step=resumed)
+        if cfg.trainer.log_trajectories:
+            path = os.path.join(self.run_dir, "trajectories.jsonl")
+            if resumed is not None:
+                truncate_jsonl(path, resumed)
+            self.trajectories = TrajectoryWriter(path)
         log.info("run dir %s | trainer ranks %d (tp=%d pp=%d cp=%d dp=%d) | engines %d | steps %d..%d",
                  self.run_dir, self.layout.trainer_world, cfg.actor.tp, cfg.actor.pp, cfg.actor.cp, self.layout.dp,
                  cfg.rollout.num_engines, self.step, self.total_steps)

@@ -182,7 +182,7 @@ def test_time_limit_requeues_and_the_requeued_job_resumes(tmp_path):
         text1 = log1.read_text()
         assert rc == 0, text1
         assert "SIGUSR1: the time limit is near" in text1
-        assert "mgrpo-train: interrupted" in text1  # SIGINT reached the trainer as KeyboardInterrupt
+        assert "on request; checkpoint" in text1  # SIGUSR1: the trainer finished its step and checkpointed
         assert "scontrol-shim: requeue 4242" in job.shim_log.read_text()
         assert "running: mgrpo-train trainer.nnodes=1 trainer.ray_address=" in text1
         assert "trainer.resume=auto" in text1

@@ -149,6 +149,9 @@ class ActorConfig:
     """None | e4m3 | hybrid (Transformer Engine FP8 formats; GPU only)."""
     fp8_recipe: str = "delayed"
     """delayed | tensorwise | blockwise | mxfp8"""
+    dtype: str = "auto"
+    """Parameter dtype: auto (bf16 on cuda with fp32 master weights in the optimizer, fp32 on cpu) |
+    bf16 | fp32."""
     logprob_impl: str = "chunked"
     """fused (Triton) | chunked (torch, never full logits) | naive (full logits)"""
     logprob_chunk_size: int = 4096

@@ -28,6 +28,7 @@ FP8_FORMATS = (None, "e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LOGGERS = ("console", "tensorboard")
+DTYPES = ("auto", "bf16", "fp32")
 
 
 class ConfigError(ValueError):
@@ -101,6 +102,10 @@ def validate(cfg: MGRPOConfig) -> Layout:
         e.append("actor.use_distributed_optimizer=True needs CUDA tensors in megatron-core; "
                  "on trainer.device=cpu use actor.use_distributed_optimizer=false")
     _choice(e, "actor.logprob_impl", a.logprob_impl, LOGPROB_IMPLS)
+    _choice(e, "actor.dtype", a.dtype, DTYPES)
+    if a.dtype == "bf16" and t.device == "cpu":
+        e.append("actor.dtype=bf16 needs CUDA (megatron's mixed-precision optimizer); on trainer.device=cpu "
+                 "use actor.dtype=fp32")
     _choice(e, "actor.lr_decay_style", a.lr_decay_style, LR_DECAY_STYLES)
     if a.lr <= 0:
         e.append(f"actor.lr={a.lr} must be positive")
@@ -212,13 +217,17 @@ def validate(cfg: MGRPOConfig) -> Layout:
 
 
 def resolve_device(cfg: MGRPOConfig) -> MGRPOConfig:
-    """trainer.device=auto becomes cuda when a GPU is visible, else cpu (a new config; input untouched)."""
-    if cfg.trainer.device != "auto":
-        return cfg
-    import torch
+    """Resolve the 'auto' choices (a new config; the input is untouched): trainer.device becomes cuda
+    when a GPU is visible, else cpu; actor.dtype becomes bf16 on cuda, fp32 on cpu; trainer.output_dir
+    becomes absolute (Ray workers do not share the driver's working directory)."""
+    device = cfg.trainer.device
+    if device == "auto":
+        import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return replace(cfg, trainer=replace(cfg.trainer, device=device))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return replace(cfg, trainer=replace(cfg.trainer, device=device, output_dir=os.path.abspath(output_dir(cfg))),
+                   actor=replace(cfg.actor, dtype=dtype))
 
 
 def output_dir(cfg: MGRPOConfig) -> str:

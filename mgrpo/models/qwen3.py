@@ -103,8 +103,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
     elif use_te:
         # TE picks flash / cuDNN fused attention (both take THD-packed sequences); RoPE and
         # SwiGLU fusions are TE kernels too.
-        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True,
-                      masked_softmax_fusion=True)
+        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True)
     else:
         # Local spec on a GPU without TE: megatron's own fused kernels only (RoPE fusion needs TE).
         kwargs.update(attention_backend=AttnBackend.local, bias_activation_fusion=True, apply_rope_fusion=False)

@@ -27,20 +27,40 @@ CONSOLE_FIELDS = (
 )
 
 
+def truncate_jsonl(path: str, max_step: int) -> int:
+    """Drop the records logged after `max_step` (a resumed run logs those steps again); return how many."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= max_step]
+    if len(keep) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
 class Tracker:
     def __init__(self, run_dir: str, loggers: Iterable[str], *, total_steps: Optional[int] = None,
-                 stream=sys.stdout):
+                 stream=sys.stdout, resume_step: Optional[int] = None):
         self.run_dir = run_dir
         self.loggers = set(loggers)
         self.total_steps = total_steps
         self.stream = stream
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None:
+            truncate_jsonl(path, resume_step)
+        self._jsonl = open(path, "a", buffering=1)
         self._tb = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            # purge_step hides events a previous attempt logged after the checkpoint we resume from.
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -35,7 +35,9 @@ class MegatronActor:
         self.ctx = init_parallel(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                                  tp=a.tp, pp=a.pp, cp=a.cp, seed=a.seed)
         use_cpu = self.ctx.device.type == "cpu"
+        bf16 = a.dtype == "bf16"
         self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
+                                            params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                             fp8=a.fp8, fp8_recipe=a.fp8_recipe)
         self.head = LogProbHead(cfg, self.ctx)
 
@@ -51,7 +53,7 @@ class MegatronActor:
         )
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = self.actor.no_sync
-        self.optimizer = build_optimizer(a, [self.actor])
+        self.optimizer = build_optimizer(a, [self.actor], bf16=bf16)  # bf16: fp32 master weights inside
         self.scheduler = build_scheduler(a, self.optimizer, total_steps)
 
         self.ref = None
