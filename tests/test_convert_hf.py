@@ -55,6 +55,28 @@ def test_layout_round_trip_at_every_tp(tp, tied):
     assert set(out) == set(state) and all(torch.equal(out[k], state[k]) for k in state)
 
 
+def test_each_tp_rank_reads_only_its_slices():
+    """Summed over TP ranks, every sharded element is read exactly once; replicated ones once per rank."""
+    cfg = tiny_cfg(tie_word_embeddings=False)
+    state = _random_state(cfg)
+    tp = 2
+    d = Dims.of(cfg, tp, 256)
+    weights = stage_weights(cfg, layers=range(cfg.num_layers), pre_process=True, post_process=True)
+    replicated = sum(state[w.hf[0]].numel() for w in weights if w.kind == "replicated")
+    total = sum(t.numel() for t in state.values())
+    read = [0] * tp
+    for r in range(tp):
+        def reader(name, dim, start, stop, r=r):
+            t = _reader(state)(name, dim, start, stop)
+            read[r] += t.numel()
+            return t
+
+        for w in weights:
+            shard_from_hf(w, reader, d, r)
+    assert sum(read) == total + (tp - 1) * replicated
+    assert max(read) < 0.6 * total
+
+
 def test_fused_qkv_is_grouped_by_query_group():
     """linear_qkv rows: for each kv group, its query heads, then its k head, then its v head."""
     cfg = tiny_cfg(hidden_size=1, num_attention_heads=4, num_query_groups=2, head_dim=1, ffn_hidden_size=2)
