@@ -94,17 +94,23 @@ def test_run_artifacts(tp1_run):
 
 
 def test_resume_continues_exactly(tmp_path):
-    """Stopped after step 2 and resumed, a run logs what the uninterrupted run logs for steps 3-4."""
+    """A run that died after logging step 3 but whose last checkpoint is step 2 resumes from step 2 and
+    logs what the uninterrupted run logs for steps 3-4, with no duplicate rows."""
     straight = str(tmp_path / "straight")
     Trainer(small_config(straight, trainer={"total_training_steps": 4})).fit()
     resumed = str(tmp_path / "resumed")
-    Trainer(small_config(resumed, trainer={"total_training_steps": 2, "save_freq": 2})).fit()
+    Trainer(small_config(resumed, trainer={"total_training_steps": 3, "save_freq": 2})).fit()
+    with open(os.path.join(resumed, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002")  # as if the process died before step 3's checkpoint
     Trainer(small_config(resumed, trainer={"total_training_steps": 4, "save_freq": 2})).fit()
     a, b = read_metrics(straight), read_metrics(resumed)
-    assert [m["step"] for m in b] == [1, 2, 3, 4]  # appended, not overwritten
+    assert [m["step"] for m in b] == [1, 2, 3, 4]  # appended after step 2; step 3 not duplicated
     for step in (2, 3):
         for key in LOSS_KEYS + ("critic/score/mean", "rollout/weight_version"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), (step + 1, key)
+    with open(os.path.join(resumed, "trajectories.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == sorted(steps) and steps.count(3) == 8 * 4
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
