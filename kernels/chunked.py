@@ -74,7 +74,7 @@ def chunk_stats(h, w, labels_local, n_valid, inv_temp, vocab_chunk, entropy, zbu
         rescale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile
         s = s * rescale + e.sum(-1)
         if entropy:
-            t = t * rescale + torch.linalg.vecdot(e, z)
+            t = t * rescale + e.mul_(z).sum(-1)  # in place: e is scratch and no longer needed
         m = m_new
         owned = (labels_local >= lo) & (labels_local < hi)
         col = (labels_local - lo).clamp(0, hi - lo - 1)
@@ -104,11 +104,10 @@ def tile_dlogits(z, lse, a, b, g_tgt, labels_local, lo, scratch):
     folds these per-token numbers and the 1/T of dz/dlogits into a, b and g_tgt.
     """
     p = torch.sub(z, lse[:, None], out=scratch[: z.numel()].view_as(z)).exp_()
-    if b is None:  # the loss does not use the entropy
-        dz = z.copy_(a[:, None].expand_as(z))
+    if b is None:  # the loss does not use the entropy: one pass fewer
+        dz = torch.mul(p, a[:, None], out=z)
     else:
-        dz = torch.addcmul(a[:, None], z, b[:, None], out=z)
-    dz.mul_(p)
+        dz = torch.addcmul(a[:, None], z, b[:, None], out=z).mul_(p)
     owned = (labels_local >= lo) & (labels_local < lo + z.shape[1])
     col = (labels_local - lo).clamp(0, z.shape[1] - 1)
     dz.scatter_add_(1, col[:, None], torch.where(owned, g_tgt, 0.0)[:, None])
