@@ -274,13 +274,13 @@ class Runtime:
 
     # --- end ---------------------------------------------------------------------------------------------
     def finish(self) -> None:
-        from mgrpo.models import save_hf_checkpoint
-
         if self.cfg.trainer.save_freq != 0:
             self.save_checkpoint()
         if self.cfg.trainer.save_hf:
             out = os.path.join(self.run_dir, "hf")
-            save_hf_checkpoint(out, self.trainer.hf_weights(), self.cfg.model, tokenizer=self.tokenizer)
+            tokenizer_dir = os.path.join(self.run_dir, "tokenizer")
+            self.tokenizer.save_pretrained(tokenizer_dir)
+            self.trainer.save_hf(out, tokenizer_dir)  # trainer ranks stream their stages to disk
             log.info("HF checkpoint written to %s", out)
 
     def close(self) -> None:

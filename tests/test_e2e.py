@@ -43,7 +43,7 @@ LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "a
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("tp1"))
-    Trainer(small_config(run_dir)).fit()
+    Trainer(small_config(run_dir, trainer={"save_hf": True})).fit()
     return run_dir, read_metrics(run_dir)
 
 
@@ -63,13 +63,22 @@ def test_step0_invariants(tp1_run):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_parallel_layouts_match_tp1(tp1_run, tmp_path, layout):
-    _, ref = tp1_run
-    Trainer(small_config(str(tmp_path), actor=layout)).fit()
+    ref_dir, ref = tp1_run
+    Trainer(small_config(str(tmp_path), actor=layout, trainer={"save_hf": True})).fit()
     got = read_metrics(str(tmp_path))
     assert got[0]["critic/score/mean"] == ref[0]["critic/score/mean"]  # same rollouts
     for step in range(2):
         for key in LOSS_KEYS:
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-5), (step, key)
+    # The HF export, written stage by stage from the trainer ranks, loads in transformers and holds
+    # the same trained weights as the TP=1 run's export.
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(os.path.join(ref_dir, "hf")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(os.path.join(str(tmp_path), "hf")).state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() < 1e-4, name
 
 
 def test_run_artifacts(tp1_run):

@@ -7,7 +7,6 @@ return (the last pipeline stage for log-probs and metrics, the weight sources fo
 
 from __future__ import annotations
 
-import os
 import socket
 
 import ray
@@ -88,8 +87,8 @@ class TrainerGroup:
         return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
                 "seconds": max(r["seconds"] for r in results)}
 
-    def hf_weights(self) -> list:
-        return [item for part in self._all("hf_weights") for item in part]
+    def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
+        self._all("save_hf", out_dir, tokenizer_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         self._all("save_checkpoint", ckpt_dir)
@@ -104,6 +103,3 @@ class TrainerGroup:
             for r in self.ranks:
                 ray.kill(r)
 
-
-def local_ip() -> str:
-    return os.environ.get("MGRPO_NODE_IP") or ray.util.get_node_ip_address()

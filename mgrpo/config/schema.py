@@ -149,6 +149,8 @@ class ActorConfig:
     """None | e4m3 | hybrid (Transformer Engine FP8 formats; GPU only)."""
     fp8_recipe: str = "delayed"
     """delayed | tensorwise | blockwise | mxfp8"""
+    fp8_param: bool = False
+    """Keep the FP8 copy of the weights as the parameters (saves memory; Transformer Engine only)."""
     dtype: str = "auto"
     """Parameter dtype: auto (bf16 on cuda with fp32 master weights in the optimizer, fp32 on cpu) |
     bf16 | fp32."""

@@ -38,7 +38,7 @@ class MegatronActor:
         bf16 = a.dtype == "bf16"
         self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                            fp8=a.fp8, fp8_recipe=a.fp8_recipe)
+                                            fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param)
         self.head = LogProbHead(cfg, self.ctx)
 
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -195,14 +195,17 @@ class MegatronActor:
                     tensors += len(bucket)
         return {"bytes": sent, "tensors": tensors, "seconds": time.perf_counter() - t0}
 
-    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """This stage's weights in HF layout (source ranks); for the final HF checkpoint."""
+    def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
+        """Write the actor as an HF checkpoint: TP rank 0 of each pipeline stage (of replica 0) streams
+        its stage's shards to disk; no rank ever holds the whole model."""
+        from mgrpo.models.weight_iter import save_hf_checkpoint_distributed
+
         c = self.ctx
-        if c.dp_rank != 0 or c.cp_rank != 0:
-            return []
-        named = list(iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
-                                         pp_rank=c.pp_rank, pp_size=c.pp))
-        return named if c.tp_rank == 0 else []
+        source = c.dp_rank == 0 and c.cp_rank == 0
+        named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
+                                    pp_rank=c.pp_rank, pp_size=c.pp) if source else iter(())
+        save_hf_checkpoint_distributed(out_dir, named, self.cfg.model, writer=source and c.tp_rank == 0,
+                                       stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         from mgrpo.training.checkpoint import save_checkpoint
