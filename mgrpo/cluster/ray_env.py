@@ -8,12 +8,16 @@ writes a token under ~/.ray), its own temp dir, no dashboard. A SLURM job joins 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+_owned_tmp: list[str] = []
 
 
 def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None = None) -> None:
@@ -23,14 +27,20 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
         ray.init(address=address, log_to_driver=True, configure_logging=False)
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
+    tmp = os.environ.get("RAY_TMPDIR")
+    if not tmp:  # a short private path (Ray's socket paths must stay under ~107 characters)
+        tmp = tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
+        _owned_tmp.append(tmp)
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
              configure_logging=False, _temp_dir=tmp)
 
 
 def stop_ray() -> None:
+    """Shut down the local Ray and remove the temp dir we made for it (a user's RAY_TMPDIR is kept)."""
     if ray.is_initialized():
         ray.shutdown()
+    while _owned_tmp:
+        shutil.rmtree(_owned_tmp.pop(), ignore_errors=True)
 
 
 @dataclass
