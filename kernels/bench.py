@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from . import capabilities, fused_linear_loss
+from . import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
 from .reference import make_grpo_token_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by substring of the device name.
@@ -171,8 +171,8 @@ def main(argv=None):
     ap.add_argument("--impls", default=None, help="comma list of naive,chunked,fused,liger (default: all usable)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (chunked path)")
-    ap.add_argument("--vocab-chunk-size", type=int, default=8192, help="vocab rows per tile (chunked path)")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk (chunked path)")
+    ap.add_argument("--vocab-chunk-size", type=int, default=DEFAULT_VOCAB_CHUNK, help="vocab rows per tile (chunked)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-entropy", action="store_true", help="skip the entropy in our implementations")
     ap.add_argument("--liger-seq", type=int, default=512,
