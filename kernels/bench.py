@@ -190,6 +190,7 @@ def main(argv=None):
 
     if args.T % args.liger_seq:
         raise SystemExit(f"--T {args.T} must be a multiple of --liger-seq {args.liger_seq}")
+    load_at_start = os.getloadavg()  # other users of the machine skew CPU timings: recorded in the JSON
     x = make_inputs(args.T, args.H, args.V, dtype, device, args.liger_seq)
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"].clone().requires_grad_()
@@ -246,7 +247,8 @@ def main(argv=None):
     meta = {"machine": machine(device), "args": vars(args), "memory_method": (
         "cuda max_memory_allocated" if device.type == "cuda" else
         "VmHWM reset via /proc/self/clear_refs" if PeakMemory(device).use_hwm else "1 ms RSS sampling"),
-        "flops_per_step": flops, "bf16_peak_tflops": peak_tf, "loadavg_at_end": os.getloadavg(),
+        "flops_per_step": flops, "bf16_peak_tflops": peak_tf, "loadavg_at_start": load_at_start,
+        "loadavg_at_end": os.getloadavg(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} and {out.with_suffix('.json')}")
