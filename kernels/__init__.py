@@ -116,7 +116,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         return full_logprobs(hidden, w, labels, temperature=temperature, vocab_size=vocab_size,
                              compute_entropy=compute_entropy)
     if impl == "fused":
-        cfg = chunked._config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
+        cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
                               compute_entropy)
         return _triton_impl(hidden).TritonLinearLogprobs.apply(hidden, weight, labels, cfg)
     return chunked.linear_logprobs(hidden, weight, labels, temperature=temperature, chunk_size=chunk_size,
@@ -141,7 +141,7 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         return full_linear_loss(hidden, w, labels, token_loss_fn, temperature=temperature, vocab_size=vocab_size,
                                 compute_entropy=compute_entropy)
     if impl == "fused":
-        cfg = chunked._config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
+        cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
                               compute_entropy)
         metrics: dict = {}
         loss, logprob, entropy = _triton_impl(hidden).TritonFusedLinearLoss.apply(

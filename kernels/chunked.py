@@ -149,12 +149,12 @@ def _recomputed_tiles(h, w, n_valid, inv_temp, vocab_chunk, zbuf):
 class _Setup:
     """Per-call constants and reusable buffers (allocated once: fresh pages cost more than math)."""
 
-    def __init__(self, hidden, weight, labels, temperature, chunk_size, vocab_chunk, vocab_start, vocab_size, keep):
-        self.n_valid = num_valid_rows(weight.shape[0], vocab_start, vocab_size)
-        self.inv_temp = 1.0 / temperature
-        self.chunk = max(1, min(chunk_size, hidden.shape[0]))
-        self.vocab_chunk = max(1, min(vocab_chunk, max(self.n_valid, 1)))
-        self.labels_local = labels.long() - vocab_start
+    def __init__(self, hidden, weight, labels, cfg, keep):
+        self.n_valid = num_valid_rows(weight.shape[0], cfg["vocab_start"], cfg["vocab_size"])
+        self.inv_temp = 1.0 / cfg["temperature"]
+        self.chunk = max(1, min(cfg["chunk_size"], hidden.shape[0]))
+        self.vocab_chunk = max(1, min(cfg["vocab_chunk_size"], max(self.n_valid, 1)))
+        self.labels_local = labels.long() - cfg["vocab_start"]
         zsize = self.chunk * (max(self.n_valid, 1) if keep else self.vocab_chunk)
         f32 = dict(device=hidden.device, dtype=torch.float32)
         self.zbuf = torch.empty(zsize, **f32)
@@ -180,8 +180,7 @@ def _allreduce_(x, group):
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
-                    cfg["vocab_start"], cfg["vocab_size"], keep=False)
+        ws = _Setup(hidden, weight, labels, cfg, keep=False)
         n_tok = hidden.shape[0]
         lse, e_z, logprob = (torch.empty(n_tok, device=hidden.device, dtype=torch.float32) for _ in range(3))
         for sl in ws.chunks(n_tok):
@@ -202,8 +201,7 @@ class _LinearLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None
-        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
-                    cfg["vocab_start"], cfg["vocab_size"], keep=False)
+        ws = _Setup(hidden, weight, labels, cfg, keep=False)
         dh, dw = _grad_buffers(hidden, weight, need_h, need_w)
         for sl in ws.chunks(hidden.shape[0]):
             coeffs = coefficients(None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
@@ -220,8 +218,7 @@ class _LinearLogprobs(torch.autograd.Function):
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_loss_fn, cfg, metrics_out):
-        ws = _Setup(hidden, weight, labels, cfg["temperature"], cfg["chunk_size"], cfg["vocab_chunk_size"],
-                    cfg["vocab_start"], cfg["vocab_size"], keep=True)
+        ws = _Setup(hidden, weight, labels, cfg, keep=True)
         need_h, need_w = ctx.needs_input_grad[:2]
         dh, dw = _grad_buffers(hidden, weight, need_h, need_w)
         n_tok, entropy_on = hidden.shape[0], cfg["compute_entropy"]
@@ -269,9 +266,11 @@ class _FusedLinearLoss(torch.autograd.Function):
         return scale(dh), scale(dw), None, None, None, None
 
 
-def _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy):
+def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy):
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError(f"chunk_size and vocab_chunk_size must be >= 1, got {chunk_size}, {vocab_chunk_size}")
     return dict(temperature=float(temperature), chunk_size=int(chunk_size), vocab_chunk_size=int(vocab_chunk_size),
                 tp_group=tp_group, vocab_start=int(vocab_start), vocab_size=vocab_size,
                 compute_entropy=bool(compute_entropy))
@@ -285,7 +284,7 @@ def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAU
     `weight` is this rank's rows [vocab_start, vocab_start + V_local) of the padded vocabulary; rows
     with global id >= vocab_size are padding. Differentiable w.r.t. hidden and weight.
     """
-    cfg = _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
     return _LinearLogprobs.apply(hidden, weight, labels, cfg)
 
 
@@ -298,7 +297,7 @@ def fused_linear_loss(hidden, weight, labels, token_loss_fn, *, temperature=1.0,
     sum over the chunk's tokens (weights carry mask and normalisation); losses and metrics are summed
     over chunks. logprob and entropy come back detached.
     """
-    cfg = _config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
     metrics: dict = {}
     loss, logprob, entropy = _FusedLinearLoss.apply(hidden, weight, labels, token_loss_fn, cfg, metrics)
     return loss, metrics, logprob, entropy
