@@ -84,8 +84,11 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
-        # Pipeline stages exchange activations of one shape per forward_backward call: the trainer
-        # pads every micro-batch of a call to the same length (seq_length argument).
+        # RL micro-batches are packed under a token budget, so their shapes differ: pipeline stages
+        # exchange shapes before activations. (megatron rejects this flag with its default MoE
+        # dispatcher 'allgather' even for dense models; 'alltoall' is inert without experts.)
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=False,
     )
     if use_cpu:
