@@ -18,12 +18,17 @@ from mgrpo.loop import Trainer
 
 
 def small_config(run_dir: str, **groups) -> MGRPOConfig:
-    """The default job, shortened: 8 prompts x 4 samples per step."""
+    """The default job, shortened to 8 prompts x 4 samples per step, with a dense user reward and a
+    small entropy bonus so that losses and gradients are non-zero from the first step (the exact-match
+    reward of a random model is almost always 0 at this batch size, which would make every
+    comparison below one of zeros)."""
     cfg = MGRPOConfig()
     cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, train_batch_size=8),
         rollout=dataclasses.replace(cfg.rollout, n=4),
+        algorithm=dataclasses.replace(cfg.algorithm, entropy_coeff=0.01),
+        reward=dataclasses.replace(cfg.reward, custom_functions={"mgrpo/sum": "tests.reward_fns:dense_sum_reward"}),
         trainer=dataclasses.replace(cfg.trainer, output_dir=run_dir, device="cpu", total_training_steps=2,
                                     logger=["tensorboard"], save_hf=False),
     )
@@ -52,6 +57,9 @@ def test_step0_invariants(tp1_run):
     a step starts exactly on-policy."""
     _, metrics = tp1_run
     first = metrics[0]
+    # The comparisons in this module are only worth something if there is a gradient to compare.
+    assert first["actor/grad_norm"] > 1e-3 and abs(first["actor/pg_loss"]) > 1e-6
+    assert 0.0 < first["critic/score/mean"] < 1.0
     assert first["rollout/logprob_abs_diff"] < 1e-4
     assert abs(first["actor/ppo_kl"]) < 1e-6
     assert first["actor/pg_clipfrac"] == 0.0
@@ -61,19 +69,25 @@ def test_step0_invariants(tp1_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2, "max_tokens_per_gpu": 40}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [
+    {"actor": {"tp": 2}},
+    {"actor": {"pp": 2, "max_tokens_per_gpu": 40}},
+    {"trainer": {"n_gpus_per_node": 2}},
+], ids=["tp2", "pp2", "dp2"])
 def test_parallel_layouts_match_tp1(tp1_run, tmp_path, layout):
-    """TP=2 and PP=2 reproduce TP=1. The PP=2 run also cuts each step into several micro-batches of
-    different shapes (a 40-token budget), which the pipeline must pass through and the global loss
-    normalisation must make irrelevant."""
+    """TP=2, PP=2 and DP=2 reproduce TP=1. The PP=2 run also cuts each step into several micro-batches
+    of different shapes (a 40-token budget), which the pipeline must pass through and the global loss
+    normalisation must make irrelevant; DP=2 checks that megatron's gradient averaging is undone."""
     ref_dir, ref = tp1_run
-    Trainer(small_config(str(tmp_path), actor=layout, trainer={"save_hf": True})).fit()
+    groups = {k: dict(v) for k, v in layout.items()}
+    groups.setdefault("trainer", {})["save_hf"] = True
+    Trainer(small_config(str(tmp_path), **groups)).fit()
     got = read_metrics(str(tmp_path))
     assert got[0]["critic/score/mean"] == ref[0]["critic/score/mean"]  # same rollouts
     for step in range(2):
         for key in LOSS_KEYS:
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-5), (step, key)
-    if "max_tokens_per_gpu" in layout:
+    if "max_tokens_per_gpu" in layout.get("actor", {}):
         assert got[0]["actor/micro_batches"] > 1 and ref[0]["actor/micro_batches"] == 1
     # The HF export, written stage by stage from the trainer ranks, loads in transformers and holds
     # the same trained weights as the TP=1 run's export.
