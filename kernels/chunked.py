@@ -262,8 +262,10 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         dh, dw = ctx.saved_tensors
-        scale = lambda g: None if g is None else (g if bool(g_loss == 1) else g * g_loss)  # noqa: E731
-        return scale(dh), scale(dw), None, None, None, None
+        if bool(g_loss != 1):  # the usual loss.backward() passes 1: hand over the stored grads, no copy
+            dh = None if dh is None else dh * g_loss
+            dw = None if dw is None else dw * g_loss
+        return dh, dw, None, None, None, None
 
 
 def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy):
