@@ -62,8 +62,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         timer, metrics = PhaseTimer(), {}
         with timer("step"):
-            with timer("gen"):
-                exp = self.generate_and_judge(metrics, timer)
+            with timer("rollout"):  # generation (timing_s/gen) and judging (timing_s/reward)
+                exp = self.generate_and_judge(metrics)
             rt.release_rollout_memory()
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
@@ -79,12 +79,14 @@ class Trainer:
             with timer("adv"):
                 exp.compute_advantages(cfg)
 
-            with timer("update_actor"):
+            with timer("update_actor"):  # one optimizer step per mini-batch, ppo_epochs passes
+                updates = []
                 for epoch in range(cfg.actor.ppo_epochs):
                     for idx in exp.mini_batches(cfg, epoch_seed=cfg.trainer.seed * 1_000_003 + rt.step * 101 + epoch):
                         shards = exp.rank_batches(idx, self.layout.dp, cfg, for_training=True)
-                        actor_metrics = rt.trainer.train_mini_batch(shards, temperature)
-                metrics.update(actor_metrics)
+                        updates.append(rt.trainer.train_mini_batch(shards, temperature))
+                metrics.update(mean_metrics(updates))
+                metrics["actor/updates"] = float(len(updates))
 
             with timer("update_weights"):
                 metrics.update(rt.sync_weights())
@@ -94,7 +96,7 @@ class Trainer:
         rt.write_trajectories(exp)
         return metrics
 
-    def generate_and_judge(self, metrics: dict, timer: PhaseTimer) -> Experience:
+    def generate_and_judge(self, metrics: dict) -> Experience:
         """Sample n responses per prompt and score them; with dynamic sampling keep only groups whose
         rewards differ, generating more rounds until the batch is full."""
         cfg, rt = self.cfg, self.rt
@@ -135,6 +137,14 @@ class Trainer:
         out = eval_metrics(exp.scores, exp.group_index, [it.data_source for it in exp.items], ev.n)
         out.update(timer.metrics())
         return out
+
+
+def mean_metrics(updates: list[dict]) -> dict:
+    """Metrics of several optimizer steps: the mean of each (counters such as skipped steps are
+    cumulative, so their last value is kept)."""
+    out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    out["actor/skipped_steps"] = updates[-1]["actor/skipped_steps"]
+    return out
 
 
 def train(config: MGRPOConfig) -> dict:

@@ -148,6 +148,7 @@ class Runtime:
         shaped, penalised = apply_overlong_buffer(torch.tensor(exp.scores), torch.tensor([len(r) for r in exp.response_ids]),
                                                   self.cfg.data.max_response_length, self.cfg.algorithm.overlong_buffer)
         exp.rewards = shaped.tolist()
+        metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
         for key, value in (("reward/failed", scored.failed), ("reward/timeout", scored.timeout),
                            ("rollout/retries", stats.retries), ("rollout/restarts", stats.restarts)):
             self.counters[key] += value

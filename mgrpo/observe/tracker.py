@@ -24,6 +24,7 @@ CONSOLE_FIELDS = (
     ("update", "timing_s/update_actor", "{:.2f}s"),
     ("sync", "timing_s/update_weights", "{:.2f}s"),
     ("step", "timing_s/step", "{:.2f}s"),
+    ("skipped", "actor/skipped_steps", "{:.0f}"),
 )
 
 
