@@ -18,10 +18,10 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
-import traceback
 from typing import Optional
+
+from mgrpo.training.spawn import spawn_ranks
 
 MODEL_JSON = "mgrpo_model.json"
 TOKENIZER_SUBDIR = "tokenizer"
@@ -34,55 +34,7 @@ class ConvertError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        queue.put((rank, None, fn(rank, world_size, port, *args)))
-    except BaseException as e:  # noqa: BLE001  (sent to the driver, which reports it)
-        expected = isinstance(e, (ValueError, FileNotFoundError))
-        queue.put((rank, (f"{type(e).__name__}: {e}", expected), traceback.format_exc()))
-
-
-def spawn_ranks(fn, world_size: int, *args, timeout_s: float = 24 * 3600) -> list:
-    """Run `fn(rank, world_size, port, *args)` on `world_size` fresh processes; results by rank.
-    The first failing rank's error is raised as RuntimeError (its traceback in `.rank_traceback`)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        for _ in range(world_size):
-            rank, error, value = queue.get(timeout=timeout_s)
-            if error:
-                err = RuntimeError(f"rank {rank} failed: {error[0]}")
-                err.rank_traceback = value
-                err.expected = error[1]  # bad input (ValueError / FileNotFoundError), not a bug
-                raise err
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world_size else 1)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world_size)]
+# ranks (spawned with mgrpo.training.spawn.spawn_ranks)
 
 
 def _torch_dtype(name: str):
