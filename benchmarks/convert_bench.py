@@ -105,7 +105,6 @@ def _rank(rank, world_size, port, cfg, hf_dir, work, bucket_bytes, repeats, writ
                 offset += n
 
     out["iter_flatten_s"] = min(timed(sync_and_flatten)[0] for _ in range(repeats))
-    del flat
 
     if tp > 1:
         # The communication floor: one all_gather per sharded parameter, nothing converted.

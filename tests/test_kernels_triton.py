@@ -23,8 +23,6 @@ LOSS_CASES = [(kl, c) for kl in ("k1", "k2", "k3", "low_var_kl") for c in (None,
 
 
 def _child() -> None:
-    import torch
-
     import mgrpo_kernels as K
     from tests.test_kernels import grpo_fn, make_problem, rel_err, run_logprobs, run_loss
 

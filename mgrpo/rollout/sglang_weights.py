@@ -407,7 +407,7 @@ class DistributedWeightSender:
             early = [_error_of(f) for f in futures if f.done()]
             if any(early):
                 self.broken = True  # engines that did accept now wait for a broadcast that will not come
-                raise SGLangRequestError(f"update_weights_from_distributed refused before the broadcast: "
+                raise SGLangRequestError("update_weights_from_distributed refused before the broadcast: "
                                          + "; ".join(e for e in early if e))
             import torch.distributed as dist
 
