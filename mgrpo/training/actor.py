@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mgrpo.config import MGRPOConfig
-from mgrpo.data.packing import pack_micro_batches
+from mgrpo.data.packing import over_budget, pack_micro_batches
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.qwen3 import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
@@ -156,6 +156,8 @@ class MegatronActor:
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/skipped_steps": float(self.skipped_steps),
             "actor/micro_batches": float(len(mbs)),
+            # samples longer than actor.max_tokens_per_gpu: each ran alone in a micro-batch over budget
+            "actor/over_budget_samples": float(len(over_budget(batch.lengths(), self.cfg.actor.max_tokens_per_gpu))),
             "timing_s/fwd_bwd": time.perf_counter() - t0,
         })
         return metrics
