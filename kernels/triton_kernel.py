@@ -28,6 +28,21 @@ from .chunked import coefficients, merge_stats, num_valid_rows
 
 
 @triton.jit
+def _logit_tile(H, W, offs_t, offs_v, tmask, vmask, hdim, stride_h, stride_w,
+                BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """fp32 tile hidden[offs_t] @ weight[offs_v].T, accumulated over the hidden dimension in BK steps:
+    the only place logits exist, one [BT, BV] tile at a time (both kernels recompute it)."""
+    acc = tl.zeros([BT, BV], tl.float32)
+    for k0 in range(0, hdim, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < hdim
+        h = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + offs_v[:, None] * stride_w + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _stats_kernel(H, W, LAB, M, S, TT, TGT, n_tok, hdim, split, n_valid, inv_temp,
                   stride_h, stride_w,
                   BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
@@ -46,13 +61,7 @@ def _stats_kernel(H, W, LAB, M, S, TT, TGT, n_tok, hdim, split, n_valid, inv_tem
     for v0 in range(v_lo, v_hi, BV):
         offs_v = v0 + tl.arange(0, BV).to(tl.int64)
         vmask = offs_v < v_hi
-        acc = tl.zeros([BT, BV], tl.float32)
-        for k0 in range(0, hdim, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < hdim
-            h = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(W + offs_v[:, None] * stride_w + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+        acc = _logit_tile(H, W, offs_t, offs_v, tmask, vmask, hdim, stride_h, stride_w, BT, BV, BK, PREC)
         z = tl.where(vmask[None, :], acc * inv_temp, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))  # finite: every block has at least one valid row
         e = tl.exp(z - m_new[:, None])
@@ -80,14 +89,7 @@ def _grad_kernel(H, W, LAB, LSE, A, B, G, DH, DW, n_tok, hdim, n_valid, inv_temp
     offs_v = pid_v * BV + tl.arange(0, BV).to(tl.int64)
     tmask = offs_t < n_tok
     vmask = offs_v < n_valid
-    acc = tl.zeros([BT, BV], tl.float32)
-    for k0 in range(0, hdim, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < hdim
-        h = tl.load(H + offs_t[:, None] * stride_h + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(W + offs_v[:, None] * stride_w + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
-    z = acc * inv_temp
+    z = _logit_tile(H, W, offs_t, offs_v, tmask, vmask, hdim, stride_h, stride_w, BT, BV, BK, PREC) * inv_temp
     lse = tl.load(LSE + offs_t, mask=tmask, other=0.0)
     a = tl.load(A + offs_t, mask=tmask, other=0.0)
     b = tl.load(B + offs_t, mask=tmask, other=0.0)
