@@ -39,9 +39,10 @@ from typing import List, Union
 import pytest
 import torch
 
-from mgrpo.rollout.sglang_engine import (SGLangEngine, build_generate_payload, check_host, checkpoint_tensor_names,
-                                         parse_generate_item, start_server)
-from mgrpo.rollout.sglang_http import SGLangRequestError, SGLangUnavailableError
+from mgrpo.rollout.sglang.client import (SGLangEngine, build_generate_payload, checkpoint_tensor_names,
+                                         parse_generate_item)
+from mgrpo.rollout.sglang.http import SGLangRequestError, SGLangUnavailableError
+from mgrpo.rollout.sglang.server import check_host, start_server
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 
 EOS = 2
@@ -117,7 +118,7 @@ def deserialize_payload(data: str):
     common = sglang_common()
     if common is not None:
         return common.MultiprocessingSerializer.deserialize(data)
-    from mgrpo.rollout.sglang_weights import PAYLOAD_GLOBALS
+    from mgrpo.rollout.sglang.weights_tensor import PAYLOAD_GLOBALS
 
     class Restricted(pickle.Unpickler):  # same idea, our declared globals only
         def find_class(self, module, name):
@@ -133,7 +134,7 @@ def join_group(master_address, master_port, rank, world_size, group_name, backen
     if common is not None:  # SGLang's own group construction
         return common.init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
                                                 world_size=world_size, rank=rank, group_name=group_name)
-    from mgrpo.rollout.sglang_weights import new_weight_update_group
+    from mgrpo.rollout.sglang.weights_distributed import new_weight_update_group
 
     return new_weight_update_group(master_address, master_port, world_size, group_name, backend=backend, rank=rank)
 
@@ -568,10 +569,12 @@ def test_launch_refuses_wildcard_addresses():
         SGLangEngine.launch("/nonexistent", host="127.0.0.1", extra_args=["--host", "0.0.0.0"])
 
 
-def test_launch_capability_error_names_the_config_key(monkeypatch):
+def test_forcing_sglang_where_it_cannot_run_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SGLangUnavailableError, match=r"rollout\.engine=sglang"):
-        SGLangEngine.launch("/nonexistent", host="127.0.0.1")
+    with pytest.raises(SGLangUnavailableError, match=r"(?s)cannot run here.*rollout\.engine=sglang"):
+        SGLangEngine.launch("/nonexistent", host="127.0.0.1", server="sglang")
+    with pytest.raises(ValueError, match="one of"):
+        SGLangEngine.launch("/nonexistent", host="127.0.0.1", server="tpu")
 
 
 def test_dead_server_reports_its_log_tail(tmp_path):
@@ -601,7 +604,7 @@ HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
 
 
 def test_started_server_is_owned_and_shut_down(tmp_path):
-    from mgrpo.rollout.sglang_weights import free_port
+    from mgrpo.rollout.sglang.server import free_port
 
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"

@@ -10,10 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 
-import pytest
 import torch
 
-from mgrpo.rollout.sglang_weights import DistributedWeightSender
+from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
 from tests.test_sglang_engine import FakeSGLang
 
 
@@ -34,13 +33,14 @@ def _trainer(payloads, out):
         out.put(("error", repr(e)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: a new sender per sync re-creates the group under the same name")
-def test_new_sender_per_sync_reuses_the_group_name():
+def test_new_sender_per_sync_reuses_the_group():
+    """Was xfail(strict) on the code before the fix (commit 255cf37): the 2nd sync raised
+    'The specified group name has already been created'."""
     ctx = mp.get_context("spawn")
     with FakeSGLang(lifetime_s=60) as fake:
         # exactly what receivers() does on every sync: same URLs, no group name, backend fixed
         payloads = [pickle.dumps(DistributedWeightSender([fake.url], [1], master_address="127.0.0.1",
-                                                         backend="gloo", timeout_s=20)) for _ in range(2)]
+                                                         backend="gloo", timeout_s=20)) for _ in range(3)]
         out = ctx.Queue()
         proc = ctx.Process(target=_trainer, args=(payloads, out))
         proc.start()
@@ -58,4 +58,5 @@ def test_new_sender_per_sync_reuses_the_group_name():
             if proc.is_alive():
                 proc.kill()
         assert events[-1] == ("ok", None), (events, fake.errors)
-        assert len(fake.bodies("/update_weights_from_distributed")) == 2 and not fake.errors
+        assert len(fake.bodies("/update_weights_from_distributed")) == 3 and not fake.errors
+        assert len(fake.bodies("/init_weights_update_group")) == 1  # one group, reused by every sync

@@ -13,9 +13,11 @@ import base64
 import pytest
 import torch
 
-from mgrpo.rollout.sglang_http import SGLangUnavailableError
-from mgrpo.rollout.sglang_weights import (PAYLOAD_GLOBALS, DistributedWeightSender, IPCWeightSender, dtype_name,
-                                          flatten_bucket, free_port, tensor_payloads)
+from mgrpo.rollout.sglang.buckets import dtype_name, flatten_bucket
+from mgrpo.rollout.sglang.http import SGLangUnavailableError
+from mgrpo.rollout.sglang.server import free_port
+from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
+from mgrpo.rollout.sglang.weights_tensor import PAYLOAD_GLOBALS, IPCWeightSender, tensor_payloads
 from tests.test_sglang_engine import FakeSGLang, deserialize_payload, sglang_common
 
 
@@ -97,7 +99,7 @@ def test_dtype_names_resolve_in_torch():
 
 def test_ipc_sender_posts_tensor_updates_with_sglang_fields():
     with FakeSGLang(tp=2) as a, FakeSGLang(tp=1) as b:
-        sender = IPCWeightSender([a.url, b.url], [2, 1], allow_cpu=True)
+        sender = IPCWeightSender([a.url, b.url], [2, 1])
         sender.update_weights(_bucket(2)[:2])
         sender.update_weights(_bucket(2)[2:])
         for fake, tp in ((a, 2), (b, 1)):
@@ -113,17 +115,17 @@ def test_ipc_sender_posts_tensor_updates_with_sglang_fields():
 
 def test_ipc_sender_tolerates_a_session_another_sender_opened():
     with FakeSGLang() as fake:
-        s1, s2 = IPCWeightSender([fake.url], allow_cpu=True), IPCWeightSender([fake.url], allow_cpu=True)
+        s1, s2 = IPCWeightSender([fake.url]), IPCWeightSender([fake.url])
         s1.update_weights(_bucket()[:1])
         s2.update_weights(_bucket()[1:2])  # pipeline stage 2: begin answers "already open"
         assert len(fake.weights) == 2 and not fake.errors
 
 
 def test_ipc_sender_across_syncs_closed_by_the_driver():
-    from mgrpo.rollout.sglang_engine import SGLangEngine
+    from mgrpo.rollout.sglang.client import SGLangEngine
 
     with FakeSGLang() as fake:
-        sender = IPCWeightSender([fake.url], allow_cpu=True)
+        sender = IPCWeightSender([fake.url])
         driver_side = SGLangEngine.connect(fake.url)  # what EngineHost runs: finish_weight_update
         for version in (1, 2):
             bucket = [(n, t + version) for n, t in _bucket()]
@@ -142,16 +144,9 @@ def test_senders_travel_pickled():
     assert pickle.loads(pickle.dumps(d)) is d and d.world_size == 5
 
 
-def test_ipc_sender_needs_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    sender = IPCWeightSender(["http://127.0.0.1:9"])
-    with pytest.raises(SGLangUnavailableError, match=r"rollout\.engine=sglang"):
-        sender.update_weights(_bucket())
-
-
 def test_distributed_sender_needs_cuda_for_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    sender = DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="127.0.0.1")
+    sender = DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="127.0.0.1", backend="nccl")
     with pytest.raises(SGLangUnavailableError, match=r"rollout\.engine=sglang"):
         sender.update_weights(_bucket())
     with pytest.raises(ValueError, match="cluster address"):

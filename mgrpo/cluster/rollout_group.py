@@ -38,7 +38,7 @@ class EngineHost:
             self.engine = HFRolloutEngine(hf_dir, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                           chunk_size=chunk_size, num_threads=num_threads)
         else:
-            from mgrpo.rollout.sglang_engine import SGLangEngine
+            from mgrpo.rollout.sglang import SGLangEngine
 
             kwargs = dict(engine_kwargs or {})
             # Bind to the address of the node this actor landed on (never 0.0.0.0).
@@ -109,7 +109,7 @@ class ColocatedSGLangReceiver:
 
     def update_weights(self, bucket) -> None:
         if self._split is None:
-            from mgrpo.rollout.sglang_weights import IPCWeightSender
+            from mgrpo.rollout.sglang import IPCWeightSender
 
             here = ray.util.get_node_ip_address()
             local = [a for _, a in self.engines if a["node_ip"] == here]
@@ -169,7 +169,7 @@ class RolloutGroup:
         addresses = ray.get([h.address.remote() for h in handles])
         if r.mode == "colocated":
             return [ColocatedSGLangReceiver(list(zip(handles, addresses)))]
-        from mgrpo.rollout.sglang_weights import DistributedWeightSender
+        from mgrpo.rollout.sglang import DistributedWeightSender
 
         return [DistributedWeightSender([a["url"] for a in addresses], [a["tp"] for a in addresses], backend="nccl")]
 
