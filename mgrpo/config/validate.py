@@ -50,6 +50,15 @@ def _choice(errors: list[str], name: str, value, allowed) -> None:
         errors.append(f"{name}={value!r} is not one of {list(allowed)}")
 
 
+def _registered(errors: list[str], name: str, value, registry):
+    """The registry entry of `value`, or None after recording the error (which lists the registered names)."""
+    message = registry.unknown(value, key=name)
+    if message is not None:
+        errors.append(message)
+        return None
+    return registry[value]
+
+
 def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
     if a <= 0:
         errors.append(f"{a_name}={a} must be positive")
@@ -70,11 +79,15 @@ def layout(cfg: MGRPOConfig) -> Layout:
 
 def validate(cfg: MGRPOConfig) -> Layout:
     """Raise ConfigError listing every problem found; return the resource layout otherwise."""
+    # Imported here: mgrpo.models imports mgrpo.config; the registry imports no torch (the planner validates).
+    from mgrpo.models.registry import FAMILIES
+
     e: list[str] = []
     m, d, al, a, r, rw, ev, t = (cfg.model, cfg.data, cfg.algorithm, cfg.actor, cfg.rollout,
                                  cfg.reward, cfg.evaluation, cfg.trainer)
 
     # --- model shape ---------------------------------------------------------------------------
+    _registered(e, "model.family", m.family, FAMILIES)
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                  "head_dim", "ffn_hidden_size", "max_position_embeddings"):
         if getattr(m, name) <= 0:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.packing import over_budget, pack_micro_batches
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
-from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+from mgrpo.models.gpt import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
 from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step
