@@ -74,8 +74,9 @@ def layout(cfg: MGRPOConfig) -> Layout:
     return Layout(total, trainer_world, rollout_devices, max(trainer_world // model_parallel, 1))
 
 
-def validate(cfg: MGRPOConfig) -> Layout:
-    """Raise ConfigError listing every problem found; return the resource layout otherwise."""
+def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
+    """Raise ConfigError listing every problem found; return the resource layout otherwise.
+    check_files=False skips the existence of data files (mgrpo-plan plans before the data is there)."""
     from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
     from mgrpo.data.synthetic import SYNTHETIC_TASKS
     from mgrpo.models.capability import FP8_FORMATS, FP8_RECIPES
@@ -162,7 +163,7 @@ def validate(cfg: MGRPOConfig) -> Layout:
     # --- data ------------------------------------------------------------------------------------
     for key in ("train_files", "val_files"):
         for i, f in enumerate(getattr(d, key)):
-            if not os.path.exists(f):
+            if check_files and not os.path.exists(f):
                 e.append(f"data.{key}[{i}]={f!r} does not exist")
             elif not f.endswith((".jsonl", ".json", ".parquet")):
                 e.append(f"data.{key}[{i}]={f!r} is neither .jsonl nor .parquet")
