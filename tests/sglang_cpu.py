@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional, Sequence
 
@@ -79,6 +80,7 @@ class FaultProxy:
     def __init__(self, upstream: str, lifetime_s: float = 60.0):
         self.upstream = upstream.rstrip("/")
         self.inject: dict[str, list[int]] = {}
+        self.delay: dict[str, list[float]] = {}  # seconds to hold a request before forwarding it
         self.seen: list[str] = []
         proxy = self
 
@@ -88,6 +90,9 @@ class FaultProxy:
 
             def _forward(self, method: str):
                 proxy.seen.append(self.path)
+                delays = proxy.delay.get(self.path)
+                if delays:
+                    time.sleep(delays.pop(0))
                 queue = proxy.inject.get(self.path)
                 if queue:
                     status = queue.pop(0)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
 
 from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
@@ -132,6 +133,27 @@ def test_transient_5xx_is_retried_then_served(engine):
             SGLangEngine.connect(proxy.url, max_retries=2, retry_backoff_s=0.01).generate(_requests(1), SamplingParams())
 
 
+def test_timed_out_batch_is_aborted_on_the_server_then_resent(engine):
+    """The client gives up on a slow answer, aborts its rids on the server (so that no second copy
+    runs), and resends under fresh rids; the held-back first copy then arrives aborted."""
+    with FaultProxy(engine.url) as proxy:
+        proxy.delay["/generate"] = [1.5]
+        eng = SGLangEngine.connect(proxy.url, max_retries=1, request_timeout_s=0.5, retry_backoff_s=0.01)
+        out = eng.generate(_requests(2), SamplingParams(temperature=0.0, max_new_tokens=4))
+        assert [r.uid for r in out] == [0, 1] and all(len(r.token_ids) == 4 for r in out)
+        assert eng.stats["generate_retries"] == 1
+        assert proxy.seen.count("/abort_request") == 2 and proxy.seen.count("/generate") == 2
+
+
+def test_batches_split_and_reassemble_in_uid_order(engine):
+    with FaultProxy(engine.url) as proxy:
+        eng = SGLangEngine.connect(proxy.url, batch_size=3, concurrency=2)
+        out = eng.generate(_requests(8)[::-1], SamplingParams(temperature=0.0, max_new_tokens=3))
+        assert [r.uid for r in out] == list(range(8)) and proxy.seen.count("/generate") == 3
+        h = eng.health()
+        assert h.ok and h.detail["server_weight_version"] == str(engine.weight_version)
+
+
 def _long_body(n: int, rids):
     return {"rid": rids, "input_ids": [[1, 2 + i % 5] for i in range(n)], "return_logprob": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}}
@@ -206,3 +228,13 @@ def test_health_detects_a_hung_and_a_killed_server(ckpt, tmp_path):
             eng.generate(_requests(1), SamplingParams(max_new_tokens=2))
     finally:
         eng.shutdown()
+
+
+def test_shutdown_stops_the_server(engine):
+    """Last in the module: the fixture's own shutdown is then a no-op."""
+    engine.shutdown()
+    assert engine.process.poll() is not None
+    h = engine.health()
+    assert not h.ok and "exited" in h.detail["error"]
+    with pytest.raises(requests.ConnectionError):  # nothing listens on the port any more
+        post(engine.url, "/health", timeout=2)

@@ -18,10 +18,10 @@ Group lifetime (issue 9): torch.distributed refuses a second group under a name 
 a group is made once per sender and reused for every sync. A sender pickles as its spec and
 resolves, in each process, to the one live sender with that spec: the driver may ship the same
 sender every sync (or even rebuild an identical one) and the trainer rank keeps its group. After
-an engine restart the driver makes a new sender (new URLs, or `generation=` bumped); on its first
-use the rank closes every live sender sharing an engine with it (destroying the old group on the
-surviving engines and locally) and makes a new group under a new name
-(`mgrpo-weights-rank{N}-g{k}`, k counting groups made by this process).
+an engine restart the driver makes a new sender (new URLs, or `generation=` bumped when a URL is
+reused); on its first use the rank closes the other live sender (a process holds one group at a
+time: the old group is destroyed on the surviving engines and locally) and makes a new group
+under a new name (`mgrpo-weights-rank{N}-g{k}`, k counting groups made by this process).
 """
 
 from __future__ import annotations
@@ -167,11 +167,11 @@ class DistributedWeightSender:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _supersede(self) -> None:
-        """Close the live senders of this process that share an engine with this one: their group
-        is stale (an engine restarted, or the engine set changed)."""
-        mine = set(self.urls)
+        """A process holds one weight-update group at a time: the other live senders' groups are
+        stale (an engine restarted, the engine set changed) and are destroyed here and on the
+        engines that still hold them."""
         for other in list(_LIVE_SENDERS.values()):
-            if other is not self and other.group is not None and mine & set(other.urls):
+            if other is not self and other.group is not None:
                 log.info("weight group %r superseded by a new sender; destroying it", other.group_name)
                 other.close()
 
