@@ -130,3 +130,21 @@ def test_checkpoint_tensor_names(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert checkpoint_tensor_names(str(tmp_path)) == {"model.embed_tokens.weight", "lm_head.weight"}
     assert checkpoint_tensor_names(str(tmp_path / "missing")) is None
+
+
+def test_cpu_server_takes_sglangs_command_line(capsys):
+    from mgrpo.rollout.sglang.cpu_server import parse_args
+    from mgrpo.rollout.sglang.server import CPU_MODULE, launch_command
+
+    cmd = launch_command(CPU_MODULE, "/ckpt", tp=1, host="127.0.0.1", port=30000, mem_fraction_static=0.7,
+                         weight_version=3, enable_memory_saver=True,
+                         extra_args=["--enable-deterministic-inference", "--context-length", "4096"])
+    assert cmd[1:3] == ["-m", CPU_MODULE]
+    args = parse_args(cmd[3:])  # exactly what SGLangEngine.launch runs
+    assert (args.model_path, args.tp_size, args.port, args.weight_version) == ("/ckpt", 1, 30000, "3")
+    assert args.enable_memory_saver and args.mem_fraction_static == 0.7
+    with pytest.raises(SystemExit) as e:
+        parse_args(cmd[3:] + ["--speculative-algorithm", "EAGLE"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speculative-algorithm" in err and "ignores these GPU-only ones" in err

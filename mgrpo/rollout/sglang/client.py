@@ -2,8 +2,8 @@
 
 It implements `RolloutEngine` (types.py), so the rollout group does not care which engine it
 hosts. The server is SGLang itself on GPU or the CPU server speaking its protocol
-(`cpu_server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same for both. Request and response shapes are SGLang 0.5.23's
-(`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`, the JSON contract in
+(`cpu_server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same
+for both. Request and response shapes are SGLang 0.5.23's (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`, the JSON contract in
 `sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
 
 Left out, on purpose: streaming (rollouts want whole responses), text prompts (the trainer owns
@@ -27,6 +27,7 @@ import torch
 
 from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, node_ip
+from mgrpo.rollout.sglang.schema import MEMORY_TAGS
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, free_port, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
@@ -34,8 +35,6 @@ from mgrpo.rollout.sglang.weights_tensor import tensor_payloads
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_TYPE_*
 
 
 # --- request / response (pure functions, tested against SGLang's shapes) ------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
@@ -65,10 +66,10 @@ def receive_distributed(state, body: dict, group) -> int:
 
 
 def add_routes(app, state, body_of, result) -> None:
-    def _done(body: dict, nbytes: int, what: str) -> None:
+    def _done(body: dict, nbytes: int, what: str, t0: float) -> None:
         if body.get("weight_version") is not None:
             state.weight_version = body["weight_version"]
-        log.info("%s: loaded %d bytes", what, nbytes)
+        log.info("%s: loaded %d bytes in %.3f s", what, nbytes, time.perf_counter() - t0)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
@@ -76,12 +77,13 @@ def add_routes(app, state, body_of, result) -> None:
         if not state.session_open:
             return result(False, "update_weights_from_tensor must run between begin_weight_update() and "
                                  "end_weight_update()")
+        t0 = time.perf_counter()
         try:
             nbytes = await state.on_model(receive_tensor, state, body)
         except Exception as e:  # noqa: BLE001 - SGLang answers a failed load with success=False
             log.exception("update_weights_from_tensor failed")
             return result(False, f"Failed to update weights: {type(e).__name__}: {e}")
-        _done(body, nbytes, "update_weights_from_tensor")
+        _done(body, nbytes, "update_weights_from_tensor", t0)
         return result(True, "Success")
 
     @app.post("/init_weights_update_group")
@@ -117,12 +119,13 @@ def add_routes(app, state, body_of, result) -> None:
         if group is None:
             return result(False, f"Failed to receive weights: no weight-update group {body.get('group_name')!r} "
                                  f"(have {sorted(state.groups)})")
+        t0 = time.perf_counter()
         try:
             nbytes = await state.on_model(receive_distributed, state, body, group)
         except Exception as e:  # noqa: BLE001
             log.exception("update_weights_from_distributed failed")
             return result(False, f"Failed to receive weights: {type(e).__name__}: {e}")
-        _done(body, nbytes, "update_weights_from_distributed")
+        _done(body, nbytes, "update_weights_from_distributed", t0)
         return result(True, "Succeeded to update parameter online.")
 
     @app.post("/destroy_weights_update_group")

@@ -118,14 +118,20 @@ def _shared_copy(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def payload_object(bucket: Bucket, load_format: Optional[str] = FLATTENED) -> Any:
+def payload_object(bucket: Bucket, load_format: Optional[str] = FLATTENED,
+                   staging: Optional[torch.Tensor] = None) -> Any:
     """What one TP rank deserialises; it owns the memory the handles point at, so it must stay
-    alive until every engine it was posted to has answered."""
+    alive until every engine it was posted to has answered. `staging`: a shared uint8 buffer to
+    flatten CPU buckets into (reused across buckets: no new segment, no page faults per bucket)."""
     check_bucket(bucket)
     check_load_format(load_format)
     if load_format == FLATTENED:
         on_cpu = all(t.device.type == "cpu" for _, t in bucket)
-        flat, meta = flatten_bucket(bucket, out=shared_cpu_buffer(flat_layout(bucket)[2]) if on_cpu else None)
+        nbytes = flat_layout(bucket)[2]
+        out = None
+        if on_cpu:
+            out = staging[:nbytes] if staging is not None and staging.numel() >= nbytes else shared_cpu_buffer(nbytes)
+        flat, meta = flatten_bucket(bucket, out=out)
         return {"flattened_tensor": flat, "metadata": meta}
     return [(name, _shared_copy(t) if t.device.type == "cpu" else t.detach()) for name, t in bucket]
 
