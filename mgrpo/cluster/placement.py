@@ -43,12 +43,14 @@ class Placement:
             return 0.0
         return 1.0 - ENGINE_GPU_SHARE if self.shared else 1.0
 
-    def engine_options(self, index: int) -> dict:
-        """Ray options of engine `index`'s host actor: its bundle and GPU resource."""
+    def engine_options(self, index: int, cpus: float) -> dict:
+        """Ray options of engine `index`'s host actor: its bundle, CPU and GPU resources. A host sharing a
+        trainer bundle claims no CPU of it (the trainer rank holds the bundle's CPUs; the host only drives
+        its server, whose work is on the accelerators)."""
         if self.shared:
-            bundle, gpus = self.trainer, (ENGINE_GPU_SHARE if self.gpus else 0.0)
-            return {"scheduling_strategy": bundle.strategy(index * self.engine_tp), "num_gpus": gpus}
-        return {"scheduling_strategy": self.rollout.strategy(index),
+            return {"scheduling_strategy": self.trainer.strategy(index * self.engine_tp), "num_cpus": 0,
+                    "num_gpus": ENGINE_GPU_SHARE}
+        return {"scheduling_strategy": self.rollout.strategy(index), "num_cpus": cpus,
                 "num_gpus": float(self.engine_tp) if self.gpus else 0.0}
 
     def shared_ranks(self, index: int) -> range:

@@ -47,9 +47,10 @@ class EngineHost:
         return self.engine.health()
 
     def address(self) -> dict:
-        """Where the engine is, for direct weight senders: node, server URL (if any), TP size."""
+        """Where the engine is, for direct weight senders: node, server URL (if any), TP size, and the
+        accelerators Ray gave its host."""
         return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
-                "tp": getattr(self.engine, "tp", 1)}
+                "tp": getattr(self.engine, "tp", 1), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def retries(self) -> int:
         """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
@@ -117,6 +118,7 @@ class RolloutGroup:
         self.cfg = cfg
         self.placement = placement
         self.spec = engine_spec(cfg.rollout.engine)
+        self.devices = devices
         self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__,
                                                                 "visible_devices": devices[i] if devices else None}))
                         for i in range(cfg.rollout.num_engines)]
@@ -133,8 +135,8 @@ class RolloutGroup:
         self._receivers: Optional[tuple[int, list]] = None
 
     def _start(self, index: int):
-        return EngineHost.options(num_cpus=self.cfg.trainer.cpus_per_worker, max_concurrency=4,
-                                  **self.placement.engine_options(index)).remote(
+        return EngineHost.options(max_concurrency=4,
+                                  **self.placement.engine_options(index, self.cfg.trainer.cpus_per_worker)).remote(
             self.cfg.rollout.engine, self.hf_dir, self._kwargs[index])
 
     # --- weight receivers -----------------------------------------------------------------------
