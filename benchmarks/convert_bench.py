@@ -56,8 +56,8 @@ def _rank(rank, world_size, port, cfg, hf_dir, work, bucket_bytes, repeats, writ
 
     from mgrpo.models import (bucketize, iter_megatron_to_hf, load_hf_into_megatron, save_hf_checkpoint,
                               save_megatron_checkpoint)
-    from mgrpo.models.layout import hf_shapes
-    from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+    from mgrpo.models.gpt import build_gpt_model, transformer_config
+    from mgrpo.models.qwen3 import hf_shapes
     from mgrpo.training.parallel import destroy_parallel, init_parallel
 
     tp = world_size

@@ -1,4 +1,4 @@
-"""mgrpo-convert: Qwen3 checkpoints between Hugging Face and Megatron's distributed format.
+"""mgrpo-convert: model checkpoints between Hugging Face and Megatron's distributed format.
 
     mgrpo-convert hf-to-megatron --hf-dir D --out O --tp N --pp M [--dtype auto|float32|bfloat16]
     mgrpo-convert megatron-to-hf --ckpt O --out D2 [--tp N --pp M] [--max-shard-gb G]
@@ -8,7 +8,8 @@ safetensors, and writes a megatron distributed checkpoint plus `mgrpo_model.json
 the layout and dtype it was written with) and the source's tokenizer files under `O/tokenizer/`.
 megatron-to-hf loads that checkpoint at any TP/PP layout (default: the one it was written with)
 and streams it to an HF directory that transformers loads. The source is checked (files, config,
-tensor names and shapes, parallel sizes) before any process is spawned.
+tensor names and shapes, parallel sizes) before any process is spawned. The model family (Qwen3
+today) comes from config.json's `model_type`, and is recorded in `mgrpo_model.json`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _torch_dtype(name: str):
 
 
 def _build(cfg, ctx, dtype: str):
-    from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+    from mgrpo.models.gpt import build_gpt_model, transformer_config
 
     tf = transformer_config(cfg, tp=ctx.tp, pp=ctx.pp, use_cpu=ctx.device.type == "cpu",
                             params_dtype=_torch_dtype(dtype))
@@ -76,16 +77,15 @@ def _rank_hf_to_megatron(rank, world_size, port, cfg, hf_dir, out, tp, pp, dtype
 
 
 def _rank_megatron_to_hf(rank, world_size, port, cfg, ckpt, out, tp, pp, dtype, tokenizer_dir, max_shard_bytes):
-    from mgrpo.models import iter_megatron_to_hf, load_megatron_checkpoint, save_hf_checkpoint_distributed
-    from mgrpo.models.layout import stage_weights
+    from mgrpo.models import family_of, iter_megatron_to_hf, load_megatron_checkpoint, save_hf_checkpoint_distributed
     from mgrpo.training.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=tp, pp=pp)
     model = _build(cfg, ctx, dtype)
     load_megatron_checkpoint(model, ckpt)
     layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    n = sum(len(w.hf) for w in stage_weights(cfg, layers=layers, pre_process=ctx.is_first_stage,
-                                             post_process=ctx.is_last_stage) if w.export)
+    n = sum(len(w.hf) for w in family_of(cfg).stage_weights(cfg, layers=layers, pre_process=ctx.is_first_stage,
+                                                            post_process=ctx.is_last_stage) if w.export)
     writer = ctx.tp_rank == 0 and ctx.dp_rank == 0
     with _progress(ctx, n, f"write stage {ctx.pp_rank}", show=writer) as bar:
         named = iter_megatron_to_hf(model, cfg, tp_group=ctx.tp_group, tp_size=tp, pp_rank=ctx.pp_rank, pp_size=pp)

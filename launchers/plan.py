@@ -28,7 +28,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from mgrpo.config import ConfigError, Layout, MGRPOConfig, ModelConfig, output_dir, validate
+from mgrpo.config import ConfigError, Layout, MGRPOConfig, output_dir, validate
+from mgrpo.models.registry import param_counts  # the model family's count; imports no torch
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -44,58 +45,6 @@ def compose_config(overrides: Sequence[str]) -> MGRPOConfig:
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return to_config(compose(config_name="config", overrides=list(overrides)))
-
-
-# --- parameters --------------------------------------------------------------------------------------
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int) -> int:
-    """Same rule as mgrpo.models.qwen3.padded_vocab_size (kept here so planning never imports torch)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def layer_params(m: ModelConfig) -> dict:
-    """Parameters of one Qwen3 decoder layer (no biases), by part."""
-    h, hd, nq, nkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    return {
-        "qkv": h * (nq + 2 * nkv) * hd,   # fused Q, K, V projections (GQA: nkv key/value heads)
-        "proj": nq * hd * h,              # attention output
-        "fc1": h * 2 * f,                 # SwiGLU gate and up, fused
-        "fc2": f * h,                     # SwiGLU down
-        "norms": 2 * h + 2 * hd,          # input and pre-MLP RMSNorm, q_norm and k_norm over head_dim
-    }
-
-
-def param_counts(m: ModelConfig, tp: int = 1, pp: int = 1) -> dict:
-    """Whole-model counts (HF layout and megatron's padded layout) and the count each rank holds.
-
-    A rank of pipeline stage s holds num_layers/pp layers with the matrices split tp ways and the
-    norms replicated; stage 0 adds its vocab/tp rows of the embedding, the last stage the final norm
-    and the output layer (a copy of the embedding when tied and pp > 1, as megatron keeps one there)."""
-    per_layer = layer_params(m)
-    layer = sum(per_layer.values())
-    layer_rank = (per_layer["qkv"] + per_layer["proj"] + per_layer["fc1"] + per_layer["fc2"]) // tp + per_layer["norms"]
-    v_pad = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
-    h = m.hidden_size
-    heads = 1 if m.tie_word_embeddings else 2
-    stages = []
-    for s in range(pp):
-        first, last = s == 0, s == pp - 1
-        n = m.num_layers // pp * layer_rank
-        if first:
-            n += v_pad // tp * h
-        if last:
-            n += h
-            if not m.tie_word_embeddings or pp > 1:
-                n += v_pad // tp * h
-        stages.append(n)
-    return {
-        "per_layer": per_layer,
-        "layer": layer,
-        "hf_total": heads * m.vocab_size * h + m.num_layers * layer + h,
-        "megatron_total": heads * v_pad * h + m.num_layers * layer + h,
-        "padded_vocab": v_pad,
-        "per_rank_by_stage": stages,
-    }
 
 
 # --- memory ------------------------------------------------------------------------------------------

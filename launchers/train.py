@@ -5,6 +5,10 @@
     mgrpo-train actor.tp=2                        # same job on two tensor-parallel trainer ranks
     mgrpo-train recipe=qwen3-8b-gsm8k-grpo        # a ready recipe from configs/recipe/
     mgrpo-train --cfg job                         # print the composed config and exit
+    mgrpo-train actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...   # a veRL command line
+
+veRL keys are translated into mgrpo's before Hydra composes (mgrpo.config.verl): the table of what
+became of each is printed to stderr, and keys mgrpo cannot honour are refused by name (exit status 2).
 
 The YAML in configs/ is composed onto the typed dataclasses of `mgrpo.config` (structured configs):
 unknown keys and wrong types fail while composing, naming the key; cross-field problems fail in
@@ -59,6 +63,16 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from mgrpo.config.verl import translate
+
+    try:
+        translation = translate(sys.argv[1:])
+    except ConfigError as err:
+        print(f"mgrpo-train: {err}", file=sys.stderr)
+        sys.exit(2)
+    if translation.is_verl:
+        print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
+    sys.argv = [sys.argv[0], *translation.args]  # Hydra reads its command line from sys.argv
     _main()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgrpo.algorithms import GroupAccumulator, apply_overlong_buffer, groups_with_signal, overlong_filter, overlong_penalty
+from mgrpo.algorithms.filtering import (GroupAccumulator, apply_overlong_buffer, groups_with_signal, overlong_filter,
+                                        overlong_penalty)
 from mgrpo.config import OverlongBufferConfig
 
 

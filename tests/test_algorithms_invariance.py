@@ -14,15 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mgrpo.algorithms import (
-    TokenLossInputs,
-    global_counts,
-    make_token_loss_fn,
-    metric_weights,
-    policy_loss,
-    token_weights,
-)
-from mgrpo.algorithms.aggregation import AGGREGATION_MODES
+from mgrpo.algorithms.aggregation import global_counts, metric_weights, token_weights
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn, policy_loss
+from mgrpo.algorithms.registry import AGGREGATION_MODES
 from mgrpo.config import AlgorithmConfig
 from tests.distributed import run_ranks
 

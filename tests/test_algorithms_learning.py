@@ -11,14 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgrpo.algorithms import (
-    TokenLossInputs,
-    compute_advantages,
-    global_counts,
-    make_token_loss_fn,
-    metric_weights,
-    token_weights,
-)
+from mgrpo.algorithms.advantages import compute_advantages
+from mgrpo.algorithms.aggregation import global_counts, metric_weights, token_weights
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
 from mgrpo.config import MGRPOConfig
 from mgrpo.data import PromptDataset, synthetic_tokenizer
 from mgrpo.rewards import Judger, ScoreRequest

@@ -8,8 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from mgrpo.config import ActorConfig, ConfigError, MGRPOConfig, layout, validate
-from mgrpo.config.validate import ADV_ESTIMATORS, LOSS_AGG_MODES
+from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from mgrpo.config import ActorConfig, AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, layout, validate
+from mgrpo.config.validate import LOGPROB_IMPLS
 from mgrpo_launchers.train import CONFIG_DIR, to_config
 
 
@@ -76,12 +77,51 @@ def test_layout_splits_accelerators():
     assert layout(cfg).trainer_world == 2
 
 
-def test_registries_match_validator():
-    from mgrpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from mgrpo.algorithms.aggregation import AGGREGATION_MODES
+def _algo(estimator: str, n: int) -> MGRPOConfig:
+    return MGRPOConfig(algorithm=AlgorithmConfig(adv_estimator=estimator), rollout=RolloutConfig(n=n))
 
-    assert set(ADVANTAGE_ESTIMATORS) == set(ADV_ESTIMATORS)
-    assert set(AGGREGATION_MODES) == set(LOSS_AGG_MODES)
+
+@pytest.fixture
+def toy_estimators():
+    """Two estimators registered for one test: the validator must learn of them from the registry alone."""
+    ADVANTAGE_ESTIMATORS.register("toy_grouped", AdvantageEstimator("mgrpo.algorithms.advantages:grpo"))
+    ADVANTAGE_ESTIMATORS.register("toy_single", AdvantageEstimator("mgrpo.algorithms.advantages:reinforce_plus_plus",
+                                                                   needs_groups=False))
+    yield
+    ADVANTAGE_ESTIMATORS.unregister("toy_grouped")
+    ADVANTAGE_ESTIMATORS.unregister("toy_single")
+
+
+def test_estimator_errors_come_from_the_registry(toy_estimators):
+    with pytest.raises(ConfigError) as info:
+        validate(_algo("ppo", 8))
+    assert (f"algorithm.adv_estimator='ppo' is not one of {list(ADVANTAGE_ESTIMATORS)}" in str(info.value)
+            and "'toy_grouped', 'toy_single'" in str(info.value))
+    # rollout.n=1 is refused exactly for the estimators whose entry says needs_groups
+    for name, entry in ADVANTAGE_ESTIMATORS.items():
+        validate(_algo(name, 2))
+        if entry.needs_groups:
+            with pytest.raises(ConfigError, match=f"rollout.n=1 must be at least 2 for "
+                                                  f"algorithm.adv_estimator='{name}'"):
+                validate(_algo(name, 1))
+        else:
+            validate(_algo(name, 1))
+    assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups] == ["reinforce_plus_plus", "toy_single"]
+
+
+def test_unknown_family_and_unregistered_estimator_are_refused():
+    validate(_algo("grpo", 2))
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='toy_grouped' is not one of"):
+        validate(_algo("toy_grouped", 2))  # the fixture's entries are gone again
+    cfg = MGRPOConfig()
+    with pytest.raises(ConfigError, match=r"model.family='llama' is not one of \['qwen3'\]"):
+        validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="llama")))
+
+
+def test_logprob_impls_are_the_kernels():
+    import mgrpo_kernels
+
+    assert set(LOGPROB_IMPLS) == set(mgrpo_kernels.IMPLS)
 
 
 def test_cli_rejects_bad_config_before_spawning_anything():

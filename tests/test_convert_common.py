@@ -78,7 +78,7 @@ def init_rank(rank: int, world_size: int, port: int, tp: int, pp: int):
 
 
 def build_stage(cfg: ModelConfig, ctx, dtype=torch.float32):
-    from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+    from mgrpo.models.gpt import build_gpt_model, transformer_config
 
     tf = transformer_config(cfg, tp=ctx.tp, pp=ctx.pp, use_cpu=True, params_dtype=dtype)
     model = build_gpt_model(cfg, tf, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage,

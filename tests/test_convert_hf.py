@@ -14,8 +14,9 @@ import torch
 from mgrpo.config import ModelConfig
 from mgrpo.models import (bucketize, check_hf_config, init_hf_checkpoint, iter_megatron_to_hf, load_hf_into_megatron,
                           model_config_from_hf, save_hf_checkpoint)
-from mgrpo.models.layout import Dims, hf_from_shards, hf_shapes, local_shape, shard_from_hf, stage_weights
-from mgrpo.models.qwen3 import hf_config
+from mgrpo.models.layout import hf_from_shards, shard_from_hf
+from mgrpo.models.qwen3 import hf_config, hf_shapes, stage_weights
+from mgrpo.models.shapes import Dims, local_shape, padded_vocab_size
 from tests.test_convert_common import hf_state, make_hf_checkpoint, tiny_cfg
 
 
@@ -41,8 +42,6 @@ def _random_state(cfg: ModelConfig, seed=0):
 def test_layout_round_trip_at_every_tp(tp, tied):
     cfg = tiny_cfg(num_attention_heads=8, num_query_groups=4, tie_word_embeddings=tied, ffn_hidden_size=64)
     state = _random_state(cfg)
-    from mgrpo.models.qwen3 import padded_vocab_size
-
     d = Dims.of(cfg, tp, padded_vocab_size(cfg.vocab_size, tp))
     d.check_tp()
     out = {}

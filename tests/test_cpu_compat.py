@@ -21,7 +21,7 @@ def _train_two_steps(rank, world, port, tp, pp):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mgrpo.config import ModelConfig
-    from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+    from mgrpo.models.gpt import build_gpt_model, transformer_config
     from mgrpo.training.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, tp=tp, pp=pp)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
-from mgrpo.config import DataConfig, ModelConfig
-from mgrpo.config.validate import SYNTHETIC_TASKS as CONFIG_SYNTHETIC_TASKS
+from mgrpo.config import ConfigError, DataConfig, MGRPOConfig, ModelConfig, validate
 from mgrpo.data import (
     SYNTHETIC_TASKS,
     PromptDataset,
@@ -40,8 +40,13 @@ def _rec(i, source="openai/gsm8k", prompt=None):
 
 # --- synthetic task and tokenizers ---------------------------------------------------------------
 
-def test_synthetic_registry_agrees_with_config_validation():
-    assert tuple(SYNTHETIC_TASKS) == CONFIG_SYNTHETIC_TASKS
+def test_synthetic_registry_is_what_config_validation_accepts():
+    for name, task in SYNTHETIC_TASKS.items():
+        validate(MGRPOConfig(data=DataConfig(synthetic_task=name)))
+        assert {r["data_source"] for r in task.records(DataConfig())} == {task.data_source}
+    message = f"data.synthetic_task='nope' is not one of {list(SYNTHETIC_TASKS)}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(MGRPOConfig(data=DataConfig(synthetic_task="nope")))
 
 
 def test_synthetic_tokenizer(tmp_path):

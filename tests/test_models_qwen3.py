@@ -16,9 +16,11 @@ import yaml
 
 from mgrpo.config import ModelConfig
 from mgrpo.models import capability
-from mgrpo.models.layout import hf_shapes
-from mgrpo.models.qwen3 import (fp8_kwargs, layer_spec, packed_seq_params, padded_vocab_size, transformer_config,
-                                transformer_config_kwargs)
+from mgrpo.models.gpt import fp8_kwargs, packed_seq_params, transformer_config, transformer_config_kwargs
+from mgrpo.models.qwen3 import QWEN3, hf_shapes
+from mgrpo.models.shapes import padded_vocab_size
+
+layer_spec = QWEN3.layer_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=100, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,

@@ -71,7 +71,8 @@ def test_param_counts_equal_transformers_qwen3():
     device, so the real presets cost nothing)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from mgrpo.models.qwen3 import hf_config, padded_vocab_size
+    from mgrpo.models.qwen3 import hf_config
+    from mgrpo.models.shapes import padded_vocab_size
 
     presets = [compose_config([f"model={name}"]).model for name in ("tiny", "qwen3-0.6b", "qwen3-8b")]
     untied = ModelConfig(tie_word_embeddings=False, num_layers=3, num_query_groups=4, head_dim=16)

@@ -1,22 +1,24 @@
-"""Trainer-side weight senders and the payloads SGLang deserialises.
+"""The payloads SGLang deserialises and the senders' pure parts, without a server.
 
-The stand-in server and the pieces of SGLang's own code come from test_sglang_engine.py (see its
-docstring for the SGLang files each shape was read from)."""
+SGLang's own unpickler (sglang/srt/utils/common.py, read from the installed wheel by
+mgrpo/rollout/sglang/schema.py) decodes what we serialise. Transfers into a real server process,
+over both transports, are in test_sglang_sync.py."""
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
-import pickle
 import base64
+import io
+import pickle
 
 import pytest
 import torch
 
-from mgrpo.rollout.sglang_http import SGLangUnavailableError
-from mgrpo.rollout.sglang_weights import (PAYLOAD_GLOBALS, DistributedWeightSender, IPCWeightSender, dtype_name,
-                                          flatten_bucket, free_port, tensor_payloads)
-from tests.test_sglang_engine import FakeSGLang, deserialize_payload, sglang_common
+from mgrpo.rollout.sglang.buckets import dtype_name, flatten_bucket
+from mgrpo.rollout.sglang.http import SGLangUnavailableError
+from mgrpo.rollout.sglang.schema import common as sglang_common
+from mgrpo.rollout.sglang.schema import deserialize as deserialize_payload
+from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender, default_backend
+from mgrpo.rollout.sglang.weights_tensor import PAYLOAD_GLOBALS, IPCWeightSender, TensorWeightSender, tensor_payloads
 
 
 def _bucket(seed: int = 0):
@@ -95,119 +97,44 @@ def test_dtype_names_resolve_in_torch():
     assert dtype_name(torch.bfloat16) == "bfloat16"
 
 
-def test_ipc_sender_posts_tensor_updates_with_sglang_fields():
-    with FakeSGLang(tp=2) as a, FakeSGLang(tp=1) as b:
-        sender = IPCWeightSender([a.url, b.url], [2, 1], allow_cpu=True)
-        sender.update_weights(_bucket(2)[:2])
-        sender.update_weights(_bucket(2)[2:])
-        for fake, tp in ((a, 2), (b, 1)):
-            assert [p for p, _ in fake.calls] == ["/begin_weight_update", "/update_weights_from_tensor"] * 2
-            body = fake.bodies("/update_weights_from_tensor")[0]
-            assert set(body) == {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests"}
-            assert len(body["serialized_named_tensors"]) == tp and body["flush_cache"] is False
-            for n, t in _bucket(2):
-                assert torch.equal(fake.weights[n], t), n
-            assert fake.session_open and not fake.errors
-        assert sender.bytes_sent == sum(t.numel() * t.element_size() for _, t in _bucket(2))
-
-
-def test_ipc_sender_tolerates_a_session_another_sender_opened():
-    with FakeSGLang() as fake:
-        s1, s2 = IPCWeightSender([fake.url], allow_cpu=True), IPCWeightSender([fake.url], allow_cpu=True)
-        s1.update_weights(_bucket()[:1])
-        s2.update_weights(_bucket()[1:2])  # pipeline stage 2: begin answers "already open"
-        assert len(fake.weights) == 2 and not fake.errors
-
-
-def test_ipc_sender_across_syncs_closed_by_the_driver():
-    from mgrpo.rollout.sglang_engine import SGLangEngine
-
-    with FakeSGLang() as fake:
-        sender = IPCWeightSender([fake.url], allow_cpu=True)
-        driver_side = SGLangEngine.connect(fake.url)  # what EngineHost runs: finish_weight_update
-        for version in (1, 2):
-            bucket = [(n, t + version) for n, t in _bucket()]
-            sender.update_weights(bucket)
-            driver_side.finish_weight_update(version)
-            assert not fake.session_open and fake.weight_version == str(version)
-            for n, t in bucket:
-                assert torch.equal(fake.weights[n], t), n
-        assert not fake.errors
-
-
 def test_senders_travel_pickled():
     ipc = pickle.loads(pickle.dumps(IPCWeightSender(["http://10.0.0.5:30000"], [2])))
     assert ipc.clients[0].url == "http://10.0.0.5:30000" and ipc.tp_sizes == [2]
     d = DistributedWeightSender(["http://10.0.0.5:30000"], 4)
     assert pickle.loads(pickle.dumps(d)) is d and d.world_size == 5
-
-
-def test_ipc_sender_needs_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    sender = IPCWeightSender(["http://127.0.0.1:9"])
-    with pytest.raises(SGLangUnavailableError, match=r"rollout\.engine=sglang"):
-        sender.update_weights(_bucket())
+    # an identical sender built again (as the rollout group may do every sync) resolves to the live one
+    again = DistributedWeightSender(["http://10.0.0.5:30000"], 4)
+    assert pickle.loads(pickle.dumps(again)) is d
+    bumped = DistributedWeightSender(["http://10.0.0.5:30000"], 4, generation=1)  # after a restart: a new one
+    assert pickle.loads(pickle.dumps(bumped)) is not d
 
 
 def test_distributed_sender_needs_cuda_for_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    sender = DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="127.0.0.1")
+    sender = DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="127.0.0.1", backend="nccl")
     with pytest.raises(SGLangUnavailableError, match=r"rollout\.engine=sglang"):
         sender.update_weights(_bucket())
     with pytest.raises(ValueError, match="cluster address"):
         DistributedWeightSender(["http://127.0.0.1:9"], 1, master_address="0.0.0.0")
 
 
-def _trainer_rank(sender: DistributedWeightSender, out) -> None:
-    """The trainer's source rank, in its own process: it got the sender the way a Ray task gets its
-    arguments (pickled); join as rank 0, send two buckets, leave."""
-    try:
-        assert pickle.loads(pickle.dumps(sender)) is sender  # one live sender per spec in a process
-        b = _bucket(5)
-        sender.update_weights(b[:3])
-        sender.update_weights(b[3:])
-        name = sender.group_name
-        sender.close()
-        out.put(("ok", (sender.bytes_sent, name)))
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.put(("error", repr(e)))
+def test_cpu_payloads_travel_as_named_shared_memory_and_leave_the_source_alone():
+    bucket = _bucket(3)
+    for load_format in ("flattened_bucket", None):
+        payloads, keep = tensor_payloads(bucket, 1, load_format)
+        rec = _Recorder(base64.b64decode(payloads[0]))
+        rec.load()
+        # by name (any process of this user can open it), never by file descriptor (same process family only)
+        assert ("torch.multiprocessing.reductions", "rebuild_storage_filename") in rec.seen
+        assert ("multiprocessing.resource_sharer", "DupFd") not in rec.seen
+        assert not any(t.is_shared() for _, t in bucket)  # the trainer's own tensors were copied, not moved
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # the global strategy is untouched
 
 
-@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
-def test_distributed_sender_broadcasts_over_a_group_sglang_joins(load_format):
-    """Real torch.distributed (gloo) between a trainer process and the stand-in engine, whose side
-    of the group is made by SGLang's own init_custom_process_group where the wheel is present."""
-    ctx = mp.get_context("spawn")
-    with FakeSGLang(lifetime_s=90) as fake:
-        # group_name left to the sender in one case: it is then named after the sending process
-        group = f"mgrpo-test-{load_format}" if load_format else None
-        sender = DistributedWeightSender([fake.url], [1], master_address="127.0.0.1",
-                                         master_port=free_port("127.0.0.1"), group_name=group, backend="gloo",
-                                         load_format=load_format, timeout_s=60)
-        out = ctx.Queue()
-        proc = ctx.Process(target=_trainer_rank, args=(sender, out))
-        proc.start()
-        try:
-            status, detail = out.get(timeout=80)
-        finally:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        assert status == "ok", detail
-        assert not fake.errors, fake.errors
-        sent_bytes, group = detail
-        assert group.startswith("mgrpo-test-" if load_format else "mgrpo-weights-pid")
-        (init,) = fake.bodies("/init_weights_update_group")
-        assert init["rank_offset"] == 1 and init["world_size"] == 2
-        assert init["group_name"] == group and init["backend"] == "gloo"
-        ups = fake.bodies("/update_weights_from_distributed")
-        assert len(ups) == 2 and all(u["flush_cache"] is False and u["load_format"] == load_format for u in ups)
-        names = [n for n, _ in _bucket(5)]
-        assert sorted(ups[0]["names"] + ups[1]["names"]) == sorted(names)
-        first = dict(zip(ups[0]["names"], zip(ups[0]["dtypes"], ups[0]["shapes"])))
-        assert first["model.norm.weight"] == ("bfloat16", [7])
-        assert first["model.embed_tokens.weight"] == ("float32", [5, 3])
-        for n, t in _bucket(5):
-            assert fake.weights[n].dtype == t.dtype and torch.equal(fake.weights[n], t), n
-        assert fake.bodies("/destroy_weights_update_group") == [{"group_name": group}]
-        assert sent_bytes == sum(t.numel() * t.element_size() for _, t in _bucket(5))
+def test_backend_follows_capability(monkeypatch):
+    assert default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        DistributedWeightSender(["http://127.0.0.1:9"], 1, backend="mpi")
+    assert IPCWeightSender is TensorWeightSender

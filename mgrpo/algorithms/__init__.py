@@ -3,43 +3,15 @@
 Everything here sees whole tensors handed to it by the trainer; nothing communicates. Normalisation
 over the global batch is carried by per-token weights (aggregation.py), so the trainer only needs
 to SUM losses and gradients across micro-batches and data-parallel ranks.
+
+  registry.py     the estimators, losses, KL estimators and aggregation modes a config may name, with
+                  what each one is (needs groups of n >= 2, token- or sequence-level); imports no torch
+  advantages.py   advantage estimators (compute_advantages)
+  policy_loss.py  PPO-clip / GSPO token losses with KL and entropy terms (policy_loss, make_token_loss_fn)
+  kl.py           per-token KL estimators (kl_estimate, apply_kl_in_reward)
+  aggregation.py  loss aggregation as per-token weights over the global mini-batch (token_weights)
+  filtering.py    DAPO's dynamic sampling and overlong filtering / shaping
+
+This package imports none of its modules: import from them directly. That keeps registry.py
+importable without torch (mgrpo.config.validate asks it, and the planner validates without torch).
 """
-
-from mgrpo.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantages,
-    group_stats,
-    masked_whiten,
-    scores_to_token_rewards,
-)
-from mgrpo.algorithms.aggregation import (
-    AGGREGATION_MODES,
-    effective_loss_agg_mode,
-    global_counts,
-    metric_weights,
-    token_weights,
-)
-from mgrpo.algorithms.filtering import (
-    GroupAccumulator,
-    apply_overlong_buffer,
-    groups_with_signal,
-    overlong_filter,
-    overlong_penalty,
-)
-from mgrpo.algorithms.kl import KL_ESTIMATORS, apply_kl_in_reward, kl_estimate
-from mgrpo.algorithms.policy_loss import (
-    POLICY_LOSSES,
-    TOKEN_LEVEL_LOSSES,
-    TokenLossInputs,
-    make_token_loss_fn,
-    policy_loss,
-    tis_weight,
-)
-
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "POLICY_LOSSES", "TOKEN_LEVEL_LOSSES",
-    "GroupAccumulator", "TokenLossInputs", "apply_kl_in_reward", "apply_overlong_buffer", "compute_advantages",
-    "effective_loss_agg_mode", "global_counts", "group_stats", "groups_with_signal", "kl_estimate",
-    "make_token_loss_fn", "masked_whiten", "metric_weights", "overlong_filter", "overlong_penalty",
-    "policy_loss", "scores_to_token_rewards", "tis_weight", "token_weights",
-]

@@ -15,10 +15,9 @@ GRPO score). Left out on purpose: critics (GAE), ReMax and OPO, which need extra
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS
 from mgrpo.config.schema import AlgorithmConfig
 
 Tensor = torch.Tensor
@@ -119,17 +118,6 @@ def reinforce_plus_plus_baseline(scores, group_index, response_mask, cfg, token_
     return (masked_whiten(adv, mask) * mask).to(torch.float32)
 
 
-AdvantageFn = Callable[..., Tensor]
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-}
-
-
 def compute_advantages(scores: Tensor, group_index: Tensor, response_mask: Tensor, cfg: AlgorithmConfig,
                        token_rewards: Tensor | None = None) -> Tensor:
     """Advantages [N, L] (float32, zero where response_mask is 0) with cfg.adv_estimator.
@@ -137,12 +125,9 @@ def compute_advantages(scores: Tensor, group_index: Tensor, response_mask: Tenso
     scores [N]: one reward per response. group_index [N] (long): responses with the same value were
     sampled from the same prompt (use the prompt's position in the batch, not a dataset id, since a
     small dataset may repeat a prompt within one batch). token_rewards [N, L]: see module docstring.
+    The estimators are registered in registry.py.
     """
-    try:
-        fn = ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
-    except KeyError:
-        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} is not one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)}") from None
+    fn = ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator).load()
     if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
         raise ValueError(f"scores must be [N] and response_mask [N, L]; got {tuple(scores.shape)} and "
                          f"{tuple(response_mask.shape)}")

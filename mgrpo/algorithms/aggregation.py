@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from mgrpo.algorithms.registry import AGGREGATION_MODES, POLICY_LOSSES
 from mgrpo.config.schema import AlgorithmConfig
 
 Tensor = torch.Tensor
-
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def global_counts(response_mask: Tensor) -> tuple[int, int]:
@@ -42,9 +41,28 @@ def global_counts(response_mask: Tensor) -> tuple[int, int]:
 
 
 def effective_loss_agg_mode(cfg: AlgorithmConfig) -> str:
-    """The mode the weights must be computed with. GSPO optimises a sequence-level objective, so
-    like veRL it always aggregates seq-mean-token-mean whatever loss_agg_mode says."""
-    return "seq-mean-token-mean" if cfg.policy_loss == "gspo" else cfg.loss_agg_mode
+    """The mode the weights must be computed with: the policy loss's own (GSPO's sequence-level
+    objective always aggregates seq-mean-token-mean, as in veRL), else algorithm.loss_agg_mode."""
+    return POLICY_LOSSES.lookup(cfg.policy_loss).loss_agg_mode or cfg.loss_agg_mode
+
+
+# The modes registered in registry.AGGREGATION_MODES; m is the float64 mask.
+def token_mean(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
+    return m / max(global_tokens, 1)
+
+
+def seq_mean_token_sum(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
+    return m / max(global_seqs, 1)
+
+
+def seq_mean_token_mean(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
+    lengths = m.sum(-1, keepdim=True).clamp(min=1)
+    return m / (lengths * max(global_seqs, 1))
+
+
+def seq_mean_token_sum_norm(m: Tensor, *, global_tokens: int, global_seqs: int,
+                            max_response_length: int) -> Tensor:
+    return m / (max(global_seqs, 1) * max_response_length)
 
 
 def token_weights(response_mask: Tensor, mode: str, *, global_tokens: int, global_seqs: int,
@@ -54,18 +72,9 @@ def token_weights(response_mask: Tensor, mode: str, *, global_tokens: int, globa
     `response_mask` may be the whole mini-batch or any subset of its rows (a micro-batch, one rank's
     share); the global counts come from `global_counts` over the whole mini-batch.
     """
-    m = response_mask.to(torch.float64)
-    if mode == "token-mean":
-        w = m / max(global_tokens, 1)
-    elif mode == "seq-mean-token-sum":
-        w = m / max(global_seqs, 1)
-    elif mode == "seq-mean-token-mean":
-        lengths = m.sum(-1, keepdim=True).clamp(min=1)
-        w = m / (lengths * max(global_seqs, 1))
-    elif mode == "seq-mean-token-sum-norm":
-        w = m / (max(global_seqs, 1) * max_response_length)
-    else:
-        raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {list(AGGREGATION_MODES)}")
+    fn = AGGREGATION_MODES.lookup(mode).load()
+    w = fn(response_mask.to(torch.float64), global_tokens=global_tokens, global_seqs=global_seqs,
+           max_response_length=max_response_length)
     return w.to(torch.float32)
 
 

@@ -18,41 +18,33 @@ definitions.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from mgrpo.algorithms.registry import KL_ESTIMATORS
 
 Tensor = torch.Tensor
 
 
-def _k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+def k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return logprob - ref_logprob
 
 
-def _k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+def k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     return 0.5 * (logprob - ref_logprob).square()
 
 
-def _k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+def k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
     r = (ref_logprob - logprob).clamp(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow
     return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "k3": _k3,
-    "low_var_kl": _k3,
-}
-
-
 def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
-    """Elementwise KL estimate (same shape as the inputs); differentiable w.r.t. `logprob`."""
-    try:
-        fn = KL_ESTIMATORS[kind]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(KL_ESTIMATORS)}") from None
-    return fn(logprob, ref_logprob)
+    """Elementwise KL estimate (same shape as the inputs); differentiable w.r.t. `logprob`.
+    `kind` is a name registered in registry.KL_ESTIMATORS."""
+    entry = KL_ESTIMATORS.get(kind)
+    if entry is None:
+        raise ValueError(f"unknown KL estimator {kind!r}; known: {list(KL_ESTIMATORS)}")
+    return entry.load()(logprob, ref_logprob)
 
 
 def apply_kl_in_reward(token_rewards: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor,

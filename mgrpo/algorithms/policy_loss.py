@@ -18,7 +18,8 @@ Per-token objective of `vanilla` (r = pi/pi_old, A = advantage, eps_l/eps_h = cl
 (the geometric mean of the token ratios), clipped per sequence; per token it uses veRL's
 s_it = sg[s_i] * pi_t / sg[pi_t], whose value is s_i and whose gradient flows through every token.
 s_i needs all of a sequence's log-probs at once, so gspo runs only through `policy_loss`, never the
-chunked `make_token_loss_fn`.
+chunked `make_token_loss_fn`: its registry entry says token_level=False, which the trainer asks.
+The losses are registered in registry.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from mgrpo.algorithms.kl import kl_estimate
+from mgrpo.algorithms.registry import POLICY_LOSSES, PolicyLoss
 from mgrpo.config.schema import AlgorithmConfig
 
 Tensor = torch.Tensor
@@ -59,21 +61,23 @@ class TokenLossInputs:
     rollout_logprob: Optional[Tensor] = None
     """log-prob under the rollout engine; required when tis_cap is set."""
     seq_index: Optional[Tensor] = None
-    """Long [T]: which response each token belongs to (any ids); required for gspo."""
+    """Long [T]: which response each token belongs to (any ids); required for sequence-level losses (gspo)."""
 
     def __len__(self) -> int:
         return self.old_logprob.shape[0]
 
 
-def _check(inputs: TokenLossInputs, cfg: AlgorithmConfig) -> None:
+def _check(inputs: TokenLossInputs, cfg: AlgorithmConfig) -> PolicyLoss:
+    """The registry entry of cfg.policy_loss, after checking `inputs` hold what it and cfg need."""
+    entry = POLICY_LOSSES.lookup(cfg.policy_loss)
     if cfg.use_kl_loss and inputs.ref_logprob is None:
         raise ValueError("algorithm.use_kl_loss=True needs TokenLossInputs.ref_logprob")
     if cfg.tis_cap is not None and inputs.rollout_logprob is None:
         raise ValueError("algorithm.tis_cap is set but TokenLossInputs.rollout_logprob is None")
-    if cfg.policy_loss == "gspo" and inputs.seq_index is None:
-        raise ValueError("algorithm.policy_loss='gspo' needs TokenLossInputs.seq_index")
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"algorithm.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
+    if not entry.token_level and inputs.seq_index is None:
+        raise ValueError(f"algorithm.policy_loss={cfg.policy_loss!r} is sequence-level and needs "
+                         "TokenLossInputs.seq_index")
+    return entry
 
 
 def tis_weight(old_logprob: Tensor, rollout_logprob: Tensor, cap: float) -> Tensor:
@@ -100,14 +104,14 @@ def _ppo_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float,
     return pg, is_clipped, is_lower
 
 
-def _vanilla_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
+def vanilla_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
     """Token-level PPO-clip; token-local, so any chunk `sl` of the tokens can be done alone."""
     log_ratio = (logprob - inputs.old_logprob[sl]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _ppo_clip(log_ratio, inputs.advantages[sl], cfg.clip_ratio_low, cfg.clip_ratio_high,
                      cfg.clip_ratio_c)
 
 
-def _gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
+def gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
     """GSPO; `sl` must cover whole sequences (policy_loss passes all tokens)."""
     log_ratio = logprob - inputs.old_logprob[sl]
     _, inv = torch.unique(inputs.seq_index[sl], return_inverse=True)
@@ -124,14 +128,9 @@ def _gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: Algorithm
     return pg, clipped, lower
 
 
-# Registry keyed by algorithm.policy_loss: fn(logprob, inputs, sl, cfg) -> (pg, clipped, dual_clipped).
-POLICY_LOSSES: dict[str, Callable] = {"vanilla": _vanilla_pg, "gspo": _gspo_pg}
-# Losses whose per-token value depends only on that token: these may run chunk by chunk.
-TOKEN_LEVEL_LOSSES = ("vanilla",)
-
-
 def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entropy: Optional[Tensor],
-             inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+             inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig,
+             entry: PolicyLoss) -> tuple[Tensor, dict[str, Tensor]]:
     """Add IS weights, KL and entropy; reduce to (weighted loss sum, weighted metric sums)."""
     w = inputs.token_weight[sl]
     # A token with no loss weight (padding, an overlong-filtered response) is out of the metrics too,
@@ -145,7 +144,7 @@ def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entrop
         "actor/pg_clipfrac": (mw * clipped.to(mw.dtype)).sum(),
         "actor/ppo_kl": (mw * (inputs.old_logprob[sl] - logprob)).sum(),
     }
-    if cfg.clip_ratio_c is not None and cfg.policy_loss == "vanilla":
+    if cfg.clip_ratio_c is not None and entry.dual_clip:
         metrics["actor/pg_clipfrac_lower"] = (mw * lower.to(mw.dtype)).sum()
     if cfg.use_kl_loss:
         kl = kl_estimate(logprob, inputs.ref_logprob[sl], cfg.kl_loss_type)
@@ -163,15 +162,15 @@ def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entrop
 def make_token_loss_fn(inputs: TokenLossInputs, cfg: AlgorithmConfig) -> TokenLossFn:
     """Bind a micro-batch's tensors into `token_loss_fn(logprob_chunk, entropy_chunk, sl)` for the
     chunked / fused log-prob kernels; `sl` selects the chunk's tokens in `inputs`."""
-    _check(inputs, cfg)
-    if cfg.policy_loss not in TOKEN_LEVEL_LOSSES:
+    entry = _check(inputs, cfg)
+    if not entry.token_level:
         raise ValueError(f"algorithm.policy_loss={cfg.policy_loss!r} needs whole sequences (a sequence-level "
                          "ratio); compute log-probs first and call policy_loss(), not the chunked token loss")
-    pg_fn = POLICY_LOSSES[cfg.policy_loss]
+    pg_fn = entry.load()
 
     def token_loss_fn(logprob: Tensor, entropy: Optional[Tensor], sl: slice):
         pg, clipped, lower = pg_fn(logprob, inputs, sl, cfg)
-        return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg)
+        return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg, entry)
 
     return token_loss_fn
 
@@ -180,8 +179,8 @@ def policy_loss(logprob: Tensor, entropy: Optional[Tensor], inputs: TokenLossInp
                 cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """(loss, metrics) over all tokens of `inputs` at once; same numbers as the chunked path for
     token-level losses, and the only path for gspo."""
-    _check(inputs, cfg)
+    entry = _check(inputs, cfg)
     sl = slice(0, len(inputs))
-    pg, clipped, lower = POLICY_LOSSES[cfg.policy_loss](logprob, inputs, sl, cfg)
-    return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg)
+    pg, clipped, lower = entry.load()(logprob, inputs, sl, cfg)
+    return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg, entry)
 

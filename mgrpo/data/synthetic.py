@@ -2,8 +2,8 @@
 
 The `sum` task asks "a+b=" for single digits a, b in 0..data.synthetic_max_operand and rewards
 exactly the digits of a+b followed by EOS. A randomly initialised Qwen3-shaped model of ~0.3M
-parameters learns it with plain GRPO in about 100 steps (DESIGN.md section 4), so a full run of the
-real pipeline (Megatron actor, rollout engine, judger, weight sync) finishes in minutes on a laptop.
+parameters learns it with plain GRPO in about 100 steps, so a full run of the real pipeline
+(Megatron actor, rollout engine, judger, weight sync) finishes in minutes on a laptop.
 
 The tokenizer is a genuine `transformers.PreTrainedTokenizerFast` (so the rollout engine, chat-free
 prompt path and `save_pretrained` into HF checkpoints all work unchanged) over single characters:
@@ -14,8 +14,10 @@ decoding concatenates characters without spaces. There is no chat template: prom
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
+from mgrpo.config.registry import Registry
 from mgrpo.config.schema import DataConfig
 
 SYNTHETIC_SOURCE_PREFIX = "mgrpo/"
@@ -40,6 +42,9 @@ def synthetic_tokenizer():
                                    unk_token="<unk>", model_max_length=1024, padding_side="left")
 
 
+SUM_SOURCE = "mgrpo/sum"
+
+
 def sum_records(cfg: DataConfig) -> list[dict]:
     """RL records of the `sum` task: "a+b=" -> str(a+b), for a, b in 0..synthetic_max_operand."""
     m = cfg.synthetic_max_operand
@@ -47,7 +52,7 @@ def sum_records(cfg: DataConfig) -> list[dict]:
         raise ValueError(f"data.synthetic_max_operand={m} must be non-negative")
     return [
         {
-            "data_source": "mgrpo/sum",
+            "data_source": SUM_SOURCE,
             "prompt": f"{a}+{b}=",
             "ability": "arithmetic",
             "reward_model": {"ground_truth": str(a + b), "style": "rule"},
@@ -58,12 +63,18 @@ def sum_records(cfg: DataConfig) -> list[dict]:
     ]
 
 
-SYNTHETIC_TASKS: dict[str, Callable[[DataConfig], list[dict]]] = {"sum": sum_records}
+@dataclass(frozen=True)
+class SyntheticTask:
+    records: Callable[[DataConfig], list[dict]]
+    """DataConfig -> the task's RL records (all of them; the dataset samples and shuffles)."""
+    data_source: str
+    """The data_source of its records: the reward function registered under it scores them."""
+
+
+SYNTHETIC_TASKS: Registry[SyntheticTask] = Registry("data.synthetic_task", {
+    "sum": SyntheticTask(sum_records, SUM_SOURCE),
+})
 
 
 def synthetic_records(cfg: DataConfig) -> list[dict]:
-    try:
-        return SYNTHETIC_TASKS[cfg.synthetic_task](cfg)
-    except KeyError:
-        raise ValueError(f"data.synthetic_task={cfg.synthetic_task!r} is not one of {sorted(SYNTHETIC_TASKS)}") \
-            from None
+    return SYNTHETIC_TASKS.lookup(cfg.synthetic_task).records(cfg)

@@ -1,23 +1,53 @@
-"""Qwen3 as a Megatron-Core model, and its weights in Hugging Face and Megatron formats.
+"""Model families as Megatron-Core models, and their weights in Hugging Face and Megatron formats.
 
-  qwen3.py         TransformerConfig / layer spec / GPTModel builder (local spec on CPU, TE + FP8 on GPU),
-                   THD packed-sequence parameters, the matching transformers Qwen3Config
+  family.py        ModelFamily: what differs between architectures (Megatron config and layer spec,
+                   HF <-> Megatron names, HF config, parameter count)
+  registry.py      the families `model.family` may name; family_of(model), family_for_hf(model_type)
+  qwen3.py         the Qwen3 (dense) family
+  gpt.py           any family as a megatron GPTModel: TransformerConfig at a parallel layout, layer
+                   spec, stage builder (local spec on CPU, TE + FP8 on GPU), THD packed-sequence parameters
+  shapes.py        padded vocabulary, TP shard shapes, parameter counts (no torch)
   capability.py    can Transformer Engine / FP8 run here (asked at call time)
-  layout.py        HF <-> Megatron names and tensor-parallel sharding rules (pure tensors)
+  layout.py        one TP rank's shard from HF tensors and back (pure tensors)
   hf_io.py         config.json <-> ModelConfig, lazy safetensors reads, sharded writes, random init
   hf_checkpoint.py load an HF directory into a stage (each rank reads only its slices)
   weight_iter.py   stream a stage out as HF tensors (TP gather per parameter); buckets
   megatron_ckpt.py megatron distributed checkpoints of the weights (reshard on load)
+
+The names below are imported on first use, not with the package: family.py, registry.py, qwen3.py,
+shapes.py and capability.py import no torch, and mgrpo.config.validate and the planner read them
+without importing torch.
 """
 
-from mgrpo.models.hf_checkpoint import load_hf_into_megatron
-from mgrpo.models.hf_io import (check_hf_config, init_hf_checkpoint, model_config_from_hf,
-                                save_hf_checkpoint)
-from mgrpo.models.megatron_ckpt import load_megatron_checkpoint, save_megatron_checkpoint
-from mgrpo.models.weight_iter import bucketize, iter_megatron_to_hf, save_hf_checkpoint_distributed
+import importlib
 
-__all__ = [
-    "bucketize", "check_hf_config", "init_hf_checkpoint", "iter_megatron_to_hf", "load_hf_into_megatron",
-    "load_megatron_checkpoint", "model_config_from_hf", "save_hf_checkpoint", "save_hf_checkpoint_distributed",
-    "save_megatron_checkpoint",
-]
+_EXPORTS = {
+    "bucketize": "weight_iter",
+    "build_gpt_model": "gpt",
+    "check_hf_config": "hf_io",
+    "family_of": "registry",
+    "init_hf_checkpoint": "hf_io",
+    "iter_megatron_to_hf": "weight_iter",
+    "load_hf_into_megatron": "hf_checkpoint",
+    "load_megatron_checkpoint": "megatron_ckpt",
+    "model_config_from_hf": "hf_io",
+    "save_hf_checkpoint": "hf_io",
+    "save_hf_checkpoint_distributed": "weight_iter",
+    "save_megatron_checkpoint": "megatron_ckpt",
+    "transformer_config": "gpt",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -5,14 +5,16 @@ of TE: Hopper (sm90) or Ada (sm89) for `delayed` / `tensorwise`, Hopper with CUD
 `blockwise`, Blackwell (sm100) for `mxfp8`. TE itself answers those questions with its
 `check_*_support()` functions, which moved from `transformer_engine.pytorch.fp8` (TE 2.x) to
 `transformer_engine.pytorch.quantization` (newer); we ask whichever module exists.
+
+torch is imported inside the functions: `mgrpo.config.validate` reads FP8_FORMATS / FP8_RECIPES
+from here, and the planner validates without importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-
-import torch
+from typing import Optional
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -42,7 +44,21 @@ def te_importable() -> bool:
 
 def te_available() -> bool:
     """The Transformer Engine layer spec can run here: TE importable and a CUDA device present."""
+    import torch
+
     return torch.cuda.is_available() and te_importable()
+
+
+def resolve_use_te(use_te: Optional[bool], *, use_cpu: bool = False) -> bool:
+    """None -> whether TE can run here; True where it cannot -> ValueError."""
+    import torch
+
+    if use_te is None:
+        return (not use_cpu) and te_available()
+    if use_te and not te_available():
+        raise ValueError("use_te=True needs Transformer Engine importable and a CUDA GPU; this machine has "
+                         f"cuda={torch.cuda.is_available()}, transformer_engine={te_importable()}")
+    return bool(use_te)
 
 
 def _te_support_fn(name: str):
@@ -58,6 +74,8 @@ def _te_support_fn(name: str):
 
 def fp8_support(recipe: str) -> tuple[bool, str]:
     """(supported, reason) for running FP8 with `recipe` on this machine."""
+    import torch
+
     if recipe not in FP8_RECIPES:
         return False, f"unknown FP8 recipe {recipe!r}; expected one of {list(FP8_RECIPES)}"
     if not torch.cuda.is_available():
@@ -85,6 +103,6 @@ def require_fp8(fp8: str, recipe: str) -> None:
 
 
 def thd_available() -> bool:
-    """THD-packed sequences (`qwen3.packed_seq_params`) need TE's flash / cuDNN attention, so the
+    """THD-packed sequences (`gpt.packed_seq_params`) need TE's flash / cuDNN attention, so the
     trainer packs sequences end to end exactly when the TE spec runs; otherwise it pads [b, s]."""
     return te_available()

@@ -1,8 +1,9 @@
-"""Load an HF Qwen3 directory into one Megatron pipeline stage.
+"""Load an HF checkpoint directory into one Megatron pipeline stage.
 
 Each rank reads only the slices its stage and TP rank hold (safetensors' lazy slicing); every
-check runs first, so a wrong checkpoint is refused before any weight changes. The layout rules
-live in `layout.py`; the way back (Megatron -> HF) is `weight_iter.py`.
+check runs first, so a wrong checkpoint is refused before any weight changes. Which HF tensors make
+each parameter is the model family's table; the sharding rules live in `shapes.py` / `layout.py`;
+the way back (Megatron -> HF) is `weight_iter.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from mgrpo.config import ModelConfig
 from mgrpo.models.hf_io import SafetensorsCheckpoint, check_hf_config, check_hf_tensors
-from mgrpo.models.layout import Dims, Weight, local_shape, shard_from_hf, stage_weights
+from mgrpo.models.layout import shard_from_hf
+from mgrpo.models.registry import family_of
+from mgrpo.models.shapes import Dims, Weight, local_shape
 
 
 def unwrap(model):
@@ -48,8 +51,8 @@ class Stage:
         return None
 
     def weights(self, cfg: ModelConfig) -> list[Weight]:
-        return stage_weights(cfg, layers=self.layers, pre_process=self.pre_process, post_process=self.post_process,
-                             param_names=set(self.params))
+        return family_of(cfg).stage_weights(cfg, layers=self.layers, pre_process=self.pre_process,
+                                            post_process=self.post_process, param_names=set(self.params))
 
     def check(self, cfg: ModelConfig, d: Dims, weights: list[Weight]) -> list[str]:
         """Megatron parameters the mapping does not know, misses, or expects in another shape."""
@@ -85,7 +88,7 @@ def check_stage_layout(cfg: ModelConfig, stage: Stage, tp_size: int, pp_rank: in
 
 def load_hf_into_megatron(model, hf_dir: str, model_cfg: ModelConfig, *, tp_rank: int, tp_size: int, pp_rank: int,
                           pp_size: int, on_weight: Optional[Callable[[str], None]] = None) -> None:
-    """Fill one unwrapped pipeline stage from an HF Qwen3 directory (config.json + safetensors).
+    """Fill one unwrapped pipeline stage from an HF directory (config.json + safetensors).
 
     Every check runs before any weight is copied and covers the whole checkpoint on every rank, so
     all ranks refuse together: config.json against `model_cfg`, then missing, unexpected and

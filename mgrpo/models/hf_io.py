@@ -1,6 +1,8 @@
-"""Hugging Face Qwen3 checkpoint directories: config.json <-> ModelConfig, lazy safetensors reads,
+"""Hugging Face checkpoint directories: config.json <-> ModelConfig, lazy safetensors reads,
 streaming sharded writes, and the seeded random initial checkpoint every from-scratch run starts from.
 
+What is architecture-specific (which config.json fields, which tensors, which transformers classes)
+comes from the model family (`model.family`, or config.json's `model_type` when reading a checkpoint).
 No process groups here; the converter and launchers decide which rank reads or writes what.
 """
 
@@ -10,13 +12,13 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 import torch
 
 from mgrpo.config import ModelConfig
-from mgrpo.models.layout import IGNORED_HF_SUFFIXES, LM_HEAD, hf_shapes, megatron_name_of
+from mgrpo.models.registry import family_for_hf, family_of
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -24,8 +26,10 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json")
-_PART = ".part-"
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # temporary shard names before the final count is known
+_PART = ".part-"  # temporary shard names before the final count is known
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+# Tensors some HF checkpoints carry that hold no weights (old rotary caches).
+IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _need(path: str, what: str) -> str:
@@ -45,83 +49,39 @@ def read_hf_config(hf_dir: str) -> dict:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
 
 
-def _rope(cfg) -> tuple[float, dict]:
-    """(rope_theta, rope parameters) from a transformers Qwen3Config, 4.x (rope_theta / rope_scaling)
-    or 5.x (rope_parameters) style."""
-    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
-    return float(theta), params
-
-
-def _parsed(raw: dict, path: str):
-    from transformers import Qwen3Config
-
-    if raw.get("model_type") != "qwen3":
-        raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected 'qwen3' (dense Qwen3)")
-    return Qwen3Config.from_dict(raw)
-
-
-def _architecture_errors(cfg, path: str) -> list[str]:
-    """Qwen3 variants this converter does not implement, each named."""
-    errors = []
-    _, rope = _rope(cfg)
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        errors.append(f"{path} rope type {rope.get('rope_type', rope.get('type'))!r} (rope scaling) is not supported")
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        errors.append(f"{path} hidden_act={cfg.hidden_act!r}, only 'silu' is supported")
-    if getattr(cfg, "attention_bias", False):
-        errors.append(f"{path} attention_bias=true is not supported (Qwen3 has no biases)")
-    if getattr(cfg, "use_sliding_window", False):
-        errors.append(f"{path} use_sliding_window=true is not supported")
-    return errors
-
-
 def model_config_from_hf(hf_dir: str) -> ModelConfig:
-    """ModelConfig describing the architecture in `hf_dir`/config.json."""
+    """ModelConfig describing the architecture in `hf_dir`/config.json (its family from `model_type`)."""
     path = os.path.join(hf_dir, CONFIG)
-    cfg = _parsed(read_hf_config(hf_dir), path)
-    errors = _architecture_errors(cfg, path)
+    raw = read_hf_config(hf_dir)
+    family = family_for_hf(raw.get("model_type"), path)
+    cfg = family.hf_parse_config(raw)
+    errors = family.hf_unsupported(cfg, path)
     if errors:
         raise ValueError("; ".join(errors))
-    theta, _ = _rope(cfg)
+    fields = family.hf_model_fields(cfg)
     has_tokenizer = any(os.path.exists(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     return ModelConfig(
         name=os.path.basename(os.path.normpath(hf_dir)),
         hf_path=hf_dir,
-        # A checkpoint without tokenizer files of the real Qwen3 vocabulary size uses the packaged Qwen3 tokenizer.
-        tokenizer=hf_dir if has_tokenizer else ("qwen3" if cfg.vocab_size == 151936 else "synthetic"),
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        ffn_hidden_size=cfg.intermediate_size,
-        rope_theta=theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings),
-        max_position_embeddings=cfg.max_position_embeddings,
-        init_std=cfg.initializer_range,
+        family=family.name,
+        tokenizer=hf_dir if has_tokenizer else family.default_tokenizer(fields["vocab_size"]),
+        **fields,
     )
-
-
-# config.json field -> ModelConfig field, for the checks below.
-_FIELDS = (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"),
-           ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_attention_heads"),
-           ("num_key_value_heads", "num_query_groups"), ("head_dim", "head_dim"), ("rope_theta", "rope_theta"),
-           ("rms_norm_eps", "rms_norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"),
-           ("max_position_embeddings", "max_position_embeddings"))
 
 
 def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
     """Raise ValueError naming every config.json field that disagrees with `model`."""
     path = os.path.join(hf_dir, CONFIG)
-    cfg = _parsed(read_hf_config(hf_dir), path)
-    errors = _architecture_errors(cfg, path)
-    have = {"rope_theta": _rope(cfg)[0]}
-    for hf_name, ours in _FIELDS:
-        value = have.get(hf_name, getattr(cfg, hf_name, None))
-        want = getattr(model, ours)
+    family = family_of(model)
+    raw = read_hf_config(hf_dir)
+    if raw.get("model_type") != family.hf_model_type:
+        raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
+                         f"(model.family={model.family!r})")
+    cfg = family.hf_parse_config(raw)
+    errors = family.hf_unsupported(cfg, path)
+    have = family.hf_model_fields(cfg)
+    for hf_name, ours in family.hf_checked_fields:
+        value, want = have.get(ours), getattr(model, ours)
         same = (math.isclose(float(value), float(want), rel_tol=1e-9) if isinstance(want, float)
                 and value is not None else value == want)
         if not same:
@@ -189,8 +149,9 @@ class SafetensorsCheckpoint:
 
 def check_hf_tensors(ckpt: SafetensorsCheckpoint, model: ModelConfig) -> list[str]:
     """Missing, unexpected and mis-shaped tensors of the whole checkpoint, each named (HF and Megatron)."""
-    expected = hf_shapes(model)
-    megatron = megatron_name_of(model)
+    family = family_of(model)
+    expected = family.hf_shapes(model)
+    megatron = family.megatron_names(model)
     problems = []
     for name, shape in expected.items():
         if name not in ckpt:
@@ -198,8 +159,9 @@ def check_hf_tensors(ckpt: SafetensorsCheckpoint, model: ModelConfig) -> list[st
         elif ckpt.shape(name) != shape:
             problems.append(f"tensor {name} has shape {list(ckpt.shape(name))} in {ckpt.weight_map[name]}, "
                             f"expected {list(shape)} (megatron {megatron[name]})")
-    # Some tied checkpoints also store lm_head; transformers ignores it in favour of the embedding.
-    tolerated = {LM_HEAD} if model.tie_word_embeddings else set()
+    # Some tied checkpoints also store the untied output head (lm_head); transformers ignores it in
+    # favour of the embedding.
+    tolerated = set(family.hf_shapes(replace(model, tie_word_embeddings=False))) - set(expected)
     for name in ckpt.names():
         if name not in expected and name not in tolerated and not name.endswith(IGNORED_HF_SUFFIXES):
             problems.append(f"unexpected tensor {name} in {ckpt.weight_map[name]} (no megatron counterpart)")
@@ -300,8 +262,9 @@ def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: Mode
     config.json, generation_config.json and the tokenizer files."""
     from transformers import GenerationConfig
 
+    family = family_of(model_cfg)
     written = {k: s for f in files for k, s in f.shapes.items()}
-    expected = hf_shapes(model_cfg)
+    expected = family.hf_shapes(model_cfg)
     problems = [f"tensor {k} written twice" for k in written if sum(k in f.shapes for f in files) > 1]
     problems += [f"missing tensor {k}" for k in expected if k not in written]
     problems += [f"unexpected tensor {k}" for k in written if k not in expected]
@@ -324,12 +287,10 @@ def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: Mode
         with open(os.path.join(out_dir, INDEX), "w") as fh:
             json.dump(index, fh, indent=2)
 
-    from mgrpo.models.qwen3 import hf_config
-
     dtypes = set().union(*(f.dtypes for f in files))
     ids = _tokenizer_ids(tokenizer, tokenizer_dir)
-    config = hf_config(model_cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32",
-                       architectures=["Qwen3ForCausalLM"], **ids)
+    config = family.hf_config(model_cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32",
+                              architectures=[family.hf_architecture], **ids)
     config.save_pretrained(out_dir)
 
     if tokenizer is not None:
@@ -352,7 +313,7 @@ def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: Mode
 
 def save_hf_checkpoint(out_dir: str, named_tensors: Iterable[tuple[str, torch.Tensor]], model_cfg: ModelConfig, *,
                        tokenizer=None, tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 2**30) -> None:
-    """Write a transformers-loadable Qwen3 checkpoint from a stream of (HF name, tensor).
+    """Write a transformers-loadable checkpoint of `model_cfg`'s family from a stream of (HF name, tensor).
 
     The stream must hold exactly the model's tensors (checked before naming the files); it is
     written shard by shard, so at most `max_shard_bytes` of it is held in memory. One shard is
@@ -366,22 +327,20 @@ def save_hf_checkpoint(out_dir: str, named_tensors: Iterable[tuple[str, torch.Te
 
 
 def init_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, seed: int, tokenizer=None) -> str:
-    """A randomly initialised Qwen3ForCausalLM (transformers' own init, seeded) saved to `out_dir`.
+    """A randomly initialised transformers model of `model_cfg` (its family's class and transformers'
+    own init, seeded) saved to `out_dir`.
 
     Every from-scratch run starts from such a directory, so all TP/PP layouts and the rollout
     engine start from the same weights. `tokenizer` is a tokenizer object (saved with it) or a
     directory to copy tokenizer files from. Returns `out_dir`.
     """
-    from transformers import Qwen3ForCausalLM
-
-    from mgrpo.models.qwen3 import hf_config
-
+    family = family_of(model_cfg)
     fork_devices = []  # keep the caller's CPU RNG stream untouched
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(hf_config(model_cfg)).float()
+        model = family.hf_model(family.hf_config(model_cfg)).float()
     state = model.state_dict()
-    names = list(hf_shapes(model_cfg))
+    names = list(family.hf_shapes(model_cfg))
     tok_obj, tok_dir = (None, tokenizer) if isinstance(tokenizer, str) else (tokenizer, None)
     save_hf_checkpoint(out_dir, ((n, state[n]) for n in names), model_cfg, tokenizer=tok_obj, tokenizer_dir=tok_dir)
     return out_dir

@@ -1,65 +1,50 @@
-"""Qwen3 (dense) as a Megatron-Core GPTModel.
+"""Qwen3 (dense) as a model family: its Megatron configuration, HF <-> Megatron names, HF config, size.
 
 Qwen3 is a GPT with RMSNorm, SwiGLU, rotary embeddings, grouped-query attention, RMSNorm on queries
-and keys (qk_layernorm), no biases, and a head_dim independent of hidden_size / num_heads. This
-module maps `ModelConfig` onto megatron's TransformerConfig and layer spec; it holds no process
-groups (they come in through `pg_collection`) and no training logic.
+and keys (qk_layernorm), no biases, and a head_dim independent of hidden_size / num_heads. Nothing
+here imports torch, megatron or transformers at module level (the planner counts parameters without
+them); the functions that need them import them when called.
+
+Megatron (one pipeline stage, layer j = local index, i = global index = layer_number - 1):
+
+  embedding.word_embeddings.weight            <- model.embed_tokens.weight    rows split by TP, vocab padded
+  decoder.layers.j.input_layernorm.weight     <- model.layers.i.input_layernorm.weight
+      (TE spec: decoder.layers.j.self_attention.linear_qkv.layer_norm_weight)
+  decoder.layers.j.self_attention.linear_qkv.weight <- q_proj, k_proj, v_proj fused per query group:
+      for each group g: its heads/groups query heads, then k head g, then v head g; TP splits groups
+  decoder.layers.j.self_attention.q_layernorm.weight <- model.layers.i.self_attn.q_norm.weight
+  decoder.layers.j.self_attention.k_layernorm.weight <- model.layers.i.self_attn.k_norm.weight
+  decoder.layers.j.self_attention.linear_proj.weight <- o_proj            columns split by TP
+  decoder.layers.j.pre_mlp_layernorm.weight   <- model.layers.i.post_attention_layernorm.weight
+      (TE spec: decoder.layers.j.mlp.linear_fc1.layer_norm_weight)
+  decoder.layers.j.mlp.linear_fc1.weight      <- gate_proj, up_proj: each TP shard holds
+                                                 [its gate rows; its up rows]
+  decoder.layers.j.mlp.linear_fc2.weight      <- down_proj               columns split by TP
+  decoder.final_layernorm.weight              <- model.norm.weight
+  output_layer.weight                         <- lm_head.weight (untied), rows split by TP, vocab padded;
+      tied with PP>1: the last stage's copy of model.embed_tokens.weight (loaded, never exported);
+      tied with PP=1: absent (the output layer uses the embedding).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
-import torch
+from mgrpo.models.family import ModelFamily, hf_rope
+from mgrpo.models.shapes import FC1, QKV, REPLICATED, ROW_PARALLEL, VOCAB, LayerParams, Weight
 
-from mgrpo.config import ModelConfig
-from mgrpo.models.capability import FP8_FORMATS, FP8_RECIPES, require_fp8, te_available, te_importable
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron shards the embedding and output layer by rows; pad so every TP shard is equal."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+FINAL_NORM = "model.norm.weight"
+QWEN3_VOCAB = 151936
+"""Vocabulary size of the released Qwen3 checkpoints (the packaged 'qwen3' tokenizer's)."""
 
 
-def fp8_kwargs(fp8: Optional[str], fp8_recipe: str = "delayed", *, fp8_param: bool = False) -> dict:
-    """TransformerConfig fields for FP8 through Transformer Engine (empty when fp8 is None).
+# --- Megatron --------------------------------------------------------------------------------------
+def megatron_config(model) -> dict:
+    import torch
 
-    `fp8` is the format (`e4m3`: e4m3 everywhere; `hybrid`: e4m3 forward, e5m2 for gradients) and
-    `fp8_recipe` the scaling recipe, both spelled as megatron's TransformerConfig spells them.
-    Delayed scaling keeps an amax history; the others scale from the current tensor (tensorwise),
-    per 128x128 / 1x128 block (blockwise) or per 32-element micro-block (mxfp8).
-    """
-    if fp8 is None:
-        if fp8_param:
-            raise ValueError("fp8_param=True needs fp8 set to 'e4m3' or 'hybrid'")
-        return {}
-    if fp8 not in FP8_FORMATS:
-        raise ValueError(f"fp8={fp8!r} is not one of {list(FP8_FORMATS)}")
-    if fp8_recipe not in FP8_RECIPES:
-        raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {list(FP8_RECIPES)}")
-    kwargs = dict(fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param, fp8_wgrad=True)
-    if fp8_recipe == "delayed":
-        # TE's own DelayedScaling defaults (megatron's are a 1-step history, which is noisier).
-        kwargs.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_margin=0)
-    return kwargs
-
-
-def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
-                              use_te: bool = False, params_dtype: torch.dtype = torch.float32,
-                              sequence_parallel: bool = False, fp8: Optional[str] = None,
-                              fp8_recipe: str = "delayed", fp8_param: bool = False) -> dict:
-    """The TransformerConfig fields for Qwen3 at a parallel layout, without any capability check.
-
-    Kept separate from `transformer_config` so the GPU configuration can be inspected on a CPU.
-    """
-    from megatron.core.transformer.enums import AttnBackend
-
-    if fp8 is not None and not use_te:
-        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True)")
-    bf16 = params_dtype == torch.bfloat16
-    kwargs = dict(
+    return dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -73,92 +58,14 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
         qk_layernorm=True,
         add_bias_linear=False,
         add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=model.init_std,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=bf16,
-        fp16=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        # RL micro-batches are packed under a token budget, so their shapes differ: pipeline stages
-        # exchange shapes before activations. (megatron rejects this flag with its default MoE
-        # dispatcher 'allgather' even for dense models; 'alltoall' is inert without experts.)
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
-        deallocate_pipeline_outputs=False,
     )
-    if use_cpu:
-        kwargs.update(
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-            cross_entropy_loss_fusion=False,
-            attention_backend=AttnBackend.local,
-        )
-    elif use_te:
-        # TE picks flash / cuDNN fused attention (both take THD-packed sequences); RoPE and
-        # SwiGLU fusions are TE kernels too.
-        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True)
-    else:
-        # Local spec on a GPU without TE: megatron's own fused kernels only (RoPE fusion needs TE).
-        kwargs.update(attention_backend=AttnBackend.local, bias_activation_fusion=True, apply_rope_fusion=False)
-    kwargs.update(fp8_kwargs(fp8, fp8_recipe, fp8_param=fp8_param))
-    return kwargs
 
 
-def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
-                       params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                       fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
-                       use_te: Optional[bool] = None):
-    """TransformerConfig for Qwen3 at the given parallel layout.
-
-    On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
-    weights are initialised on the CPU, which also makes the initial weights independent of TP size.
-    `use_te=None` picks the Transformer Engine path when it can run here (TE importable, CUDA present,
-    not `use_cpu`); asking for TE or FP8 where it cannot run is a ValueError naming what is missing.
-    Pass the same `use_te` to `build_gpt_model`.
-    """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if fp8 is not None:
-        require_fp8(fp8, fp8_recipe)  # names what is missing: a GPU, TE, a TE version, the GPU generation
-    if use_cpu and use_te:
-        raise ValueError("use_cpu=True runs the local layer spec; use_te=True needs a GPU")
-    use_te = resolve_use_te(use_te, use_cpu=use_cpu)
-    if fp8 is not None and not use_te:
-        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec, but use_te=False")
-    kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
-                                       params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                       fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param)
-    return TransformerConfig(**kwargs)
-
-
-def resolve_use_te(use_te: Optional[bool], *, use_cpu: bool = False) -> bool:
-    """None -> whether TE can run here; True where it cannot -> ValueError."""
-    if use_te is None:
-        return (not use_cpu) and te_available()
-    if use_te and not te_available():
-        raise ValueError("use_te=True needs Transformer Engine importable and a CUDA GPU; this machine has "
-                         f"cuda={torch.cuda.is_available()}, transformer_engine={te_importable()}")
-    return bool(use_te)
-
-
-def layer_spec(*, use_te: Optional[bool] = None):
-    """Decoder layer spec: Transformer Engine modules on GPU, megatron's local modules on CPU.
-
-    The TE spec fuses the pre-attention and pre-MLP RMSNorms into `linear_qkv` / `linear_fc1`
+def megatron_layer_spec(use_te: bool):
+    """The TE spec fuses the pre-attention and pre-MLP RMSNorms into `linear_qkv` / `linear_fc1`
     (`layer_norm_weight`); the local spec keeps them as `input_layernorm` / `pre_mlp_layernorm`.
-    The weight converter handles both key sets.
-    """
-    if resolve_use_te(use_te):
+    `stage_weights` handles both key sets."""
+    if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
@@ -167,68 +74,76 @@ def layer_spec(*, use_te: Optional[bool] = None):
     return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
 
 
-def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_process: bool,
-                    pg_collection=None, use_te: Optional[bool] = None, vocab_padded: Optional[int] = None):
-    """One pipeline stage of Qwen3 as a GPTModel.
-
-    `use_te=None` follows the config: the TE spec exactly when `tf_config` was built for it
-    (fp8 set or a non-local attention backend) and TE can run here.
-    """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.enums import AttnBackend
-
-    if use_te is None:
-        use_te = (tf_config.fp8 is not None or tf_config.attention_backend != AttnBackend.local) and te_available()
-    tp = tf_config.tensor_model_parallel_size
-    return GPTModel(
-        config=tf_config,
-        transformer_layer_spec=layer_spec(use_te=use_te),
-        vocab_size=vocab_padded or padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by),
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(model.rope_theta),
-        pg_collection=pg_collection,
-    )
+def megatron_model(model) -> dict:
+    return dict(position_embedding_type="rope", rotary_base=int(model.rope_theta))
 
 
-def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple_of: int = 1,
-                      device: Optional[torch.device | str] = None):
-    """megatron's PackedSeqParams (THD format) for sequences laid end to end in one row.
-
-    `cu_seqlens` are the int32 prefix sums [0, l0, l0+l1, ...] that TE's flash / fused attention
-    take. With `pad_to_multiple_of` > 1 (context parallelism needs each sequence padded to a
-    multiple of 2*cp; FP8 GEMMs like multiples of 16) each sequence occupies its length rounded
-    up in the packed row, and `cu_seqlens_*_padded` give those padded offsets while `cu_seqlens_*`
-    keep the real lengths. THD needs the TE spec (a CUDA attention kernel); the local spec on CPU
-    runs padded [b, s] batches instead.
-    """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    lens = torch.as_tensor(seq_lens, dtype=torch.int64).flatten().cpu()
-    if lens.numel() == 0 or bool((lens <= 0).any()):
-        raise ValueError(f"packed sequence lengths must be positive and non-empty, got {lens.tolist()}")
-    if pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
-
-    def cumulative(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x.new_zeros(1), x.cumsum(0)]).to(torch.int32).to(device or "cpu")
-
-    cu = cumulative(lens)
-    padded = None
-    max_len = int(lens.max())
-    if pad_to_multiple_of > 1:
-        plens = (lens + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
-        padded = cumulative(plens)
-        max_len = int(plens.max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+# --- HF <-> Megatron names -------------------------------------------------------------------------
+def hf_layer_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return dict(input_norm=p + "input_layernorm.weight", q=p + "self_attn.q_proj.weight",
+                k=p + "self_attn.k_proj.weight", v=p + "self_attn.v_proj.weight",
+                q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight",
+                o=p + "self_attn.o_proj.weight", post_norm=p + "post_attention_layernorm.weight",
+                gate=p + "mlp.gate_proj.weight", up=p + "mlp.up_proj.weight", down=p + "mlp.down_proj.weight")
 
 
-def hf_config(model: ModelConfig, *, dtype: str = "float32", **extra):
+def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF Qwen3ForCausalLM checkpoint with its shape, in HF order."""
+    h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_query_groups * hd
+    out = {EMBED: (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        n = hf_layer_names(i)
+        out.update({n["input_norm"]: (h,), n["q"]: (q_rows, h), n["k"]: (kv_rows, h), n["v"]: (kv_rows, h),
+                    n["q_norm"]: (hd,), n["k_norm"]: (hd,), n["o"]: (h, q_rows), n["post_norm"]: (h,),
+                    n["gate"]: (f, h), n["up"]: (f, h), n["down"]: (h, f)})
+    out[FINAL_NORM] = (h,)
+    if not cfg.tie_word_embeddings:
+        out[LM_HEAD] = (cfg.vocab_size, h)
+    return out
+
+
+def _pick(param_names: Optional[set[str]], *candidates: str) -> str:
+    """The first candidate the stage actually has (local vs TE spec key); the first if none."""
+    if param_names is not None:
+        for c in candidates:
+            if c in param_names:
+                return c
+    return candidates[0]
+
+
+def stage_weights(cfg, *, layers: Sequence[int], pre_process: bool, post_process: bool,
+                  param_names: Optional[set[str]] = None) -> list[Weight]:
+    """The weights of one pipeline stage in export order (layers = global index of each local layer)."""
+    out: list[Weight] = []
+    if pre_process:
+        out.append(Weight("embedding.word_embeddings.weight", (EMBED,), VOCAB))
+    for j, i in enumerate(layers):
+        m, n = f"decoder.layers.{j}.", hf_layer_names(i)
+        out += [
+            Weight(_pick(param_names, m + "input_layernorm.weight", m + "self_attention.linear_qkv.layer_norm_weight"),
+                   (n["input_norm"],), REPLICATED),
+            Weight(m + "self_attention.linear_qkv.weight", (n["q"], n["k"], n["v"]), QKV),
+            Weight(m + "self_attention.q_layernorm.weight", (n["q_norm"],), REPLICATED),
+            Weight(m + "self_attention.k_layernorm.weight", (n["k_norm"],), REPLICATED),
+            Weight(m + "self_attention.linear_proj.weight", (n["o"],), ROW_PARALLEL),
+            Weight(_pick(param_names, m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.layer_norm_weight"),
+                   (n["post_norm"],), REPLICATED),
+            Weight(m + "mlp.linear_fc1.weight", (n["gate"], n["up"]), FC1),
+            Weight(m + "mlp.linear_fc2.weight", (n["down"],), ROW_PARALLEL),
+        ]
+    if post_process:
+        out.append(Weight("decoder.final_layernorm.weight", (FINAL_NORM,), REPLICATED))
+        if not cfg.tie_word_embeddings:
+            out.append(Weight("output_layer.weight", (LM_HEAD,), VOCAB))
+        elif not pre_process:
+            out.append(Weight("output_layer.weight", (EMBED,), VOCAB, export=False))
+    return out
+
+
+# --- HF config -------------------------------------------------------------------------------------
+def hf_config(model, *, dtype: str = "float32", **extra):
     """The transformers `Qwen3Config` describing the same architecture (`dtype`: the weights' dtype)."""
     import transformers
     from transformers import Qwen3Config
@@ -253,3 +168,88 @@ def hf_config(model: ModelConfig, *, dtype: str = "float32", **extra):
         **{dtype_key: dtype},
         **extra,
     )
+
+
+def hf_parse_config(raw: dict):
+    from transformers import Qwen3Config
+
+    return Qwen3Config.from_dict(raw)
+
+
+def hf_model(config):
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(config)
+
+
+def hf_unsupported(cfg, path: str) -> list[str]:
+    """Qwen3 variants this family does not implement, each named."""
+    errors = []
+    _, rope = hf_rope(cfg)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        errors.append(f"{path} rope type {rope.get('rope_type', rope.get('type'))!r} (rope scaling) is not supported")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        errors.append(f"{path} hidden_act={cfg.hidden_act!r}, only 'silu' is supported")
+    if getattr(cfg, "attention_bias", False):
+        errors.append(f"{path} attention_bias=true is not supported (Qwen3 has no biases)")
+    if getattr(cfg, "use_sliding_window", False):
+        errors.append(f"{path} use_sliding_window=true is not supported")
+    return errors
+
+
+# config.json field -> ModelConfig field, compared by check_hf_config.
+HF_CHECKED_FIELDS = (
+    ("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"),
+    ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_query_groups"), ("head_dim", "head_dim"), ("rope_theta", "rope_theta"),
+    ("rms_norm_eps", "rms_norm_eps"), ("tie_word_embeddings", "tie_word_embeddings"),
+    ("max_position_embeddings", "max_position_embeddings"),
+)
+
+
+def hf_model_fields(cfg) -> dict:
+    """The ModelConfig architecture fields of a transformers Qwen3Config."""
+    fields = {ours: getattr(cfg, hf) for hf, ours in HF_CHECKED_FIELDS if hf != "rope_theta"}
+    fields.update(rope_theta=hf_rope(cfg)[0], tie_word_embeddings=bool(cfg.tie_word_embeddings),
+                  init_std=cfg.initializer_range)
+    return fields
+
+
+def default_tokenizer(vocab_size: int) -> str:
+    """A checkpoint without tokenizer files of the real Qwen3 vocabulary size uses the packaged Qwen3 tokenizer."""
+    return "qwen3" if vocab_size == QWEN3_VOCAB else "synthetic"
+
+
+# --- size ------------------------------------------------------------------------------------------
+def layer_params(m) -> LayerParams:
+    """Parameters of one Qwen3 decoder layer (no biases), by part."""
+    h, hd, nq, nkv, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
+    return LayerParams(
+        sharded={
+            "qkv": h * (nq + 2 * nkv) * hd,  # fused Q, K, V projections (GQA: nkv key/value heads)
+            "proj": nq * hd * h,             # attention output
+            "fc1": h * 2 * f,                # SwiGLU gate and up, fused
+            "fc2": f * h,                    # SwiGLU down
+        },
+        replicated={"norms": 2 * h + 2 * hd},  # input and pre-MLP RMSNorm, q_norm and k_norm over head_dim
+    )
+
+
+QWEN3 = ModelFamily(
+    name="qwen3",
+    hf_model_type="qwen3",
+    hf_architecture="Qwen3ForCausalLM",
+    megatron_config=megatron_config,
+    megatron_layer_spec=megatron_layer_spec,
+    megatron_model=megatron_model,
+    hf_shapes=hf_shapes,
+    stage_weights=stage_weights,
+    hf_config=hf_config,
+    hf_parse_config=hf_parse_config,
+    hf_model=hf_model,
+    hf_unsupported=hf_unsupported,
+    hf_model_fields=hf_model_fields,
+    hf_checked_fields=HF_CHECKED_FIELDS,
+    layer_params=layer_params,
+    default_tokenizer=default_tokenizer,
+)

@@ -14,7 +14,8 @@ import torch
 
 from mgrpo.config import ModelConfig
 from mgrpo.models.hf_checkpoint import Stage, check_stage_layout, raise_problems
-from mgrpo.models.layout import REPLICATED, hf_from_shards
+from mgrpo.models.layout import hf_from_shards
+from mgrpo.models.shapes import REPLICATED
 
 
 def _dense(p: torch.Tensor) -> torch.Tensor:

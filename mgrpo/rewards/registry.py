@@ -6,7 +6,7 @@
 Built-ins cover GSM8K, the math datasets (math-verify) and the synthetic tasks; users add or
 override sources with reward.custom_functions = {data_source: 'module:function'}. An unknown
 data_source is an error naming it and the known ones, raised by `check_data_sources` before any
-process starts.
+process starts; `mgrpo.config.validate` asks `BUILTIN_REWARDS` and `spec_error` about the config.
 """
 
 from __future__ import annotations
@@ -26,12 +26,21 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+def spec_error(spec: str, data_source: str = "?") -> Optional[str]:
+    """Why `spec` is not a 'package.module:function' (naming the config entry), or None if it is one."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        return f"reward.custom_functions[{data_source!r}]={spec!r} must look like 'module:function'"
+    return None
+
+
 def load_function(spec: str, data_source: str = "?") -> RewardFn:
     """Import 'package.module:function'; errors name the config entry."""
     where = f"reward.custom_functions[{data_source!r}]={spec!r}"
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{where} must look like 'module:function'")
+    problem = spec_error(spec, data_source)
+    if problem:
+        raise ValueError(problem)
+    module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:

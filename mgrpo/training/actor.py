@@ -18,10 +18,10 @@ import torch.distributed as dist
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.packing import over_budget, pack_micro_batches
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
-from mgrpo.models.qwen3 import build_gpt_model, transformer_config
+from mgrpo.models.gpt import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
-from mgrpo.training.optim import build_optimizer, build_scheduler
+from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step
 from mgrpo.training.parallel import init_parallel
 
 
@@ -54,7 +54,8 @@ class MegatronActor:
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.no_sync_func = self.actor.no_sync
         self.optimizer = build_optimizer(a, [self.actor], bf16=bf16)  # bf16: fp32 master weights inside
-        self.scheduler = build_scheduler(a, self.optimizer, total_steps)
+        # total_steps counts RL steps; the scheduler advances once per optimizer step
+        self.scheduler = build_scheduler(a, self.optimizer, total_steps, optimizer_steps_per_step(cfg))
 
         self.ref = None
         if need_ref:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer

@@ -15,6 +15,7 @@ import torch
 
 import mgrpo_kernels
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn, policy_loss
+from mgrpo.algorithms.registry import POLICY_LOSSES
 from mgrpo.config import MGRPOConfig
 from mgrpo.training.batch import MicroBatch
 from mgrpo.training.parallel import ParallelContext
@@ -81,8 +82,10 @@ class LogProbHead:
         )
         algo = self.cfg.algorithm
         h = self._gather(hidden, mb)
-        token_level = algo.policy_loss != "gspo" and self.cfg.actor.logprob_impl != "naive"
-        if token_level:
+        # A token-level loss runs inside the kernel chunk by chunk (never the full logits); a
+        # sequence-level one (or the naive oracle) needs all log-probs first.
+        chunked = POLICY_LOSSES[algo.policy_loss].token_level and self.cfg.actor.logprob_impl != "naive"
+        if chunked:
             loss, metrics, _, _ = mgrpo_kernels.fused_linear_loss(
                 h, weight, mb.labels, make_token_loss_fn(inputs, algo), **self._kernel_kwargs(weight, temperature))
         else:

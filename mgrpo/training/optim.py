@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mgrpo.config import ActorConfig
+from mgrpo.config import ActorConfig, MGRPOConfig
 
 
 def build_optimizer(actor: ActorConfig, model_chunks: list, *, bf16: bool = False):
@@ -32,16 +32,31 @@ def build_optimizer(actor: ActorConfig, model_chunks: list, *, bf16: bool = Fals
     return get_megatron_optimizer(cfg, model_chunks)
 
 
-def build_scheduler(actor: ActorConfig, optimizer, total_steps: int):
+def optimizer_steps_per_step(cfg: MGRPOConfig) -> int:
+    """Optimizer steps in one RL step: ppo_epochs passes over train_batch_size / ppo_mini_batch_size
+    mini-batches. With dynamic sampling a step trains on at most train_batch_size prompt groups, so this
+    is also its upper bound there (a step that gives up short of a full batch runs fewer)."""
+    a = cfg.actor
+    mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
+    return a.ppo_epochs * max(cfg.data.train_batch_size // mini, 1)
+
+
+def build_scheduler(actor: ActorConfig, optimizer, total_steps: int, updates_per_step: int = 1):
+    """megatron's OptimizerParamScheduler, counted in optimizer steps (it is stepped once per update).
+
+    `total_steps` and `actor.lr_warmup_steps` are RL steps, veRL's unit (veRL steps its scheduler once
+    per training step); both are multiplied by `updates_per_step` so warm-up and decay end at the same
+    RL step whatever the number of mini-batches and PPO epochs, with the LR moving every update."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay_steps = max(total_steps, actor.lr_warmup_steps + 1)
+    warmup = actor.lr_warmup_steps * updates_per_step
+    decay_steps = max(total_steps * updates_per_step, warmup + 1)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if actor.lr_warmup_steps > 0 else actor.lr,
+        init_lr=0.0 if warmup > 0 else actor.lr,
         max_lr=actor.lr,
         min_lr=actor.min_lr if actor.lr_decay_style != "constant" else actor.lr,
-        lr_warmup_steps=actor.lr_warmup_steps,
+        lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps,
         lr_decay_style=actor.lr_decay_style,
         start_wd=actor.weight_decay,

@@ -1,7 +1,8 @@
 """The SGLang rollout engine: a client for one SGLang HTTP server, optionally launched and owned.
 
-It implements `RolloutEngine` (types.py) like the CPU transformers engine, so the rollout group
-does not care which one it hosts. Request and response shapes are SGLang 0.5.23's
+It implements `RolloutEngine` (types.py), so the rollout group does not care which engine it
+hosts. The server is SGLang itself on GPU or the CPU server speaking its protocol
+(`cpu_server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same for both. Request and response shapes are SGLang 0.5.23's
 (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`, the JSON contract in
 `sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
 
@@ -14,10 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,13 +25,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang_http import HTTPClient, SGLangRequestError, node_ip, require_sglang
-from mgrpo.rollout.sglang_weights import FLATTENED, WeightSession, tensor_payloads
+from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, node_ip
+from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, free_port, launch_command, log_tail,
+                                         start_server, terminate_group, url_of)
+from mgrpo.rollout.sglang.session import WeightSession
+from mgrpo.rollout.sglang.weights_tensor import tensor_payloads
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
-WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_TYPE_*
 
 
@@ -102,110 +103,6 @@ def parse_generate_item(item: dict, uid: int, default_version: int) -> Optional[
                           weight_version=parse_weight_version(meta.get("weight_version"), default_version))
 
 
-# --- addresses and the server process ---------------------------------------------------------------
-def check_host(host: str) -> str:
-    if host.strip() in WILDCARD_HOSTS:
-        raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "
-                         "node's cluster address only (DESIGN.md section 7); pass host=<node IP> or leave it "
-                         "unset to use this node's address")
-    return host
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Optional[str], lines: int = 40) -> str:
-    if not path or not os.path.exists(path):
-        return "(no log)"
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 64_000))
-        text = f.read().decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:])
-
-
-# Kills the server's process group once the process that launched it is gone (a Ray actor killed
-# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
-_WATCHDOG = """
-import os, signal, sys, time
-parent, pgid = int(sys.argv[1]), int(sys.argv[2])
-def alive(pid):
-    try:
-        os.kill(pid, 0); return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-while True:
-    time.sleep(2)
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        sys.exit(0)
-    if not alive(parent):
-        try:
-            os.killpg(pgid, signal.SIGTERM); time.sleep(15); os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        sys.exit(0)
-"""
-
-
-def _terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-
-
-def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
-                 env: Optional[dict] = None, poll_s: float = 1.0) -> subprocess.Popen:
-    """Start `cmd` in its own process group with its output in `log_path`; return once
-    GET {url}/health_generate answers 200. On death or timeout: kill it and raise with the log tail."""
-    import requests
-
-    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)], start_new_session=True,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        rc = proc.poll()
-        if rc is not None:
-            try:  # children it left behind
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            raise RuntimeError(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
-                               f"last lines of {log_path}:\n{log_tail(log_path)}")
-        try:
-            if requests.get(f"{url}/health_generate", timeout=min(30.0, startup_timeout_s)).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            _terminate_group(proc)
-            raise TimeoutError(f"SGLang server at {url} not healthy within startup_timeout_s={startup_timeout_s}; "
-                               f"killed it.\ncommand: {' '.join(cmd)}\nlast lines of {log_path}:\n{log_tail(log_path)}")
-        time.sleep(poll_s)
-
-
 def checkpoint_tensor_names(hf_dir: str) -> Optional[set[str]]:
     """Names of the tensors an HF checkpoint holds (what a complete weight sync must deliver),
     read from the safetensors index or headers; lm_head.weight is dropped for tied embeddings
@@ -261,6 +158,8 @@ class SGLangEngine:
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._released: set[str] = set()
+        self.server_module: Optional[str] = None
+        """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
         self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "weight_buckets": 0,
                       "weight_bytes": 0}
 
@@ -274,27 +173,28 @@ class SGLangEngine:
     def launch(cls, hf_dir: str, *, tp: int = 1, host: Optional[str] = None, port: Optional[int] = None,
                mem_fraction_static: float = 0.7, extra_args: Sequence[str] = (), startup_timeout_s: float = 900.0,
                enable_memory_saver: bool = True, log_dir: Optional[str] = None, env: Optional[dict] = None,
-               **engine_kwargs) -> "SGLangEngine":
-        """Start `python -m sglang.launch_server` on this node's cluster address and wait until
-        /health_generate answers. `engine_kwargs` go to the constructor (stop_token_ids, retries, ...)."""
+               server: Optional[str] = None, **engine_kwargs) -> "SGLangEngine":
+        """Start a rollout server on this node's cluster address and wait until /health_generate
+        answers: `python -m sglang.launch_server` where SGLang can run (its package and kernels, a
+        CUDA device), else `python -m mgrpo.rollout.sglang.cpu_server`, with the same arguments.
+        `server` forces one ('sglang' | 'cpu'). `engine_kwargs` go to the constructor."""
         host = check_host(host if host is not None else node_ip())
         if "--host" in extra_args or "--port" in extra_args:
             raise ValueError("pass host=/port= to SGLangEngine.launch, not --host/--port in extra_args")
-        require_sglang("SGLangEngine.launch")
-        port = port or _free_port(host)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir, "--tp-size", str(tp),
-               "--host", host, "--port", str(port), "--mem-fraction-static", str(mem_fraction_static),
-               "--weight-version", str(engine_kwargs.get("weight_version", 0))]
-        if enable_memory_saver:
-            cmd.append("--enable-memory-saver")  # lets colocated mode release and resume GPU memory
-        cmd += list(extra_args)
+        module = choose_server(server)
+        port = port or free_port(host)
+        cmd = launch_command(module, hf_dir, tp=tp, host=host, port=port, mem_fraction_static=mem_fraction_static,
+                             weight_version=engine_kwargs.get("weight_version", 0),
+                             enable_memory_saver=enable_memory_saver, extra_args=extra_args)
         log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
         log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
-        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        log.info("starting SGLang: %s (log: %s)", " ".join(cmd), log_path)
+        url = url_of(host, port)
+        log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
         proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env)
-        return cls(url, tp=tp, process=proc, log_path=log_path, expected_names=checkpoint_tensor_names(hf_dir),
-                   **engine_kwargs)
+        engine = cls(url, tp=tp, process=proc, log_path=log_path, expected_names=checkpoint_tensor_names(hf_dir),
+                     **engine_kwargs)
+        engine.server_module = module
+        return engine
 
     @classmethod
     def connect(cls, url: str, *, tp: int = 1, hf_dir: Optional[str] = None, **engine_kwargs) -> "SGLangEngine":
@@ -392,8 +292,9 @@ class SGLangEngine:
             return
         if "weights" in self._released:
             self.resume_memory(["weights"])  # loading into released weight memory would be lost
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.server_module != CPU_MODULE:
             # Handles to GPU memory: the server copies from it over CUDA IPC (same node, same GPUs).
+            # Otherwise CPU tensors go as named shared memory (weights_tensor.py).
             bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
         self.session.begin()
         payloads, keep_alive = tensor_payloads(bucket, self.tp, self.load_format)
@@ -404,7 +305,7 @@ class SGLangEngine:
         with self._lock:
             self._received.update(n for n, _ in bucket)
             self.stats["weight_buckets"] += 1
-            self.stats["weight_bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            self.stats["weight_bytes"] += bucket_bytes(bucket)
 
     def finish_weight_update(self, version: int) -> None:
         """Close the session, check completeness (for buckets that came through this object), set
@@ -468,4 +369,4 @@ class SGLangEngine:
     def shutdown(self) -> None:
         """Stop the server this object launched (its whole process group); no-op for `connect`."""
         if self.process is not None:
-            _terminate_group(self.process)
+            terminate_group(self.process)

@@ -16,8 +16,9 @@ from typing import Any, Callable, Optional
 
 import requests
 
-ENGINE_HINT = ("rollout.engine=sglang needs the `sglang` package and a CUDA device on the rollout "
-               "workers; on a CPU-only machine use rollout.engine=hf")
+ENGINE_HINT = ("SGLang's own server (rollout.engine=sglang on GPU) needs the `sglang` package with its kernels and "
+               "a CUDA device on the rollout workers; without them SGLangEngine.launch runs the CPU server "
+               "(mgrpo.rollout.sglang.cpu_server), which speaks the same protocol")
 
 
 class SGLangUnavailableError(RuntimeError):

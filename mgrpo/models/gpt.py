@@ -1,0 +1,184 @@
+"""Any model family as a Megatron-Core GPTModel: TransformerConfig, layer spec and one pipeline stage.
+
+The family (`model.family`, see family.py) gives the architecture; this module adds what every run
+shares: the parallel layout, the dtype, no dropout, and the backend (megatron's local modules on CPU,
+Transformer Engine with optional FP8 on GPU). It holds no process groups (they come in through
+`pg_collection`) and no training logic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from mgrpo.config import ModelConfig
+from mgrpo.models.capability import FP8_FORMATS, FP8_RECIPES, require_fp8, resolve_use_te, te_available
+from mgrpo.models.registry import family_of
+from mgrpo.models.shapes import padded_vocab_size
+
+
+def fp8_kwargs(fp8: Optional[str], fp8_recipe: str = "delayed", *, fp8_param: bool = False) -> dict:
+    """TransformerConfig fields for FP8 through Transformer Engine (empty when fp8 is None).
+
+    `fp8` is the format (`e4m3`: e4m3 everywhere; `hybrid`: e4m3 forward, e5m2 for gradients) and
+    `fp8_recipe` the scaling recipe, both spelled as megatron's TransformerConfig spells them.
+    Delayed scaling keeps an amax history; the others scale from the current tensor (tensorwise),
+    per 128x128 / 1x128 block (blockwise) or per 32-element micro-block (mxfp8).
+    """
+    if fp8 is None:
+        if fp8_param:
+            raise ValueError("fp8_param=True needs fp8 set to 'e4m3' or 'hybrid'")
+        return {}
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8={fp8!r} is not one of {list(FP8_FORMATS)}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {list(FP8_RECIPES)}")
+    kwargs = dict(fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param, fp8_wgrad=True)
+    if fp8_recipe == "delayed":
+        # TE's own DelayedScaling defaults (megatron's are a 1-step history, which is noisier).
+        kwargs.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_margin=0)
+    return kwargs
+
+
+def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
+                              use_te: bool = False, params_dtype: torch.dtype = torch.float32,
+                              sequence_parallel: bool = False, fp8: Optional[str] = None,
+                              fp8_recipe: str = "delayed", fp8_param: bool = False) -> dict:
+    """The TransformerConfig fields for `model` (its family's architecture) at a parallel layout,
+    without any capability check. Kept separate from `transformer_config` so the GPU configuration
+    can be inspected on a CPU.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    if fp8 is not None and not use_te:
+        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec (use_te=True)")
+    kwargs = dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        # RL micro-batches are packed under a token budget, so their shapes differ: pipeline stages
+        # exchange shapes before activations. (megatron rejects this flag with its default MoE
+        # dispatcher 'allgather' even for dense models; 'alltoall' is inert without experts.)
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        deallocate_pipeline_outputs=False,
+    )
+    kwargs.update(family_of(model).megatron_config(model))
+    if use_cpu:
+        kwargs.update(
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            cross_entropy_loss_fusion=False,
+            attention_backend=AttnBackend.local,
+        )
+    elif use_te:
+        # TE picks flash / cuDNN fused attention (both take THD-packed sequences); RoPE and
+        # SwiGLU fusions are TE kernels too.
+        kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True)
+    else:
+        # Local spec on a GPU without TE: megatron's own fused kernels only (RoPE fusion needs TE).
+        kwargs.update(attention_backend=AttnBackend.local, bias_activation_fusion=True, apply_rope_fusion=False)
+    kwargs.update(fp8_kwargs(fp8, fp8_recipe, fp8_param=fp8_param))
+    return kwargs
+
+
+def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
+                       params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                       fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
+                       use_te: Optional[bool] = None):
+    """TransformerConfig for `model` at the given parallel layout.
+
+    On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
+    weights are initialised on the CPU, which also makes the initial weights independent of TP size.
+    `use_te=None` picks the Transformer Engine path when it can run here (TE importable, CUDA present,
+    not `use_cpu`); asking for TE or FP8 where it cannot run is a ValueError naming what is missing.
+    Pass the same `use_te` to `build_gpt_model`.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if fp8 is not None:
+        require_fp8(fp8, fp8_recipe)  # names what is missing: a GPU, TE, a TE version, the GPU generation
+    if use_cpu and use_te:
+        raise ValueError("use_cpu=True runs the local layer spec; use_te=True needs a GPU")
+    use_te = resolve_use_te(use_te, use_cpu=use_cpu)
+    if fp8 is not None and not use_te:
+        raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec, but use_te=False")
+    kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
+                                       params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                       fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_process: bool,
+                    pg_collection=None, use_te: Optional[bool] = None, vocab_padded: Optional[int] = None):
+    """One pipeline stage of `model` as a GPTModel.
+
+    `use_te=None` follows the config: the TE spec exactly when `tf_config` was built for it
+    (fp8 set or a non-local attention backend) and TE can run here.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
+
+    if use_te is None:
+        use_te = (tf_config.fp8 is not None or tf_config.attention_backend != AttnBackend.local) and te_available()
+    family = family_of(model)
+    tp = tf_config.tensor_model_parallel_size
+    return GPTModel(
+        config=tf_config,
+        transformer_layer_spec=family.layer_spec(use_te=use_te),
+        vocab_size=vocab_padded or padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        pg_collection=pg_collection,
+        **family.megatron_model(model),
+    )
+
+
+def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple_of: int = 1,
+                      device: Optional[torch.device | str] = None):
+    """megatron's PackedSeqParams (THD format) for sequences laid end to end in one row.
+
+    `cu_seqlens` are the int32 prefix sums [0, l0, l0+l1, ...] that TE's flash / fused attention
+    take. With `pad_to_multiple_of` > 1 (context parallelism needs each sequence padded to a
+    multiple of 2*cp; FP8 GEMMs like multiples of 16) each sequence occupies its length rounded
+    up in the packed row, and `cu_seqlens_*_padded` give those padded offsets while `cu_seqlens_*`
+    keep the real lengths. THD needs the TE spec (a CUDA attention kernel); the local spec on CPU
+    runs padded [b, s] batches instead.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64).flatten().cpu()
+    if lens.numel() == 0 or bool((lens <= 0).any()):
+        raise ValueError(f"packed sequence lengths must be positive and non-empty, got {lens.tolist()}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+
+    def cumulative(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros(1), x.cumsum(0)]).to(torch.int32).to(device or "cpu")
+
+    cu = cumulative(lens)
+    padded = None
+    max_len = int(lens.max())
+    if pad_to_multiple_of > 1:
+        plens = (lens + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
+        padded = cumulative(plens)
+        max_len = int(plens.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)

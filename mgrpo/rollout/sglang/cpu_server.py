@@ -1,0 +1,300 @@
+"""A CPU rollout server speaking SGLang's HTTP protocol over transformers.
+
+    python -m mgrpo.rollout.sglang.cpu_server --model-path D --tp-size 1 --host H --port P \\
+        --mem-fraction-static F --weight-version V [--enable-memory-saver] ...
+
+It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either with the same
+arguments) and serves the native endpoints the rollout path uses, with SGLang 0.5.23's request
+and answer shapes (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
+`tokenizer_manager.py`, `scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang.
+Requests are checked with SGLang's own classes where the wheel is installed (schema.py). It is
+stricter than SGLang where SGLang would silently do the wrong thing: unknown fields, generating
+with released or not-yet-reloaded weights, releasing memory with requests in flight.
+
+Not served: text prompts (the trainer tokenises), streaming, the OpenAI routes, `--tp-size` > 1 for
+the distributed transport (the tensor transport accepts one payload per TP rank, as SGLang does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from fastapi import Request  # module level: FastAPI resolves the string annotations here
+
+from mgrpo.rollout.sglang import schema
+from mgrpo.rollout.sglang.schema import RequestError
+
+log = logging.getLogger("mgrpo.cpu_server")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0  # sglang/srt/entrypoints/http_server.py HEALTH_CHECK_TIMEOUT
+
+# SGLang launch arguments that mean nothing on one CPU process: accepted and ignored.
+IGNORED_FLAGS = ("--enable-deterministic-inference", "--disable-cuda-graph", "--trust-remote-code",
+                 "--skip-tokenizer-init", "--disable-radix-cache", "--enable-metrics", "--disable-overlap-schedule",
+                 "--enable-torch-compile", "--disable-custom-all-reduce", "--enable-return-hidden-states")
+IGNORED_OPTIONS = ("--context-length", "--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
+                   "--attention-backend", "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes",
+                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs", "--schedule-policy",
+                   "--log-level-http", "--quantization", "--kv-cache-dtype", "--watchdog-timeout",
+                   "--dist-timeout", "--device")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\nThe CPU rollout server takes the SGLang launch arguments it "
+                     f"implements (see --help) and ignores these GPU-only ones: {' '.join(IGNORED_FLAGS)} "
+                     f"{' '.join(IGNORED_OPTIONS)} (each with its value); anything else is refused.\n")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu_server", allow_abbrev=False,
+                description="CPU rollout server speaking SGLang's HTTP protocol (transformers underneath).")
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--tokenizer-path", default=None, help="reported by /model_info only (input is token ids)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size")
+    p.add_argument("--dp-size", type=int, default=1, choices=[1])
+    p.add_argument("--pp-size", type=int, default=1, choices=[1])
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted; CPU memory is not reserved")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="release_memory_occupation really frees the weights (contents lost unless backed up)")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16"])
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    for flag in IGNORED_FLAGS:
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for opt in IGNORED_OPTIONS:
+        p.add_argument(opt, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    return args
+
+
+class State:
+    def __init__(self, args: argparse.Namespace, model):
+        self.args = args
+        self.model = model
+        self.weight_version = str(args.weight_version)
+        self.session_open = False
+        self.groups: dict[str, Any] = {}
+        self.pending = 0  # generation jobs queued or running
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def on_model(self, fn, *args, generation: bool = False):
+        """Run `fn` on the single model thread (generation and weight loads never interleave)."""
+        if generation:
+            self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        finally:
+            if generation:
+                self.pending -= 1
+
+
+def _reqs_from(body: dict):
+    from mgrpo.rollout.sglang.cpu_model import Req
+
+    if body.get("input_ids") is None:
+        raise RequestError("/generate: the CPU server takes input_ids only (no tokenizer: send token ids)")
+    ids = body["input_ids"]
+    single = not ids or not isinstance(ids[0], list)
+    prompts = [ids] if single else ids
+    rids = body.get("rid")
+    rids = [rids] if isinstance(rids, str) else rids or [uuid.uuid4().hex for _ in prompts]
+    sps = body.get("sampling_params") or {}
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+    if not len(rids) == len(sps) == len(prompts):
+        raise RequestError(f"/generate: {len(prompts)} prompts, {len(rids)} rids, {len(sps)} sampling_params")
+    reqs = []
+    for rid, prompt, sp in zip(rids, prompts, sps):
+        temperature = float(sp.get("temperature", 1.0))
+        reqs.append(Req(rid=str(rid), input_ids=[int(t) for t in prompt], temperature=temperature,
+                        top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)),
+                        max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                        stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
+                        ignore_eos=bool(sp.get("ignore_eos", False)), seed=sp.get("sampling_seed")))
+    return reqs, single
+
+
+def _item(r, state: State, return_logprob: bool, t0: float) -> dict:
+    meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
+            "weight_version": state.weight_version, "num_retractions": 0, "completion_tokens": len(r.out),
+            "cached_tokens": 0, "reasoning_tokens": 0, "e2e_latency": time.monotonic() - t0}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
+        meta["output_token_logprobs_length"] = len(r.out)
+    return {"text": "", "output_ids": list(r.out), "meta_info": meta}
+
+
+def build_app(state: State):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+    from mgrpo.rollout.sglang.cpu_model import ModelError
+
+    app = FastAPI(title="mgrpo CPU rollout server (SGLang protocol)")
+    model = state.model
+
+    def result(success: bool, message: str, **extra) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request, e: RequestError):
+        return JSONResponse({"error": {"message": str(e)}}, status_code=e.status)
+
+    @app.exception_handler(ModelError)
+    async def _model_error(request, e: ModelError):
+        return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+
+    async def body_of(request: Request, path: str) -> dict:
+        raw = await request.body()
+        import json
+
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise RequestError(f"{path}: body is not JSON: {e}", 422) from e
+        return schema.check_request(path, body)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        t0 = time.monotonic()
+        body = await request.json()
+        try:
+            schema.check_generate(body)
+        except RequestError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        reqs, single = _reqs_from(body)
+        model.check_servable()
+        done = await state.on_model(model.generate, reqs, t0, generation=True)
+        items = [_item(r, state, bool(body.get("return_logprob")), t0) for r in done]
+        return items[0] if single else items
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang: healthy when the scheduler answers anything within the timeout; a one-token
+        generation when idle. With memory released there is nothing to generate with: 200 as /health."""
+        tic = time.monotonic()
+        if model.released or model.stale:
+            return Response(status_code=200)
+        from mgrpo.rollout.sglang.cpu_model import Req
+
+        probe = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], temperature=0.0, max_new_tokens=1)
+        job = asyncio.ensure_future(state.on_model(model.generate, [probe]))
+        while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
+            if job.done() or model.last_progress > tic:
+                return Response(status_code=200)
+            await asyncio.sleep(0.05)
+        return Response(status_code=503)
+
+    async def model_info():
+        return {"model_path": state.args.model_path,
+                "served_model_name": state.args.served_model_name or state.args.model_path,
+                "tokenizer_path": state.args.tokenizer_path or state.args.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": state.weight_version, "load_format": None,
+                "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+                "model_type": model.model.config.model_type,
+                "architectures": getattr(model.model.config, "architectures", None)}
+
+    app.get("/model_info")(model_info)
+    app.get("/get_model_info")(model_info)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if state.pending:  # SGLang flushes only when idle
+            return PlainTextResponse("Flush cache failed: there are running or waiting requests.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await body_of(request, "/abort_request")
+        model.abort(body.get("rid"), bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await body_of(request, "/update_weight_version")
+        if body.get("abort_all_requests", True):
+            model.abort(None, True)
+        state.weight_version = body["new_version"]
+        log.info("weight version -> %s", state.weight_version)
+        return result(True, f"Weight version updated to {body['new_version']}", new_version=body["new_version"])
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        await body_of(request, "/begin_weight_update")
+        if state.session_open:
+            return result(False, "a weight-update session is already open; call end_weight_update() first")
+        state.session_open = True
+        return result(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        await body_of(request, "/end_weight_update")
+        if not state.session_open:
+            return result(False, "no weight-update session is open; call begin_weight_update() first")
+        state.session_open = False
+        return result(True, "Success")
+
+    from mgrpo.rollout.sglang import cpu_weights
+
+    cpu_weights.add_routes(app, state, body_of, result)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request):
+        body = await body_of(request, "/release_memory_occupation")
+        if state.pending:
+            raise ModelError("release_memory_occupation should be called only when server is idle.")
+        await state.on_model(model.release, body.get("tags"))
+        log.info("released %s", body.get("tags") or "all")
+        return None
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request):
+        body = await body_of(request, "/resume_memory_occupation")
+        await state.on_model(model.resume, body.get("tags"))
+        log.info("resumed %s", body.get("tags") or "all")
+        return None
+
+    return app
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stdout)
+    import uvicorn
+
+    from mgrpo.rollout.sglang.cpu_model import CPUModel
+
+    t0 = time.monotonic()
+    model = CPUModel(args.model_path, dtype=args.dtype, seed=args.random_seed,
+                     enable_memory_saver=args.enable_memory_saver,
+                     enable_weights_cpu_backup=args.enable_weights_cpu_backup)
+    state = State(args, model)
+    log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s", args.model_path,
+             model.info()["parameters"], time.monotonic() - t0,
+             "checked with the installed wheel" if schema.request_classes() else "field tables only (no sglang wheel)")
+    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

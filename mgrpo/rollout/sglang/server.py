@@ -1,0 +1,173 @@
+"""The rollout server process: which server, its command line, start with readiness wait, watchdog, stop.
+
+Two servers speak the same HTTP protocol and take the same command line:
+- `sglang.launch_server` (SGLang itself; needs CUDA and SGLang's GPU kernels),
+- `mgrpo.rollout.sglang.cpu_server` (transformers on CPU; tests, CI and the CPU job).
+`choose_server` picks one by capability at call time; the client does not know which it talks to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from mgrpo.rollout.sglang.http import ENGINE_HINT, SGLangUnavailableError
+
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
+SGLANG_MODULE = "sglang.launch_server"
+CPU_MODULE = "mgrpo.rollout.sglang.cpu_server"
+SERVERS = {"sglang": SGLANG_MODULE, "cpu": CPU_MODULE}
+
+
+def sglang_runtime_missing() -> Optional[str]:
+    """None when SGLang's own server can run here, else why not. SGLang's server needs the
+    `sglang` package with its GPU kernels (`sgl_kernel`, from sglang-kernel) and a CUDA device; the
+    test extra installs the `sglang` wheel alone (for its request classes), which is not enough."""
+    missing = [m for m in ("sglang", "sgl_kernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"python module(s) {missing} not installed (pip install -e '.[gpu]')"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    return None
+
+
+def choose_server(server: Optional[str] = None) -> str:
+    """The module to run: `server` = 'sglang' | 'cpu' | None (SGLang where it can run, else the CPU server)."""
+    if server is None:
+        return SGLANG_MODULE if sglang_runtime_missing() is None else CPU_MODULE
+    if server not in SERVERS:
+        raise ValueError(f"rollout server must be one of {sorted(SERVERS)} or None (auto), got {server!r}")
+    if server == "sglang":
+        why = sglang_runtime_missing()
+        if why:
+            raise SGLangUnavailableError(f"SGLang's server cannot run here: {why}. {ENGINE_HINT}.")
+    return SERVERS[server]
+
+
+def launch_command(module: str, hf_dir: str, *, tp: int, host: str, port: int, mem_fraction_static: float,
+                   weight_version: int, enable_memory_saver: bool, extra_args: Sequence[str] = ()) -> list[str]:
+    """`python -m <module> ...` with SGLang's launch arguments (the CPU server accepts the same)."""
+    cmd = [sys.executable, "-m", module, "--model-path", hf_dir, "--tp-size", str(tp), "--host", host, "--port",
+           str(port), "--mem-fraction-static", str(mem_fraction_static), "--weight-version", str(weight_version)]
+    if enable_memory_saver:
+        cmd.append("--enable-memory-saver")  # lets colocated mode release and resume GPU memory
+    return cmd + list(extra_args)
+
+
+def check_host(host: str) -> str:
+    if host.strip() in WILDCARD_HOSTS:
+        raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "
+                         "node's cluster address only (DESIGN.md section 7); pass host=<node IP> or leave it "
+                         "unset to use this node's address")
+    return host
+
+
+def free_port(host: str = "") -> int:
+    """A port free on `host` now (the OS picks it; a race with another binder is possible but rare)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def log_tail(path: Optional[str], lines: int = 40) -> str:
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64_000))
+        text = f.read().decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# Kills the server's process group once the process that launched it is gone (a Ray actor killed
+# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
+_WATCHDOG = """
+import os, signal, sys, time
+parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        os.kill(pid, 0); return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while True:
+    time.sleep(2)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    if not alive(parent):
+        try:
+            os.killpg(pgid, signal.SIGTERM); time.sleep(15); os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.exit(0)
+"""
+
+
+def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it after `timeout_s`. A stopped (SIGSTOPped)
+    group gets SIGCONT too, so that it can act on the SIGTERM."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
+                 env: Optional[dict] = None, poll_s: float = 1.0) -> subprocess.Popen:
+    """Start `cmd` in its own process group with its output in `log_path`; return once
+    GET {url}/health_generate answers 200. On death or timeout: kill it and raise with the log tail."""
+    import requests
+
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            try:  # children it left behind
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            raise RuntimeError(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
+                               f"last lines of {log_path}:\n{log_tail(log_path)}")
+        try:
+            if requests.get(f"{url}/health_generate", timeout=min(30.0, startup_timeout_s)).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            terminate_group(proc)
+            raise TimeoutError(f"SGLang server at {url} not healthy within startup_timeout_s={startup_timeout_s}; "
+                               f"killed it.\ncommand: {' '.join(cmd)}\nlast lines of {log_path}:\n{log_tail(log_path)}")
+        time.sleep(poll_s)

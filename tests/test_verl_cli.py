@@ -1,0 +1,221 @@
+"""veRL command lines: a real veRL GRPO example translates into the mgrpo config it means, and keys mgrpo
+cannot honour are refused by name (exit status 2, no traceback).
+
+The command lines are veRL's examples/grpo_trainer/run_qwen3-8b.sh (FSDP) and run_qwen2-7b_sgl_megatron.sh
+(Megatron + SGLang) at volcengine/verl b178a3cd, copied verbatim apart from the model and data paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+
+import pytest
+import yaml
+
+from mgrpo.config.verl import VerlKeyError, translate
+from mgrpo_launchers.plan import compose_config
+
+# examples/grpo_trainer/run_qwen3-8b.sh
+RUN_QWEN3_8B = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$DATA/gsm8k/train.parquet
+    data.val_files=$DATA/gsm8k/test.parquet
+    data.train_batch_size=1024
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path=$MODEL
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]'
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen3_8b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+# examples/grpo_trainer/run_qwen2-7b_sgl_megatron.sh (model: Qwen3-8B instead of Qwen2-7B-Instruct)
+RUN_SGL_MEGATRON = """
+    --config-path=config --config-name='ppo_megatron_trainer.yaml'
+    algorithm.adv_estimator=grpo
+    data.train_files="['$DATA/gsm8k/train.parquet', '$DATA/math/train.parquet']"
+    data.val_files="['$DATA/gsm8k/test.parquet', '$DATA/math/test.parquet']"
+    data.train_batch_size=1024
+    data.max_prompt_length=1024
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path=$MODEL
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+    actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=sglang
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]'
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm_megatron'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=-1
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+# Qwen/Qwen3-8B config.json (architecture fields as published on the Hub).
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))  # no weights: translation reads config.json only
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))  # hub ids must not resolve from a real cache
+    return {"DATA": str(tmp_path / "data"), "MODEL": str(model), "HF_HUB_CACHE": str(tmp_path / "empty-hub-cache")}
+
+
+def argv(script: str, env: dict, **replace: str) -> list[str]:
+    """The command line as the shell would pass it (variables expanded, quotes removed)."""
+    text = script
+    for k, v in env.items():
+        text = text.replace("$" + k, v)
+    args = shlex.split(text)
+    for old, new in replace.items():
+        args = [new if a == old else a for a in args if not (a == old and new == "")]
+    return args
+
+
+def test_verl_megatron_sglang_line_composes_to_the_mgrpo_config_it_means(env):
+    args = argv(RUN_SGL_MEGATRON, env, **{
+        # the one key of this line mgrpo cannot honour (checked below); the rest is the veRL line
+        "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2": ""})
+    t = translate(args)
+    cfg = compose_config(t.args)
+    d = env["DATA"]
+    assert cfg.data.train_files == [f"{d}/gsm8k/train.parquet", f"{d}/math/train.parquet"]
+    assert cfg.data.val_files == [f"{d}/gsm8k/test.parquet", f"{d}/math/test.parquet"]
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (1024, 1024, 1024)
+    a, al, r, tr, m = cfg.actor, cfg.algorithm, cfg.rollout, cfg.trainer, cfg.model
+    assert (a.lr, a.ppo_mini_batch_size, a.tp, a.pp) == (1e-6, 256, 4, 2)
+    assert (al.adv_estimator, al.use_kl_loss, al.kl_coef, al.kl_loss_type, al.entropy_coeff, al.use_kl_in_reward) == \
+        ("grpo", True, 0.001, "low_var_kl", 0.0, False)
+    assert (r.engine, r.tp, r.gpu_memory_utilization, r.n) == ("sglang", 2, 0.6, 5)
+    assert (tr.device, tr.n_gpus_per_node, tr.nnodes, tr.total_epochs, tr.save_freq, tr.test_freq) == \
+        ("cuda", 8, 1, 15, -1, 5)
+    assert tr.logger == ["console"]
+    assert (tr.project_name, tr.experiment_name) == ("verl_grpo_example_gsm8k", "qwen2_7b_function_rm_megatron")
+    # the architecture comes from config.json and equals mgrpo's Qwen3-8B preset
+    preset = compose_config(["model=qwen3-8b"]).model
+    assert m.hf_path == env["MODEL"] and m.name == "Qwen3-8B" and m.tokenizer == "qwen3"
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+              "ffn_hidden_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(m, f) == getattr(preset, f), f
+    table = dict(t.rows)
+    assert table["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"] == "actor.tp=4"
+    assert table["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"].startswith("ignored: mgrpo packs")
+    assert "--config-name=ppo_megatron_trainer.yaml" in table
+    assert any("clip_ratio_c is unset" in n for n in t.notes)
+
+
+def test_plain_mgrpo_line_is_untouched():
+    args = ["actor.tp=2", "rollout.n=4", "data.train_batch_size=16", "--cfg", "job", "trainer.logger=[console]"]
+    t = translate(args)
+    assert not t.is_verl and t.notes == []
+    assert t.args == ["--cfg", "job", "actor.tp=2", "rollout.n=4", "data.train_batch_size=16", "trainer.logger=[console]"]
+
+
+def test_refusals_name_every_key_with_its_reason(env):
+    with pytest.raises(VerlKeyError) as info:
+        translate(argv(RUN_QWEN3_8B, env, **{"actor_rollout_ref.model.path=" + env["MODEL"]:
+                                            "actor_rollout_ref.model.path=Qwen/Qwen3-8B"}))
+    msg = str(info.value)
+    refused = [line.split(": ")[0].strip(" -") for line in msg.splitlines()[1:]]
+    assert refused == ["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.rollout.name=vllm",
+                       "actor_rollout_ref.ref.fsdp_config.param_offload=True"]
+    assert "does not download" in msg and "use actor_rollout_ref.rollout.name=sglang" in msg
+    assert "keeps the reference model on the GPU" in msg
+
+
+def test_values_that_need_two_keys():
+    t = translate(["actor_rollout_ref.actor.optim.lr=2e-6", "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
+                   "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "trainer.total_training_steps=50",
+                   "actor_rollout_ref.actor.optim.betas=[0.9,0.999]", "actor_rollout_ref.actor.kl_loss_type=mse",
+                   "actor_rollout_ref.actor.clip_ratio=0.25", "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    cfg = compose_config(t.args)
+    assert cfg.actor.min_lr == pytest.approx(2e-7) and cfg.actor.lr_warmup_steps == 5
+    assert (cfg.actor.adam_beta1, cfg.actor.adam_beta2) == (0.9, 0.999)
+    assert cfg.algorithm.kl_loss_type == "k2"
+    assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.25, 0.28)
+    with pytest.raises(VerlKeyError, match="lr_warmup_steps_ratio=0.1: veRL multiplies"):
+        translate(["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"])
+    with pytest.raises(VerlKeyError, match="one algorithm.kl_coef"):
+        translate(["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+                   "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"])
+    with pytest.raises(VerlKeyError, match="both set actor.grad_clip"):
+        translate(["actor_rollout_ref.actor.optim.clip_grad=1.0", "actor_rollout_ref.actor.grad_clip=0.5"])
+    with pytest.raises(VerlKeyError, match="both set actor.tp, to 2 and 4"):
+        translate(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4", "actor.tp=2"])
+
+
+def test_mgrpo_train_prints_the_translation_and_composes(env):
+    args = argv(RUN_SGL_MEGATRON, env, **{
+        "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2": ""})
+    out = subprocess.run(["mgrpo-train", *args, "--cfg", "job"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_CACHE": env["HF_HUB_CACHE"]})
+    assert out.returncode == 0, out.stderr
+    job = yaml.safe_load(out.stdout)
+    assert (job["actor"]["lr"], job["actor"]["tp"], job["rollout"]["n"], job["trainer"]["device"]) == \
+        (1e-6, 4, 5, "cuda")
+    assert "actor_rollout_ref.rollout.n=5" in out.stderr and "-> rollout.n=5" in out.stderr
+
+
+def test_mgrpo_train_refuses_an_unhonourable_key_with_exit_2(env):
+    args = argv(RUN_SGL_MEGATRON, env)  # keeps virtual_pipeline_model_parallel_size=2
+    out = subprocess.run(["mgrpo-train", *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_CACHE": env["HF_HUB_CACHE"]})
+    assert out.returncode == 2
+    assert "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2: mgrpo runs the " \
+           "non-interleaved 1F1B pipeline" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
