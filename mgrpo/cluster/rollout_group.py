@@ -86,16 +86,18 @@ class NodeLocalDelivery:
     """A node-local transport (CUDA IPC, shared memory) for the engines on the sending rank's node,
     host delivery for the others. Resolved on the trainer rank at its first bucket, then reused."""
 
-    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]]):
+    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
         self.cfg = cfg
         self.engines = engines  # (host handle, EngineHost.address())
+        self.generation = generation
         self._split = None
 
     def update_weights(self, bucket) -> None:
         if self._split is None:
             here = ray.util.get_node_ip_address()
             local = [a for _, a in self.engines if a["node_ip"] == here]
-            sender = engine_spec(self.cfg.rollout.engine).direct_sender(self.cfg, local) if local else None
+            spec = engine_spec(self.cfg.rollout.engine)
+            sender = spec.direct_sender(self.cfg, local, self.generation) if local else None
             self._split = (sender, HostDelivery([h for h, a in self.engines if a["node_ip"] != here]))
         sender, remote = self._split
         if sender is not None:
@@ -156,8 +158,8 @@ class RolloutGroup:
             return [HostDelivery(handles)]
         addresses = ray.get([h.address.remote() for h in handles])
         if self.spec.node_local(self.cfg):
-            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)))]
-        return [self.spec.direct_sender(self.cfg, addresses)]
+            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation)]
+        return [self.spec.direct_sender(self.cfg, addresses, self.generation)]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"

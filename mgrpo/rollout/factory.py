@@ -38,8 +38,10 @@ class EngineSpec:
     """(hf_dir, kwargs) -> a `RolloutEngine`; runs inside the engine's host process."""
     kwargs: Callable[[MGRPOConfig, EngineContext], dict]
     """The engine's construction arguments for this run."""
-    direct_sender: Optional[Callable[[MGRPOConfig, list[dict]], object]] = None
-    """(config, engine addresses) -> a sender trainer ranks call `update_weights(bucket)` on."""
+    direct_sender: Optional[Callable[[MGRPOConfig, list[dict], int], object]] = None
+    """(config, engine addresses, engine generation) -> a sender trainer ranks call `update_weights(bucket)`
+    on. The generation changes when an engine restarts, so a sender holding per-engine state (a process
+    group) is made anew."""
     node_local: Callable[[MGRPOConfig], bool] = lambda cfg: False
     """Whether the direct sender only reaches engines on the sending rank's node."""
 
@@ -78,7 +80,7 @@ def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
                 enable_memory_saver=r.mode == "colocated", visible_devices=ctx.visible_devices)
 
 
-def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict]):
+def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
     urls, tps = [a["url"] for a in addresses], [a["tp"] for a in addresses]
     if cfg.rollout.mode == "colocated":
         from mgrpo.rollout.sglang.weights_tensor import TensorWeightSender
@@ -86,7 +88,7 @@ def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict]):
         return TensorWeightSender(urls, tps)
     from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
 
-    return DistributedWeightSender(urls, tps)
+    return DistributedWeightSender(urls, tps, generation=generation)
 
 
 ENGINES: dict[str, EngineSpec] = {
