@@ -1,5 +1,8 @@
-"""One step's experience on the driver: sampled responses with their rewards, log-probs and advantages,
-and the cuts that feed the trainer (mini-batches, then one shard per data-parallel replica).
+"""One step's experience on the driver: sampled responses, their scores (judged here, with overlong
+shaping), log-probs and advantages, and the mini-batches the trainer steps on.
+
+How a mini-batch is cut into data-parallel shards is the trainer client's business
+(`mgrpo/components/trainer_client.py`), not the experience's.
 
 Everything here is per sample, in rollout order: sample i*n + j is the j-th response to prompt i.
 """
@@ -12,12 +15,10 @@ from typing import Optional, Sequence
 import torch
 
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
-from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
-from mgrpo.algorithms.filtering import overlong_filter
+from mgrpo.algorithms.filtering import apply_overlong_buffer, overlong_filter
 from mgrpo.algorithms.kl import apply_kl_in_reward
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
-from mgrpo.training.batch import RankBatch
 
 
 @dataclass
@@ -103,6 +104,26 @@ class Experience:
         self.in_loss = [bool(row.any()) and keep for row, keep in zip(mask, self.in_loss)]
         return dropped
 
+    def judge(self, judger, tokenizer, cfg: MGRPOConfig) -> dict:
+        """Decode and score every response with the judge of its data_source, then apply DAPO's
+        overlong shaping. Fills response_texts, scores and rewards; returns the counts of this call
+        (failed and timed-out judges score 0 and are counted, never raised)."""
+        from mgrpo.rewards import ScoreRequest
+
+        self.response_texts = tokenizer.batch_decode(self.response_ids, skip_special_tokens=True)
+        scored = judger.score([
+            ScoreRequest(data_source=it.data_source, response=text, ground_truth=it.ground_truth,
+                         extra_info={**(it.extra_info or {}), "finish_reason": fr})
+            for it, text, fr in zip(self.items, self.response_texts, self.finish_reasons)
+        ])
+        self.scores = [float(s) for s in scored.scores]
+        shaped, penalised = apply_overlong_buffer(torch.tensor(self.scores),
+                                                  torch.tensor([len(r) for r in self.response_ids]),
+                                                  cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
+        self.rewards = shaped.tolist()
+        return {"reward/failed": scored.failed, "reward/timeout": scored.timeout,
+                "reward/overlong_penalised": penalised}
+
     def compute_advantages(self, cfg: MGRPOConfig) -> None:
         al = cfg.algorithm
         mask = self.response_mask()
@@ -127,55 +148,3 @@ class Experience:
         for i, g in enumerate(self.group_index):
             members.setdefault(g, []).append(i)
         return [[i for g in groups[k:k + per] for i in members[g]] for k in range(0, len(groups), per)]
-
-    def rank_batches(self, idx: Sequence[int], dp: int, cfg: MGRPOConfig, *, for_training: bool) -> list[RankBatch]:
-        """One RankBatch per data-parallel replica, balanced by tokens. For training, every token carries
-        its aggregation weight normalised over the whole mini-batch `idx` (so the gradient does not
-        depend on how the mini-batch is cut into replicas and micro-batches)."""
-        sub = self.select(idx)
-        shards = balanced_split([len(p) + len(r) for p, r in zip(sub.prompt_ids, sub.response_ids)], dp)
-        token_weight, metric_weight = None, 0.0
-        if for_training:
-            loss_mask = sub.response_mask(loss_only=True)
-            tokens, seqs = global_counts(loss_mask)
-            w = token_weights(loss_mask, effective_loss_agg_mode(cfg.algorithm), global_tokens=tokens,
-                              global_seqs=seqs, max_response_length=cfg.data.max_response_length)
-            token_weight, metric_weight = sub.unpadded(w), 1.0 / max(tokens, 1)
-        batches = []
-        for shard in shards:
-            pick = lambda xs: None if xs is None else [xs[i] for i in shard]  # noqa: E731
-            batches.append(RankBatch(
-                input_ids=[sub.prompt_ids[i] + sub.response_ids[i] for i in shard],
-                prompt_lens=[len(sub.prompt_ids[i]) for i in shard],
-                seq_index=list(shard),
-                advantages=pick(sub.advantages) if for_training else None,
-                old_logprobs=pick(sub.old_logprobs) if for_training else None,
-                ref_logprobs=pick(sub.ref_logprobs) if for_training else None,
-                rollout_logprobs=pick(sub.rollout_logprobs) if for_training else None,
-                token_weight=pick(token_weight),
-                metric_weight=metric_weight,
-            ))
-        return batches
-
-    def merge_shards(self, idx: Sequence[int], dp: int, shard_values: Sequence[list]) -> list:
-        """Inverse of rank_batches for per-sample outputs: values back in the order of `idx`."""
-        shards = balanced_split([len(self.prompt_ids[i]) + len(self.response_ids[i]) for i in idx], dp)
-        out: list = [None] * len(idx)
-        for shard, values in zip(shards, shard_values):
-            for pos, v in zip(shard, values):
-                out[pos] = v
-        return out
-
-
-def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Deterministic longest-first greedy split of sample indices into `parts` lists of similar total
-    length; indices inside a part stay in ascending order. Every part gets at least one sample."""
-    if len(lengths) < parts:
-        raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel replicas")
-    load = [0] * parts
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        p = min(range(parts), key=lambda k: (load[k], len(out[k]), k))
-        out[p].append(i)
-        load[p] += lengths[i]
-    return [sorted(o) for o in out]

@@ -3,6 +3,9 @@
     prompts -> rollout -> judge -> log-probs (old, ref) -> advantages -> update -> weight sync -> observe
 
 `Trainer(config).fit()` is the Python front door; `mgrpo-train` builds the same config from Hydra.
+The Trainer assembles parts that each have one job (`mgrpo/components/`): the trainer client (data-parallel
+sharding, Megatron ranks), the rollout group (engines), the weight sync, the checkpointer, the observer
+(every run file) and the stop signal. The phases below only call them.
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ from __future__ import annotations
 import logging
 import os
 
-from mgrpo.config import MGRPOConfig, output_dir, resolve_device, validate
+from mgrpo.components.checkpoint import RunState
+from mgrpo.config import MGRPOConfig, output_dir, resolve_device, seeds, validate
 from mgrpo.experience import Experience
+from mgrpo.observe.metrics import step_metrics
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.rollout.types import SamplingParams
-from mgrpo.runtime import Runtime
 
 log = logging.getLogger("mgrpo")
 
 
 class StopRequested(Exception):
-    """The run stopped early on request (SIGUSR1) after writing a checkpoint; resume continues it."""
+    """The run stopped early on request (SIGUSR1/SIGTERM) after writing a checkpoint; resume continues it."""
 
 
 class Trainer:
@@ -28,90 +32,91 @@ class Trainer:
         self.cfg = config = resolve_device(config)
         self.layout = validate(config)  # every config error surfaces here, before any process exists
         self.run_dir = output_dir(config)
-        self.rt: Runtime | None = None
+        self.need_ref = config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
+        self.trainer = self.rollout = self.observer = self.judger = self.placement = None
+        self.state = RunState()
 
     def fit(self) -> dict:
         """Train; return the last step's metrics. Ctrl-C stops cleanly (files flushed, Ray shut down)."""
-        self.rt = rt = Runtime(self.cfg, self.layout, self.run_dir)
+        from mgrpo.components.signals import StopSignal
+
+        self.stop = StopSignal()
         try:
-            rt.start()
-            if self.cfg.trainer.val_before_train and rt.step == 0:
-                rt.tracker.log(self.evaluate(), step=0)
+            self.stop.install()
+            self._start()
+            if self.cfg.trainer.val_before_train and self.state.step == 0:
+                self.observer.log(self.evaluate(), step=0)
             metrics: dict = {}
-            while rt.step < rt.total_steps:
+            while self.state.step < self.total_steps:
                 metrics = self.train_step()
-                rt.after_step(metrics)
-                if rt.stop_requested:
-                    path = rt.save_checkpoint()
-                    raise StopRequested(f"stopped at step {rt.step} on request; checkpoint {path}; "
+                self.state.step += 1
+                self.observer.log(metrics, step=self.state.step)
+                if self.stop.requested:
+                    path = self.save_checkpoint()
+                    raise StopRequested(f"stopped at step {self.state.step} on request; checkpoint {path}; "
                                         "run again with trainer.resume=auto to continue")
-                if rt.should_test():
+                if self._due(self.cfg.trainer.save_freq) and self.state.step < self.total_steps:
+                    self.save_checkpoint()
+                if self._due(self.cfg.trainer.test_freq) or (self.cfg.trainer.test_freq > 0
+                                                             and self.state.step == self.total_steps):
                     val = self.evaluate()
-                    rt.tracker.log(val, step=rt.step)
+                    self.observer.log(val, step=self.state.step)
                     metrics.update(val)
-            rt.finish()
+            self._finish()
             return metrics
         except KeyboardInterrupt:
-            log.warning("interrupted at step %d: flushing files and shutting down", rt.step)
+            log.warning("interrupted at step %d: flushing files and shutting down", self.state.step)
             raise
         finally:
-            rt.close()
+            self._close()
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        cfg, rt = self.cfg, self.rt
-        timer, metrics = PhaseTimer(), {}
+        cfg, timer, metrics = self.cfg, PhaseTimer(), {}
         with timer("step"):
             with timer("rollout"):  # generation (timing_s/gen) and judging (timing_s/reward)
                 exp = self.generate_and_judge(metrics)
-            rt.release_rollout_memory()
+            self.weights.release_engines()
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
-
-            everything = list(range(len(exp)))
-            temperature = cfg.rollout.temperature
             with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
-                out = rt.logprobs(exp, everything, "actor", temperature)
+                out = self.trainer.compute_logprobs(exp, "actor")
                 exp.old_logprobs, exp.entropy = out["logprobs"], out["entropy"]
-            if rt.need_ref:
+            if self.need_ref:
                 with timer("ref"):
-                    exp.ref_logprobs = rt.logprobs(exp, everything, "ref", temperature)["logprobs"]
+                    exp.ref_logprobs = self.trainer.compute_logprobs(exp, "ref")["logprobs"]
             with timer("adv"):
                 exp.compute_advantages(cfg)
-
             with timer("update_actor"):  # one optimizer step per mini-batch, ppo_epochs passes
-                updates = []
-                for epoch in range(cfg.actor.ppo_epochs):
-                    for idx in exp.mini_batches(cfg, epoch_seed=cfg.trainer.seed * 1_000_003 + rt.step * 101 + epoch):
-                        shards = exp.rank_batches(idx, self.layout.dp, cfg, for_training=True)
-                        updates.append(rt.trainer.train_mini_batch(shards, temperature))
-                metrics.update(mean_metrics(updates))
-                metrics["actor/updates"] = float(len(updates))
-
+                metrics.update(self.trainer.train(exp, self.state.step))
             with timer("update_weights"):
-                metrics.update(rt.sync_weights())
-
+                self.state.weight_version += 1
+                synced = self.weights.sync(self.state.weight_version)
+                self.state.count({"rollout/restarts": synced.pop("rollout/restarts")}, metrics)
+                metrics.update(synced)
         metrics.update(timer.metrics())
-        metrics.update(rt.step_metrics(exp, metrics))
-        rt.write_trajectories(exp)
+        metrics.update(step_metrics(exp, metrics, cfg, self.layout, self.train_data, self.state.counters))
+        self.observer.write_trajectories(self.state.step + 1, exp)  # the step its metrics are logged under
         return metrics
 
     def generate_and_judge(self, metrics: dict) -> Experience:
         """Sample n responses per prompt and score them; with dynamic sampling keep only groups whose
         rewards differ, generating more rounds until the batch is full."""
-        cfg, rt = self.cfg, self.rt
-        sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        cfg = self.cfg
+
+        def sampling(round_: int) -> SamplingParams:
+            return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
-                                  seed=rt.sampling_seed())
+                                  seed=seeds.sampling_seed(cfg.trainer.seed, self.state.step, round_))
+
         if not cfg.algorithm.filter_groups.enable:
-            return rt.rollout_and_score(rt.train_data.next_batch(), cfg.rollout.n, sampling, metrics)
+            return self.rollout_and_judge(self.train_data.next_batch(), cfg.rollout.n, sampling(0), metrics)
         from mgrpo.algorithms.filtering import GroupAccumulator
 
         acc = GroupAccumulator(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches)
         rounds: list[Experience] = []
         while not acc.full and not acc.exhausted:
-            sampling = SamplingParams(**{**sampling.__dict__, "seed": rt.sampling_seed(len(rounds))})
-            exp = rt.rollout_and_score(rt.train_data.next_batch(), cfg.rollout.n, sampling, metrics)
+            exp = self.rollout_and_judge(self.train_data.next_batch(), cfg.rollout.n, sampling(len(rounds)), metrics)
             acc.add([(len(rounds), i) for i in range(len(exp))], exp.rewards, exp.group_index)
             rounds.append(exp)
         groups = acc.take()
@@ -121,30 +126,64 @@ class Trainer:
                                "(algorithm.filter_groups.max_num_gen_batches)")
         return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups])
 
+    def rollout_and_judge(self, items, n: int, sampling: SamplingParams, metrics: dict,
+                          desc: str = "rollout") -> Experience:
+        timer = PhaseTimer()
+        results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
+        exp = Experience.from_rollout(items, results, n)
+        with timer("reward"):
+            counts = exp.judge(self.judger, self.tokenizer, self.cfg)
+        self.state.count({**counts, "rollout/retries": stats.retries, "rollout/restarts": stats.restarts}, metrics)
+        metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
+        metrics["timing_s/reward"] = metrics.get("timing_s/reward", 0.0) + timer.metrics()["timing_s/reward"]
+        return exp
+
     # --- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """n samples per validation prompt; mean@n and pass@n per data_source (val/<data_source>/...)."""
         from mgrpo.rewards import eval_metrics
 
-        cfg, rt = self.cfg, self.rt
-        ev = cfg.evaluation
+        cfg, ev = self.cfg, self.cfg.evaluation
         sampling = SamplingParams(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=cfg.data.max_response_length,
-                                  seed=cfg.trainer.seed + 7919)
-        items = rt.val_data.all_items(limit=ev.max_prompts)
+                                  seed=seeds.eval_seed(cfg.trainer.seed))
         timer = PhaseTimer()
         with timer("validation"):
-            exp = rt.rollout_and_score(items, ev.n, sampling, {}, desc="validation")
+            exp = self.rollout_and_judge(self.val_data.all_items(limit=ev.max_prompts), ev.n, sampling, {},
+                                         desc="validation")
         out = eval_metrics(exp.scores, exp.group_index, [it.data_source for it in exp.items], ev.n)
         out.update(timer.metrics())
         return out
 
+    # --- assembly -------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        from mgrpo.components.assemble import build
 
-def mean_metrics(updates: list[dict]) -> dict:
-    """Metrics of several optimizer steps: the mean of each (counters such as skipped steps are
-    cumulative, so their last value is kept)."""
-    out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
-    out["actor/skipped_steps"] = updates[-1]["actor/skipped_steps"]
-    return out
+        p = build(self.cfg, self.layout, self.run_dir, need_ref=self.need_ref)
+        self.tokenizer, self.train_data, self.val_data, self.judger = p.tokenizer, p.train_data, p.val_data, p.judger
+        self.placement, self.trainer, self.rollout, self.weights = p.placement, p.trainer, p.rollout, p.weights
+        self.checkpointer, self.observer, self.state, self.total_steps = (p.checkpointer, p.observer, p.state,
+                                                                          p.total_steps)
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and self.state.step % freq == 0
+
+    def save_checkpoint(self) -> str:
+        return self.checkpointer.save(self.state, self.trainer, self.train_data, self.observer)
+
+    def _finish(self) -> None:
+        if self.cfg.trainer.save_freq != 0:
+            self.save_checkpoint()
+        if self.cfg.trainer.save_hf:
+            out, tokenizer_dir = os.path.join(self.run_dir, "hf"), os.path.join(self.run_dir, "tokenizer")
+            self.tokenizer.save_pretrained(tokenizer_dir)
+            self.trainer.save_hf(out, tokenizer_dir)  # trainer ranks stream their stages to disk
+            log.info("HF checkpoint written to %s", out)
+
+    def _close(self) -> None:
+        from mgrpo.components.assemble import close
+
+        self.stop.uninstall()
+        close(self.observer, self.judger, self.rollout, self.trainer)
 
 
 def train(config: MGRPOConfig) -> dict:

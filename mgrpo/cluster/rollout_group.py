@@ -1,15 +1,17 @@
-"""Rollout engines as Ray actors: dispatch, progress, retries, health checks, restarts.
+"""Rollout engines as Ray actors: dispatch, progress, health checks, restarts and retries.
 
-Each engine lives in its own Ray actor (`EngineHost`). The driver splits a batch of requests into
-chunks, spreads them over the engines, shows progress as chunks finish, and retries a chunk whose
-engine died on a restarted engine that first gets the current weights again. Every retry and
-restart is counted and reported in the step's metrics.
+Each engine lives in its own Ray actor (`EngineHost`), built by the engine registry
+(`mgrpo/rollout/factory.py`); this module knows no engine by name. The driver splits a batch of
+requests into chunks, spreads them over the engines and shows progress as chunks finish. While it
+waits it health-checks the engines that hold chunks every `rollout.health_check_interval_s`: an engine
+that died or stopped answering (`rollout.health_check_timeout_s`) is restarted, brought to the current
+weights, and its chunks are sent again. Every retry and restart is counted in the step's metrics; a
+chunk's results are taken once, from the attempt that finished, so nothing is lost or duplicated.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -17,8 +19,9 @@ from typing import Callable, Optional
 import ray
 from tqdm import tqdm
 
-from mgrpo.cluster.ray_env import Bundles
-from mgrpo.config import MGRPOConfig
+from mgrpo.cluster.placement import Placement
+from mgrpo.config import MGRPOConfig, seeds
+from mgrpo.rollout.factory import EngineContext, build_engine, engine_spec
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -26,24 +29,10 @@ log = logging.getLogger(__name__)
 
 @ray.remote
 class EngineHost:
-    """Hosts one rollout engine. On CPU: the in-process transformers engine. On GPU: an SGLang server
-    launched and owned by this actor, reached over HTTP."""
+    """Hosts one rollout engine (whatever the registry builds for its name)."""
 
-    def __init__(self, kind: str, hf_dir: str, eos_token_ids: list[int], pad_token_id: int, chunk_size: int,
-                 num_threads: int, engine_kwargs: Optional[dict] = None):
-        self.kind = kind
-        if kind == "hf":
-            from mgrpo.rollout.hf_engine import HFRolloutEngine
-
-            self.engine = HFRolloutEngine(hf_dir, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                          chunk_size=chunk_size, num_threads=num_threads)
-        else:
-            from mgrpo.rollout.sglang import SGLangEngine
-
-            kwargs = dict(engine_kwargs or {})
-            # Bind to the address of the node this actor landed on (never 0.0.0.0).
-            kwargs.setdefault("host", ray.util.get_node_ip_address())
-            self.engine = SGLangEngine.launch(hf_dir, **kwargs)
+    def __init__(self, name: str, hf_dir: str, kwargs: dict):
+        self.engine = build_engine(name, hf_dir, kwargs)
 
     def generate(self, requests, sampling):
         return self.engine.generate(requests, sampling)
@@ -58,25 +47,20 @@ class EngineHost:
         return self.engine.health()
 
     def address(self) -> dict:
-        """Where the engine is: its node and (SGLang) URL and TP size, for direct weight senders."""
+        """Where the engine is, for direct weight senders: node, server URL (if any), TP size, and the
+        accelerators Ray gave its host."""
         return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
-                "tp": getattr(self.engine, "tp", 1)}
+                "tp": getattr(self.engine, "tp", 1), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def retries(self) -> int:
         """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
         return int(getattr(self.engine, "retries", 0))
 
     def release_memory(self, tags=None):
-        if tags is None:
-            self.engine.release_memory()
-        else:
-            self.engine.release_memory(tags)
+        self.engine.release_memory(tags)
 
     def resume_memory(self, tags=None):
-        if tags is None:
-            self.engine.resume_memory()
-        else:
-            self.engine.resume_memory(tags)
+        self.engine.resume_memory(tags)
 
     def shutdown(self):
         stop = getattr(self.engine, "shutdown", None)
@@ -84,10 +68,9 @@ class EngineHost:
             stop()
 
 
-class EngineReceiver:
-    """What a trainer rank holds to push weight buckets to engines hosted in Ray actors: one object
-    transfer per bucket, shared by all engines (the engine host then loads it, or for SGLang hands
-    it to its server over CUDA IPC from the engine's own node)."""
+class HostDelivery:
+    """Weight buckets through the engines' host actors: one object transfer per bucket, shared by all
+    engines (each host then loads it, or hands it to its server from the server's own node)."""
 
     def __init__(self, handles: list):
         self.handles = handles
@@ -99,25 +82,26 @@ class EngineReceiver:
         ray.get([h.update_weights.remote(ref) for h in self.handles])
 
 
-class ColocatedSGLangReceiver:
-    """Colocated SGLang: engines on the sending rank's node get CUDA IPC handles straight from the
-    trainer's memory; engines on other nodes (IPC is intra-node) get the bucket through Ray."""
+class NodeLocalDelivery:
+    """A node-local transport (CUDA IPC, shared memory) for the engines on the sending rank's node,
+    host delivery for the others. Resolved on the trainer rank at its first bucket, then reused."""
 
-    def __init__(self, engines: list[tuple[object, dict]]):
-        self.engines = engines  # (actor handle, EngineHost.address())
+    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
+        self.cfg = cfg
+        self.engines = engines  # (host handle, EngineHost.address())
+        self.generation = generation
         self._split = None
 
     def update_weights(self, bucket) -> None:
         if self._split is None:
-            from mgrpo.rollout.sglang import IPCWeightSender
-
             here = ray.util.get_node_ip_address()
             local = [a for _, a in self.engines if a["node_ip"] == here]
-            self._split = (IPCWeightSender([a["url"] for a in local], [a["tp"] for a in local]) if local else None,
-                           EngineReceiver([h for h, a in self.engines if a["node_ip"] != here]))
-        ipc, remote = self._split
-        if ipc is not None:
-            ipc.update_weights(bucket)
+            spec = engine_spec(self.cfg.rollout.engine)
+            sender = spec.direct_sender(self.cfg, local, self.generation) if local else None
+            self._split = (sender, HostDelivery([h for h, a in self.engines if a["node_ip"] != here]))
+        sender, remote = self._split
+        if sender is not None:
+            sender.update_weights(bucket)
         remote.update_weights(bucket)
 
 
@@ -130,89 +114,101 @@ class RolloutStats:
 
 
 class RolloutGroup:
-    def __init__(self, cfg: MGRPOConfig, bundles: Bundles, *, hf_dir: str, eos_token_ids: list[int],
-                 pad_token_id: int, log_dir: Optional[str] = None):
+    def __init__(self, cfg: MGRPOConfig, placement: Placement, *, hf_dir: str, context: EngineContext,
+                 devices: Optional[list[list[str]]] = None):
+        """`devices[i]`: accelerator ids engine i's server must use (colocated on GPUs), else None."""
         self.cfg = cfg
-        self.bundles = bundles
+        self.placement = placement
+        self.spec = engine_spec(cfg.rollout.engine)
+        self.devices = devices
+        self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__,
+                                                                "visible_devices": devices[i] if devices else None}))
+                        for i in range(cfg.rollout.num_engines)]
         self.hf_dir = hf_dir
-        r = cfg.rollout
-        engine_kwargs = None
-        if r.engine == "sglang":
-            engine_kwargs = dict(tp=r.tp, mem_fraction_static=r.gpu_memory_utilization, stop_token_ids=list(eos_token_ids),
-                                 max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
-                                 log_dir=os.path.join(log_dir, "sglang") if log_dir else None,
-                                 enable_memory_saver=r.mode == "colocated")
-        self._host_args = (r.engine, hf_dir, list(eos_token_ids), pad_token_id, r.generate_chunk,
-                           cfg.trainer.cpus_per_worker, engine_kwargs)
         self.engines = [self._start(i) for i in range(cfg.rollout.num_engines)]
         ray.get([e.health.remote() for e in self.engines])  # wait until every engine is up
         self.weight_version = 0
+        self.generation = 0
+        """Bumped when an engine restarts: direct senders built for the old engines are stale."""
         self.on_restart: Optional[Callable[[list], None]] = None
-        """Set by the loop: pushes the current weights to the given engine handles."""
+        """Set by the weight sync: pushes the current weights to the given engine handles."""
         self.total = RolloutStats()
         self._engine_retries = 0
+        self._receivers: Optional[tuple[int, list]] = None
 
     def _start(self, index: int):
-        gpus = self.cfg.rollout.tp if self.cfg.trainer.device == "cuda" else 0
-        return EngineHost.options(num_cpus=self.cfg.trainer.cpus_per_worker, num_gpus=gpus,
-                                  scheduling_strategy=self.bundles.strategy(index),
-                                  max_concurrency=2).remote(*self._host_args)
+        return EngineHost.options(max_concurrency=4,
+                                  **self.placement.engine_options(index, self.cfg.trainer.cpus_per_worker)).remote(
+            self.cfg.rollout.engine, self.hf_dir, self._kwargs[index])
 
+    # --- weight receivers -----------------------------------------------------------------------
     def receivers(self, engines: Optional[list] = None) -> list:
-        """Objects the trainer ranks push weight buckets through (to all engines, or the given ones):
-        through Ray for the transformers engine; CUDA IPC (colocated) or an NCCL broadcast
-        (disaggregated) for SGLang."""
+        """What the trainer ranks push weight buckets through, to all engines (built once and reused
+        until an engine restarts) or to the given ones (a restarted engine catching up)."""
+        if engines is None and self._receivers is not None and self._receivers[0] == self.generation:
+            return self._receivers[1]
         handles = engines if engines is not None else self.engines
-        r = self.cfg.rollout
-        if r.engine != "sglang":
-            return [EngineReceiver(handles)]
-        addresses = ray.get([h.address.remote() for h in handles])
-        if r.mode == "colocated":
-            return [ColocatedSGLangReceiver(list(zip(handles, addresses)))]
-        from mgrpo.rollout.sglang import DistributedWeightSender
+        out = self._build_receivers(handles)
+        if engines is None:
+            self._receivers = (self.generation, out)
+        return out
 
-        return [DistributedWeightSender([a["url"] for a in addresses], [a["tp"] for a in addresses], backend="nccl")]
+    def _build_receivers(self, handles: list) -> list:
+        if self.spec.direct_sender is None:
+            return [HostDelivery(handles)]
+        addresses = ray.get([h.address.remote() for h in handles])
+        if self.spec.node_local(self.cfg):
+            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation)]
+        return [self.spec.direct_sender(self.cfg, addresses, self.generation)]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
                  ) -> tuple[list[GenerateResult], RolloutStats]:
         """n samples per prompt; result i*n + j is sample j of prompt i."""
+        r = self.cfg.rollout
         requests = [GenerateRequest(uid=i * n + j, prompt_ids=p) for i, p in enumerate(prompts) for j in range(n)]
-        size = self.cfg.rollout.generate_chunk
-        chunks = [requests[k:k + size] for k in range(0, len(requests), size)]
-        params = [SamplingParams(**{**sampling.__dict__, "seed": None if sampling.seed is None else sampling.seed + k})
+        chunks = [requests[k:k + r.generate_chunk] for k in range(0, len(requests), r.generate_chunk)]
+        params = [SamplingParams(**{**sampling.__dict__, "seed": seeds.chunk_seed(sampling.seed, k)})
                   for k in range(len(chunks))]
         stats = RolloutStats()
         t0 = time.perf_counter()
-        pending = {}  # ObjectRef -> (chunk index, engine index, attempt)
+        pending: dict = {}  # ObjectRef -> (chunk index, engine index, attempt)
+
+        def send(k: int, e: int, attempt: int) -> None:
+            pending[self.engines[e].generate.remote(chunks[k], params[k])] = (k, e, attempt)
+
+        def retry(k: int, e: int, attempt: int, why: str) -> None:
+            if attempt >= r.max_retries:
+                raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times (rollout.max_retries="
+                                   f"{r.max_retries}); last error: {why}")
+            log.warning("rollout engine %d: %s; retrying chunk %d", e, why, k)
+            stats.retries += 1
+            send(k, e, attempt + 1)
+
         for k in range(len(chunks)):
-            e = k % len(self.engines)
-            pending[self.engines[e].generate.remote(chunks[k], params[k])] = (k, e, 0)
-        results: list[GenerateResult] = []
+            send(k, k % len(self.engines), 0)
+        results: dict[int, list[GenerateResult]] = {}
+        last_check = time.monotonic()
         with tqdm(total=len(requests), desc=desc, unit="sample", leave=False, dynamic_ncols=True,
                   disable=None) as bar:
             while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=self.cfg.rollout.request_timeout_s)
-                if not done:
-                    raise TimeoutError(f"no rollout chunk finished within rollout.request_timeout_s="
-                                       f"{self.cfg.rollout.request_timeout_s}")
-                ref = done[0]
-                k, e, attempt = pending.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                    if attempt >= self.cfg.rollout.max_retries:
-                        raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times; last error: {err}") from err
-                    log.warning("rollout engine %d failed (%s); restarting it and retrying chunk %d", e, err, k)
-                    stats.retries += 1
-                    if not self._alive(e):
-                        self._restart(e)
-                        stats.restarts += 1
-                    pending[self.engines[e].generate.remote(chunks[k], params[k])] = (k, e, attempt + 1)
-                    continue
-                results.extend(out)
-                stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
-                bar.update(len(out))
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=r.health_check_interval_s)
+                if done:
+                    k, e, attempt = pending.pop(done[0])
+                    try:
+                        out = ray.get(done[0])
+                    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                        if not self._alive(e):
+                            self._restart(e)
+                            stats.restarts += 1
+                        retry(k, e, attempt, f"{type(err).__name__}: {err}")
+                        continue
+                    results[k] = out
+                    stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
+                    bar.update(len(out))
+                if time.monotonic() - last_check >= r.health_check_interval_s:
+                    last_check = time.monotonic()
+                    stats.restarts += self._recover_busy(pending, retry)
         # Retries the engines did themselves (HTTP errors, aborted requests) count as well.
         engine_retries = sum(ray.get([e.retries.remote() for e in self.engines]))
         stats.retries += max(engine_retries - self._engine_retries, 0)
@@ -220,7 +216,23 @@ class RolloutGroup:
         stats.seconds = time.perf_counter() - t0
         self.total.retries += stats.retries
         self.total.restarts += stats.restarts
-        return sorted(results, key=lambda r: r.uid), stats
+        return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
+
+    def _recover_busy(self, pending: dict, retry) -> int:
+        """Health-check the engines that hold chunks; restart a dead or hung one and resend its chunks
+        (their old futures are dropped, so a late answer from the old engine is never taken)."""
+        restarted = 0
+        for e in sorted({e for _, e, _ in pending.values()}):
+            if self._alive(e):
+                continue
+            lost = [(ref, v) for ref, v in pending.items() if v[1] == e]
+            for ref, _ in lost:
+                del pending[ref]
+            self._restart(e)
+            restarted += 1
+            for _, (k, _, attempt) in lost:
+                retry(k, e, attempt, "engine failed its health check")
+        return restarted
 
     # --- weights and health ---------------------------------------------------------------------
     def finish_weight_update(self, version: int) -> None:
@@ -229,17 +241,20 @@ class RolloutGroup:
 
     def _alive(self, index: int) -> bool:
         try:
-            return bool(ray.get(self.engines[index].health.remote(), timeout=30).ok)
+            health = ray.get(self.engines[index].health.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
+            return bool(health.ok)
         except Exception:  # dead actor, timeout, or an engine reporting an error
             return False
 
     def _restart(self, index: int) -> None:
+        log.warning("restarting rollout engine %d", index)
         self._stop(self.engines[index])
         try:
             ray.kill(self.engines[index])
         except Exception:
             pass
         self.engines[index] = self._start(index)
+        self.generation += 1
         ray.get(self.engines[index].health.remote())
         if self.on_restart is not None and self.weight_version > 0:
             self.on_restart([self.engines[index]])
@@ -261,12 +276,11 @@ class RolloutGroup:
     def resume_memory(self, tags=None) -> None:
         ray.get([e.resume_memory.remote(tags) for e in self.engines])
 
-    @staticmethod
-    def _stop(engine) -> None:
-        """Let the engine stop what it owns (an SGLang server) before its actor is killed."""
+    def _stop(self, engine) -> None:
+        """Let the engine stop what it owns (a server) before its actor is killed."""
         try:
-            ray.get(engine.shutdown.remote(), timeout=30)
-        except Exception:  # a dead engine has nothing left to stop
+            ray.get(engine.shutdown.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
+        except Exception:  # a dead or hung engine has nothing left to stop politely
             pass
 
     def shutdown(self) -> None:

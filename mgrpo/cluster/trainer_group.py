@@ -11,7 +11,7 @@ import socket
 
 import ray
 
-from mgrpo.cluster.ray_env import Bundles
+from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 
 
@@ -27,10 +27,15 @@ class TrainerRank:
         self.impl = None
 
     def address(self) -> tuple[str, int]:
+        """Rendezvous address for torch.distributed when this rank is rank 0."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def devices(self) -> dict:
+        """This rank's node and accelerator ids (what a colocated engine sharing them must use)."""
+        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def setup(self, cfg: MGRPOConfig, **kwargs) -> dict:
         from mgrpo.training.actor import MegatronActor
@@ -43,22 +48,28 @@ class TrainerRank:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: MGRPOConfig, layout: Layout, bundles: Bundles, *, init_hf_dir: str, total_steps: int,
-                 need_ref: bool):
+    def __init__(self, cfg: MGRPOConfig, layout: Layout, placement: Placement, *, init_hf_dir: str,
+                 total_steps: int, need_ref: bool):
         self.world = layout.trainer_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
-        gpus = 1.0 if cfg.trainer.device == "cuda" else 0.0
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         self.ranks = [
-            TrainerRank.options(num_cpus=threads, num_gpus=gpus, scheduling_strategy=bundles.strategy(i),
+            TrainerRank.options(num_cpus=threads, num_gpus=placement.trainer_gpus,
+                                scheduling_strategy=placement.trainer.strategy(i),
                                 runtime_env={"env_vars": env}).remote(threads)
             for i in range(self.world)
         ]
+        self.devices = ray.get([r.devices.remote() for r in self.ranks])
+        self._setup_args = dict(init_hf_dir=init_hf_dir, total_steps=total_steps, need_ref=need_ref)
+        self.info: list[dict] = []
+
+    def setup(self, cfg: MGRPOConfig) -> None:
+        """Build the Megatron stages on every rank (after colocated engines took their memory)."""
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([
             r.setup.remote(cfg, rank=i, world_size=self.world, master_addr=master_addr, master_port=master_port,
-                           init_hf_dir=init_hf_dir, total_steps=total_steps, need_ref=need_ref)
+                           **self._setup_args)
             for i, r in enumerate(self.ranks)
         ])
 

@@ -190,6 +190,10 @@ class RolloutConfig:
     """Retries of a failed generation request (each counted in metrics)."""
     request_timeout_s: float = 600.0
     health_check_interval_s: float = 30.0
+    """While waiting for rollouts, health-check the engines holding requests this often; one that is
+    dead or hung is restarted, re-synced and its requests resent."""
+    health_check_timeout_s: float = 10.0
+    """An engine whose health check takes longer than this counts as hung."""
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
 
@@ -237,6 +241,8 @@ class TrainerConfig:
     """Stop after this many steps; None = total_epochs over the training data."""
     save_freq: int = -1
     """Checkpoint every N steps (-1 = only at the end)."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N checkpoints (None = all)."""
     test_freq: int = -1
     """Evaluate every N steps (-1 = never)."""
     val_before_train: bool = False

@@ -144,8 +144,11 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
     if r.engine == "sglang" and r.mode == "disaggregated" and a.pp > 1:
         e.append("rollout.mode=disaggregated with actor.pp>1: the per-stage NCCL weight broadcasts are not "
                  "serialised yet; use actor.pp=1 or rollout.mode=colocated")
-    if r.engine == "sglang" and t.device == "cpu":
-        e.append("rollout.engine='sglang' needs a GPU; on trainer.device=cpu use rollout.engine=hf")
+    if r.health_check_interval_s <= 0 or r.health_check_timeout_s <= 0:
+        e.append(f"rollout.health_check_interval_s={r.health_check_interval_s} and rollout.health_check_timeout_s="
+                 f"{r.health_check_timeout_s} must be positive")
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        e.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1 (or null to keep all)")
     lay = None
     if not e:
         lay = layout(cfg)

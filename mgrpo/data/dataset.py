@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mgrpo.config import seeds
 from mgrpo.config.schema import DataConfig
 from mgrpo.data.records import RecordError, RLRecord, parse_record, read_records
 from mgrpo.data.synthetic import synthetic_records
@@ -125,7 +126,7 @@ class PromptDataset:
         if self.shuffle:
             # Python's Mersenne Twister with an int seed and random.shuffle are stable across versions,
             # so a resumed run (even on a newer Python/numpy/torch) regenerates the same order.
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(seeds.data_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def next_batch(self, batch_size: Optional[int] = None) -> list[PromptItem]:

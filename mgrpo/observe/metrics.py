@@ -36,3 +36,16 @@ def experience_metrics(exp, *, max_response_length: int) -> dict:
     if exp.entropy:
         out["rollout/entropy"] = _mean(x for e in exp.entropy for x in e)
     return out
+
+
+def step_metrics(exp, metrics: dict, cfg, layout, train_data, counters: dict) -> dict:
+    """What one step's experience and timing say, plus the run-long counters (`<name>_total`)."""
+    out = experience_metrics(exp, max_response_length=cfg.data.max_response_length)
+    tokens = sum(len(p) + len(r) for p, r in zip(exp.prompt_ids, exp.response_ids))
+    out["perf/total_tokens"] = float(tokens)
+    out["perf/throughput"] = tokens / max(metrics.get("timing_s/step", 1e-9), 1e-9) / layout.total
+    out["data/filtered_prompts"] = float(train_data.num_filtered)
+    out["data/epoch"] = float(train_data.epoch)
+    for key, value in counters.items():
+        out[key + "_total"] = float(value)
+    return out

@@ -1,0 +1,115 @@
+"""The checkpointer: save, find the latest, restore all RL state, keep the last k.
+
+A checkpoint is a folder `checkpoints/step_NNNNNN/` holding the Megatron distributed checkpoint of the
+trainer ranks (weights, optimizer moments, LR schedule: `megatron/`) and the driver's state
+(`trainer_state.json`: step, weight version, counters, data position). It is published by rewriting
+`checkpoints/latest` only after everything is on disk, so a run killed while saving resumes from the
+previous one. Loading never unpickles arbitrary objects: JSON here, megatron's dist-checkpoint there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from mgrpo.config import MGRPOConfig
+
+log = logging.getLogger("mgrpo")
+
+STATE_FILE = "trainer_state.json"
+COUNTERS = ("reward/failed", "reward/timeout", "rollout/retries", "rollout/restarts")
+"""Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
+
+
+@dataclass
+class RunState:
+    """Everything about a run's progress that lives on the driver."""
+
+    step: int = 0
+    """Training steps completed."""
+    weight_version: int = 0
+    """Weight syncs completed (the version the rollout engines hold)."""
+    counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def count(self, counts: dict, into: dict) -> None:
+        """Add this call's `counts` to the run-long counters (those in COUNTERS) and to the step's metrics."""
+        for key, value in counts.items():
+            if key in self.counters:
+                self.counters[key] += value
+            into[key] = into.get(key, 0) + value
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str, cfg: MGRPOConfig):
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.cfg = cfg
+
+    # --- find ---------------------------------------------------------------------------------------
+    def resume_dir(self) -> Optional[str]:
+        """The checkpoint `trainer.resume` points at: the latest published one (auto), none
+        (disable), or the given folder."""
+        r = self.cfg.trainer.resume
+        if r == "disable":
+            return None
+        if r != "auto":
+            return r
+        latest = os.path.join(self.root, "latest")
+        if not os.path.isfile(latest):
+            return None
+        with open(latest) as f:
+            return os.path.join(self.root, f.read().strip())
+
+    @staticmethod
+    def read_state(path: str) -> dict:
+        file = os.path.join(path, STATE_FILE)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"trainer.resume: {path} has no {STATE_FILE}")
+        with open(file) as f:
+            return json.load(f)
+
+    # --- save ---------------------------------------------------------------------------------------
+    def save(self, state: RunState, trainer, train_data, observer=None) -> str:
+        path = os.path.join(self.root, f"step_{state.step:06d}")
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+        trainer.save_checkpoint(os.path.join(path, "megatron"))
+        payload = {**asdict(state), "train_data": train_data.state_dict(), "config_name": self.cfg.model.name}
+        with open(os.path.join(path, STATE_FILE), "w") as f:
+            json.dump(payload, f, indent=1)
+        if observer is not None:
+            observer.flush()  # the records up to this step are on disk before the checkpoint is published
+        tmp = os.path.join(self.root, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(tmp, os.path.join(self.root, "latest"))
+        self._prune(keep=os.path.basename(path))
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def _prune(self, keep: str) -> None:
+        """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one)."""
+        k = self.cfg.trainer.max_ckpt_to_keep
+        if k is None or k <= 0:
+            return
+        steps = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d+", d))
+        for old in steps[:-k]:
+            if old != keep:
+                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+
+    # --- restore ------------------------------------------------------------------------------------
+    def restore(self, path: str, trainer, train_data) -> RunState:
+        """Load weights and optimizer into the trainer ranks and the data position; return the driver's
+        state. (Bringing the rollout engines to the checkpoint's weights is the weight sync's job.)"""
+        saved = self.read_state(path)
+        trainer.load_checkpoint(os.path.join(path, "megatron"))
+        train_data.load_state_dict(saved["train_data"])
+        state = RunState(step=int(saved["step"]), weight_version=int(saved["weight_version"]))
+        state.counters.update(saved.get("counters", {}))
+        log.info("resumed from %s at step %d (weight version %d)", path, state.step, state.weight_version)
+        return state

@@ -1,0 +1,116 @@
+"""The loop's view of the trainer ranks: whole experiences in, per-sample results and metrics out.
+
+The client owns data-parallel sharding. It cuts what the loop hands it into one `RankBatch` per
+data-parallel replica (balanced by tokens), gives every token its loss-aggregation weight normalised
+over the *whole* mini-batch (so the gradient does not depend on how the mini-batch is cut into
+replicas and micro-batches), and puts per-sample results back in the experience's order. The loop
+never shards and never reaches into ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
+from mgrpo.config import MGRPOConfig, seeds
+from mgrpo.experience import Experience
+from mgrpo.training.batch import RankBatch
+
+
+class TrainerClient:
+    def __init__(self, group, cfg: MGRPOConfig, dp: int):
+        self.group = group
+        """`mgrpo.cluster.trainer_group.TrainerGroup`: fans calls out to every Megatron rank."""
+        self.cfg = cfg
+        self.dp = dp
+
+    # --- log-probs ----------------------------------------------------------------------------------
+    def compute_logprobs(self, exp: Experience, which: str) -> dict:
+        """{'logprobs', 'entropy'} per sample of `exp` under `which` in {'actor', 'ref'}, at the rollout
+        temperature (the tempered distribution the rollout sampled from)."""
+        idx = list(range(len(exp)))
+        outs = self.group.compute_logprobs(self._shards(exp, idx, for_training=False), which,
+                                           self.cfg.rollout.temperature)
+        return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
+
+    # --- training -----------------------------------------------------------------------------------
+    def train(self, exp: Experience, step: int) -> dict:
+        """`actor.ppo_epochs` passes over `exp`, one optimizer step per mini-batch; the metrics are the
+        mean over those optimizer steps (cumulative counters keep their last value)."""
+        updates = []
+        for epoch in range(self.cfg.actor.ppo_epochs):
+            for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
+                shards = self._shards(exp, idx, for_training=True)
+                updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature))
+        out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        out["actor/skipped_steps"] = updates[-1]["actor/skipped_steps"]
+        out["actor/updates"] = float(len(updates))
+        return out
+
+    # --- sharding -----------------------------------------------------------------------------------
+    def _shards(self, exp: Experience, idx: Sequence[int], *, for_training: bool) -> list[RankBatch]:
+        sub = exp.select(idx)
+        token_weight, metric_weight = None, 0.0
+        if for_training:
+            loss_mask = sub.response_mask(loss_only=True)
+            tokens, seqs = global_counts(loss_mask)
+            w = token_weights(loss_mask, effective_loss_agg_mode(self.cfg.algorithm), global_tokens=tokens,
+                              global_seqs=seqs, max_response_length=self.cfg.data.max_response_length)
+            token_weight, metric_weight = sub.unpadded(w), 1.0 / max(tokens, 1)
+        batches = []
+        for shard in balanced_split(_lengths(sub, range(len(sub))), self.dp):
+            pick = lambda xs: None if xs is None else [xs[i] for i in shard]  # noqa: E731
+            batches.append(RankBatch(
+                input_ids=[sub.prompt_ids[i] + sub.response_ids[i] for i in shard],
+                prompt_lens=[len(sub.prompt_ids[i]) for i in shard],
+                seq_index=list(shard),
+                advantages=pick(sub.advantages) if for_training else None,
+                old_logprobs=pick(sub.old_logprobs) if for_training else None,
+                ref_logprobs=pick(sub.ref_logprobs) if for_training else None,
+                rollout_logprobs=pick(sub.rollout_logprobs) if for_training else None,
+                token_weight=pick(token_weight),
+                metric_weight=metric_weight,
+            ))
+        return batches
+
+    def _merge(self, exp: Experience, idx: Sequence[int], shard_values: Sequence[list]) -> list:
+        """Inverse of `_shards` for per-sample outputs: values back in the order of `idx`."""
+        out: list = [None] * len(idx)
+        for shard, values in zip(balanced_split(_lengths(exp, idx), self.dp), shard_values):
+            for pos, v in zip(shard, values):
+                out[pos] = v
+        return out
+
+    # --- weights and checkpoints (every rank takes part) ---------------------------------------------
+    def sync_weights(self, receivers: list) -> dict:
+        return self.group.sync_weights(receivers, self.cfg.rollout.update_weights_bucket_mb << 20)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.group.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.load_checkpoint(path)
+
+    def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
+        self.group.save_hf(out_dir, tokenizer_dir)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def _lengths(exp: Experience, idx) -> list[int]:
+    return [len(exp.prompt_ids[i]) + len(exp.response_ids[i]) for i in idx]
+
+
+def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Deterministic longest-first greedy split of sample indices into `parts` lists of similar total
+    length; indices inside a part stay in ascending order. Every part gets at least one sample."""
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel replicas")
+    load = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min(range(parts), key=lambda k: (load[k], len(out[k]), k))
+        out[p].append(i)
+        load[p] += lengths[i]
+    return [sorted(o) for o in out]

@@ -1,0 +1,43 @@
+"""Weight sync: the actor's weights, resharded into Hugging Face layout, into every rollout engine.
+
+One sync: health-check the engines (a dead one is restarted first), in colocated mode take back the
+engines' weight memory, let every trainer rank stream its buckets through the engines' receivers, then
+close the update on every engine with the new version (which also flushes its prefix cache), and
+take back the rest of the engines' memory. A restarted engine gets the current weights the same way.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mgrpo.config import MGRPOConfig
+
+
+class WeightSync:
+    def __init__(self, cfg: MGRPOConfig, trainer, rollout):
+        self.colocated = cfg.rollout.mode == "colocated"
+        self.trainer = trainer
+        """`TrainerClient`."""
+        self.rollout = rollout
+        """`RolloutGroup`."""
+        rollout.on_restart = lambda engines: trainer.sync_weights(rollout.receivers(engines))
+
+    def release_engines(self) -> None:
+        """Colocated engines give their accelerator memory to the trainer between generation and sync."""
+        if self.colocated:
+            self.rollout.release_memory()
+
+    def sync(self, version: int) -> dict:
+        """Push the trainer's current weights as `version`; return the sync's metrics."""
+        t0 = time.perf_counter()
+        restarted = self.rollout.health_check()
+        if self.colocated:
+            self.rollout.resume_memory(["weights"])  # room for the new weights, KV cache still released
+        sent = self.trainer.sync_weights(self.rollout.receivers())
+        self.rollout.finish_weight_update(version)
+        if self.colocated:
+            self.rollout.resume_memory()
+        seconds = time.perf_counter() - t0
+        return {"perf/update_weights_bytes": float(sent["bytes"]), "rollout/weight_version": float(version),
+                "perf/update_weights_gbps": sent["bytes"] / max(seconds, 1e-9) / 1e9,
+                "perf/update_weights_s": seconds, "rollout/restarts": restarted}

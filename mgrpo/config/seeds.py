@@ -1,0 +1,42 @@
+"""Every seed a run derives from its config, in one place.
+
+A resumed run must draw exactly what the uninterrupted run would have drawn, so each random stream
+is a pure function of (config seed, step, round/epoch/chunk), never of wall time or process state.
+The large odd multipliers keep the streams of neighbouring steps and rounds apart.
+"""
+
+from __future__ import annotations
+
+_STEP = 1_009
+_RUN = 1_000_003
+
+
+def sampling_seed(seed: int, step: int, round_: int = 0) -> int:
+    """Rollout sampling of training step `step` (0-based), dynamic-sampling round `round_`."""
+    return seed * _RUN + step * _STEP + round_
+
+
+def chunk_seed(seed: int | None, chunk: int) -> int | None:
+    """One generation chunk of a rollout call (chunks may land on different engines)."""
+    return None if seed is None else seed + chunk
+
+
+def minibatch_seed(seed: int, step: int, epoch: int) -> int:
+    """The shuffle of prompt groups into mini-batches at `step`, PPO epoch `epoch`."""
+    return seed * _RUN + step * 101 + epoch
+
+
+def eval_seed(seed: int) -> int:
+    """Validation sampling (the same prompts get the same draws at every evaluation)."""
+    return seed + 7_919
+
+
+def data_seed(seed: int, epoch: int) -> int:
+    """The order of the training records in data epoch `epoch`."""
+    return seed * _RUN + epoch
+
+
+def request_seed(seed: int, uid: int) -> int:
+    """One request inside a batch: the n copies of a prompt must not share a seed, or an engine
+    with a per-request deterministic sampler (SGLang's) returns n identical responses."""
+    return (seed * _RUN + uid * 7_919 + 1) % (2 ** 63)

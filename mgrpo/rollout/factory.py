@@ -1,0 +1,109 @@
+"""Rollout engines by name: how each is built, launched from the config, and fed new weights.
+
+The rollout group (`mgrpo/cluster/rollout_group.py`) places one host process per engine and asks this
+registry everything engine-specific, so it knows nothing of SGLang's launch arguments or weight
+transports. A new engine is one `EngineSpec` here plus its module.
+
+Weight transports: an engine either receives buckets in its host process (`direct_sender` is None;
+the trainer hands the bucket to the host, which calls `engine.update_weights`), or the trainer ranks
+push to the engine's server directly (`direct_sender` builds the sender from the engines' addresses).
+A `node_local` transport (CUDA IPC / shared memory) reaches only engines on the sending rank's node;
+the others still get the bucket through their hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from mgrpo.config import MGRPOConfig
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What the run knows about an engine that the config does not say."""
+
+    eos_token_ids: list[int]
+    pad_token_id: int
+    log_dir: Optional[str] = None
+    visible_devices: Optional[list[str]] = None
+    """Accelerator ids the engine's server must use (colocated: those of its trainer ranks)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    build: Callable[[str, dict], object]
+    """(hf_dir, kwargs) -> a `RolloutEngine`; runs inside the engine's host process."""
+    kwargs: Callable[[MGRPOConfig, EngineContext], dict]
+    """The engine's construction arguments for this run."""
+    direct_sender: Optional[Callable[[MGRPOConfig, list[dict], int], object]] = None
+    """(config, engine addresses, engine generation) -> a sender trainer ranks call `update_weights(bucket)`
+    on. The generation changes when an engine restarts, so a sender holding per-engine state (a process
+    group) is made anew."""
+    node_local: Callable[[MGRPOConfig], bool] = lambda cfg: False
+    """Whether the direct sender only reaches engines on the sending rank's node."""
+
+
+# --- in-process transformers (CPU) -----------------------------------------------------------------
+def _build_hf(hf_dir: str, kw: dict):
+    from mgrpo.rollout.hf_engine import HFRolloutEngine
+
+    return HFRolloutEngine(hf_dir, **kw)
+
+
+def _hf_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
+    return dict(eos_token_ids=list(ctx.eos_token_ids), pad_token_id=ctx.pad_token_id,
+                chunk_size=cfg.rollout.generate_chunk, num_threads=cfg.trainer.cpus_per_worker)
+
+
+# --- SGLang servers (or the CPU server speaking their protocol) -----------------------------------
+def _build_sglang(hf_dir: str, kw: dict):
+    from mgrpo.rollout.sglang.client import SGLangEngine
+    from mgrpo.rollout.sglang.http import node_ip
+
+    kw = dict(kw)
+    kw.setdefault("host", node_ip())  # this node's cluster address, never 0.0.0.0
+    devices = kw.pop("visible_devices", None)
+    if devices:
+        kw["env"] = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+    return SGLangEngine.launch(hf_dir, **kw)
+
+
+def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
+    r = cfg.rollout
+    return dict(tp=r.tp, mem_fraction_static=r.gpu_memory_utilization, stop_token_ids=list(ctx.eos_token_ids),
+                max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
+                health_timeout_s=r.health_check_timeout_s,
+                log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
+                enable_memory_saver=r.mode == "colocated", visible_devices=ctx.visible_devices)
+
+
+def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
+    urls, tps = [a["url"] for a in addresses], [a["tp"] for a in addresses]
+    if cfg.rollout.mode == "colocated":
+        from mgrpo.rollout.sglang.weights_tensor import TensorWeightSender
+
+        return TensorWeightSender(urls, tps)
+    from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
+
+    return DistributedWeightSender(urls, tps, generation=generation)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "hf": EngineSpec("hf", _build_hf, _hf_kwargs),
+    "sglang": EngineSpec("sglang", _build_sglang, _sglang_kwargs, direct_sender=_sglang_sender,
+                         node_local=lambda cfg: cfg.rollout.mode == "colocated"),
+}
+
+
+def engine_spec(name: str) -> EngineSpec:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"rollout.engine={name!r} is not one of {sorted(ENGINES)}") from None
+
+
+def build_engine(name: str, hf_dir: str, kwargs: dict):
+    return engine_spec(name).build(hf_dir, kwargs)
