@@ -31,7 +31,7 @@ from mgrpo.rollout.sglang.schema import MEMORY_TAGS
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, free_port, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
-from mgrpo.rollout.sglang.weights_tensor import tensor_payloads
+from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class SGLangEngine:
         self._lock = threading.Lock()
         self._received: set[str] = set()
         self._released: set[str] = set()
+        self._staging: Optional[torch.Tensor] = None  # shared memory the CPU buckets are flattened into
         self.server_module: Optional[str] = None
         """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
         self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "weight_buckets": 0,
@@ -296,10 +297,11 @@ class SGLangEngine:
             # Otherwise CPU tensors go as named shared memory (weights_tensor.py).
             bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
         self.session.begin()
-        payloads, keep_alive = tensor_payloads(bucket, self.tp, self.load_format)
+        self._staging = staging_buffer(self._staging, bucket, self.load_format)
+        keep_alive = payload_object(bucket, self.load_format, self._staging)
         self.client.post_result("/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads, "load_format": self.load_format,
-            "flush_cache": False, "abort_all_requests": False})
+            "serialized_named_tensors": [serialize(keep_alive) for _ in range(self.tp)],
+            "load_format": self.load_format, "flush_cache": False, "abort_all_requests": False})
         del keep_alive
         with self._lock:
             self._received.update(n for n, _ in bucket)

@@ -136,6 +136,19 @@ def payload_object(bucket: Bucket, load_format: Optional[str] = FLATTENED,
     return [(name, _shared_copy(t) if t.device.type == "cpu" else t.detach()) for name, t in bucket]
 
 
+def staging_buffer(current: Optional[torch.Tensor], bucket: Bucket, load_format: Optional[str]) -> Optional[torch.Tensor]:
+    """One named shared-memory buffer per sender, grown to the largest CPU bucket and reused: every
+    POST has returned (the engines copied out of it) before the next bucket is written. Unchanged
+    when the bucket does not go flattened from the CPU."""
+    if load_format != FLATTENED or not all(t.device.type == "cpu" for _, t in bucket):
+        return current
+    nbytes = flat_layout(bucket)[2]
+    if current is None or current.numel() < nbytes:
+        current = None  # drop the smaller one first
+        current = shared_cpu_buffer(nbytes)
+    return current
+
+
 def tensor_payloads(bucket: Bucket, tp_size: int, load_format: Optional[str] = FLATTENED) -> tuple[list[str], Any]:
     """`serialized_named_tensors` for an engine of `tp_size` ranks, and the object to keep alive."""
     obj = payload_object(bucket, load_format)
@@ -161,9 +174,14 @@ class TensorWeightSender:
         self.load_format = check_load_format(load_format)
         self.bytes_sent = 0
         self.buckets_sent = 0
+        self._staging: Optional[torch.Tensor] = None
+
+    def __getstate__(self):  # travels to trainer ranks pickled: the staging buffer stays behind
+        return {**self.__dict__, "_staging": None}
 
     def update_weights(self, bucket: Bucket) -> None:
-        keep_alive = payload_object(bucket, self.load_format)  # flattened once for all engines
+        self._staging = staging_buffer(self._staging, bucket, self.load_format)
+        keep_alive = payload_object(bucket, self.load_format, self._staging)  # flattened once for all engines
         for client, session, tp in zip(self.clients, self.sessions, self.tp_sizes):
             session.begin(force=True)  # the driver's finish_weight_update closes it between syncs
             client.post_result("/update_weights_from_tensor", {
