@@ -2,6 +2,10 @@
 
     python -m mgrpo_kernels.bench --T 4096 --H 1024 --V 151936 --dtype fp32
 
+`gemm` is the floor, not a loss: the three bare GEMMs of the same shapes (logits = h @ W^T,
+dHidden = dz @ W, dWeight = dz^T @ h, with the logits standing in for dz), no softmax, no loss.
+An implementation that raises (e.g. runs out of memory) gets a row with its error and no time.
+
 All implementations see the same inputs and the same loss (PPO clip 0.2/0.2, k3 KL to the
 reference with coef 0.001, token-mean over all tokens; ours also computes the entropy, which Liger
 does not offer). They run interleaved, round-robin with a rotating order, after one warm-up round,
@@ -38,7 +42,7 @@ from . import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linea
 from .reference import make_grpo_token_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by substring of the device name.
-BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "A100": 312.0,
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0, "A100": 312.0,
                     "A800": 312.0, "B200": 2250.0, "L40S": 362.0, "L40": 181.0, "A10G": 70.0, "RTX 4090": 165.0}
 KL_COEF, CLIP = 0.001, 0.2
 
@@ -115,12 +119,20 @@ def make_runners(x, args, impls):
                 loss.backward()
                 return loss
             runners[impl] = run
-        elif impl == "liger":
+        elif impl == "gemm":
+            def run(h, w):
+                z = h.detach() @ w.detach().T  # [T, V] logits, reused as dLogits
+                torch.mm(z, w.detach())  # dHidden [T, H]
+                torch.mm(z.T, h.detach())  # dWeight [V, H]
+                return z.new_zeros((), dtype=torch.float32)
+            runners[impl] = run
+        elif impl in ("liger", "liger_eager"):
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
             B = T // args.liger_seq
             liger = LigerFusedLinearGRPOLoss(beta=KL_COEF, epsilon_low=CLIP, epsilon_high=CLIP, loss_type="dapo",
-                                             compiled=args.liger_compile, chunk_size=args.liger_chunk)
+                                             compiled=args.liger_compile and impl == "liger",
+                                             chunk_size=args.liger_chunk)
             shape = (B, args.liger_seq)
 
             def run(h, w):
@@ -161,16 +173,19 @@ def bf16_peak(device):
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=4096)
     ap.add_argument("--H", type=int, default=1024)
     ap.add_argument("--V", type=int, default=151936)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--impls", default=None, help="comma list of naive,chunked,fused,liger (default: all usable)")
+    ap.add_argument("--impls", default=None,
+                    help="comma list of naive,chunked,fused,liger,liger_eager,gemm (default: all usable but gemm)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--max-seconds-per-impl", type=float, default=None,
+                    help="stop timing an impl once its calls took this long in all (it keeps >= 1 timed call)")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk (chunked path)")
     ap.add_argument("--vocab-chunk-size", type=int, default=DEFAULT_VOCAB_CHUNK, help="vocab rows per tile (chunked)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -178,9 +193,20 @@ def main(argv=None):
     ap.add_argument("--liger-seq", type=int, default=512,
                     help="tokens per sequence (advantages are per sequence; Liger takes [B, S, H])")
     ap.add_argument("--liger-chunk", type=int, default=1, help="Liger chunk_size (sequences per chunk)")
-    ap.add_argument("--liger-compile", action="store_true", help="let Liger torch.compile its loss math")
+    ap.add_argument("--liger-compile", action="store_true",
+                    help="let Liger torch.compile its loss math (impl liger; liger_eager never compiles)")
     ap.add_argument("--out", default="benchmarks/results/kernel_cpu.csv")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    """Run the benchmark described by `args` (see parse_args); return (rows, meta). Prints per call."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -194,62 +220,103 @@ def main(argv=None):
     x = make_inputs(args.T, args.H, args.V, dtype, device, args.liger_seq)
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"].clone().requires_grad_()
-    runners = make_runners(x, args, impls)
+    runners, errors = {}, {}
+    for impl in impls:
+        try:
+            runners.update(make_runners(x, args, [impl]))
+        except ImportError as e:  # e.g. Liger not installed
+            errors[impl] = f"not available: {type(e).__name__}: {e}"
     times = {k: [] for k in impls}
     peaks = {k: [] for k in impls}
+    spent = {k: 0.0 for k in impls}
     losses = {}
     for rnd in range(args.warmup + args.repeats):
         order = impls[rnd % len(impls):] + impls[: rnd % len(impls)]  # rotate: no impl always goes first
         for impl in order:
+            if impl in errors:
+                continue
+            if (args.max_seconds_per_impl is not None and times[impl]
+                    and spent[impl] >= args.max_seconds_per_impl):
+                continue  # over its time budget, with at least one timed call
             h.grad = w.grad = None
-            with PeakMemory(device) as mem:
-                t0 = time.perf_counter()
-                loss = runners[impl](h, w)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
+            try:
+                with PeakMemory(device) as mem:
+                    t0 = time.perf_counter()
+                    loss = runners[impl](h, w)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001  (an OOM of one impl must not end the others' run)
+                errors[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                h.grad = w.grad = None
+                loss = None
+                _free(device)
+                print(f"  round {rnd} {impl:8s} failed: {errors[impl]}", flush=True)
+                continue
+            spent[impl] += dt
             losses[impl] = float(loss.detach())
+            del loss
             if rnd >= args.warmup:
                 times[impl].append(dt)
                 peaks[impl].append(mem.peak)
             print(f"  round {rnd} {impl:8s} {dt:8.3f} s  peak +{mem.peak / 2**20:9.1f} MiB", flush=True)
+    h.grad = w.grad = None
+    del x, h, w
+    _free(device)
 
     flops, peak_tf = 6.0 * args.T * args.H * args.V, bf16_peak(device)
-    base_t = statistics.median(times["naive"]) if "naive" in times else None
-    base_m = max(peaks["naive"]) if "naive" in peaks else None
+    base_t = statistics.median(times["naive"]) if times.get("naive") else None
+    base_m = max(peaks["naive"]) if peaks.get("naive") else None
     rows = []
     for impl in impls:
+        row = {"impl": impl, "T": args.T, "H": args.H, "V": args.V, "dtype": args.dtype, "device": str(device),
+               "threads": torch.get_num_threads(), "chunk_size": args.chunk_size,
+               "vocab_chunk_size": args.vocab_chunk_size,
+               "entropy": impl not in ("liger", "liger_eager", "gemm") and not args.no_entropy,
+               "repeats": len(times[impl])}
+        if not times[impl]:
+            rows.append({**row, "error": errors.get(impl, "no timed call")})
+            continue
         t, m = statistics.median(times[impl]), max(peaks[impl])
         tflops = flops / t / 1e12
-        rows.append({"impl": impl, "T": args.T, "H": args.H, "V": args.V, "dtype": args.dtype, "device": str(device),
-                     "threads": torch.get_num_threads(), "chunk_size": args.chunk_size,
-                     "vocab_chunk_size": args.vocab_chunk_size, "entropy": impl != "liger" and not args.no_entropy,
-                     "repeats": args.repeats, "median_s": round(t, 4), "min_s": round(min(times[impl]), 4),
+        rows.append({**row, "median_s": round(t, 4), "min_s": round(min(times[impl]), 4),
                      "max_s": round(max(times[impl]), 4), "peak_extra_mib": round(m / 2**20, 1),
                      "time_vs_naive": round(t / base_t, 3) if base_t else None,
                      "mem_vs_naive": round(m / base_m, 4) if base_m else None,
                      "model_tflops": round(tflops, 3),
                      "frac_bf16_peak": round(tflops / peak_tf, 4) if peak_tf else None,
-                     "loss": losses[impl]})
-    print(f"\nT={args.T} H={args.H} V={args.V} {args.dtype} on {device}, median of {args.repeats}")
-    print(f"{'impl':8s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} {'loss':>12s}")
-    for r in rows:
-        nan = float("nan")
-        print(f"{r['impl']:8s} {r['median_s']:9.3f} {nan if base_t is None else r['time_vs_naive']:8.3f} "
-              f"{r['peak_extra_mib']:10.1f} {nan if not base_m else r['mem_vs_naive']:8.4f} {r['model_tflops']:8.3f} "
-              f"{r['loss']:12.6f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+                     "loss": None if impl == "gemm" else losses[impl]})
     meta = {"machine": machine(device), "args": vars(args), "memory_method": (
         "cuda max_memory_allocated" if device.type == "cuda" else
         "VmHWM reset via /proc/self/clear_refs" if PeakMemory(device).use_hwm else "1 ms RSS sampling"),
         "flops_per_step": flops, "bf16_peak_tflops": peak_tf, "loadavg_at_start": load_at_start,
-        "loadavg_at_end": os.getloadavg(),
+        "loadavg_at_end": os.getloadavg(), "errors": errors,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return rows, meta
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, meta = measure(args)
+    print(f"\nT={args.T} H={args.H} V={args.V} {args.dtype} on {args.device}, median of {args.repeats}")
+    print(f"{'impl':8s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} {'loss':>12s}")
+    nan = float("nan")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:8s} {r['error']}")
+            continue
+        print(f"{r['impl']:8s} {r['median_s']:9.3f} {nan if r['time_vs_naive'] is None else r['time_vs_naive']:8.3f} "
+              f"{r['peak_extra_mib']:10.1f} {nan if r['mem_vs_naive'] is None else r['mem_vs_naive']:8.4f} "
+              f"{r['model_tflops']:8.3f} {nan if r['loss'] is None else r['loss']:12.6f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fields: list = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} and {out.with_suffix('.json')}")
 

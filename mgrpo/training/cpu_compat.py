@@ -6,7 +6,8 @@ no CUDA device is present. Every patch names the megatron-core code it relies on
 `tests/test_cpu_compat.py` fails with the patch's name when a megatron-core upgrade moves or
 removes that code, instead of failing somewhere deep inside a training step.
 
-Checked against megatron-core 0.16.1 with torch 2.13 (CPU build).
+Checked against megatron-core 0.16.1 with torch 2.13 (CPU build), and against 0.19.2 (the newest release,
+for Python 3.12; its sources import on 3.11) with `OPTIONAL_PATCHES` added.
 """
 
 from __future__ import annotations
@@ -150,6 +151,31 @@ PATCHES: tuple[Patch, ...] = (
           _apply_clip_grads),
 )
 
+
+class _NoStream:
+    """Stands in for a CUDA stream on CPU: there are no streams or events, so there is nothing to wait for."""
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+
+def _apply_current_stream() -> None:
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+
+
+# Patches for code that only some megatron-core releases contain. Each is applied exactly where its
+# premise holds (a capability check, not a version pin), so one tree runs on 0.16.1 and on newer releases.
+OPTIONAL_PATCHES: tuple[Patch, ...] = (
+    Patch("current_stream", "newer megatron-core (0.19.2; not 0.16.1): DDP's start_grad_sync waits on torch.cuda.current_stream() "
+          "for CUDA-graph gradient events, even without CUDA graphs",
+          lambda: _source_has("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+                              "torch.cuda.current_stream()"),
+          _apply_current_stream),
+)
+
 _applied: list[str] = []
 
 
@@ -172,4 +198,8 @@ def apply_cpu_patches() -> list[str]:
     for p in PATCHES:
         p.apply()
         _applied.append(p.name)
+    for p in OPTIONAL_PATCHES:
+        if p.premise():
+            p.apply()
+            _applied.append(p.name)
     return list(_applied)
