@@ -112,7 +112,8 @@ def run_preset(preset: str, bucket_mb: int, syncs: int, work: str) -> list[dict]
                 print(f"{preset} {transport} sync {k + 1}: {times[-1]:.3f} s", flush=True)
             sec = statistics.median(times)
             rows.append({"preset": preset, "transport": transport, "bytes": nbytes, "tensors": len(names),
-                         "buckets": len(buckets), "bucket_mb": bucket_mb, "syncs": syncs, "seconds_median": round(sec, 4),
+                         "buckets": len(buckets), "bucket_mb": bucket_mb, "syncs": syncs,
+                         "seconds_median": round(sec, 4),
                          "seconds_all": [round(t, 4) for t in times], "gb_s": round(nbytes / 1e9 / sec, 3)})
         senders["distributed"].close()
         # the server holds the last sync's weights: its greedy log-probs must match a local forward

@@ -130,7 +130,8 @@ def test_transient_5xx_is_retried_then_served(engine):
         assert len(out) == 3 and eng.stats["generate_retries"] == 2 and eng.retries == 2
         proxy.inject["/generate"] = [503] * 5
         with pytest.raises(SGLangRequestError, match=r"failed after 3 attempts \(retry budget 2\).*HTTP 503"):
-            SGLangEngine.connect(proxy.url, max_retries=2, retry_backoff_s=0.01).generate(_requests(1), SamplingParams())
+            eng = SGLangEngine.connect(proxy.url, max_retries=2, retry_backoff_s=0.01)
+            eng.generate(_requests(1), SamplingParams())
 
 
 def test_timed_out_batch_is_aborted_on_the_server_then_resent(engine):

@@ -56,7 +56,8 @@ def flat_layout(bucket: Bucket) -> tuple[list[int], list[types.SimpleNamespace],
     return order, meta, offset
 
 
-def flatten_bucket(bucket: Bucket, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
+def flatten_bucket(bucket: Bucket,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
     """One uint8 buffer holding the bucket back to back (into `out` when given: e.g. a buffer in
     shared memory, so that the bytes are copied once), plus per-tensor metadata."""
     check_bucket(bucket)
@@ -64,7 +65,8 @@ def flatten_bucket(bucket: Bucket, out: Optional[torch.Tensor] = None) -> tuple[
     device = bucket[order[0]][1].device
     flat = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
     if flat.numel() != total or flat.dtype != torch.uint8:
-        raise ValueError(f"flatten_bucket: out buffer has {flat.numel()} {flat.dtype} elements, bucket needs {total} uint8")
+        raise ValueError(f"flatten_bucket: out buffer has {flat.numel()} {flat.dtype} elements, "
+                         f"the bucket needs {total} uint8")
     for i, m in zip(order, meta):
         flat[m.start_idx:m.end_idx].copy_(bucket[i][1].detach().contiguous().view(-1).view(torch.uint8))
     return flat, meta

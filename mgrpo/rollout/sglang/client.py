@@ -3,7 +3,8 @@
 It implements `RolloutEngine` (types.py), so the rollout group does not care which engine it
 hosts. The server is SGLang itself on GPU or the CPU server speaking its protocol
 (`cpu_server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same
-for both. Request and response shapes are SGLang 0.5.23's (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`, the JSON contract in
+for both. Request and response shapes are SGLang 0.5.23's (`sglang/srt/entrypoints/http_server.py`,
+`sglang/srt/managers/io_struct.py`, the JSON contract in
 `sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
 
 Left out, on purpose: streaming (rollouts want whole responses), text prompts (the trainer owns

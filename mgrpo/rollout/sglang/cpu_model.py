@@ -182,7 +182,8 @@ class CPUModel:
                     continue  # tied to the embedding (SGLang's Qwen3 loader skips it too)
                 raise ModelError(f"weight update: the model has no parameter {name!r}")
             if tuple(p.shape) != tuple(t.shape):
-                raise ModelError(f"weight update: {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                raise ModelError(f"weight update: {name} has shape {tuple(t.shape)}, "
+                                 f"the model expects {tuple(p.shape)}")
             p.copy_(t)
             self.stale.discard(name)
             nbytes += t.numel() * t.element_size()

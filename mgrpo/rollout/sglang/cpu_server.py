@@ -90,6 +90,7 @@ class State:
         self.weight_version = str(args.weight_version)
         self.session_open = False
         self.groups: dict[str, Any] = {}
+        self.recv_buffer = None  # flattened broadcasts land here (grown to the largest bucket)
         self.pending = 0  # generation jobs queued or running
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 

@@ -51,7 +51,10 @@ def receive_distributed(state, body: dict, group) -> int:
     dtypes = [getattr(torch, d) for d in body["dtypes"]]
     if body.get("load_format") == FLATTENED:
         metas, total = distributed_layout(body["names"], dtypes, body["shapes"])
-        flat = torch.empty(total, dtype=torch.uint8)
+        if state.recv_buffer is None or state.recv_buffer.numel() < total:  # reused: a bucket is loaded before the next
+            state.recv_buffer = None
+            state.recv_buffer = torch.empty(total, dtype=torch.uint8)
+        flat = state.recv_buffer[:total]
         torch.distributed.broadcast(flat, group=group, group_src=0)
         named = unflatten(flat, metas)
     elif body.get("load_format") is None:

@@ -39,8 +39,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang.buckets import FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format, dtype_name, \
-    flatten_bucket
+from mgrpo.rollout.sglang.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format, dtype_name,
+                                          flat_layout, flatten_bucket)
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, node_ip, require_cuda
 from mgrpo.rollout.sglang.server import free_port
 from mgrpo.rollout.sglang.session import WeightSession
@@ -140,6 +140,7 @@ class DistributedWeightSender:
         self.bytes_sent = 0
         self.buckets_sent = 0
         self._pool_: Optional[ThreadPoolExecutor] = None
+        self._flat: Optional[torch.Tensor] = None
 
     def __reduce__(self):
         return _live_sender, (self._key, self._spec)
@@ -223,7 +224,8 @@ class DistributedWeightSender:
             for s in self.sessions:
                 s.begin(force=True)  # the driver's finish_weight_update closes it between syncs
             if self.load_format == FLATTENED:
-                flat, meta = flatten_bucket([(n, t.to(device, non_blocking=True)) for n, t in bucket])
+                moved = [(n, t.to(device, non_blocking=True)) for n, t in bucket]
+                flat, meta = flatten_bucket(moved, out=self._flat_buffer(moved, device))
                 names, dtypes, shapes = ([m.name for m in meta], [dtype_name(m.dtype) for m in meta],
                                          [list(m.shape) for m in meta])
                 sends = [flat]
@@ -250,6 +252,17 @@ class DistributedWeightSender:
                                      + "; ".join(errors))
         self.bytes_sent += bucket_bytes(bucket)
         self.buckets_sent += 1
+
+    def _flat_buffer(self, bucket: Bucket, device: torch.device) -> Optional[torch.Tensor]:
+        """On CPU, one buffer grown to the largest bucket and reused (the broadcast has completed
+        before update_weights returns); on GPU a fresh one, not to hold accelerator memory between syncs."""
+        if device.type != "cpu":
+            return None
+        nbytes = flat_layout(bucket)[2]
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = None
+            self._flat = torch.empty(nbytes, dtype=torch.uint8)
+        return self._flat[:nbytes]
 
     def _wait(self, works, futures) -> None:
         """Wait for the broadcasts, but stop as soon as an engine has answered with an error: its

@@ -136,7 +136,8 @@ def payload_object(bucket: Bucket, load_format: Optional[str] = FLATTENED,
     return [(name, _shared_copy(t) if t.device.type == "cpu" else t.detach()) for name, t in bucket]
 
 
-def staging_buffer(current: Optional[torch.Tensor], bucket: Bucket, load_format: Optional[str]) -> Optional[torch.Tensor]:
+def staging_buffer(current: Optional[torch.Tensor], bucket: Bucket,
+                   load_format: Optional[str]) -> Optional[torch.Tensor]:
     """One named shared-memory buffer per sender, grown to the largest CPU bucket and reused: every
     POST has returned (the engines copied out of it) before the next bucket is written. Unchanged
     when the bucket does not go flattened from the CPU."""
@@ -164,8 +165,8 @@ class TensorWeightSender:
     After all buckets, the driver calls `finish_weight_update(version)` on every engine, which
     closes the session, sets the version and flushes the cache."""
 
-    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int = 1, *, load_format: Optional[str] = FLATTENED,
-                 timeout_s: float = 600.0, max_retries: int = 2):
+    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int = 1, *,
+                 load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, max_retries: int = 2):
         self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=max_retries) for u in urls]
         self.tp_sizes = [tp_sizes] * len(urls) if isinstance(tp_sizes, int) else list(tp_sizes)
         if len(self.tp_sizes) != len(self.clients):
