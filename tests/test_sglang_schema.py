@@ -54,6 +54,7 @@ def test_sglangs_classes_check_types_and_required_fields():
 def test_fallbacks_without_the_wheel(monkeypatch):
     """What the CPU server does where the wheel is not installed: field tables, our unpickler."""
     monkeypatch.setattr(schema, "request_classes", lambda: None)
+    monkeypatch.setattr(schema, "_adapter", lambda path: None)
     monkeypatch.setattr(schema, "contract", lambda: None)
     monkeypatch.setattr(schema, "common", lambda: None)
     check_request("/update_weight_version", {"new_version": "3"})

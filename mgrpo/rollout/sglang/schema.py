@@ -172,6 +172,17 @@ class RequestError(ValueError):
         self.status = status
 
 
+@functools.lru_cache(None)
+def _adapter(path: str):
+    """pydantic's validator for SGLang's struct, built once (building one costs ~0.1 s)."""
+    classes = request_classes()
+    if classes is None:
+        return None
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(classes[path])
+
+
 def check_request(path: str, body: Any) -> dict:
     """Validate the JSON body of a control endpoint: SGLang's own struct where the wheel is
     installed (422 like FastAPI's validation error), our field table otherwise; unknown fields
@@ -185,12 +196,12 @@ def check_request(path: str, body: Any) -> dict:
     if unknown:
         raise RequestError(f"{path}: unknown fields {sorted(unknown)} (SGLang's {cls_name} has {sorted(fields)}; "
                            "SGLang would ignore them silently)")
-    classes = request_classes()
-    if classes is not None:
-        from pydantic import TypeAdapter, ValidationError
+    adapter = _adapter(path)
+    if adapter is not None:
+        from pydantic import ValidationError
 
         try:
-            TypeAdapter(classes[path]).validate_python(body)
+            adapter.validate_python(body)
         except ValidationError as e:
             # the union's "is an instance already" branch always fails for a dict: not informative
             why = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or '(body)'}: {err['msg']}" for err in e.errors()
