@@ -113,7 +113,7 @@ def run_preset(preset: str, bucket_mb: int, syncs: int, work: str) -> list[dict]
             sec = statistics.median(times)
             rows.append({"preset": preset, "transport": transport, "bytes": nbytes, "tensors": len(names),
                          "buckets": len(buckets), "bucket_mb": bucket_mb, "syncs": syncs,
-                         "seconds_median": round(sec, 4),
+                         "seconds_median": round(sec, 6),
                          "seconds_all": [round(t, 4) for t in times], "gb_s": round(nbytes / 1e9 / sec, 3)})
         senders["distributed"].close()
         # the server holds the last sync's weights: its greedy log-probs must match a local forward
@@ -134,7 +134,7 @@ def run_preset(preset: str, bucket_mb: int, syncs: int, work: str) -> list[dict]
         engine.shutdown()
     copy = memcpy_seconds(nbytes, 3)
     rows.append({"preset": preset, "transport": "memcpy", "bytes": nbytes, "tensors": len(names), "buckets": 1,
-                 "bucket_mb": None, "syncs": 3, "seconds_median": round(copy, 4), "seconds_all": None,
+                 "bucket_mb": None, "syncs": 3, "seconds_median": round(copy, 6), "seconds_all": None,
                  "gb_s": round(nbytes / 1e9 / copy, 3)})
     for r in rows:
         r["logprob_max_abs_diff_after_last_sync"] = diff
@@ -157,6 +157,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['preset']:>11} {r['transport']:>11}: {r['bytes'] / 1e6:9.1f} MB in {r['seconds_median']:.4f} s "
               f"= {r['gb_s']:.3f} GB/s")
+    info["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"command": "python benchmarks/weight_sync_bench.py " + " ".join(argv or sys.argv[1:]),
