@@ -127,6 +127,11 @@ class RolloutGroup:
         self.hf_dir = hf_dir
         self.engines = [self._start(i) for i in range(cfg.rollout.num_engines)]
         ray.get([e.health.remote() for e in self.engines])  # wait until every engine is up
+        self.front = None
+        """A router in front of several engines (when the engine has one): generation goes through it."""
+        if self.spec.front is not None and len(self.engines) > 1:
+            self.urls = [a["url"] for a in ray.get([e.address.remote() for e in self.engines])]
+            self.front = self.spec.front(cfg, self.urls, context)
         self.weight_version = 0
         self.generation = 0
         """Bumped when an engine restarts: direct senders built for the old engines are stale."""
@@ -167,7 +172,10 @@ class RolloutGroup:
         """n samples per prompt; result i*n + j is sample j of prompt i."""
         r = self.cfg.rollout
         requests = [GenerateRequest(uid=i * n + j, prompt_ids=p) for i, p in enumerate(prompts) for j in range(n)]
-        chunks = [requests[k:k + r.generate_chunk] for k in range(0, len(requests), r.generate_chunk)]
+        size = r.generate_chunk
+        if self.front is not None:  # a router places each request it gets: give it enough to spread
+            size = max(1, min(size, -(-len(requests) // (2 * len(self.engines)))))
+        chunks = [requests[k:k + size] for k in range(0, len(requests), size)]
         params = [SamplingParams(**{**sampling.__dict__, "seed": seeds.chunk_seed(sampling.seed, k)})
                   for k in range(len(chunks))]
         stats = RolloutStats()
@@ -185,9 +193,12 @@ class RolloutGroup:
             stats.retries += 1
             send(k, e, attempt + 1)
 
+        results: dict[int, list[GenerateResult]] = {}
+        if self.front is not None:
+            self._generate_via_front(chunks, params, results, stats, desc, len(requests))
+            return self._finish_generate(results, stats, t0)
         for k in range(len(chunks)):
             send(k, k % len(self.engines), 0)
-        results: dict[int, list[GenerateResult]] = {}
         last_check = time.monotonic()
         with tqdm(total=len(requests), desc=desc, unit="sample", leave=False, dynamic_ncols=True,
                   disable=None) as bar:
@@ -209,14 +220,53 @@ class RolloutGroup:
                 if time.monotonic() - last_check >= r.health_check_interval_s:
                     last_check = time.monotonic()
                     stats.restarts += self._recover_busy(pending, retry)
-        # Retries the engines did themselves (HTTP errors, aborted requests) count as well.
+        return self._finish_generate(results, stats, t0)
+
+    def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
+        # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
         engine_retries = sum(ray.get([e.retries.remote() for e in self.engines]))
+        if self.front is not None:
+            engine_retries += self.front.retries
         stats.retries += max(engine_retries - self._engine_retries, 0)
         self._engine_retries = engine_retries
         stats.seconds = time.perf_counter() - t0
         self.total.retries += stats.retries
         self.total.restarts += stats.restarts
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
+
+    def _generate_via_front(self, chunks, params, results: dict, stats: RolloutStats, desc: str, total: int) -> None:
+        """Every chunk through the router (which picks an engine per request). A chunk that fails is resent
+        after the engines were health-checked (and the dead or hung ones restarted and re-registered)."""
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        r = self.cfg.rollout
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 4 * len(self.engines))),
+                                  thread_name_prefix="mgrpo-rollout")
+        pending = {pool.submit(self.front.generate, chunks[k], params[k]): (k, 0) for k in range(len(chunks))}
+        last_check = time.monotonic()
+        try:
+            with tqdm(total=total, desc=desc, unit="sample", leave=False, dynamic_ncols=True, disable=None) as bar:
+                while pending:
+                    done, _ = wait(list(pending), timeout=r.health_check_interval_s, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        k, attempt = pending.pop(fut)
+                        try:
+                            results[k] = fut.result()
+                        except Exception as err:  # noqa: BLE001 - counted, retried, raised when out of retries
+                            if attempt >= r.max_retries:
+                                raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times through the router "
+                                                   f"(rollout.max_retries={r.max_retries}): {err}") from err
+                            log.warning("rollout chunk %d failed through the router (%s); checking engines", k, err)
+                            stats.restarts += self.health_check()
+                            stats.retries += 1
+                            pending[pool.submit(self.front.generate, chunks[k], params[k])] = (k, attempt + 1)
+                            continue
+                        bar.update(len(results[k]))
+                    if time.monotonic() - last_check >= r.health_check_interval_s:
+                        last_check = time.monotonic()
+                        stats.restarts += self.health_check()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _recover_busy(self, pending: dict, retry) -> int:
         """Health-check the engines that hold chunks; restart a dead or hung one and resend its chunks
@@ -256,6 +306,10 @@ class RolloutGroup:
         self.engines[index] = self._start(index)
         self.generation += 1
         ray.get(self.engines[index].health.remote())
+        if self.front is not None:
+            new_url = ray.get(self.engines[index].address.remote())["url"]
+            self.front.replace(self.urls[index], new_url)
+            self.urls[index] = new_url
         if self.on_restart is not None and self.weight_version > 0:
             self.on_restart([self.engines[index]])
             ray.get(self.engines[index].finish_weight_update.remote(self.weight_version))
@@ -284,6 +338,8 @@ class RolloutGroup:
             pass
 
     def shutdown(self) -> None:
+        if self.front is not None:
+            self.front.shutdown()
         for e in self.engines:
             self._stop(e)
             ray.kill(e)

@@ -44,6 +44,10 @@ class EngineSpec:
     group) is made anew."""
     node_local: Callable[[MGRPOConfig], bool] = lambda cfg: False
     """Whether the direct sender only reaches engines on the sending rank's node."""
+    front: Optional[Callable[[MGRPOConfig, list[str], EngineContext], object]] = None
+    """(config, engine URLs, context) -> a client in front of several engines (a router) that the rollout
+    group generates through instead of asking each engine's host; it must offer `generate`,
+    `replace(old_url, new_url)`, `retries` and `shutdown`."""
 
 
 # --- in-process transformers (CPU) -----------------------------------------------------------------
@@ -91,10 +95,20 @@ def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
     return DistributedWeightSender(urls, tps, generation=generation)
 
 
+def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
+    from mgrpo.rollout.sglang.http import node_ip
+    from mgrpo.rollout.sglang.router import RoutedClient
+
+    r = cfg.rollout
+    return RoutedClient(urls, host=node_ip(), log_dir=os.path.join(ctx.log_dir, "router") if ctx.log_dir else None,
+                        stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
+                        request_timeout_s=r.request_timeout_s)
+
+
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("hf", _build_hf, _hf_kwargs),
     "sglang": EngineSpec("sglang", _build_sglang, _sglang_kwargs, direct_sender=_sglang_sender,
-                         node_local=lambda cfg: cfg.rollout.mode == "colocated"),
+                         node_local=lambda cfg: cfg.rollout.mode == "colocated", front=_sglang_router),
 }
 
 

@@ -46,8 +46,10 @@ def request_seed(seed: int, uid: int) -> int:
 
 
 def build_generate_payload(requests: Sequence[GenerateRequest], sampling: SamplingParams, *, rids: Sequence[str],
-                           stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True) -> dict:
-    """The JSON body of one batched `POST /generate` (io_struct.GenerateReqInput)."""
+                           stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True,
+                           single: bool = False) -> dict:
+    """The JSON body of one batched `POST /generate` (io_struct.GenerateReqInput); with `single`, of one
+    request in the unbatched form (scalar rid, flat input_ids), which is what SGLang's router accepts."""
     params: dict[str, Any] = {
         "temperature": float(sampling.temperature),  # 0 -> SGLang samples greedily (top_k=1)
         "top_p": float(sampling.top_p),
@@ -63,6 +65,12 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
         sampling_params: Any = [{**params, "sampling_seed": request_seed(sampling.seed, r.uid)} for r in requests]
     else:
         sampling_params = params
+    if single:
+        if len(requests) != 1:
+            raise ValueError(f"single=True takes one request, got {len(requests)}")
+        return {"rid": rids[0], "input_ids": list(map(int, requests[0].prompt_ids)),
+                "sampling_params": sampling_params[0] if isinstance(sampling_params, list) else sampling_params,
+                "return_logprob": True}
     return {
         "rid": list(rids),
         "input_ids": [list(map(int, r.prompt_ids)) for r in requests],
@@ -138,7 +146,7 @@ class SGLangEngine:
                  stop_token_ids: Optional[Sequence[int]] = None, max_retries: int = 3, retry_backoff_s: float = 0.5,
                  request_timeout_s: float = 600.0, health_timeout_s: float = 25.0, batch_size: int = 256,
                  concurrency: int = 4, send_seed: bool = True, load_format: Optional[str] = FLATTENED,
-                 weight_version: int = 0):
+                 weight_version: int = 0, unbatched: bool = False):
         self.url = url.rstrip("/")
         self.tp = tp
         self.process = process
@@ -147,7 +155,9 @@ class SGLangEngine:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids else None
         self.max_retries = max_retries
         self.health_timeout_s = health_timeout_s
-        self.batch_size = batch_size
+        self.unbatched = unbatched
+        """One request per POST (SGLang's router takes no batches; it places each request itself)."""
+        self.batch_size = 1 if unbatched else batch_size
         self.concurrency = concurrency
         self.send_seed = send_seed
         self.load_format = load_format
@@ -235,6 +245,7 @@ class SGLangEngine:
             tag = uuid.uuid4().hex[:12]  # fresh rids per attempt: SGLang rejects a rid still in flight
             rids = [f"mgrpo-{tag}-{r.uid}" for r in pending]
             body = build_generate_payload(pending, sampling, rids=rids, stop_token_ids=self.stop_token_ids,
+                                          single=self.unbatched,
                                           send_seed=self.send_seed)
             try:
                 items = self.client.post("/generate", body, max_retries=0).json()

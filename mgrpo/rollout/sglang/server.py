@@ -140,9 +140,10 @@ def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
-                 env: Optional[dict] = None, poll_s: float = 1.0) -> subprocess.Popen:
+                 env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate"
+                 ) -> subprocess.Popen:
     """Start `cmd` in its own process group with its output in `log_path`; return once
-    GET {url}/health_generate answers 200. On death or timeout: kill it and raise with the log tail."""
+    GET {url}{ready_path} answers 200. On death or timeout: kill it and raise with the log tail."""
     import requests
 
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -162,7 +163,7 @@ def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout
             raise RuntimeError(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
                                f"last lines of {log_path}:\n{log_tail(log_path)}")
         try:
-            if requests.get(f"{url}/health_generate", timeout=min(30.0, startup_timeout_s)).status_code == 200:
+            if requests.get(f"{url}{ready_path}", timeout=min(30.0, startup_timeout_s)).status_code == 200:
                 return proc
         except requests.RequestException:
             pass
