@@ -299,7 +299,8 @@ def main(argv=None):
     args = parse_args(argv)
     rows, meta = measure(args)
     print(f"\nT={args.T} H={args.H} V={args.V} {args.dtype} on {args.device}, median of {args.repeats}")
-    print(f"{'impl':8s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} {'loss':>12s}")
+    print(f"{'impl':8s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} "
+          f"{'loss':>12s}")
     nan = float("nan")
     for r in rows:
         if "error" in r:

@@ -59,6 +59,8 @@ def test_says_it_is_a_dry_run_and_summarises(dry_run):
     for name in ("kernels", "bench", "train", "te"):
         rec = part(out, name)
         assert rec["machine"]["torch"] and "triton" in rec["machine"] and rec["machine"]["mode"] == "dry-run"
+        # The device machine has no Hydra, Ray, ...: no process of the checks may import them.
+        assert rec["not_on_device_imported"] == [], (name, rec["not_on_device_imported"])
         assert (out / "logs" / f"{name}.log").stat().st_size > 0
 
 
@@ -109,6 +111,7 @@ def test_training_step_matches_cpu_reference(dry_run):
     assert res["device_run"]["logprob_impl"] == ("fused" if HAVE_TRITON else "chunked")
     assert res["cpu_fp32_run"]["logprob_impl"] == "chunked"
     assert res["shims"] == [] and res["samples"] == 16 and res["response_tokens"] >= 16
+    assert res["rank_not_on_device_imported"] == []  # the megatron rank processes too
     assert res["step0_logprobs_rollout_vs_trainer"]["max_abs"] < 1e-4
     assert res["step0_logprobs_device_vs_cpu_fp32"]["max_abs"] < 1e-4
     m = res["metrics"]

@@ -124,6 +124,17 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+# mgrpo dependencies that are not on the device machine (Ray cannot even be carried: too big); nothing the
+# checks run may import them. (tensorboard is absent there too, but megatron-core imports it only inside
+# try/except, so an import here proves nothing either way.)
+NOT_ON_DEVICE = ("hydra", "omegaconf", "ray", "math_verify", "pyarrow")
+
+
+def not_on_device_imported() -> list[str]:
+    """Modules of NOT_ON_DEVICE this process has imported (must stay empty)."""
+    return sorted(m for m in sys.modules if m.split(".")[0] in NOT_ON_DEVICE)
+
+
 class Skip(Exception):
     """A capability this part needs is missing here; the message says which, in plain words."""
 
@@ -149,6 +160,7 @@ def part(name: str, out: Path):
         rec["traceback"] = traceback.format_exc()
     finally:
         rec["seconds"] = round(time.perf_counter() - t0, 2)
+        rec["not_on_device_imported"] = not_on_device_imported()
         write_json(out / f"{name}.json", rec)
         print(f"[{name}] {rec['status']}" + (f": {rec.get('reason') or rec.get('error')}"
                                              if rec["status"] in ("skipped", "error") else "")

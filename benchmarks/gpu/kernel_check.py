@@ -85,7 +85,8 @@ def run_loss(hidden, weight, labels, impl, fn, **kw):
 
 
 def errors(got, want) -> dict:
-    e = {"lp_err": (got["lp"] - want["lp"]).abs().max().item(), "ent_err": (got["ent"] - want["ent"]).abs().max().item(),
+    e = {"lp_err": (got["lp"] - want["lp"]).abs().max().item(),
+         "ent_err": (got["ent"] - want["ent"]).abs().max().item(),
          "gh_rel": rel_err(got["gh"], want["gh"]), "gw_rel": rel_err(got["gw"], want["gw"])}
     if "loss" in want:
         e["loss_err"] = abs(got["loss"].item() - want["loss"].item())
@@ -162,7 +163,8 @@ def main(argv=None):
                         e = errors(got, want)
                         tol = TOL[dname]
                         row = dict(case=name, T=T, H=H, V=V, vocab_size=vocab_size, temperature=temp, dtype=dname,
-                                   impl=impl, api=api, device=str(device), **{k: float(f"{v:.3e}") for k, v in e.items()})
+                                   impl=impl, api=api, device=str(device),
+                                   **{k: float(f"{v:.3e}") for k, v in e.items()})
                         limits = {"lp_err": tol["lp"], "ent_err": tol["ent"], "gh_rel": tol["grad"],
                                   "gw_rel": tol["grad"], "loss_err": tol["loss"], "metrics_err": tol["metrics"]}
                         # naive is the textbook path, not ours: its bf16 row shows what full bf16 logits
@@ -172,7 +174,8 @@ def main(argv=None):
                             for k, v in e.items() if k in limits)
                         rows.append(row)
                         print(f"  {name:14s} {dname} {impl:8s} {api:8s} "
-                              + " ".join(f"{k}={v:.2e}" for k, v in e.items()) + ("  OUT OF TOL" if row["ok"] is False else ""),
+                              + " ".join(f"{k}={v:.2e}" for k, v in e.items())
+                              + ("  OUT OF TOL" if row["ok"] is False else ""),
                               flush=True)
                         del got
                 if gpu:

@@ -96,8 +96,8 @@ def headline(rec: dict) -> str:
     if rec["status"] in ("skipped", "error", "timeout"):
         return (rec.get("reason") or rec.get("error") or "")[:160]
     if rec["part"] == "kernels":
-        return "; ".join(f"{k}: lp {v['lp_err']:.1e} gradW {v['gw_rel']:.1e}" for k, v in r.get("max_errors", {}).items()
-                         if not k.endswith("/naive"))
+        return "; ".join(f"{k}: lp {v['lp_err']:.1e} gradW {v['gw_rel']:.1e}"
+                         for k, v in r.get("max_errors", {}).items() if not k.endswith("/naive"))
     if rec["part"] == "bench":
         tf = ", ".join(f"{k} {v}" for k, v in r.get("tflops_at_ratio_T", {}).items())
         return f"T={r.get('ratio_T')}: TFLOP/s {tf}; time ratios {r.get('time_ratios_at_ratio_T')}"

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.gpu.common import Skip, bootstrap, check, importable, part, write_json
+from benchmarks.gpu.common import Skip, bootstrap, check, importable, not_on_device_imported, part, write_json
 
 bootstrap()
 
@@ -71,7 +71,8 @@ def run_config(model, *, dtype: str, impl: str, fp8=None):
     cfg = MGRPOConfig()
     return replace(cfg, model=model,
                    algorithm=replace(cfg.algorithm, entropy_coeff=0.01, use_kl_loss=True, kl_coef=0.001),
-                   actor=replace(cfg.actor, dtype=dtype, logprob_impl=impl, fp8=fp8, lr=5e-4, max_tokens_per_gpu=1 << 16))
+                   actor=replace(cfg.actor, dtype=dtype, logprob_impl=impl, fp8=fp8, lr=5e-4,
+                                 max_tokens_per_gpu=1 << 16))
 
 
 def reference_config(model):
@@ -129,7 +130,8 @@ def _apply_gpu_shims(rank: int, world: int, port: int) -> None:
     def on_device(batch, *a, **k):
         mb = build(batch, *a, **k)
         dev = torch.device("cuda", torch.cuda.current_device())
-        moved = {f: getattr(mb, f).to(dev) for f in ("tokens", "position_ids", "positions", "labels", "sample_of_token")}
+        names = ("tokens", "position_ids", "positions", "labels", "sample_of_token")
+        moved = {f: getattr(mb, f).to(dev) for f in names}
         return dc_replace(mb, **moved, fields={k: v.to(dev) for k, v in mb.fields.items()})
 
     actor_mod.build_micro_batch = on_device
@@ -175,7 +177,8 @@ def one_run(rank: int, world: int, port: int, cfg, hf_dir: str, data: dict, shim
     out = dict(layer_spec=_layer_spec(actor.gpt), device=str(actor.ctx.device), build_s=round(build_s, 2),
                param_dtype=str(next(actor.gpt.parameters()).dtype).replace("torch.", ""),
                logprob_impl=cfg.actor.logprob_impl, fp8=cfg.actor.fp8,
-               lp0=lp0["logprobs"], ent0=lp0["entropy"], lp2=lp2["logprobs"], steps=steps)
+               lp0=lp0["logprobs"], ent0=lp0["entropy"], lp2=lp2["logprobs"], steps=steps,
+               not_on_device_imported=not_on_device_imported())
     actor.shutdown()
     return out
 
@@ -285,7 +288,8 @@ def main(argv=None):
 
     ap = part_args(__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["train", "te"], required=True)
-    ap.add_argument("--work", default=None, help="scratch folder shared by parts train and te (default: a new temp dir)")
+    ap.add_argument("--work", default=None,
+                    help="scratch folder shared by parts train and te (default: a new temp dir)")
     args = ap.parse_args(argv)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mgrpo-gpu-check-"))
     out, gpu = Path(args.out), args.mode == "gpu"
@@ -325,6 +329,7 @@ def main(argv=None):
         rec["result"].update(kind=kind, tolerances=TOL[kind], device_run={k: got[k] for k in (
             "layer_spec", "device", "param_dtype", "logprob_impl", "fp8", "build_s")},
             cpu_fp32_run={k: ref[k] for k in ("layer_spec", "device", "param_dtype", "logprob_impl")},
+            rank_not_on_device_imported=sorted(set(got["not_on_device_imported"]) | set(ref["not_on_device_imported"])),
             fwd_bwd_s={"device": [s.get("timing_s/fwd_bwd") for s in got["steps"]],
                        "cpu_fp32": [s.get("timing_s/fwd_bwd") for s in ref["steps"]]})
         compare(rec, got, ref, data, TOL[kind])

@@ -169,8 +169,8 @@ def _apply_current_stream() -> None:
 # Patches for code that only some megatron-core releases contain. Each is applied exactly where its
 # premise holds (a capability check, not a version pin), so one tree runs on 0.16.1 and on newer releases.
 OPTIONAL_PATCHES: tuple[Patch, ...] = (
-    Patch("current_stream", "newer megatron-core (0.19.2; not 0.16.1): DDP's start_grad_sync waits on torch.cuda.current_stream() "
-          "for CUDA-graph gradient events, even without CUDA graphs",
+    Patch("current_stream", "newer megatron-core (0.19.2; not 0.16.1): DDP's start_grad_sync waits on "
+          "torch.cuda.current_stream() for CUDA-graph gradient events, even without CUDA graphs",
           lambda: _source_has("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
                               "torch.cuda.current_stream()"),
           _apply_current_stream),
