@@ -76,25 +76,30 @@ def test_tensor_transport_many_syncs(engine, ref):
 
 
 def test_distributed_transport_many_syncs(engine, ref):
+    """Syncs 1-3 flattened (one broadcast per bucket), 4-5 one broadcast per tensor through a second
+    sender, which supersedes the first: its group is destroyed here and on the engine."""
     base = ref.state()
-    sender = DistributedWeightSender([engine.url], [1], master_address="127.0.0.1", timeout_s=60)
+    flat = DistributedWeightSender([engine.url], [1], master_address="127.0.0.1", timeout_s=60)
+    per_tensor = DistributedWeightSender([engine.url], [1], master_address="127.0.0.1", timeout_s=60, load_format=None)
     start = engine.weight_version
     try:
         for k in range(1, SYNCS + 1):
             version = start + k
+            sender = flat if k <= 3 else per_tensor
             new = perturbed(base, version)
             for bucket in _split(new):
                 sender.update_weights(bucket)
             engine.finish_weight_update(version)
             ref.load(new)
             _check_serves(engine, ref, version)
-        assert sender.backend == "gloo" and sender.buckets_sent == 2 * SYNCS  # no CUDA here: gloo by capability
-        first_group = sender.group_name
+        assert flat.backend == per_tensor.backend == "gloo"  # no CUDA here: gloo by capability
+        assert (flat.buckets_sent, per_tensor.buckets_sent) == (6, 4)
+        assert flat.group is None and per_tensor.group_name != flat.group_name
     finally:
-        sender.close()
-    # closed on both sides: the server no longer knows the group
-    r = post(engine.url, "/destroy_weights_update_group", {"group_name": first_group})
-    assert r.status_code == 400 and "no group" in r.text
+        per_tensor.close()
+    for name in (flat.group_name, per_tensor.group_name):  # closed on both sides: the server no longer knows them
+        r = post(engine.url, "/destroy_weights_update_group", {"group_name": name})
+        assert r.status_code == 400 and "no group" in r.text
 
 
 def _child(payloads, versions, base, q_out, q_in):
