@@ -9,7 +9,8 @@ speaks its protocol over transformers.
 - `weights_tensor.py`       colocated sync: `update_weights_from_tensor` (CUDA IPC / shared memory)
 - `weights_distributed.py`  disaggregated sync: a process group (NCCL / gloo) + broadcasts
 - `schema.py`    SGLang's own request classes and unpickler, read from the installed wheel
-- `cpu_server.py`, `cpu_model.py`  the CPU server
+- `cpu_server.py` (HTTP, arguments), `cpu_model.py` (sampling, weights, memory), `cpu_weights.py`
+  (both weight transports, receiving side): the CPU server, `python -m mgrpo.rollout.sglang.cpu_server`
 """
 
 from mgrpo.rollout.sglang.client import SGLangEngine
