@@ -93,6 +93,52 @@ class State:
         self.recv_buffer = None  # flattened broadcasts land here (grown to the largest bucket)
         self.pending = 0  # generation jobs queued or running
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.queue: list = []  # (reqs, submitted, future) of /generate calls waiting for the model
+        self.draining = False
+
+    async def generate(self, reqs, submitted: float):
+        """Continuous batching, as SGLang's scheduler does: calls that arrive while the model is busy wait
+        together and run as one batch (a router sends one request per call, so without this every request
+        would be a forward pass of its own)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((reqs, submitted, fut))
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        from mgrpo.rollout.sglang.cpu_model import ModelError
+
+        try:
+            while self.queue:
+                jobs, self.queue = self.queue, []
+                # Calls an abort_all already covers run alone (and are aborted at once); the rest run as one
+                # batch stamped with the newest arrival, so a later abort_all still aborts all of them.
+                cut = self.model.abort_all_before
+                alone = [j for j in jobs if j[1] <= cut]
+                merged = [j for j in jobs if j[1] > cut]
+                groups = [[j] for j in alone] + ([merged] if merged else [])
+                for group in groups:
+                    reqs = [r for j in group for r in j[0]]
+                    try:
+                        await self.on_model(self.model.generate, reqs, max(j[1] for j in group), generation=True)
+                    except ModelError as e:
+                        if len(group) > 1:
+                            groups.extend([j] for j in group)  # one bad call must not fail the others
+                        elif not group[0][2].done():
+                            group[0][2].set_exception(e)
+                        continue
+                    except Exception as e:  # noqa: BLE001 - handed to each waiting call
+                        for j in group:
+                            if not j[2].done():
+                                j[2].set_exception(e)
+                        continue
+                    for j in group:
+                        if not j[2].done():
+                            j[2].set_result(j[0])
+        finally:
+            self.draining = False
 
     async def on_model(self, fn, *args, generation: bool = False):
         """Run `fn` on the single model thread (generation and weight loads never interleave)."""
@@ -180,7 +226,7 @@ def build_app(state: State):
             return JSONResponse({"error": str(e)}, status_code=400)
         reqs, single = _reqs_from(body)
         model.check_servable()
-        done = await state.on_model(model.generate, reqs, t0, generation=True)
+        done = await state.generate(reqs, t0)
         items = [_item(r, state, bool(body.get("return_logprob")), t0) for r in done]
         return items[0] if single else items
 
