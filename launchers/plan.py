@@ -1,22 +1,22 @@
-"""mgrpo-plan: the resource plan of a run, from the same Hydra overrides as mgrpo-train; starts nothing.
+"""mgrpo-plan: the resource plan of a run and whether it fits, from mgrpo-train's overrides; starts nothing.
 
     mgrpo-plan                                            # the default CPU job
     mgrpo-plan actor.tp=2 trainer.n_gpus_per_node=4       # world, TP/PP/CP/DP, who sits where
-    mgrpo-plan cluster=slurm_h100 model=qwen3-8b rollout=sglang trainer.nnodes=2 actor.tp=4
+    mgrpo-plan recipe=qwen3-8b-gsm8k-grpo trainer.nnodes=2  # FITS / DOES NOT FIT, and a change that fits
+    mgrpo-plan recipe=qwen3-8b-gsm8k-grpo model.hf_path=/ckpt/Qwen3-8B  # the architecture of its config.json
+    mgrpo-plan ... --gpu-mem-gb 141                       # another card (default 80 GiB)
     mgrpo-plan ... --json                                 # machine-readable
-    mgrpo-plan ... --dtype bf16                           # memory as if the actor trained in bf16
+    mgrpo-plan <a veRL command line>                      # veRL keys are translated as mgrpo-train does
 
-It composes and validates the config exactly as mgrpo-train does (an invalid config exits with
-status 2 and the validator's message), then prints: nodes x accelerators; the trainer's world and
-its TP/PP/CP/DP split; which bundle (rank) goes to which node and local accelerator with its
-tp/pp/cp/dp ranks; the rollout engines and their accelerators; the batch arithmetic of one step; and a
-rough memory estimate per accelerator for the actor's weights, gradients and Adam states plus the
-frozen reference model.
-
-The memory estimate counts parameters from the model config (what megatron builds: vocabulary padded
-to make_vocab_size_divisible_by * tp, attention with GQA and head_dim, SwiGLU MLP, RMSNorms including
-Qwen3's q/k norms). It leaves out activations, logits, communication buffers, the CUDA context,
-allocator fragmentation, FP8 copies and the colocated rollout engine's memory; `notes` says so.
+It composes and validates the config as mgrpo-train does (an invalid config exits with status 2 and
+the validator's message), except that data files need not exist yet. It prints: nodes x accelerators;
+the trainer's world and its TP/PP/CP/DP split; which bundle (rank) goes to which node and local
+accelerator; the rollout engines; the batch arithmetic of one step; and the memory of one accelerator
+(mgrpo.cluster.memory_plan: weights, grads, optimizer states, reference, activations at the token
+budget with and without recompute, the log-prob head's working set, weight-sync buckets, the colocated
+SGLang share, the CUDA context) per phase of a step, in the dtype the trainer will use (bf16 weights with
+fp32 master weights on cuda, fp32 on cpu), with the verdict: FITS, or DOES NOT FIT with the largest
+term and the smallest change found that fits. mgrpo-train runs the same check before it starts anything.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from mgrpo.models.registry import param_counts  # the model family's count; impo
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-TRAINER_DTYPE = "fp32"
-"""What MegatronActor builds today: fp32 parameters and the fp32 (non mixed-precision) optimizer."""
 
 
 def compose_config(overrides: Sequence[str]) -> MGRPOConfig:
@@ -48,46 +46,43 @@ def compose_config(overrides: Sequence[str]) -> MGRPOConfig:
 
 
 # --- memory ------------------------------------------------------------------------------------------
-def memory_estimate(cfg: MGRPOConfig, lay: Layout, dtype: str = TRAINER_DTYPE) -> dict:
-    """Bytes per accelerator on the heaviest pipeline stage: actor weights, gradients, Adam states,
-    reference weights.
+def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
+    """With model.hf_path, plan the architecture of its config.json (no weights are read); a model.*
+    field that disagrees is a warning here and an error in mgrpo-train."""
+    from dataclasses import replace
 
-    fp32 (the trainer today): weights 4 + fp32 gradient buffer 4 + Adam m, v 8 = 16 B/param.
-    bf16 mixed precision: weights 2 + fp32 gradient buffer 4 (grad_reduce_in_fp32) + fp32 master 4 +
-    Adam 8 = 18 B/param. actor.use_distributed_optimizer shards master and Adam states over DP.
-    The reference holds weights only, sharded like the actor."""
-    a, al = cfg.actor, cfg.algorithm
-    counts = param_counts(cfg.model, a.tp, a.pp)
-    stage = max(range(a.pp), key=lambda s: counts["per_rank_by_stage"][s])
-    n = counts["per_rank_by_stage"][stage]
-    w = DTYPE_BYTES[dtype]
-    states = 8 + (4 if dtype != "fp32" else 0)  # Adam m and v (+ fp32 master copy when weights are bf16)
-    shard = lay.dp if a.use_distributed_optimizer else 1
-    need_ref = al.use_kl_loss or al.use_kl_in_reward
-    parts = {
-        "actor_weights": n * w,
-        "actor_grads": n * 4,
-        "optimizer_states": n * states / shard,
-        "reference_weights": n * w if need_ref else 0,
-    }
-    total = sum(parts.values())
+    from mgrpo.config.hf_arch import hf_architecture
+
+    try:
+        arch = hf_architecture(cfg.model.hf_path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r}: {err}") from None
+    for k, v in arch.items():
+        if k not in ("name", "tokenizer") and getattr(cfg.model, k) != v:
+            warnings.append(f"model.{k}={getattr(cfg.model, k)} but {cfg.model.hf_path}/config.json says {v}: planned "
+                            f"with config.json; mgrpo-train refuses the mismatch (set model.{k}={v})")
+    return replace(cfg, model=replace(cfg.model, **{k: v for k, v in arch.items() if k not in ("name", "tokenizer")}))
+
+
+def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
+                gpu_mem_gb: Optional[float] = None) -> dict:
+    """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.cluster.memory_plan)."""
+    from mgrpo.cluster.memory_plan import verdict
+
+    v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
+    m = v.memory
+    shape = m.shape
     return {
-        "dtype": dtype,
-        "params_per_rank": n,
-        "heaviest_stage": stage,
-        "bytes": {k: int(v) for k, v in parts.items()} | {"total": int(total)},
-        "gib": {k: round(v / GIB, 3) for k, v in parts.items()} | {"total": round(total / GIB, 3)},
-        "bytes_per_param": {"weights": w, "grads": 4, "optimizer": states / shard,
-                            "reference": w if need_ref else 0},
-        "left_out": [
-            "activations and logits of a micro-batch (grow with actor.max_tokens_per_gpu; log-probs are "
-            "computed in chunks of actor.logprob_chunk_size tokens)",
-            "CUDA context, NCCL/gloo buffers and allocator fragmentation (typically 1-3 GiB per GPU)",
-            "FP8 weight copies and scaling state (actor.fp8)",
-            "the weight-sync buckets (rollout.update_weights_bucket_mb) and gathered HF tensors",
-            "a colocated rollout engine: SGLang takes rollout.gpu_memory_utilization of each GPU while "
-            "generating and releases it for training",
-        ],
+        "device": m.device, "dtype": m.dtype, "layer_spec": m.spec, "heaviest_stage": m.stage,
+        "params_per_rank": m.params,
+        "micro_batch": {"tokens": shape.tokens, "sequences": shape.seqs, "sequence_length": shape.seq_len,
+                        "response_tokens": shape.response_tokens, "in_flight_on_first_stage": shape.in_flight},
+        "terms": m.terms,
+        "activations_by_recompute": m.activations_by_recompute,
+        "phases": {p: {**t, "total": sum(t.values())} for p, t in m.phases.items()},
+        "capacity": m.capacity, "peak": m.peak, "peak_phase": m.peak_phase, "largest_term": list(m.largest),
+        "fits": m.fits, "verdict": v.message(),
+        "suggestion": v.suggestion, "suggested_peak": v.suggested.peak if v.suggested else None,
     }
 
 
@@ -161,9 +156,12 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
 
 
 # --- the plan ----------------------------------------------------------------------------------------
-def build_plan(cfg: MGRPOConfig, *, dtype: str = TRAINER_DTYPE) -> dict:
-    """Validate and lay out a run; raises ConfigError like mgrpo-train."""
-    lay = validate(cfg)
+def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Optional[float] = None) -> dict:
+    """Validate (data files need not exist yet) and lay out a run; raises ConfigError like mgrpo-train."""
+    lay = validate(cfg, check_files=False)
+    warnings: list[str] = []
+    if cfg.model.hf_path:
+        cfg = hf_planning_config(cfg, warnings)
     a, r, t, m = cfg.actor, cfg.rollout, cfg.trainer, cfg.model
     ranks, engines = placement(cfg, lay)
     counts = param_counts(m, a.tp, a.pp)
@@ -178,11 +176,11 @@ def build_plan(cfg: MGRPOConfig, *, dtype: str = TRAINER_DTYPE) -> dict:
                     "layers_per_stage": m.num_layers // a.pp, "ranks": ranks},
         "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": r.num_engines, "tp": r.tp,
                     "accelerators": lay.rollout_devices, "engines": engines},
-        "batch": batch_plan(cfg, lay),
+        "batch": (batch := batch_plan(cfg, lay)) | {"warnings": warnings + batch["warnings"]},
         "model": {"name": m.name, "params_hf": counts["hf_total"], "params_megatron": counts["megatron_total"],
                   "padded_vocab": counts["padded_vocab"], "params_per_layer": counts["layer"],
                   "params_per_rank_by_stage": counts["per_rank_by_stage"]},
-        "memory_per_accelerator": memory_estimate(cfg, lay, dtype),
+        "memory_per_accelerator": memory_plan(cfg, lay, dtype=dtype, gpu_mem_gb=gpu_mem_gb),
     }
 
 
@@ -195,6 +193,30 @@ def _fmt(n: float) -> str:
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 1024**2:.2f} MiB"
+
+
+def render_memory(me: dict) -> list[str]:
+    from mgrpo.cluster.memory_plan import LABELS
+
+    per = "GPU" if me["device"] == "cuda" else "rank"
+    dtype = "bf16 weights, fp32 grads and master weights" if me["dtype"] == "bf16" else "fp32"
+    spec = "Transformer Engine spec" if me["layer_spec"] == "te" else "local spec"
+    mb = me["micro_batch"]
+    out = [f"memory    per {per}, heaviest pipeline stage ({me['heaviest_stage']}): {me['params_per_rank']:,} params "
+           f"per rank, {dtype}, {spec}; micro-batch {mb['tokens']:,} tokens ({mb['sequences']} x {mb['sequence_length']}), "
+           f"{mb['in_flight_on_first_stage']} in flight"]
+    phases = me["phases"]
+    names = [k for k in LABELS if any(k in t for t in phases.values())]
+    out.append("          " + f"{'':<48}" + "".join(f"{p:>14}" for p in phases))
+    for k in names:
+        cells = "".join(f"{_size(phases[p][k]) if k in phases[p] else '':>14}" for p in phases)
+        out.append(f"          {LABELS[k]:<48}{cells}")
+    out.append(f"          {'total':<48}" + "".join(f"{_size(phases[p]['total']):>14}" for p in phases))
+    act = me["activations_by_recompute"]
+    out.append(f"          activations with recompute none / selective / full: {_size(act['None'])} / "
+               f"{_size(act['selective'])} / {_size(act['full'])} (mgrpo trains without recompute)")
+    out.append(f"verdict   {me['verdict']}")
+    return out
 
 
 def render(p: dict) -> str:
@@ -240,14 +262,7 @@ def render(p: dict) -> str:
     out.append("")
     out.append(f"model     {mo['name']}: {_fmt(mo['params_hf'])} params ({mo['params_hf']:,} in HF layout; "
                f"{mo['params_megatron']:,} in megatron with the vocabulary padded to {mo['padded_vocab']:,})")
-    nb, bp = me["bytes"], me["bytes_per_param"]
-    out.append(f"memory    per accelerator, heaviest stage ({me['heaviest_stage']}), {me['params_per_rank']:,} params "
-               f"per rank, {me['dtype']}:")
-    out.append(f"          actor weights {_size(nb['actor_weights'])} ({bp['weights']} B/param) + grads "
-               f"{_size(nb['actor_grads'])} ({bp['grads']} B) + Adam states {_size(nb['optimizer_states'])} "
-               f"({bp['optimizer']:g} B) + reference {_size(nb['reference_weights'])} ({bp['reference']} B)")
-    out.append(f"          = {_size(nb['total'])} ({nb['total']:,} bytes), a lower bound; not counted:")
-    out += [f"            - {x}" for x in me["left_out"]]
+    out += render_memory(me)
     return "\n".join(out)
 
 
@@ -256,12 +271,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      epilog="Overrides are the same as mgrpo-train's, e.g. actor.tp=2 model=qwen3-8b.")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (key=value, group=option)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=TRAINER_DTYPE,
-                        help=f"weight dtype of the memory estimate (default {TRAINER_DTYPE}: what the trainer builds)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                        help="weight dtype of the memory estimate (default: what the trainer will use, "
+                             "bf16 on cuda and fp32 on cpu unless actor.dtype says otherwise)")
+    parser.add_argument("--gpu-mem-gb", type=float, default=None,
+                        help="memory of one GPU in GiB (default trainer.gpu_memory_gb if set, else 80)")
     args = parser.parse_intermixed_args(argv)
     try:
-        cfg = compose_config(args.overrides)
-        plan = build_plan(cfg, dtype=args.dtype)
+        from mgrpo.config.verl import translate
+
+        translation = translate(args.overrides)
+        if translation.is_verl:
+            print(f"mgrpo-plan: {translation.render()}", file=sys.stderr)
+        cfg = compose_config(translation.args)
+        plan = build_plan(cfg, dtype=args.dtype, gpu_mem_gb=args.gpu_mem_gb)
     except ConfigError as err:
         print(f"mgrpo-plan: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,395 @@
+"""Per-accelerator memory of a run, the verdict (does it fit?) and the smallest change that fits.
+
+No torch, no processes: this runs in mgrpo-plan and in the driver before anything starts
+(`check_fits`). Every term is bytes on one trainer rank of the heaviest pipeline stage.
+
+Persistent (resident through the whole step):
+  weights      params x 2 (bf16 on cuda) or 4 (fp32 on cpu)           actor.dtype, auto = bf16 on cuda
+  grads        params x 4: megatron's DDP gradient buffer is fp32 (grad_reduce_in_fp32)
+  optimizer    Adam m, v (8 B) + the fp32 master copy when weights are bf16 (4 B); divided by DP with
+               actor.use_distributed_optimizer
+  reference    params x weight bytes when a KL term needs it, sharded like the actor
+  context      CUDA context + cuBLAS workspace + NCCL buffers (CUDA_CONTEXT_GIB, an assumption)
+Phases (the peak is the largest):
+  generation   colocated SGLang holds rollout.gpu_memory_utilization of the card while the trainer
+               keeps its persistent memory (nothing is offloaded)
+  training     activations of the micro-batches in flight (1F1B: stage s of pp holds min(pp - s, M)),
+               the log-prob head's working set on the last stage, the released SGLang engine's residue
+  optimizer    on CPU torch's single-tensor Adam and megatron's clip-scale allocate up to two
+               temporaries of the largest parameter
+  weight sync  colocated SGLang's weights are back (its KV cache is not) + the bucket and the TP gather
+Activations per decoder layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", the accounting behind megatron's 34sbh + 5as^2b, here term by term for Qwen3:
+RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens of a micro-batch
+(b sequences of s), t = TP size, dq = heads x head_dim, dkv = kv_heads x head_dim, f = ffn width:
+  local spec (CPU, torch RMSNorm, unfused attention) — coefficients counted from the tensors autograd
+  saves (tests/test_plan_memory.py checks them):
+    e T (6h + 5f/t + (5 + g) dq/t + 3 dkv/t + (nq + nkv)/t + 2) + e b (nq/t) s^2 + 4 e s hd
+  with g = 2 under GQA (k, v expanded to every query head), 1 with one kv head per rank, 0 without GQA
+  Transformer Engine spec (cuda: fused RMSNorm in LayerNormLinear, flash attention, fused SwiGLU):
+    e T (4h + 3f/t + 3 dq/t + 3 dkv/t)
+  full recompute (uniform, one layer per checkpoint): e T h per layer + one layer's full set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
+
+GIB = 1024**3
+MIB = 1024**2
+DEFAULT_GPU_MEM_GIB = 80.0
+CUDA_CONTEXT_GIB = 1.5
+"""torch's CUDA context, cuBLAS workspace and NCCL communicator buffers of one trainer process on an H100:
+usually 1-2 GiB. An assumption, not measured here (no GPU)."""
+SGLANG_RELEASED_GIB = 1.5
+"""What a colocated SGLang server keeps while its weights and KV cache are released (its CUDA context
+and graph pools). An assumption, not measured here."""
+CPU_RUNTIME_MIB = 16.0
+"""A CPU rank's gloo process groups and megatron state beyond its imports (measured 15-19 MiB by
+benchmarks/plan_memory_cpu.py)."""
+ALLOCATOR_SLACK = 0.05
+"""PyTorch's caching allocator holds more than the live tensors (fragmentation): 5% on cuda."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The largest micro-batch one rank runs."""
+
+    tokens: int          # T (padded tokens count on CPU, whose local attention takes [b, s] batches)
+    seqs: int            # b
+    seq_len: int         # s
+    response_tokens: int  # positions that reach the log-prob head
+    in_flight: int       # micro-batches whose activations the first pipeline stage holds at once
+
+
+def device_of(cfg: MGRPOConfig) -> str:
+    """The trainer's device: trainer.device, 'auto' resolved without torch (an NVIDIA device node)."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    return "cuda" if os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus") else "cpu"
+
+
+def dtype_of(cfg: MGRPOConfig, device: str) -> str:
+    return cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+
+
+def recompute_of(cfg: MGRPOConfig) -> Optional[str]:
+    return getattr(cfg.actor, "recompute", None)  # schema field requested (see README); None = off
+
+
+def param_counts(model, tp: int, pp: int) -> dict:
+    from mgrpo.models.registry import param_counts as counts  # the model family's count; imports no torch
+
+    return counts(model, tp, pp)
+
+
+def micro_batch_shape(cfg: MGRPOConfig, lay: Layout, device: str) -> Shape:
+    """Token budget actor.max_tokens_per_gpu over max-length sequences (the worst case), capped by the
+    samples a rank gets per mini-batch; THD packing on cuda, padded [b, s] batches on cpu."""
+    d, a = cfg.data, cfg.actor
+    s = d.max_prompt_length + d.max_response_length
+    mini = a.ppo_mini_batch_size or d.train_batch_size
+    per_rank = max(math.ceil(mini * cfg.rollout.n / lay.dp), 1)
+    b = max(min(a.max_tokens_per_gpu // s, per_rank), 1)
+    micro = math.ceil(per_rank / b)
+    # cuda packs sequences end to end (THD), so shorter ones fill the whole budget; cpu pads [b, s]
+    packed = device == "cuda" or getattr(a, "pack_sequences", False)
+    tokens = min(a.max_tokens_per_gpu, per_rank * s) if packed else b * s
+    return Shape(tokens=tokens // a.cp, seqs=b, seq_len=s // a.cp,
+                 response_tokens=tokens * d.max_response_length // s // a.cp, in_flight=min(a.pp, micro))
+
+
+def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
+    """Bytes autograd keeps for one decoder layer of one micro-batch (formulas in the module doc)."""
+    h, f, nq, nkv, hd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    dq, dkv, T = nq * hd, nkv * hd, shape.tokens
+    if spec == "te":
+        return e * T * (4 * h + (3 * f + 3 * dq + 3 * dkv) // tp)
+    # GQA: megatron's local attention expands k and v to every query head (two copies); with a single
+    # key/value head per rank one of them stays a view.
+    gqa = 0 if nq == nkv else (1 if nkv // tp == 1 else 2)
+    per_token = 6 * h + (5 * f + (5 + gqa) * dq + 3 * dkv + nq + nkv) // tp + 2
+    return e * T * per_token + e * shape.seqs * (nq // tp) * shape.seq_len ** 2 + 4 * e * shape.seq_len * hd
+
+
+def backward_working_set(m, shape: Shape, tp: int, e: int, spec: str) -> int:
+    """Gradients alive at once while one layer runs backward (besides the saved activations): in the
+    attention, the gradients of the probabilities and of the scores (local spec: two [b, nq/t, s, s]
+    tensors) with those of q, k, v and the residual; in the MLP, those of the SwiGLU input and output."""
+    h, f, nq, nkv, hd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    T = shape.tokens
+    mlp = T * (4 * f // tp + h)
+    if spec == "te":  # flash attention's backward needs no s x s tensor
+        attn = T * ((3 * nq * hd + 2 * nkv * hd) // tp + h)
+    else:
+        attn = 2 * shape.seqs * (nq // tp) * shape.seq_len ** 2 + T * (3 * nq * hd // tp + h)
+    return e * max(mlp, attn)
+
+
+def stage_activations(cfg: MGRPOConfig, shape: Shape, stage: int, e: int, spec: str,
+                      recompute: Optional[str]) -> int:
+    """Activations stage `stage` holds at its peak of the 1F1B schedule."""
+    m, a = cfg.model, cfg.actor
+    layers = m.num_layers // a.pp
+    per_layer = layer_activations(m, shape, a.tp, e, spec)
+    if recompute == "full":  # each layer keeps its input; backward rebuilds one layer at a time
+        per_mb = layers * e * shape.tokens * m.hidden_size
+        peak_extra = per_layer
+    else:
+        if recompute == "selective" and spec == "local":  # the core attention's s^2 scores are recomputed
+            per_layer -= e * shape.seqs * (m.num_attention_heads // a.tp) * shape.seq_len ** 2
+        per_mb, peak_extra = layers * per_layer, 0
+    if stage == a.pp - 1:  # final norm: input, normalised and output (local) / input and output (TE)
+        per_mb += e * shape.tokens * m.hidden_size * (3 if spec == "local" else 2)
+    in_flight = max(min(a.pp - stage, shape.in_flight), 1)
+    return in_flight * per_mb + peak_extra
+
+
+def head_working_set(cfg: MGRPOConfig, shape: Shape, v_local: int, e: int, *, training: bool) -> int:
+    """The log-prob head on the last stage (kernels/chunked.py, triton_kernel.py): `chunked` keeps a
+    token chunk x local vocabulary fp32 logits plus a chunk x 8192 scratch tile; `fused` only tiles;
+    `naive` the full [tokens, vocab/tp] fp32 logits (x3 with log-softmax and its gradient). Training also
+    holds the fp32 dHidden and dWeight the fused loss computes in its forward, and the gathered hidden."""
+    a, h = cfg.actor, cfg.model.hidden_size
+    n = shape.response_tokens
+    chunk = min(a.logprob_chunk_size, n)
+    tile = chunk * min(8192, v_local) * 4
+    if a.logprob_impl == "naive":
+        logits = 3 * n * v_local * 4
+    elif a.logprob_impl == "fused":
+        logits = 2 * tile
+    else:
+        logits = (chunk * v_local * 4 if training else tile) + tile
+    if not training:
+        return logits + n * h * e
+    return logits + n * h * (4 + e) + v_local * h * 4
+
+
+LABELS = {
+    "actor_weights": "actor weights", "actor_grads": "actor grads (fp32 buffer)",
+    "optimizer_states": "optimizer (Adam m, v; + fp32 master with bf16)", "reference_weights": "reference weights",
+    "cuda_context": "CUDA context, cuBLAS, NCCL (assumed)", "activations": "activations",
+    "logprob_head": "log-prob head", "backward_working_set": "backward working set (one layer)",
+    "gradient_transient": "gradient transient (largest parameter)", "cpu_runtime": "gloo groups, megatron state",
+    "optimizer_temporaries": "Adam/clip temporaries (CPU)", "weight_sync_buckets": "weight-sync buckets",
+    "sglang_share": "SGLang share (rollout.gpu_memory_utilization)", "sglang_released": "SGLang released (assumed)",
+    "sglang_weights": "SGLang weights (resumed for sync)", "allocator_slack": "allocator slack (5%)",
+}
+
+
+@dataclass
+class Memory:
+    device: str
+    dtype: str
+    spec: str
+    stage: int
+    params: int
+    terms: dict            # name -> bytes
+    phases: dict           # phase -> {term: bytes}
+    capacity: int
+    shape: Optional[Shape] = None
+    activations_by_recompute: Optional[dict] = None
+    """Training activations of this stage with actor.recompute = None | selective | full."""
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    @property
+    def largest(self) -> tuple[str, int]:
+        return max(self.phases[self.peak_phase].items(), key=lambda kv: kv[1])
+
+
+def estimate(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_gb: Optional[float] = None,
+             dtype: Optional[str] = None) -> Memory:
+    """Every term and phase on the heaviest pipeline stage. `cfg` must be valid (validate first)."""
+    return max(estimate_stages(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype), key=lambda mem: mem.peak)
+
+
+def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_gb: Optional[float] = None,
+                    dtype: Optional[str] = None) -> list[Memory]:
+    """The estimate of one rank of each pipeline stage."""
+    lay = lay or layout(cfg)
+    a, al, r, m = cfg.actor, cfg.algorithm, cfg.rollout, cfg.model
+    device = device_of(cfg)
+    dtype = dtype or dtype_of(cfg, device)
+    w = 2 if dtype == "bf16" else 4
+    spec = "te" if device == "cuda" else "local"
+    recompute = recompute_of(cfg)
+    counts = param_counts(m, a.tp, a.pp)
+    v_local = counts["padded_vocab"] // a.tp
+    shape = micro_batch_shape(cfg, lay, device)
+    colocated_gpu = device == "cuda" and r.mode == "colocated"
+    largest_param = max(v_local * m.hidden_size,
+                        max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms"))
+    stages = []
+    for stage in range(a.pp):
+        n = counts["per_rank_by_stage"][stage]
+        persistent = {
+            "actor_weights": n * w,
+            "actor_grads": n * 4,
+            "optimizer_states": n * (8 + (4 if w == 2 else 0)) // (lay.dp if a.use_distributed_optimizer else 1),
+            "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
+        }
+        if device == "cuda":
+            persistent["cuda_context"] = int(CUDA_CONTEXT_GIB * GIB)
+        else:
+            persistent["cpu_runtime"] = int(CPU_RUNTIME_MIB * MIB)
+        last = stage == a.pp - 1
+        act = stage_activations(cfg, shape, stage, w, spec, recompute)
+        train = {"activations": act, "backward_working_set": backward_working_set(m, shape, a.tp, w, spec),
+                 "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0,
+                 "gradient_transient": largest_param * w}
+        fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
+               "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
+        # a bucket never holds more than the stage's weights; the TP gather of one tensor rides along
+        sync = {"weight_sync_buckets": 2 * min(r.update_weights_bucket_mb * MIB, n * w)}
+        phases = {"training": train, "log-probs": fwd, "weight sync": sync}
+        if device == "cpu":
+            phases["optimizer step"] = {"optimizer_temporaries": 2 * largest_param * 4}
+        if colocated_gpu:
+            released = int(SGLANG_RELEASED_GIB * GIB)
+            for p in phases.values():
+                p["sglang_released"] = released
+            sync["sglang_weights"] = 2 * counts["hf_total"] // r.tp
+        capacity = int((gpu_mem_gb or getattr(cfg.trainer, "gpu_memory_gb", None) or DEFAULT_GPU_MEM_GIB) * GIB) \
+            if device == "cuda" else _host_memory() // max(lay.trainer_world // cfg.trainer.nnodes, 1)
+        full = {p: {**persistent, **t} for p, t in phases.items()}
+        if colocated_gpu:
+            full["generation"] = {**persistent, "sglang_share": int(r.gpu_memory_utilization * capacity)}
+        if device == "cuda":
+            for p in full.values():
+                p["allocator_slack"] = int(ALLOCATOR_SLACK * sum(p.values()))
+        terms = dict(persistent)
+        for t in full.values():  # a term that appears in several phases: its largest value
+            for k, v in t.items():
+                terms[k] = max(terms.get(k, 0), v)
+        by_recompute = {str(rc): stage_activations(cfg, shape, stage, w, spec, rc) for rc in (None, "selective", "full")}
+        stages.append(Memory(device, dtype, spec, stage, n, terms, full, capacity, shape, by_recompute))
+    return stages
+
+
+def _host_memory() -> int:
+    """Physical memory of this machine (CPU runs: all ranks of a node share it)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- the verdict ---------------------------------------------------------------------------------------
+# Knobs the search may turn, cheapest first: (name, cost of one step). Recompute only once the schema
+# has actor.recompute (the trainer must honour what the planner suggests).
+KNOB_COST = {"actor.use_distributed_optimizer": 1, "actor.recompute": 2, "actor.max_tokens_per_gpu": 3,
+             "rollout.gpu_memory_utilization": 3, "actor.tp": 5, "actor.pp": 6}
+
+
+@dataclass
+class Verdict:
+    memory: Memory
+    suggestion: Optional[list[str]] = None
+    """Overrides (key=value) of the smallest change found that fits, checked by recomputing."""
+    suggested: Optional[Memory] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def message(self) -> str:
+        m = self.memory
+        where = "GPU" if m.device == "cuda" else "rank (host memory shared by the node's ranks)"
+        name, size = m.largest
+        head = (f"{'FITS' if m.fits else 'DOES NOT FIT'}: peak {m.peak / GIB:.1f} GiB per {where} in the "
+                f"{m.peak_phase} phase, of {m.capacity / GIB:.1f} GiB; largest term: {LABELS[name]} "
+                f"{size / GIB:.1f} GiB")
+        if m.fits:
+            return head
+        if self.suggestion:
+            s = self.suggested
+            return (f"{head}\n  fits with: {' '.join(self.suggestion)} (peak {s.peak / GIB:.1f} GiB in the "
+                    f"{s.peak_phase} phase, recomputed)")
+        return f"{head}\n  no change of {', '.join(KNOB_COST)} within this cluster fits: add nodes or GPUs"
+
+
+def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
+    """(overrides, cost, config) for every combination of at most three knob changes."""
+    import itertools
+
+    a, r, t = cfg.actor, cfg.rollout, cfg.trainer
+    per_node = lay.total // t.nnodes
+    options: dict[str, list] = {}
+    if device == "cuda" and not a.use_distributed_optimizer and lay.dp > 1:
+        options["actor.use_distributed_optimizer"] = [(True, 1)]
+    if hasattr(a, "recompute") and recompute_of(cfg) != "full":
+        options["actor.recompute"] = [("full", 1)]
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    options["actor.max_tokens_per_gpu"] = [(a.max_tokens_per_gpu // 2 ** k, k) for k in (1, 2, 3)
+                                           if a.max_tokens_per_gpu // 2 ** k >= seq]
+    if device == "cuda" and r.mode == "colocated":
+        options["rollout.gpu_memory_utilization"] = [
+            (round(u, 2), round((r.gpu_memory_utilization - u) * 10)) for u in (0.6, 0.5, 0.4, 0.3)
+            if u < r.gpu_memory_utilization - 1e-9]
+    options["actor.tp"] = [(a.tp * 2 ** k, k) for k in (1, 2, 3) if a.tp * 2 ** k * a.cp <= per_node]
+    options["actor.pp"] = [(a.pp * 2 ** k, k) for k in (1, 2, 3) if a.pp * 2 ** k <= cfg.model.num_layers]
+    knobs = [k for k in options if options[k]]
+    for n in (1, 2, 3):
+        for combo in itertools.combinations(knobs, n):
+            for values in itertools.product(*(options[k] for k in combo)):
+                cost = sum(KNOB_COST[k] + steps for k, (_, steps) in zip(combo, values))
+                yield dict(zip(combo, (v for v, _ in values))), (n, cost)
+
+
+def _with(cfg: MGRPOConfig, changes: dict) -> MGRPOConfig:
+    out = cfg
+    for key, value in changes.items():
+        group, name = key.split(".")
+        out = replace(out, **{group: replace(getattr(out, group), **{name: value})})
+    return out
+
+
+def suggest(cfg: MGRPOConfig, *, gpu_mem_gb: Optional[float] = None, dtype: Optional[str] = None):
+    """The cheapest change (fewest knobs, then the cheapest knobs) that is valid and fits, or None."""
+    from mgrpo.config import validate
+
+    lay = layout(cfg)
+    device = device_of(cfg)
+    for changes, _ in sorted(_candidates(cfg, lay, device), key=lambda c: c[1]):
+        new = _with(cfg, changes)
+        try:
+            new_lay = validate(new, check_files=False)
+        except ConfigError:
+            continue
+        mem = estimate(new, new_lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
+        if mem.fits:
+            return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()], mem
+    return None, None
+
+
+def verdict(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_gb: Optional[float] = None,
+            dtype: Optional[str] = None) -> Verdict:
+    mem = estimate(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
+    if mem.fits:
+        return Verdict(mem)
+    overrides, suggested = suggest(cfg, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
+    return Verdict(mem, overrides, suggested)
+
+
+def check_fits(cfg: MGRPOConfig, *, gpu_mem_gb: Optional[float] = None) -> Verdict:
+    """The memory check mgrpo-train runs before starting any process. Raises ConfigError naming the
+    largest term and a change that fits, unless trainer.allow_oversubscribe is true. `cfg` must be
+    valid; the card's memory is `gpu_mem_gb`, else trainer.gpu_memory_gb, else 80 GiB."""
+    v = verdict(cfg, gpu_mem_gb=gpu_mem_gb)
+    if not v.fits and not getattr(cfg.trainer, "allow_oversubscribe", False):
+        raise ConfigError(f"the run does not fit in memory (mgrpo-plan shows every term):\n  {v.message()}\n"
+                          "  trainer.allow_oversubscribe=true starts it anyway")
+    return v
