@@ -10,6 +10,7 @@ sharding, Megatron ranks), the rollout group (engines), the weight sync, the che
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -33,7 +34,7 @@ class Trainer:
         self.layout = validate(config)  # every config error surfaces here, before any process exists
         self.run_dir = output_dir(config)
         self.need_ref = config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
-        self.trainer = self.rollout = self.observer = self.judger = self.placement = None
+        self.trainer = self.rollout = self.observer = self.judger = self.placement = self.pipeline = None
         self.state = RunState()
 
     def fit(self) -> dict:
@@ -46,11 +47,14 @@ class Trainer:
             self._start()
             if self.cfg.trainer.val_before_train and self.state.step == 0:
                 self.observer.log(self.evaluate(), step=0)
+            self.pipeline = self._start_pipeline()
             metrics: dict = {}
             while self.state.step < self.total_steps:
                 metrics = self.train_step()
                 self.state.step += 1
                 self.observer.log(metrics, step=self.state.step)
+                if self.pipeline is not None:
+                    self.pipeline.step_done()
                 if self.stop.requested:
                     path = self.save_checkpoint()
                     raise StopRequested(f"stopped at step {self.state.step} on request; checkpoint {path}; "
@@ -59,7 +63,8 @@ class Trainer:
                     self.save_checkpoint()
                 if self._due(self.cfg.trainer.test_freq) or (self.cfg.trainer.test_freq > 0
                                                              and self.state.step == self.total_steps):
-                    val = self.evaluate()
+                    with self._engines_idle():
+                        val = self.evaluate()
                     self.observer.log(val, step=self.state.step)
                     metrics.update(val)
             self._finish()
@@ -74,9 +79,10 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, timer, metrics = self.cfg, PhaseTimer(), {}
         with timer("step"):
-            with timer("rollout"):  # generation (timing_s/gen) and judging (timing_s/reward)
-                exp = self.generate_and_judge(metrics)
-            self.weights.release_engines()
+            with timer("rollout"):  # generation (timing_s/gen) and judging (timing_s/reward), or waiting for them
+                exp = (self.pipeline.next(self.state.weight_version, metrics) if self.pipeline is not None
+                       else self.generate_and_judge(metrics, self.state.step))
+            self.state.count(self.weights.release_engines(), metrics)
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
             with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
@@ -90,8 +96,9 @@ class Trainer:
             with timer("update_actor"):  # one optimizer step per mini-batch, ppo_epochs passes
                 metrics.update(self.trainer.train(exp, self.state.step))
             with timer("update_weights"):
-                self.state.weight_version += 1
-                synced = self.weights.sync(self.state.weight_version)
+                with self._engines_idle():  # asynchronous rollout: the batch in flight finishes first
+                    self.state.weight_version += 1
+                    synced = self.weights.sync(self.state.weight_version)
                 self.state.count({"rollout/restarts": synced.pop("rollout/restarts")}, metrics)
                 metrics.update(synced)
         metrics.update(timer.metrics())
@@ -99,15 +106,15 @@ class Trainer:
         self.observer.write_trajectories(self.state.step + 1, exp)  # the step its metrics are logged under
         return metrics
 
-    def generate_and_judge(self, metrics: dict) -> Experience:
-        """Sample n responses per prompt and score them; with dynamic sampling keep only groups whose
-        rewards differ, generating more rounds until the batch is full."""
+    def generate_and_judge(self, metrics: dict, batch: int) -> Experience:
+        """Sample n responses per prompt for batch `batch` (the step that trains it) and score them; with
+        dynamic sampling keep only groups whose rewards differ, generating more rounds until the batch is full."""
         cfg = self.cfg
 
         def sampling(round_: int) -> SamplingParams:
             return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.data.max_response_length,
-                                  seed=seeds.sampling_seed(cfg.trainer.seed, self.state.step, round_))
+                                  seed=seeds.sampling_seed(cfg.trainer.seed, batch, round_))
 
         if not cfg.algorithm.filter_groups.enable:
             return self.rollout_and_judge(self.train_data.next_batch(), cfg.rollout.n, sampling(0), metrics)
@@ -154,6 +161,26 @@ class Trainer:
         out.update(timer.metrics())
         return out
 
+    # --- asynchronous rollout ---------------------------------------------------------------------------
+    def _start_pipeline(self):
+        """rollout.async_mode != off: a producer generating ahead of the trainer (components/rollout_pipeline.py)."""
+        r = self.cfg.rollout
+        if r.async_mode == "off":
+            return None
+        from mgrpo.components.rollout_pipeline import RolloutPipeline
+
+        pipeline = RolloutPipeline(lambda batch, metrics: self.generate_and_judge(metrics, batch),
+                                   max_staleness=1 if r.async_mode == "one_step_off" else r.max_staleness,
+                                   first_batch=self.state.step)
+        if self.state.pending is not None:
+            pipeline.load_state_dict(self.state.pending, self.train_data.items)
+        pipeline.start()
+        return pipeline
+
+    def _engines_idle(self):
+        """Hold the rollout engines still (asynchronous rollout): the batch in flight finishes, no new one starts."""
+        return self.pipeline.paused() if self.pipeline is not None else contextlib.nullcontext()
+
     # --- assembly -------------------------------------------------------------------------------------
     def _start(self) -> None:
         from mgrpo.components.assemble import build
@@ -168,7 +195,9 @@ class Trainer:
         return freq > 0 and self.state.step % freq == 0
 
     def save_checkpoint(self) -> str:
-        return self.checkpointer.save(self.state, self.trainer, self.train_data, self.observer)
+        with self._engines_idle():  # the data position and the batches ready agree
+            pending = self.pipeline.state_dict() if self.pipeline is not None else None
+            return self.checkpointer.save(self.state, self.trainer, self.train_data, self.observer, pending)
 
     def _finish(self) -> None:
         if self.cfg.trainer.save_freq != 0:
@@ -183,6 +212,8 @@ class Trainer:
         from mgrpo.components.assemble import close
 
         self.stop.uninstall()
+        if self.pipeline is not None:
+            self.pipeline.close()
         close(self.observer, self.judger, self.rollout, self.trainer)
 
 

@@ -214,6 +214,9 @@ def test_truncated_importance_sampling_by_hand():
     loss, m = policy_loss(lp, None, _inputs(rollout_logprob=roll), replace(CFG, tis_cap=2.0))
     # t1: -0.5 * 2 = -1.0 ; t3: 0.8 * 1.25 = 1.0 -> sum = 2.22 - 0.5 + 0.2 = 1.92
     assert loss.item() == pytest.approx(1.92 / 6)
+    # ratios before the cap 1, 2.5, 1, 1.25, 1, 1: token mean 7.75/6; one of six tokens capped
+    assert m["actor/tis_ratio_mean"].item() == pytest.approx(7.75 / 6)
+    assert m["actor/tis_capped_frac"].item() == pytest.approx(1 / 6)
     loss.backward()
     assert lp.grad[1].item() == pytest.approx(-0.5 * 2 / 6)  # the IS weight is a constant factor
 

@@ -68,9 +68,9 @@ def _server_pids(model_dir: str) -> list[int]:
     return pids
 
 
-def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list) -> threading.Thread:
-    """From a thread: once `at_step` is logged, send `sig` to the engine's server while the next
-    rollout is in flight (the server is found by its command line)."""
+def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list, limit: int = 1) -> threading.Thread:
+    """From a thread: once `at_step` is logged, send `sig` to (at most `limit` of) the engines' servers while
+    the next rollout is in flight (a server is found by its command line)."""
     model_dir = os.path.join(run_dir, "init_hf")
 
     def go():
@@ -80,7 +80,7 @@ def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list) -> threa
             if os.path.isfile(path) and sum(1 for _ in open(path)) >= at_step:
                 break
             time.sleep(0.01)
-        for pid in _server_pids(model_dir):
+        for pid in _server_pids(model_dir)[:limit]:
             os.kill(pid, sig)
             hits.append(pid)
 
@@ -127,3 +127,38 @@ def _running(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
+    """rollout.num_engines=2: SGLang's router (the real sglang-router) fronts both engines and every
+    generation request goes through it; one engine killed mid-run is restarted and re-registered."""
+    pytest.importorskip("sglang_router")
+    run_dir = str(tmp_path)
+    cfg = small_config(run_dir, rollout={"engine": "sglang", "num_engines": 2, "health_check_interval_s": 1.0,
+                                         "health_check_timeout_s": 2.0, "request_timeout_s": 30.0},
+                       trainer={"total_training_steps": 4, "n_gpus_per_node": 2})
+
+    class Routed(Trainer):
+        def _start(self):
+            super()._start()
+            self.router_workers_at_start = set(self.rollout.front.router.workers())
+
+        def _close(self):
+            if self.rollout is not None and self.rollout.front is not None:
+                self.router_workers_at_end = set(self.rollout.front.router.workers())
+                self.urls_at_end = list(self.rollout.urls)
+            super()._close()
+
+    hits: list = []
+    th = _fault_during_run(run_dir, signal.SIGKILL, at_step=2, hits=hits)
+    t = Routed(cfg)
+    t.fit()
+    th.join(timeout=5)
+    assert len(t.router_workers_at_start) == 2
+    assert t.router_workers_at_end == set(t.urls_at_end)  # the restarted engine's new URL replaced the old one
+    assert len(hits) == 1 and len(t.router_workers_at_start & t.router_workers_at_end) == 1  # one replaced
+    m = read_metrics(run_dir)
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert m[-1]["rollout/restarts_total"] >= 1
+    assert all(x["rollout/logprob_abs_diff"] <= 1e-5 for x in m)

@@ -136,14 +136,20 @@ def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entrop
     # A token with no loss weight (padding, an overlong-filtered response) is out of the metrics too,
     # even if the caller filled metric_weight uniformly.
     mw = torch.where(w != 0, inputs.metric_weight[sl], torch.zeros_like(inputs.metric_weight[sl]))
+    metrics = {}
     if cfg.tis_cap is not None:
         pg = pg * tis_weight(inputs.old_logprob[sl], inputs.rollout_logprob[sl], cfg.tis_cap)
+        # How far the rollout policy is from pi_old (asynchronous rollout, engine numerics): the mean
+        # importance ratio before the cap, and the fraction of tokens the cap truncated.
+        log_r = (inputs.old_logprob[sl] - inputs.rollout_logprob[sl]).detach()
+        metrics["actor/tis_ratio_mean"] = (mw * torch.exp(log_r.clamp(max=20.0))).sum()
+        metrics["actor/tis_capped_frac"] = (mw * (log_r > math.log(cfg.tis_cap)).to(mw.dtype)).sum()
     loss = pg
-    metrics = {
+    metrics.update({
         "actor/pg_loss": (w * pg).sum(),
         "actor/pg_clipfrac": (mw * clipped.to(mw.dtype)).sum(),
         "actor/ppo_kl": (mw * (inputs.old_logprob[sl] - logprob)).sum(),
-    }
+    })
     if cfg.clip_ratio_c is not None and entry.dual_clip:
         metrics["actor/pg_clipfrac_lower"] = (mw * lower.to(mw.dtype)).sum()
     if cfg.use_kl_loss:

@@ -324,11 +324,29 @@ class RolloutGroup:
         self.total.restarts += restarted
         return restarted
 
-    def release_memory(self, tags=None) -> None:
-        ray.get([e.release_memory.remote(tags) for e in self.engines])
+    def release_memory(self, tags=None) -> int:
+        """Colocated engines free their accelerator memory; returns how many engines had to be restarted
+        (one that died since its last request is restarted here, not left to fail the next phase)."""
+        return self._on_each("release_memory", tags)
 
-    def resume_memory(self, tags=None) -> None:
-        ray.get([e.resume_memory.remote(tags) for e in self.engines])
+    def resume_memory(self, tags=None) -> int:
+        return self._on_each("resume_memory", tags)
+
+    def _on_each(self, method: str, *args) -> int:
+        refs = [getattr(e, method).remote(*args) for e in self.engines]
+        restarted = 0
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                if self._alive(i):
+                    raise
+                log.warning("rollout engine %d failed during %s (%s); restarting it", i, method, err)
+                self._restart(i)
+                restarted += 1
+                ray.get(getattr(self.engines[i], method).remote(*args))
+        self.total.restarts += restarted
+        return restarted
 
     def _stop(self, engine) -> None:
         """Let the engine stop what it owns (a server) before its actor is killed."""

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -22,7 +23,9 @@ from mgrpo.config import MGRPOConfig
 log = logging.getLogger("mgrpo")
 
 STATE_FILE = "trainer_state.json"
-COUNTERS = ("reward/failed", "reward/timeout", "rollout/retries", "rollout/restarts")
+PENDING_FILE = "pending_rollouts.json"
+"""Batches an asynchronous rollout had ready when the checkpoint was taken (replayed on resume)."""
+COUNTERS = ("reward/failed", "reward/timeout", "rollout/retries", "rollout/restarts", "rollout/stale_dropped")
 """Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
 
 
@@ -34,14 +37,20 @@ class RunState:
     """Training steps completed."""
     weight_version: int = 0
     """Weight syncs completed (the version the rollout engines hold)."""
+    pending: Optional[dict] = field(default=None, repr=False, compare=False)
+    """Asynchronous rollout's state restored from a checkpoint (`RolloutPipeline.state_dict`); not saved here."""
     counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def __post_init__(self):
+        self._lock = threading.Lock()  # the rollout producer counts from its own thread
 
     def count(self, counts: dict, into: dict) -> None:
         """Add this call's `counts` to the run-long counters (those in COUNTERS) and to the step's metrics."""
-        for key, value in counts.items():
-            if key in self.counters:
-                self.counters[key] += value
-            into[key] = into.get(key, 0) + value
+        with self._lock:
+            for key, value in counts.items():
+                if key in self.counters:
+                    self.counters[key] += value
+                into[key] = into.get(key, 0) + value
 
 
 class Checkpointer:
@@ -73,15 +82,19 @@ class Checkpointer:
             return json.load(f)
 
     # --- save ---------------------------------------------------------------------------------------
-    def save(self, state: RunState, trainer, train_data, observer=None) -> str:
+    def save(self, state: RunState, trainer, train_data, observer=None, pending: Optional[dict] = None) -> str:
         path = os.path.join(self.root, f"step_{state.step:06d}")
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
         trainer.save_checkpoint(os.path.join(path, "megatron"))
-        payload = {**asdict(state), "train_data": train_data.state_dict(), "config_name": self.cfg.model.name}
+        payload = {**{k: v for k, v in asdict(state).items() if k != "pending"},
+                   "train_data": train_data.state_dict(), "config_name": self.cfg.model.name}
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(payload, f, indent=1)
+        if pending is not None:
+            with open(os.path.join(path, PENDING_FILE), "w") as f:
+                json.dump(pending, f)
         if observer is not None:
             observer.flush()  # the records up to this step are on disk before the checkpoint is published
         tmp = os.path.join(self.root, "latest.tmp")
@@ -111,5 +124,9 @@ class Checkpointer:
         train_data.load_state_dict(saved["train_data"])
         state = RunState(step=int(saved["step"]), weight_version=int(saved["weight_version"]))
         state.counters.update(saved.get("counters", {}))
+        pending = os.path.join(path, PENDING_FILE)
+        if os.path.isfile(pending):
+            with open(pending) as f:
+                state.pending = json.load(f)
         log.info("resumed from %s at step %d (weight version %d)", path, state.step, state.weight_version)
         return state

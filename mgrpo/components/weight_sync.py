@@ -22,21 +22,23 @@ class WeightSync:
         """`RolloutGroup`."""
         rollout.on_restart = lambda engines: trainer.sync_weights(rollout.receivers(engines))
 
-    def release_engines(self) -> None:
-        """Colocated engines give their accelerator memory to the trainer between generation and sync."""
-        if self.colocated:
-            self.rollout.release_memory()
+    def release_engines(self) -> dict:
+        """Colocated engines give their accelerator memory to the trainer between generation and sync;
+        returns the counts of what that took (engines found dead and restarted)."""
+        if not self.colocated:
+            return {}
+        return {"rollout/restarts": self.rollout.release_memory()}
 
     def sync(self, version: int) -> dict:
         """Push the trainer's current weights as `version`; return the sync's metrics."""
         t0 = time.perf_counter()
         restarted = self.rollout.health_check()
-        if self.colocated:
-            self.rollout.resume_memory(["weights"])  # room for the new weights, KV cache still released
+        if self.colocated:  # room for the new weights, KV cache still released
+            restarted += self.rollout.resume_memory(["weights"])
         sent = self.trainer.sync_weights(self.rollout.receivers())
         self.rollout.finish_weight_update(version)
         if self.colocated:
-            self.rollout.resume_memory()
+            restarted += self.rollout.resume_memory()
         seconds = time.perf_counter() - t0
         return {"perf/update_weights_bytes": float(sent["bytes"]), "rollout/weight_version": float(version),
                 "perf/update_weights_gbps": sent["bytes"] / max(seconds, 1e-9) / 1e9,

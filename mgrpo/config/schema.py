@@ -146,9 +146,19 @@ class ActorConfig:
     ppo_epochs: int = 1
     max_tokens_per_gpu: int = 8192
     """Token budget of one micro-batch on one rank (padded tokens count on CPU)."""
+    pack_sequences: bool = False
+    """Lay micro-batches out as THD packs (samples end to end, no padding; megatron's PackedSeqParams)
+    instead of right-padded [b, s] rows. Transformer Engine's attention takes them on GPU; without TE
+    an exact reference attention does (mgrpo/models/attention.py). Log-probs, losses and gradients
+    are the same either way; only the padding work differs."""
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    """Context-parallel size: every sequence is split over cp ranks (2*cp load-balanced chunks), which
+    hold identical weights; activations per rank shrink by cp. Needs a token-level policy loss."""
+    cp_comm_type: str = "p2p"
+    """How Transformer Engine exchanges keys/values between CP ranks on GPU: p2p (ring) | all_gather |
+    a2a | a2a+p2p. Without TE the reference attention all-gathers them."""
     fp8: Optional[str] = None
     """None | e4m3 | hybrid (Transformer Engine FP8 formats; GPU only)."""
     fp8_recipe: str = "delayed"
@@ -194,6 +204,14 @@ class RolloutConfig:
     dead or hung is restarted, re-synced and its requests resent."""
     health_check_timeout_s: float = 10.0
     """An engine whose health check takes longer than this counts as hung."""
+    async_mode: str = "off"
+    """off (generate, then train) | one_step_off (batch k+1 is generated while step k trains, with the
+    weights of step k-1) | bounded_staleness (the generator runs up to max_staleness batches ahead).
+    Needs rollout.mode=disaggregated (colocated engines give their memory to the trainer while it trains).
+    Off-policy samples are corrected by truncated importance sampling (algorithm.tis_cap, 2.0 if unset)."""
+    max_staleness: int = 1
+    """bounded_staleness: a sample may be at most this many weight versions older than the policy that
+    trains it; older ones are dropped and counted (rollout/stale_dropped), never trained."""
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
 

@@ -26,6 +26,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LOGGERS = ("console", "tensorboard")
 DTYPES = ("auto", "bf16", "fp32")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")  # TransformerConfig.cp_comm_type (TE's CP exchange)
 
 
 class ConfigError(ValueError):
@@ -106,8 +107,15 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
     _divides(e, "actor.pp", a.pp, "model.num_layers", m.num_layers)
     if a.cp < 1:
         e.append(f"actor.cp={a.cp} must be positive")
-    if a.cp > 1 and t.device == "cpu":
-        e.append(f"actor.cp={a.cp} needs Transformer Engine attention on GPU; on trainer.device=cpu use actor.cp=1")
+    _choice(e, "actor.cp_comm_type", a.cp_comm_type, CP_COMM_TYPES)
+    if a.cp > 1 and a.cp_comm_type in ("a2a", "a2a+p2p") and (m.num_attention_heads // max(a.tp, 1)) % a.cp:
+        e.append(f"actor.cp_comm_type={a.cp_comm_type!r} splits each rank's attention heads over CP ranks: "
+                 f"model.num_attention_heads/actor.tp={m.num_attention_heads // max(a.tp, 1)} is not divisible by "
+                 f"actor.cp={a.cp} (use actor.cp_comm_type=p2p)")
+    if a.cp > 1 and al.policy_loss in POLICY_LOSSES and not POLICY_LOSSES[al.policy_loss].token_level:
+        e.append(f"actor.cp={a.cp} splits every response over CP ranks, but algorithm.policy_loss="
+                 f"{al.policy_loss!r} is sequence-level and needs each whole response on one rank "
+                 "(use actor.cp=1 or a token-level loss such as vanilla)")
     _choice(e, "actor.fp8", a.fp8, (None, *FP8_FORMATS))
     _choice(e, "actor.fp8_recipe", a.fp8_recipe, FP8_RECIPES)
     if a.fp8 is not None and t.device == "cpu":
@@ -147,6 +155,15 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
     if r.health_check_interval_s <= 0 or r.health_check_timeout_s <= 0:
         e.append(f"rollout.health_check_interval_s={r.health_check_interval_s} and rollout.health_check_timeout_s="
                  f"{r.health_check_timeout_s} must be positive")
+    if r.async_mode not in ("off", "one_step_off", "bounded_staleness"):
+        e.append(f"rollout.async_mode={r.async_mode!r} is not one of ['off', 'one_step_off', 'bounded_staleness']")
+    elif r.async_mode != "off":
+        if r.mode == "colocated":
+            e.append(f"rollout.async_mode={r.async_mode!r} overlaps generation with training, which colocated engines "
+                     "cannot (they release their accelerators while the trainer runs); use rollout.mode=disaggregated")
+        if r.max_staleness < 1:
+            e.append(f"rollout.max_staleness={r.max_staleness} must be at least 1 with rollout.async_mode="
+                     f"{r.async_mode!r}")
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         e.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1 (or null to keep all)")
     lay = None
@@ -240,15 +257,19 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
 def resolve_device(cfg: MGRPOConfig) -> MGRPOConfig:
     """Resolve the 'auto' choices (a new config; the input is untouched): trainer.device becomes cuda
     when a GPU is visible, else cpu; actor.dtype becomes bf16 on cuda, fp32 on cpu; trainer.output_dir
-    becomes absolute (Ray workers do not share the driver's working directory)."""
+    becomes absolute (Ray workers do not share the driver's working directory); asynchronous rollout
+    turns on truncated importance sampling (algorithm.tis_cap=2.0) unless a cap is set."""
     device = cfg.trainer.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    algorithm = cfg.algorithm
+    if cfg.rollout.async_mode != "off" and algorithm.tis_cap is None:
+        algorithm = replace(algorithm, tis_cap=2.0)
     return replace(cfg, trainer=replace(cfg.trainer, device=device, output_dir=os.path.abspath(output_dir(cfg))),
-                   actor=replace(cfg.actor, dtype=dtype))
+                   actor=replace(cfg.actor, dtype=dtype), algorithm=algorithm)
 
 
 def output_dir(cfg: MGRPOConfig) -> str:
