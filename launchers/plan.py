@@ -67,7 +67,7 @@ def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
 def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                 gpu_mem_gb: Optional[float] = None) -> dict:
     """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.cluster.memory_plan)."""
-    from mgrpo.cluster.memory_plan import verdict
+    from mgrpo.cluster.memory_plan import recompute_of, verdict
 
     v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
     m = v.memory
@@ -79,6 +79,7 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                         "response_tokens": shape.response_tokens, "in_flight_on_first_stage": shape.in_flight},
         "terms": m.terms,
         "activations_by_recompute": m.activations_by_recompute,
+        "recompute": recompute_of(cfg), "recompute_available": hasattr(cfg.actor, "recompute"),
         "phases": {p: {**t, "total": sum(t.values())} for p, t in m.phases.items()},
         "capacity": m.capacity, "peak": m.peak, "peak_phase": m.peak_phase, "largest_term": list(m.largest),
         "fits": m.fits, "verdict": v.message(),
@@ -214,7 +215,9 @@ def render_memory(me: dict) -> list[str]:
     out.append(f"          {'total':<48}" + "".join(f"{_size(phases[p]['total']):>14}" for p in phases))
     act = me["activations_by_recompute"]
     out.append(f"          activations with recompute none / selective / full: {_size(act['None'])} / "
-               f"{_size(act['selective'])} / {_size(act['full'])} (mgrpo trains without recompute)")
+               f"{_size(act['selective'])} / {_size(act['full'])} "
+               + (f"(actor.recompute={me['recompute']})" if me["recompute_available"] else
+                  "(mgrpo has no activation recompute yet: actor.recompute is proposed)"))
     out.append(f"verdict   {me['verdict']}")
     return out
 

@@ -322,7 +322,7 @@ class Verdict:
 
 
 def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
-    """(overrides, cost, config) for every combination of at most three knob changes."""
+    """(changes, (number of knobs, cost)) for every combination of at most four knob changes."""
     import itertools
 
     a, r, t = cfg.actor, cfg.rollout, cfg.trainer
@@ -342,7 +342,7 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
     options["actor.tp"] = [(a.tp * 2 ** k, k) for k in (1, 2, 3) if a.tp * 2 ** k * a.cp <= per_node]
     options["actor.pp"] = [(a.pp * 2 ** k, k) for k in (1, 2, 3) if a.pp * 2 ** k <= cfg.model.num_layers]
     knobs = [k for k in options if options[k]]
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 4):
         for combo in itertools.combinations(knobs, n):
             for values in itertools.product(*(options[k] for k in combo)):
                 cost = sum(KNOB_COST[k] + steps for k, (_, steps) in zip(combo, values))
