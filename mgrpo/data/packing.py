@@ -1,13 +1,18 @@
 """Micro-batches under a token budget (actor.max_tokens_per_gpu).
 
-On CPU and in the padded Megatron path a micro-batch costs count x longest tokens, so the packer
-bounds that padded size, not the sum of lengths. Sorting by length first puts similar lengths
-together, which keeps the padding small; ties keep their original order so the result is
-deterministic. The gradient does not depend on the cut (the loss weights are global, see
-mgrpo.algorithms.aggregation), so the packer is free to reorder.
+Two costs, one per micro-batch format (mgrpo.training.batch):
+  - padded [b, s] rows cost count x longest tokens: `pack_micro_batches` bounds that padded size.
+    Sorting by length first puts similar lengths together, which keeps the padding small.
+  - packed (THD) rows cost the sum of the lengths: `pack_by_tokens` fills micro-batches first-fit,
+    longest first, so there is no padding at all (beyond any per-sequence rounding the caller
+    already added to the lengths).
+Ties keep their original order so the result is deterministic. The gradient does not depend on the
+cut (the loss weights are global, see mgrpo.algorithms.aggregation), so the packers are free to
+reorder.
 
 A sample longer than the budget cannot be split here; it gets a micro-batch of its own and is
-reported by `over_budget` so the trainer can count it.
+reported by `over_budget` so the trainer can count it. (Context parallelism splits it over ranks:
+the trainer budgets cp x max_tokens_per_gpu per micro-batch.)
 """
 
 from __future__ import annotations
@@ -41,6 +46,26 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int, *, min_micro_bat
         g = groups[j]
         groups[j:j + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
     return groups
+
+
+def pack_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Sample indices grouped into micro-batches with sum(lengths in group) <= max_tokens.
+
+    First-fit decreasing: longest first, each into the first micro-batch with room, else a new one.
+    Within a micro-batch the samples keep ascending index order."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens={max_tokens} must be positive")
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
+        if k is None:
+            groups.append([i])
+            room.append(max_tokens - lengths[i])
+        else:
+            groups[k].append(i)
+            room[k] -= lengths[i]
+    return [sorted(g) for g in groups]
 
 
 def over_budget(lengths: Sequence[int], max_tokens: int) -> list[int]:

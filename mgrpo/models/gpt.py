@@ -44,7 +44,8 @@ def fp8_kwargs(fp8: Optional[str], fp8_recipe: str = "delayed", *, fp8_param: bo
 def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
                               use_te: bool = False, params_dtype: torch.dtype = torch.float32,
                               sequence_parallel: bool = False, fp8: Optional[str] = None,
-                              fp8_recipe: str = "delayed", fp8_param: bool = False) -> dict:
+                              fp8_recipe: str = "delayed", fp8_param: bool = False,
+                              cp_comm_type: str = "p2p") -> dict:
     """The TransformerConfig fields for `model` (its family's architecture) at a parallel layout,
     without any capability check. Kept separate from `transformer_config` so the GPU configuration
     can be inspected on a CPU.
@@ -89,6 +90,8 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
         # TE picks flash / cuDNN fused attention (both take THD-packed sequences); RoPE and
         # SwiGLU fusions are TE kernels too.
         kwargs.update(attention_backend=AttnBackend.auto, bias_activation_fusion=True, apply_rope_fusion=True)
+        if cp > 1:  # TE's exchange of keys and values between CP ranks (the CPU reference all-gathers)
+            kwargs.update(cp_comm_type=cp_comm_type)
     else:
         # Local spec on a GPU without TE: megatron's own fused kernels only (RoPE fusion needs TE).
         kwargs.update(attention_backend=AttnBackend.local, bias_activation_fusion=True, apply_rope_fusion=False)
@@ -99,7 +102,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
 def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                        fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
-                       use_te: Optional[bool] = None):
+                       use_te: Optional[bool] = None, cp_comm_type: str = "p2p"):
     """TransformerConfig for `model` at the given parallel layout.
 
     On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
@@ -119,16 +122,33 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
         raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec, but use_te=False")
     kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
                                        params_dtype=params_dtype, sequence_parallel=sequence_parallel,
-                                       fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param)
+                                       fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param,
+                                       cp_comm_type=cp_comm_type)
     return TransformerConfig(**kwargs)
 
 
+def with_reference_attention(spec):
+    """A copy of a local decoder-layer spec whose core attention is `ReferenceCoreAttention`: exact
+    attention over THD-packed and context-parallel batches, which megatron's local
+    `DotProductAttention` refuses (see mgrpo/models/attention.py)."""
+    import copy
+
+    from mgrpo.models.attention import ReferenceCoreAttention
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = ReferenceCoreAttention
+    return spec
+
+
 def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_process: bool,
-                    pg_collection=None, use_te: Optional[bool] = None, vocab_padded: Optional[int] = None):
+                    pg_collection=None, use_te: Optional[bool] = None, vocab_padded: Optional[int] = None,
+                    packed: bool = False):
     """One pipeline stage of `model` as a GPTModel.
 
     `use_te=None` follows the config: the TE spec exactly when `tf_config` was built for it
-    (fp8 set or a non-local attention backend) and TE can run here.
+    (fp8 set or a non-local attention backend) and TE can run here. `packed`: the stage will be fed
+    THD-packed micro-batches. TE's attention takes those and context parallelism itself; without TE
+    (the local spec) both go through `ReferenceCoreAttention` instead of megatron's local attention.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.enums import AttnBackend
@@ -137,9 +157,12 @@ def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_pr
         use_te = (tf_config.fp8 is not None or tf_config.attention_backend != AttnBackend.local) and te_available()
     family = family_of(model)
     tp = tf_config.tensor_model_parallel_size
+    spec = family.layer_spec(use_te=use_te)
+    if not use_te and (packed or tf_config.context_parallel_size > 1):
+        spec = with_reference_attention(spec)
     return GPTModel(
         config=tf_config,
-        transformer_layer_spec=family.layer_spec(use_te=use_te),
+        transformer_layer_spec=spec,
         vocab_size=vocab_padded or padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,
@@ -152,15 +175,16 @@ def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_pr
 
 
 def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple_of: int = 1,
-                      device: Optional[torch.device | str] = None):
+                      padded_lens: Optional[Sequence[int]] = None, device: Optional[torch.device | str] = None):
     """megatron's PackedSeqParams (THD format) for sequences laid end to end in one row.
 
     `cu_seqlens` are the int32 prefix sums [0, l0, l0+l1, ...] that TE's flash / fused attention
-    take. With `pad_to_multiple_of` > 1 (context parallelism needs each sequence padded to a
-    multiple of 2*cp; FP8 GEMMs like multiples of 16) each sequence occupies its length rounded
-    up in the packed row, and `cu_seqlens_*_padded` give those padded offsets while `cu_seqlens_*`
-    keep the real lengths. THD needs the TE spec (a CUDA attention kernel); the local spec on CPU
-    runs padded [b, s] batches instead.
+    take. When sequences occupy more slots than their length (context parallelism needs each one
+    padded to a multiple of 2*cp; FP8 GEMMs want multiples of 16), either `pad_to_multiple_of` > 1
+    rounds each length up or `padded_lens` gives the slots; `cu_seqlens_*_padded` are then those
+    padded offsets (rotary positions and the CP split follow them) while `cu_seqlens_*` keep the
+    real lengths. `max_seqlen_*` is the longest padded sequence. TE's attention consumes THD on a
+    GPU; without TE, `ReferenceCoreAttention` (mgrpo/models/attention.py) does.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -176,8 +200,14 @@ def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple
     cu = cumulative(lens)
     padded = None
     max_len = int(lens.max())
-    if pad_to_multiple_of > 1:
+    plens = None
+    if padded_lens is not None:
+        plens = torch.as_tensor(padded_lens, dtype=torch.int64).flatten().cpu()
+        if plens.shape != lens.shape or bool((plens < lens).any()):
+            raise ValueError(f"padded_lens {plens.tolist()} must match seq_lens {lens.tolist()} and be >= them")
+    elif pad_to_multiple_of > 1:
         plens = (lens + pad_to_multiple_of - 1) // pad_to_multiple_of * pad_to_multiple_of
+    if plens is not None:
         padded = cumulative(plens)
         max_len = int(plens.max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,

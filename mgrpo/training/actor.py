@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from mgrpo.config import MGRPOConfig
-from mgrpo.data.packing import over_budget, pack_micro_batches
+from mgrpo.data.packing import over_budget, pack_by_tokens, pack_micro_batches
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.gpt import build_gpt_model, transformer_config
-from mgrpo.training.batch import RankBatch, build_micro_batch, split_per_sample
+from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
 from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step
 from mgrpo.training.parallel import init_parallel
@@ -38,7 +38,11 @@ class MegatronActor:
         bf16 = a.dtype == "bf16"
         self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                            fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param)
+                                            fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param,
+                                            cp_comm_type=a.cp_comm_type)
+        # micro-batch layout: padded rows or THD-packed, this rank's CP share, FP8 slot multiples
+        self.layout = batch_layout(packed=a.pack_sequences, cp=a.cp, cp_rank=self.ctx.cp_rank,
+                                   fp8_recipe=a.fp8_recipe if a.fp8 is not None else None)
         self.head = LogProbHead(cfg, self.ctx)
 
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -68,7 +72,7 @@ class MegatronActor:
     def _build_stage(self, tf_config, hf_dir: str):
         c = self.ctx
         gpt = build_gpt_model(self.cfg.model, tf_config, pre_process=c.is_first_stage, post_process=c.is_last_stage,
-                              pg_collection=c.pg_collection)
+                              pg_collection=c.pg_collection, packed=self.layout.packed)
         load_hf_into_megatron(gpt, hf_dir, self.cfg.model, tp_rank=c.tp_rank, tp_size=c.tp,
                                             pp_rank=c.pp_rank, pp_size=c.pp)
         emit_hidden_states(gpt)
@@ -81,13 +85,20 @@ class MegatronActor:
 
     def info(self) -> dict:
         c = self.ctx
-        return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank,
+        return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, cp_rank=c.cp_rank, dp_rank=c.dp_rank,
                     is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source)
 
     # --- megatron schedule plumbing ---------------------------------------------------------------
+    @property
+    def token_budget(self) -> int:
+        """Slots of one micro-batch over the CP group: each CP rank holds 1/cp of them."""
+        return self.cfg.actor.max_tokens_per_gpu * self.ctx.cp
+
     def _micro_batches(self, batch: RankBatch):
-        groups = pack_micro_batches(batch.lengths(), self.cfg.actor.max_tokens_per_gpu)
-        return [build_micro_batch(batch.select(idx)) for idx in groups], groups
+        lay = self.layout
+        slots = [lay.slots(n) for n in batch.lengths()]
+        groups = (pack_by_tokens if lay.packed else pack_micro_batches)(slots, self.token_budget)
+        return [build_micro_batch(batch.select(idx), lay).to(self.ctx.device) for idx in groups], groups
 
     def _run(self, model, step_fn, micro_batches, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -107,14 +118,14 @@ class MegatronActor:
     def compute_logprobs(self, batch: RankBatch, which: str, temperature: float) -> Optional[dict]:
         """Per-response-token log-probs (and entropy) of `which` in {'actor', 'ref'}.
 
-        Returned by the last pipeline stage (one TP rank suffices; all hold the same values)."""
+        Returned by the last pipeline stage (one TP and CP rank suffices; all hold the same values)."""
         model = self.actor if which == "actor" else self.ref
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
         mbs, groups = self._micro_batches(batch)
         out = self._run(model, forward_only_step(self.head, lambda: output_weight(gpt), temperature), mbs, True)
-        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
+        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
             return None
         logprobs: list = [None] * len(batch)
         entropy: list = [None] * len(batch)
@@ -158,19 +169,20 @@ class MegatronActor:
             "actor/skipped_steps": float(self.skipped_steps),
             "actor/micro_batches": float(len(mbs)),
             # samples longer than actor.max_tokens_per_gpu: each ran alone in a micro-batch over budget
-            "actor/over_budget_samples": float(len(over_budget(batch.lengths(), self.cfg.actor.max_tokens_per_gpu))),
+            "actor/over_budget_samples": float(len(over_budget(batch.lengths(), self.token_budget))),
             "timing_s/fwd_bwd": time.perf_counter() - t0,
         })
         return metrics
 
     def _reduce_metrics(self, out: Sequence[dict]) -> dict:
-        """Sum the per-micro-batch metric sums on the last stage, then over DP; share along the pipeline."""
+        """Sum the per-micro-batch metric sums on the last stage, then over DP and CP (each CP rank's sums
+        cover the tokens it holds); share along the pipeline."""
         c = self.ctx
         metrics: dict = {}
         if c.is_last_stage:
             keys = sorted(out[0]) if out else []
             vec = torch.tensor([sum(float(m[k]) for m in out) for k in keys], dtype=torch.float64)
-            dist.all_reduce(vec, group=c.dp_group)
+            dist.all_reduce(vec, group=c.dp_cp_group)
             metrics = dict(zip(keys, vec.tolist()))
         if c.pp > 1:
             box = [metrics]

@@ -1,18 +1,31 @@
-"""The trainer's view of a batch: samples in, padded micro-batch tensors out.
+"""The trainer's view of a batch: samples in, micro-batch tensors out.
 
 The driver sends each data-parallel rank a `RankBatch`: token ids per sample plus per-response-token
-fields (advantages, old / reference / rollout log-probs, aggregation weights). The rank packs the
-samples into micro-batches under its token budget and turns each into a `MicroBatch`: right-padded
-token ids for Megatron and, for the loss, the flat positions of the response tokens. Only those
-positions ever reach the log-prob kernel, so padding and prompt tokens cost no vocabulary work.
+fields (advantages, old / reference / rollout log-probs, aggregation weights). The rank groups the
+samples into micro-batches under its token budget and turns each into a `MicroBatch` laid out as a
+`BatchLayout` says:
+  - padded: [b, s] right-padded rows (megatron's plain format);
+  - packed (THD): the samples end to end in one row, with `PackedSeqParams` (cu_seqlens) telling the
+    attention where each begins; position ids restart at 0 in every sample;
+  - context parallel (cp > 1, either format): every sample (row) is padded to a multiple of 2*cp and
+    this CP rank keeps chunks r and 2*cp-1-r of it (`mgrpo.models.attention.cp_positions`), with
+    the global position ids of those tokens;
+  - FP8: slot counts rounded up to what Transformer Engine's FP8 GEMMs take (`fp8_token_multiple`).
+For the loss it keeps the flat positions of the hidden states that predict this rank's response
+tokens, their labels and their per-token fields. Only those positions ever reach the log-prob
+kernel, so padding and prompt tokens cost no vocabulary work, and a token's weight travels with it
+whichever rank holds it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from mgrpo.models.attention_layout import cp_positions
 
 # Per-response-token fields a RankBatch may carry (each a list of per-sample lists of floats).
 TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "token_weight")
@@ -48,41 +61,128 @@ class RankBatch:
             **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight)
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a rank lays out its micro-batches (the same on every rank of a model replica, except cp_rank)."""
+
+    packed: bool = False
+    """THD: samples end to end (True) or right-padded [b, s] rows (False)."""
+    cp: int = 1
+    cp_rank: int = 0
+    seq_multiple: int = 1
+    """Each sample (packed) / the row length (padded) is rounded up to a multiple of this."""
+    token_multiple: int = 1
+    """This rank's token count per micro-batch is rounded up to a multiple of this."""
+
+    @property
+    def global_multiple(self) -> int:
+        """Slots of a whole micro-batch (all CP ranks) are a multiple of this; so is every row."""
+        return math.lcm(self.seq_multiple, self.token_multiple * self.cp)
+
+    def slots(self, length: int) -> int:
+        """Slots one sample occupies before its micro-batch is known (what the packer budgets)."""
+        return _round_up(length, self.seq_multiple if self.packed else self.global_multiple)
+
+
+def fp8_token_multiple(recipe: str) -> int:
+    """Token-count multiple of Transformer Engine's FP8 GEMMs. TE asserts (utils.assert_dim_for_fp8_exec)
+    that a GEMM input's leading dims multiply to a multiple of 8 and its last dim is a multiple of 16;
+    the weight-gradient GEMM contracts over tokens, so tokens need 16 (megatron's
+    fp8_utils.get_fp8_align_size: 16; MXFP8 scales 32-element blocks: 32). Blockwise scaling quantises
+    activations in 1x128 tiles, whose transpose for the weight gradient tiles the token dim by 128."""
+    return {"mxfp8": 32, "blockwise": 128}.get(recipe, 16)
+
+
+def batch_layout(*, packed: bool, cp: int = 1, cp_rank: int = 0, fp8_recipe: Optional[str] = None) -> BatchLayout:
+    """The layout for a parallel setup: CP needs sequences in 2*cp equal chunks; FP8 (fp8_recipe set
+    when actor.fp8 is) wants 16 slots per sequence and per micro-batch (32 / 128, see fp8_token_multiple)."""
+    seq = 2 * cp if cp > 1 else 1
+    tokens = 1
+    if fp8_recipe is not None:
+        tokens = fp8_token_multiple(fp8_recipe)
+        seq = math.lcm(seq, 16 if fp8_recipe != "mxfp8" else 32)
+    return BatchLayout(packed=packed, cp=cp, cp_rank=cp_rank, seq_multiple=seq, token_multiple=tokens)
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
 @dataclass
 class MicroBatch:
     tokens: torch.Tensor
-    """[b, s] right-padded input ids."""
+    """Input ids of this rank: [b, s_local] padded rows, or [1, t_local] packed."""
     position_ids: torch.Tensor
+    """Same shape: each token's position within its own sample (global position under CP)."""
     positions: torch.Tensor
-    """[T] flat indices (row * s + t - 1) of the hidden states that predict each response token t."""
+    """[T] flat indices into this rank's hidden states [b * s_local] / [t_local] of the states that
+    predict each of its response tokens."""
     labels: torch.Tensor
     """[T] the response tokens."""
     sample_of_token: torch.Tensor
-    """[T] row of each response token within the micro-batch."""
+    """[T] index of each response token's sample within the micro-batch."""
     response_lens: list[int]
+    """Response length of every sample of the micro-batch (all of it, whichever rank holds it)."""
     fields: dict[str, torch.Tensor]
-    """[T] per-token fields flattened in the same order; plus 'seq_index' as [T] long."""
+    """[T] per-token fields in the same order; plus 'seq_index' as [T] long."""
     metric_weight: float = 0.0
+    packed_seq_params: Optional[object] = None
+    """megatron's PackedSeqParams (THD) when packed; None for padded rows."""
+    token_order: Optional[torch.Tensor] = None
+    """Under CP: [T] index of each of this rank's response tokens among all the micro-batch's response
+    tokens in sample order (`sum(response_lens)`); None when this rank holds them all, in that order."""
+    slots: int = 0
+    """Token slots this micro-batch occupies on this rank (padding included)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.labels.numel())
 
+    def to(self, device) -> "MicroBatch":
+        """This micro-batch on `device` (megatron's modules and TE's cu_seqlens live on the GPU)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        psp = self.packed_seq_params
+        if psp is not None:
+            from dataclasses import replace
 
-def build_micro_batch(batch: RankBatch, pad_id: int = 0) -> MicroBatch:
-    b = len(batch)
-    s = max(batch.lengths())
-    tokens = torch.full((b, s), pad_id, dtype=torch.long)
-    positions, labels, rows, resp_lens = [], [], [], []
-    for row, (ids, p) in enumerate(zip(batch.input_ids, batch.prompt_lens)):
-        tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        r = len(ids) - p
-        if p < 1:
-            raise ValueError("every sample needs at least one prompt token")
-        positions.extend(row * s + t - 1 for t in range(p, len(ids)))
-        labels.extend(ids[p:])
-        rows.extend([row] * r)
-        resp_lens.append(r)
+            psp = replace(psp, **{k: move(getattr(psp, k)) for k in
+                                  ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")})
+        return MicroBatch(tokens=move(self.tokens), position_ids=move(self.position_ids), positions=move(self.positions),
+                          labels=move(self.labels), sample_of_token=move(self.sample_of_token),
+                          response_lens=self.response_lens, fields={k: move(v) for k, v in self.fields.items()},
+                          metric_weight=self.metric_weight, packed_seq_params=psp,
+                          token_order=move(self.token_order), slots=self.slots)
+
+
+def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad_id: int = 0) -> MicroBatch:
+    """One micro-batch of this rank from the samples of `batch` (see the module doc for the layouts)."""
+    from mgrpo.models.gpt import packed_seq_params
+
+    lens, cp = batch.lengths(), layout.cp
+    if any(p < 1 for p in batch.prompt_lens):
+        raise ValueError("every sample needs at least one prompt token")
+    if layout.packed:
+        slots = [layout.slots(n) for n in lens]
+        slots[-1] += _round_up(sum(slots), layout.global_multiple) - sum(slots)  # FP8: the total too
+    else:
+        slots = [_round_up(max(lens), layout.global_multiple)] * len(lens)
+    tokens, pos_ids, positions, labels, rows, order = [], [], [], [], [], []
+    local = resp = 0
+    for i, (ids, p, n, width) in enumerate(zip(batch.input_ids, batch.prompt_lens, lens, slots)):
+        ids_t = torch.full((width,), pad_id, dtype=torch.long)
+        ids_t[:n] = torch.tensor(ids, dtype=torch.long)
+        g = cp_positions(width, cp, layout.cp_rank)  # positions of this sample that this rank holds
+        tokens.append(ids_t[g])
+        pos_ids.append(g)
+        # the hidden state at position g predicts token g + 1: a response token when p <= g + 1 < n
+        sel = torch.nonzero((g >= p - 1) & (g <= n - 2)).flatten()
+        positions.append(local + sel)
+        labels.append(ids_t[g[sel] + 1])
+        rows.append(torch.full((sel.numel(),), i, dtype=torch.long))
+        order.append(resp + g[sel] + 1 - p)
+        local, resp = local + g.numel(), resp + n - p
+    resp_lens = [n - p for n, p in zip(lens, batch.prompt_lens)]
+    order_t = torch.cat(order)
     fields: dict[str, torch.Tensor] = {}
     for name in TOKEN_FIELDS:
         values = getattr(batch, name)
@@ -90,18 +190,23 @@ def build_micro_batch(batch: RankBatch, pad_id: int = 0) -> MicroBatch:
             for v, r in zip(values, resp_lens):
                 if len(v) != r:
                     raise ValueError(f"{name} has {len(v)} values for a response of {r} tokens")
-            fields[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+            fields[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)[order_t]
+    rows_t = torch.cat(rows)
     if batch.seq_index:
-        fields["seq_index"] = torch.tensor([batch.seq_index[i] for i in rows], dtype=torch.long)
+        fields["seq_index"] = torch.tensor(batch.seq_index, dtype=torch.long)[rows_t]
+    shape = (1, local) if layout.packed else (len(lens), local // len(lens))
     return MicroBatch(
-        tokens=tokens,
-        position_ids=torch.arange(s).unsqueeze(0).expand(b, s),
-        positions=torch.tensor(positions, dtype=torch.long),
-        labels=torch.tensor(labels, dtype=torch.long),
-        sample_of_token=torch.tensor(rows, dtype=torch.long),
+        tokens=torch.cat(tokens).view(shape),
+        position_ids=torch.cat(pos_ids).view(shape),
+        positions=torch.cat(positions),
+        labels=torch.cat(labels),
+        sample_of_token=rows_t,
         response_lens=resp_lens,
         fields=fields,
         metric_weight=batch.metric_weight,
+        packed_seq_params=packed_seq_params(lens, padded_lens=slots) if layout.packed else None,
+        token_order=order_t if cp > 1 else None,
+        slots=local,
     )
 
 

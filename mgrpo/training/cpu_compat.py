@@ -166,6 +166,22 @@ def _apply_current_stream() -> None:
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
 
 
+def _apply_rope_cp_index() -> None:
+    # With context parallelism, get_pos_emb_on_this_cp_rank builds its chunk index as
+    # torch.tensor(..., device="cpu", pin_memory=True).cuda(): pinned memory needs an accelerator.
+    # The index stays an ordinary CPU tensor (`.cuda()` is already "stay" under tensor_cuda).
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+
+    proxy = _CpuTorch("torch_without_pinned_memory")
+
+    def tensor(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return torch.tensor(*args, **kwargs)
+
+    proxy.tensor = tensor
+    rope_utils.torch = proxy
+
+
 # Patches for code that only some megatron-core releases contain. Each is applied exactly where its
 # premise holds (a capability check, not a version pin), so one tree runs on 0.16.1 and on newer releases.
 OPTIONAL_PATCHES: tuple[Patch, ...] = (
@@ -174,6 +190,11 @@ OPTIONAL_PATCHES: tuple[Patch, ...] = (
           lambda: _source_has("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
                               "torch.cuda.current_stream()"),
           _apply_current_stream),
+    Patch("rope_cp_index", "context parallelism: rope_utils.get_pos_emb_on_this_cp_rank pins its chunk index "
+          "(pin_memory=True), which needs an accelerator",
+          lambda: _source_has("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+                              "pin_memory=True"),
+          _apply_rope_cp_index),
 )
 
 _applied: list[str] = []

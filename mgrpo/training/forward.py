@@ -95,16 +95,35 @@ class LogProbHead:
         return loss, metrics
 
 
+def run_model(model, mb: MicroBatch):
+    """The stage's forward on one micro-batch: padded rows, or THD-packed with its PackedSeqParams."""
+    return model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
+
+
+def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Tensor:
+    """This CP rank's per-token values -> the whole micro-batch's, in sample order, on every CP rank.
+    Each response token is held by exactly one CP rank, so scattering into zeros and summing over
+    the group is exact."""
+    if mb.token_order is None:
+        return values
+    full = values.new_zeros(sum(mb.response_lens))
+    full[mb.token_order] = values
+    torch.distributed.all_reduce(full, group=cp_group)
+    return full
+
+
 def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float):
-    """forward_step_func for megatron's schedules collecting per-token log-probs (and entropy)."""
+    """forward_step_func for megatron's schedules collecting per-token log-probs (and entropy), in
+    sample order (gathered over the CP group)."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        out = model(mb.tokens, mb.position_ids, attention_mask=None)
+        out = run_model(model, mb)
 
         def collect(hidden):
             lp, ent = head.logprobs(hidden, get_weight(), mb, temperature)
-            return torch.zeros((), dtype=torch.float32), {"logprobs": lp.detach(), "entropy": ent.detach()}
+            lp, ent = (in_sample_order(x.detach(), mb, head.ctx.cp_group) for x in (lp, ent))
+            return torch.zeros((), dtype=torch.float32), {"logprobs": lp, "entropy": ent}
 
         return out, collect
 
@@ -113,11 +132,13 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
 
 def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float):
     """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
-    data-parallel ranks: our token weights already normalise by the global mini-batch."""
+    data-parallel ranks: our token weights already normalise by the global mini-batch. Under CP each
+    rank's loss covers the response tokens it holds; megatron multiplies the loss by cp and averages
+    gradients over the dp x cp ranks, so the same scale makes the gradient the sum over CP ranks."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        out = model(mb.tokens, mb.position_ids, attention_mask=None)
+        out = run_model(model, mb)
 
         def loss_func(hidden):
             loss, metrics = head.loss(hidden, get_weight(), mb, temperature)

@@ -45,6 +45,16 @@ class ParallelContext:
         return self.pg_collection.dp
 
     @property
+    def cp_group(self):
+        return self.pg_collection.cp
+
+    @property
+    def dp_cp_group(self):
+        """Ranks that hold identical weights (data-parallel replicas x CP ranks): gradients and the
+        metric sums of the loss are reduced over it, since each CP rank holds part of every sample."""
+        return self.pg_collection.dp_cp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -54,7 +64,8 @@ class ParallelContext:
 
     @property
     def is_weight_source(self) -> bool:
-        """Ranks that send their pipeline stage's weights to the rollout engines."""
+        """Ranks that send their pipeline stage's weights to the rollout engines (CP ranks hold the
+        same weights as CP rank 0, like data-parallel replicas)."""
         return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
 
