@@ -411,8 +411,16 @@ RULES: dict[str, Rule] = {
     **{f"trainer.{k}": ignore("operations only") for k in ("del_local_ckpt_after_load", "esi_redundant_time",
                                                             "ray_wait_register_center_timeout", "default_hdfs_dir",
                                                             "use_legacy_worker_impl")},
+    "reward_model.overlong_buffer.enable": to("algorithm.overlong_buffer.enable", bool),
+    "reward_model.overlong_buffer.len": to("algorithm.overlong_buffer.len", int),
+    "reward_model.overlong_buffer.penalty_factor": to("algorithm.overlong_buffer.penalty_factor", float),
+    "reward_model.overlong_buffer.log": ignore("logging only"),
+    "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
+                                "(dynamic sampling adds rounds until the batch is full); drop the key"),
     "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo", "mgrpo has no reward model"),
-    "reward_model.reward_manager": only(lambda v: v in ("naive", None), "naive: one score per sample, as in mgrpo",
+    "reward_model.reward_manager": only(lambda v: v in ("naive", "dapo", None),
+                                        "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping "
+                                        "is algorithm.overlong_buffer)",
                                         "mgrpo scores each sample with the function of its data_source"),
     "custom_reward_function.path": only(falsy, "null",
                                         "mgrpo takes reward functions by import path per data_source: "
