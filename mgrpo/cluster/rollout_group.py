@@ -20,6 +20,7 @@ import ray
 from tqdm import tqdm
 
 from mgrpo.cluster.placement import Placement
+from mgrpo.cluster.trainer_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.rollout.factory import EngineContext, build_engine, engine_spec
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
@@ -127,6 +128,7 @@ class RolloutGroup:
         self.hf_dir = hf_dir
         self.engines = [self._start(i) for i in range(cfg.rollout.num_engines)]
         ray.get([e.health.remote() for e in self.engines])  # wait until every engine is up
+        self.nodes = [a["node_ip"] for a in ray.get([e.address.remote() for e in self.engines])]
         self.front = None
         """A router in front of several engines (when the engine has one): generation goes through it."""
         if self.spec.front is not None and len(self.engines) > 1:
@@ -296,7 +298,14 @@ class RolloutGroup:
         except Exception:  # dead actor, timeout, or an engine reporting an error
             return False
 
+    def _node_lost(self, index: int, wait_s: float) -> None:
+        """Raise, naming the node, if engine `index`'s node left the cluster (its bundle has nowhere to go)."""
+        if self.nodes[index] in dead_nodes(wait_s):
+            raise RuntimeError(f"rollout engine {index} was on node {self.nodes[index]}, which left the Ray "
+                               "cluster; run again with trainer.resume=auto to continue from the last checkpoint")
+
     def _restart(self, index: int) -> None:
+        self._node_lost(index, wait_s=0.0)
         log.warning("restarting rollout engine %d", index)
         self._stop(self.engines[index])
         try:
@@ -305,7 +314,14 @@ class RolloutGroup:
             pass
         self.engines[index] = self._start(index)
         self.generation += 1
-        ray.get(self.engines[index].health.remote())
+        ready, deadline = self.engines[index].health.remote(), time.monotonic() + self.cfg.rollout.request_timeout_s
+        while not ray.wait([ready], timeout=5.0)[0]:  # a node declared dead meanwhile ends the wait
+            self._node_lost(index, wait_s=0.0)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout engine {index} did not come back within rollout.request_timeout_s="
+                                   f"{self.cfg.rollout.request_timeout_s}")
+        ray.get(ready)
+        self.nodes[index] = ray.get(self.engines[index].address.remote())["node_ip"]
         if self.front is not None:
             new_url = ray.get(self.engines[index].address.remote())["url"]
             self.front.replace(self.urls[index], new_url)

@@ -8,6 +8,7 @@ return (the last pipeline stage for log-probs and metrics, the weight sources fo
 from __future__ import annotations
 
 import socket
+import time
 
 import ray
 
@@ -67,22 +68,34 @@ class TrainerGroup:
     def setup(self, cfg: MGRPOConfig) -> None:
         """Build the Megatron stages on every rank (after colocated engines took their memory)."""
         master_addr, master_port = ray.get(self.ranks[0].address.remote())
-        self.info = ray.get([
+        self.info = self._gather([
             r.setup.remote(cfg, rank=i, world_size=self.world, master_addr=master_addr, master_port=master_port,
                            **self._setup_args)
             for i, r in enumerate(self.ranks)
         ])
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+        return self._gather([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+
+    def _gather(self, refs: list) -> list:
+        """Results by rank. A rank that dies fails the call at once with the node it was on (the others
+        would otherwise wait in a collective for the whole process-group timeout)."""
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done[0])
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(lost_nodes_message("a trainer rank died", self.devices, err)) from err
+        return ray.get(refs)
 
     def _sharded(self, method: str, shards: list, *args, **kwargs) -> list:
         """Call `method(shard_of_my_replica, ...)` on every rank; return results by rank."""
         if len(shards) != self.dp:
             raise ValueError(f"{len(shards)} shards for {self.dp} data-parallel replicas")
         refs = [ray.put(s) for s in shards]
-        return ray.get([r.call.remote(method, refs[info["dp_rank"]], *args, **kwargs)
-                        for r, info in zip(self.ranks, self.info)])
+        return self._gather([r.call.remote(method, refs[info["dp_rank"]], *args, **kwargs)
+                             for r, info in zip(self.ranks, self.info)])
 
     def compute_logprobs(self, shards: list, which: str, temperature: float) -> list[dict]:
         """Per-shard {'logprobs', 'entropy'}, in data-parallel order."""
@@ -114,3 +127,23 @@ class TrainerGroup:
             for r in self.ranks:
                 ray.kill(r)
 
+
+def dead_nodes(wait_s: float = 0.0) -> set[str]:
+    """Addresses of the Ray nodes that left the cluster; waits up to `wait_s` for one to be reported (an
+    actor's death is often seen before the cluster has declared its node dead)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = {n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive", True)}
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(1.0)
+
+
+def lost_nodes_message(what: str, rank_devices: list[dict], err: Exception) -> str:
+    """Name the Ray nodes that are gone (and which trainer ranks were on them), so that the user knows
+    which machine to look at before resuming with trainer.resume=auto."""
+    dead = dead_nodes(wait_s=60.0)
+    ranks = [i for i, d in enumerate(rank_devices) if d["node_ip"] in dead]
+    where = (f"node(s) {sorted(dead)} left the Ray cluster (trainer ranks {ranks} were there)" if dead
+             else "no Ray node is reported dead")
+    return f"{what}: {where}; run again with trainer.resume=auto to continue from the last checkpoint. ({err})"

@@ -1,6 +1,6 @@
 """RL records on disk (JSONL or Parquet), read strictly.
 
-One record per line / row, in the format veRL users already have (DESIGN.md section 5):
+One record per line / row, in the format veRL users already have:
     {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "..."}], "ability": "math",
      "reward_model": {"ground_truth": "72", "style": "rule"}, "extra_info": {...}}
 `prompt` may also be a plain string (raw-text tasks such as the synthetic ones).

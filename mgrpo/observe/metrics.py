@@ -1,4 +1,4 @@
-"""Metrics of one step's experience, under the names veRL users read (DESIGN.md section 5)."""
+"""Metrics of one step's experience, under the names veRL users read (metric names as in veRL)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""In-process rollout engine on Hugging Face transformers (the CPU backend of DESIGN.md section 4).
+"""In-process rollout engine on Hugging Face transformers (the CPU backend; see docs/architecture.md).
 
 It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
 log-probs, receive HF-named weight buckets from the trainer, report health. It is what the default

@@ -65,7 +65,7 @@ def launch_command(module: str, hf_dir: str, *, tp: int, host: str, port: int, m
 def check_host(host: str) -> str:
     if host.strip() in WILDCARD_HOSTS:
         raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "
-                         "node's cluster address only (DESIGN.md section 7); pass host=<node IP> or leave it "
+                         "node's cluster address only; pass host=<node IP> or leave it "
                          "unset to use this node's address")
     return host
 

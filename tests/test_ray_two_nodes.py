@@ -1,0 +1,111 @@
+"""Two Ray nodes on one machine, started with `ray start` as on a cluster (a head at one loopback address,
+a worker at another, each with its own resources): the default job spreads its trainer ranks and engine
+over both and learns as on one node; a worker node that dies mid-run fails the job with a message naming
+the node, and the job started again resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.test_e2e import read_metrics
+
+HEAD, WORKER = "127.0.0.1", "127.0.0.2"
+
+
+def ray_cmd(*args: str, tmp: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tmp}
+    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+class TwoNodes:
+    def __init__(self, cpus_per_node: int = 2):
+        self.tmp = tempfile.mkdtemp(prefix="mgrpo-2n-", dir="/tmp")
+        self.port = 36000 + os.getpid() % 2000
+        self.cpus = cpus_per_node
+        out = ray_cmd("start", "--head", f"--node-ip-address={HEAD}", f"--port={self.port}", f"--num-cpus={self.cpus}",
+                      "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.tmp}", tmp=self.tmp)
+        assert out.returncode == 0, out.stdout + out.stderr
+        self.address = f"{HEAD}:{self.port}"
+        self.start_worker()
+
+    def start_worker(self) -> None:
+        out = ray_cmd("start", f"--address={self.address}", f"--node-ip-address={WORKER}", f"--num-cpus={self.cpus}",
+                      "--disable-usage-stats", tmp=self.tmp)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    def kill_worker(self) -> int:
+        """SIGKILL the worker node's raylet (its workers go with it), as when the machine dies."""
+        killed = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if "raylet" in cmd and f"--node_ip_address={WORKER}" in cmd:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        return killed
+
+    def stop(self) -> None:
+        ray_cmd("stop", "--force", tmp=self.tmp)
+
+
+@pytest.fixture
+def two_nodes():
+    nodes = TwoNodes()
+    yield nodes
+    nodes.stop()
+
+
+def train(nodes: TwoNodes, run_dir: str, *args: str) -> subprocess.Popen:
+    # two trainer ranks (TP=2) fill one node's 2 CPU slots, so the engine lands on the other node
+    cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}",
+           f"trainer.ray_address={nodes.address}", "actor.tp=2", "trainer.save_hf=false", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+
+@pytest.mark.slow
+def test_default_job_learns_over_two_ray_nodes(two_nodes, tmp_path):
+    run_dir = str(tmp_path)
+    p = train(two_nodes, run_dir)
+    out, _ = p.communicate(timeout=1200)
+    assert p.returncode == 0, out[-4000:]
+    assert "engines 1" in out and "trainer ranks 2" in out
+    rewards = [m["critic/score/mean"] for m in read_metrics(run_dir)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    with open(os.path.join(run_dir, "two_nodes.json"), "w") as f:
+        json.dump({"first10": first, "last10": last}, f)
+    assert first <= 0.3 and last >= 0.8, (first, last)
+
+
+@pytest.mark.slow
+def test_worker_node_death_fails_naming_the_node_and_the_rerun_resumes(two_nodes, tmp_path):
+    run_dir = str(tmp_path)
+    args = ("trainer.total_training_steps=6", "trainer.save_freq=2", "data.train_batch_size=8", "rollout.n=4")
+    p = train(two_nodes, run_dir, *args)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 600
+    while not (os.path.isfile(path) and sum(1 for _ in open(path)) >= 3):
+        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-4000:] if p.poll() is not None else ""
+        time.sleep(0.2)
+    assert two_nodes.kill_worker() >= 1
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode != 0
+    assert WORKER in out and "left the Ray cluster" in out, out[-4000:]
+    two_nodes.start_worker()  # the machine is back (or replaced)
+    p = train(two_nodes, run_dir, *args, "trainer.resume=auto")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-4000:]
+    assert "resumed from" in out
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
