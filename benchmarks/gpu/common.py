@@ -95,14 +95,22 @@ def describe_machine() -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu_memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count,
                     capability=f"{props.major}.{props.minor}", bf16_peak_tflops=bf16_peak(info["device"]))
-    try:
-        import subprocess
-
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
+    # The device machine gets a copy of the tree without .git: the caller names the commit there.
+    info["git_commit"] = os.environ.get("MGRPO_COMMIT") or _git_commit()
     return info
+
+
+def _git_commit():
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() + ("+dirty" if dirty else "")) if out.returncode == 0 else None
 
 
 def write_json(path: Path, obj) -> None:

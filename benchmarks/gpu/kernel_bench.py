@@ -32,7 +32,7 @@ OURS, PEERS = ("fused", "chunked"), ("liger", "liger_eager", "gemm")
 
 def ratios(rows: list[dict], T: int) -> dict:
     """time(ours) / time(peer) at T: below 1 means ours is faster."""
-    t = {r["impl"]: r["median_s"] for r in rows if r["T"] == T and r.get("median_s")}
+    t = {r["impl"]: r["median_s"] for r in rows if r.get("T") == T and r.get("median_s")}
     return {f"{o}/{p}": round(t[o] / t[p], 3) for o in OURS for p in PEERS if o in t and p in t}
 
 
