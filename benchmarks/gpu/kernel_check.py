@@ -136,6 +136,7 @@ def main(argv=None):
                                      "so fused bf16 is checked on a GPU only")
         rec["result"]["skipped"] = skipped
         rows = []
+        device_name = torch.cuda.get_device_name(0) if gpu else "cpu"
         for name, T, H, V, vocab_size, temp in (GPU_CASES if gpu else DRY_CASES):
             p = make_problem(T, H, V, vocab_size, device)
             for dname, dtype in DTYPES.items():
@@ -163,7 +164,7 @@ def main(argv=None):
                         e = errors(got, want)
                         tol = TOL[dname]
                         row = dict(case=name, T=T, H=H, V=V, vocab_size=vocab_size, temperature=temp, dtype=dname,
-                                   impl=impl, api=api, device=str(device),
+                                   impl=impl, api=api, device=device_name,
                                    **{k: float(f"{v:.3e}") for k, v in e.items()})
                         limits = {"lp_err": tol["lp"], "ent_err": tol["ent"], "gh_rel": tol["grad"],
                                   "gw_rel": tol["grad"], "loss_err": tol["loss"], "metrics_err": tol["metrics"]}
