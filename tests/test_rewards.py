@@ -147,6 +147,23 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
         assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
 
 
+def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
+    """A step's requests reach each worker as one message (not one round trip per response), and the
+    answers come back to the right requests."""
+    from mgrpo.rewards import judger as judger_mod
+
+    sent = []
+    real = judger_mod._Worker.send_todo
+    monkeypatch.setattr(judger_mod._Worker, "send_todo", lambda w, reqs: (sent.append(len(w.todo)), real(w, reqs)))
+    reqs = [ScoreRequest("openai/gsm8k", f"#### {i % 7}", str(i % 5)) for i in range(301)]
+    with Judger(RewardConfig(num_workers=2)) as judger:
+        res = judger.score(reqs)
+        assert sorted(sent) == [150, 151]
+        assert res.scores == [float(i % 7 == i % 5) for i in range(301)] and res.status == ["ok"] * 301
+        judger.score(reqs[:3])
+        assert sorted(sent[2:]) == [1, 2]
+
+
 def test_judger_replaces_a_worker_that_died_while_idle():
     with Judger(RewardConfig(num_workers=1)) as judger:
         assert judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")]).scores == [1.0]

@@ -1,10 +1,12 @@
 """The Judger: scores responses with the reward function of their data_source, safely and in parallel.
 
 Reward functions are arbitrary code (user functions, symbolic math that can hang), so each call is
-isolated: with reward.num_workers > 0 they run in that many worker processes (mgrpo.rewards.worker),
-one request per worker at a time. A call that raises scores 0 and counts as `failed`; a call that
-runs past reward.timeout_s gets its worker killed and restarted and scores 0 as `timeout`. Nothing
-a reward function does can crash the run or stall it for longer than the timeout.
+isolated: with reward.num_workers > 0 they run in that many worker processes (mgrpo.rewards.worker).
+Each worker gets its share of a step's requests as one message and answers call by call, so a step
+costs one round trip per worker, not one per response. A call that raises scores 0 and counts as
+`failed`; a call that runs past reward.timeout_s (timed from the worker's previous answer) gets its
+worker killed and restarted and scores 0 as `timeout`; the calls after it in that share go to the
+fresh worker. Nothing a reward function does can crash the run or stall it for longer than the timeout.
 
 With num_workers=0 functions run in the calling process: cheaper, but a hung function cannot be
 interrupted; a call that took longer than timeout_s still scores 0 and counts as a timeout.
@@ -58,7 +60,7 @@ class ScoreResult:
 
 
 class _Worker:
-    """One reward worker subprocess and its line buffer."""
+    """One reward worker subprocess, its line buffer and the requests it owes answers for."""
 
     def __init__(self, custom_functions: dict[str, str]):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
@@ -71,14 +73,21 @@ class _Worker:
         self.buf = b""
         self.ready = False
         self.started = time.monotonic()
-        self.job: Optional[tuple[int, float]] = None  # (request index, deadline)
+        self.todo: deque[int] = deque()
+        """Request indices given to this worker, not sent yet."""
+        self.sent: deque[int] = deque()
+        """Sent and not answered yet, in the order the worker scores them; the first is running."""
+        self.since = 0.0
+        """When the running call started (the batch was sent, or the previous call answered)."""
 
-    def send(self, idx: int, req: ScoreRequest, timeout_s: float) -> None:
-        msg = {"id": idx, "data_source": req.data_source, "response": req.response,
-               "ground_truth": req.ground_truth, "extra_info": req.extra_info}
-        self.proc.stdin.write((json.dumps(msg, default=str) + "\n").encode())
+    def send_todo(self, requests: list[ScoreRequest]) -> None:
+        """All of `todo` as one message."""
+        batch = [{"id": i, "data_source": requests[i].data_source, "response": requests[i].response,
+                  "ground_truth": requests[i].ground_truth, "extra_info": requests[i].extra_info} for i in self.todo]
+        self.proc.stdin.write((json.dumps({"requests": batch}, default=str) + "\n").encode())
         self.proc.stdin.flush()
-        self.job = (idx, time.monotonic() + timeout_s)
+        self.sent, self.todo = self.todo, deque()
+        self.since = time.monotonic()
 
     def read_lines(self) -> Optional[list[dict]]:
         """Complete messages received so far; None once the worker has exited (EOF)."""
@@ -178,23 +187,21 @@ class Judger:
         self._workers = [w for w in self._workers if w.proc.poll() is None]
         while len(self._workers) < self.cfg.num_workers:
             self._workers.append(_Worker(self.cfg.custom_functions))
-        pending = deque(range(len(requests)))
+        for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
+            w.todo, w.sent = deque(range(k, len(requests), len(self._workers))), deque()
         sel = selectors.DefaultSelector()
         for w in self._workers:
             sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         try:
-            while pending or any(w.job for w in self._workers):
-                for w in list(self._workers):  # hand out work
-                    if w.ready and w.job is None and pending:
-                        i = pending.popleft()
+            while any(w.todo or w.sent for w in self._workers):
+                for w in list(self._workers):  # hand out each share as one message
+                    if w.ready and w.todo and not w.sent:
                         try:
-                            w.send(i, requests[i], self.cfg.timeout_s)
-                        except OSError:  # the idle worker died since its last answer: the call never ran
-                            w.job = None
-                            pending.appendleft(i)
+                            w.send_todo(requests)
+                        except OSError:  # died since its last answer: nothing ran, the share moves on
                             self._replace(w, sel, result, requests, "failed", "reward worker exited")
                 now = time.monotonic()
-                deadlines = [w.job[1] for w in self._workers if w.job] + \
+                deadlines = [w.since + self.cfg.timeout_s for w in self._workers if w.sent] + \
                             [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
                 wait = max(0.0, min(deadlines) - now) if deadlines else 0.0
                 for key, _ in sel.select(timeout=wait):
@@ -206,15 +213,19 @@ class Judger:
                     for msg in msgs:
                         if msg.get("ready"):
                             w.ready = True
-                        elif w.job and msg["id"] == w.job[0]:
-                            i, w.job = w.job[0], None
-                            if msg["error"] is None:
-                                result.scores[i] = float(msg["score"])
-                            else:
-                                self._record(result, i, "failed", msg["error"], requests[i])
+                            continue
+                        if not w.sent or msg["id"] != w.sent[0]:
+                            raise RuntimeError(f"reward worker answered request {msg['id']}, expected "
+                                               f"{w.sent[0] if w.sent else None}")
+                        i = w.sent.popleft()
+                        if msg["error"] is None:
+                            result.scores[i] = float(msg["score"])
+                        else:
+                            self._record(result, i, "failed", msg["error"], requests[i])
+                    w.since = time.monotonic()  # the next call started at the latest now
                 now = time.monotonic()
                 for w in list(self._workers):
-                    if w.job and now > w.job[1]:
+                    if w.sent and now > w.since + self.cfg.timeout_s:
                         self._replace(w, sel, result, requests, "timeout",
                                       f"exceeded reward.timeout_s={self.cfg.timeout_s}")
                     elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
@@ -223,13 +234,16 @@ class Judger:
             sel.close()
 
     def _replace(self, w: _Worker, sel, result, requests, status: str, error: str) -> None:
-        """Kill `w`, score its request 0 (counted) and start a fresh worker in its place."""
+        """Kill `w`, score its running call 0 (counted) and give the calls it had not reached to a fresh
+        worker in its place."""
         if not w.ready:
             raise RuntimeError(f"reward worker failed to start (exit code {w.proc.poll()}); see its stderr above")
         sel.unregister(w.proc.stdout)
         w.kill()
-        if w.job is not None:
-            self._record(result, w.job[0], status, error, requests[w.job[0]])
+        if w.sent:
+            i = w.sent.popleft()
+            self._record(result, i, status, error, requests[i])
         fresh = _Worker(self.cfg.custom_functions)
+        fresh.todo = w.sent + w.todo
         self._workers[self._workers.index(w)] = fresh
         sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)

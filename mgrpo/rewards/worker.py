@@ -1,9 +1,12 @@
 """A reward worker process: `python -m mgrpo.rewards.worker`, driven by the Judger over pipes.
 
 Protocol, one JSON object per line: the first stdin line is the config {"custom_functions": {...}};
-the worker answers {"ready": true}; then each request {"id", "data_source", "response",
-"ground_truth", "extra_info"} gets {"id", "score", "error"} back. The protocol owns the original
-stdout; anything a reward function prints goes to stderr instead, so user code cannot corrupt it.
+the worker answers {"ready": true}; then each batch {"requests": [{"id", "data_source", "response",
+"ground_truth", "extra_info"}, ...]} (one message per worker per step) is scored in order, each
+request answered by its own line {"id", "score", "error"} as soon as it is done: the Judger times
+every call from the previous answer, so a hung call is cut without losing the finished ones. The
+protocol owns the original stdout; anything a reward function prints goes to stderr instead, so
+user code cannot corrupt it.
 A plain subprocess rather than multiprocessing: it starts from Ray actors and daemon processes
 alike and does not re-import the parent's __main__.
 """
@@ -33,14 +36,14 @@ def main() -> None:
 
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
-        req = json.loads(line)
-        src = req["data_source"]
-        try:
-            fn = resolve(src)
-            score, error = to_score(fn(src, req["response"], req["ground_truth"], req["extra_info"])), None
-        except BaseException as e:  # noqa: BLE001 - a bad reward function must never kill the worker
-            score, error = None, f"{type(e).__name__}: {e}"
-        proto.write(json.dumps({"id": req["id"], "score": score, "error": error}) + "\n")
+        for req in json.loads(line)["requests"]:
+            src = req["data_source"]
+            try:
+                fn = resolve(src)
+                score, error = to_score(fn(src, req["response"], req["ground_truth"], req["extra_info"])), None
+            except BaseException as e:  # noqa: BLE001 - a bad reward function must never kill the worker
+                score, error = None, f"{type(e).__name__}: {e}"
+            proto.write(json.dumps({"id": req["id"], "score": score, "error": error}) + "\n")  # line-buffered
 
 
 if __name__ == "__main__":
