@@ -83,7 +83,8 @@ def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if cuda else "gloo",
+            # NCCL for CUDA tensors; gloo too, for the few small CPU tensors ranks agree on (skip flags, metrics).
+            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
