@@ -83,8 +83,12 @@ class LogProbHead:
         algo = self.cfg.algorithm
         h = self._gather(hidden, mb)
         # A token-level loss runs inside the kernel chunk by chunk (never the full logits); a
-        # sequence-level one (or the naive oracle) needs all log-probs first.
-        chunked = POLICY_LOSSES[algo.policy_loss].token_level and self.cfg.actor.logprob_impl != "naive"
+        # sequence-level one (or the naive oracle) needs all log-probs first. A micro-batch without
+        # response tokens on this rank (under CP the responses may all lie in other ranks' chunks)
+        # takes the direct path too: the kernel reports no metrics for no tokens, and every rank
+        # must sum the same metric keys.
+        chunked = (POLICY_LOSSES[algo.policy_loss].token_level and self.cfg.actor.logprob_impl != "naive"
+                   and mb.num_tokens > 0)
         if chunked:
             loss, metrics, _, _ = mgrpo_kernels.fused_linear_loss(
                 h, weight, mb.labels, make_token_loss_fn(inputs, algo), **self._kernel_kwargs(weight, temperature))
