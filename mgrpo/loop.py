@@ -85,9 +85,10 @@ class Trainer:
             self.state.count(self.weights.release_engines(), metrics)
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
-            with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
-                out = self.trainer.compute_logprobs(exp, "actor")
-                exp.old_logprobs, exp.entropy = out["logprobs"], out["entropy"]
+            if self.trainer.needs_old_logprobs(exp):  # else the one update takes pi_old from its own forward
+                with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
+                    out = self.trainer.compute_logprobs(exp, "actor")
+                    exp.old_logprobs, exp.entropy = out["logprobs"], out["entropy"]
             if self.need_ref:
                 with timer("ref"):
                     exp.ref_logprobs = self.trainer.compute_logprobs(exp, "ref")["logprobs"]

@@ -104,7 +104,14 @@ class TrainerGroup:
         return [by_dp[d] for d in range(self.dp)]
 
     def train_mini_batch(self, shards: list, temperature: float) -> dict:
-        return self._sharded("train_mini_batch", shards, temperature)[0]
+        """The step's metrics; for on-policy shards (no old log-probs) also 'per_sample': each shard's
+        per-sample log-probs and entropy of the training forward, in data-parallel order."""
+        results = self._sharded("train_mini_batch", shards, temperature)
+        out = {k: v for k, v in results[0].items() if k != "per_sample"}
+        by_dp = {info["dp_rank"]: res["per_sample"] for info, res in zip(self.info, results) if "per_sample" in res}
+        if by_dp:
+            out["per_sample"] = [by_dp[d] for d in range(self.dp)]
+        return out
 
     def sync_weights(self, receivers: list, bucket_bytes: int) -> dict:
         results = self._all("sync_weights", receivers, bucket_bytes)

@@ -33,15 +33,37 @@ class TrainerClient:
                                            self.cfg.rollout.temperature)
         return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
 
+    def needs_old_logprobs(self, exp: Experience) -> bool:
+        """Whether pi_old needs a forward of its own before the update. With exactly one optimizer step
+        per rollout (one epoch, one mini-batch) the policy before that step is the one the training
+        forward runs, so the update takes pi_old from its own detached log-probs (TRL does the same)
+        and fills `exp.old_logprobs` / `exp.entropy` from that forward. They are needed earlier when
+        the KL penalty goes into the reward (advantages use them), or when actor.recompute_old_logprob
+        asks for the separate forward."""
+        cfg = self.cfg
+        return (cfg.actor.recompute_old_logprob or cfg.algorithm.use_kl_in_reward or cfg.actor.ppo_epochs != 1
+                or len(exp.mini_batches(cfg, epoch_seed=0)) != 1)
+
     # --- training -----------------------------------------------------------------------------------
     def train(self, exp: Experience, step: int) -> dict:
         """`actor.ppo_epochs` passes over `exp`, one optimizer step per mini-batch; the metrics are the
-        mean over those optimizer steps (cumulative counters keep their last value)."""
+        mean over those optimizer steps (cumulative counters keep their last value). Without
+        `exp.old_logprobs` (see `needs_old_logprobs`) the single update is on-policy and fills them."""
+        on_policy = exp.old_logprobs is None
+        if on_policy and self.needs_old_logprobs(exp):
+            raise RuntimeError("the update needs pi_old (exp.old_logprobs): more than one optimizer step per "
+                               "rollout, use_kl_in_reward or actor.recompute_old_logprob; compute it first")
         updates = []
         for epoch in range(self.cfg.actor.ppo_epochs):
             for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
                 shards = self._shards(exp, idx, for_training=True)
                 updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature))
+                if on_policy:  # the one mini-batch holds every sample
+                    per_sample = updates[-1].pop("per_sample")
+                    exp.old_logprobs, exp.entropy = ([None] * len(exp), [None] * len(exp))
+                    for key, dest in (("logprobs", exp.old_logprobs), ("entropy", exp.entropy)):
+                        for i, v in zip(idx, self._merge(exp, idx, [p[key] for p in per_sample])):
+                            dest[i] = v
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         out["actor/skipped_steps"] = updates[-1]["actor/skipped_steps"]
         out["actor/updates"] = float(len(updates))

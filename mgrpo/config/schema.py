@@ -144,6 +144,10 @@ class ActorConfig:
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per optimizer step; None = data.train_batch_size (one update per rollout)."""
     ppo_epochs: int = 1
+    recompute_old_logprob: bool = False
+    """Always run a separate old-policy (pi_old) forward before the update. By default it is skipped when
+    exactly one optimizer step follows each rollout (ppo_epochs=1, one mini-batch, no KL in the reward):
+    pi_old then equals the training forward's own detached log-probs, which the loss uses instead."""
     max_tokens_per_gpu: int = 8192
     """Token budget of one micro-batch on one rank (padded tokens count on CPU)."""
     pack_sequences: bool = False

@@ -141,16 +141,21 @@ class MegatronActor:
         last pipeline stage, already summed over micro-batches and data-parallel ranks.
 
         `temperature` is the rollout temperature: training log-probs use the same tempered
-        distribution as the rollout and old-policy log-probs."""
+        distribution as the rollout and old-policy log-probs.
+
+        A batch without old log-probs trains on-policy (pi_old = this forward, detached; see
+        `LogProbHead.loss`); the reporting rank then also returns the forward's per-sample log-probs
+        and entropy under 'per_sample', as `compute_logprobs` would have."""
         self.actor.train()
         self.actor.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, _ = self._micro_batches(batch)
+        mbs, groups = self._micro_batches(batch)
+        per_token = [] if batch.old_logprobs is None else None
         # megatron divides each micro-batch loss by num_microbatches and averages gradients over DP;
         # our token weights are already normalised by the global mini-batch, so both are undone.
         scale = float(len(mbs) * self.ctx.dp)
         t0 = time.perf_counter()
-        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale)
+        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token)
         metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
         finite = torch.tensor([float(all(map(math.isfinite, metrics.values())))])
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to step or to skip
@@ -172,7 +177,13 @@ class MegatronActor:
             "actor/over_budget_samples": float(len(over_budget(batch.lengths(), self.token_budget))),
             "timing_s/fwd_bwd": time.perf_counter() - t0,
         })
+        if per_token is not None and self._reports_per_sample():
+            metrics["per_sample"] = _by_sample(len(batch), mbs, groups, per_token)
         return metrics
+
+    def _reports_per_sample(self) -> bool:
+        """One rank per data-parallel replica holds per-sample results (all TP and CP ranks agree)."""
+        return self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
 
     def _reduce_metrics(self, out: Sequence[dict]) -> dict:
         """Sum the per-micro-batch metric sums on the last stage, then over DP and CP (each CP rank's sums
@@ -236,3 +247,13 @@ class MegatronActor:
         from mgrpo.training.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def _by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
+    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order."""
+    out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
+    for mb, idx, res in zip(mbs, groups, per_mb):
+        for key, values in out.items():
+            for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
+                values[i] = v
+    return out

@@ -9,7 +9,7 @@ chunked kernel in `mgrpo_kernels`, which combines statistics across the tensor-p
 from __future__ import annotations
 
 import types
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -68,11 +68,17 @@ class LogProbHead:
                                                 compute_entropy=True, **self._kernel_kwargs(weight, temperature))
         return lp, ent
 
-    def loss(self, hidden, weight, mb: MicroBatch, temperature: float):
-        """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums."""
+    def loss(self, hidden, weight, mb: MicroBatch, temperature: float, per_token: Optional[dict] = None):
+        """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
+
+        A micro-batch without old log-probs trains on-policy (the trainer client sends none when exactly
+        one optimizer step follows the rollout): pi_old is this forward's own log-probs, detached, which
+        is what a separate old-policy forward would have computed. `per_token`, when given, receives
+        this forward's detached per-token 'logprobs' and 'entropy' (this rank's tokens)."""
         f = mb.fields
+        on_policy = "old_logprobs" not in f
         inputs = TokenLossInputs(
-            old_logprob=f["old_logprobs"],
+            old_logprob=torch.zeros_like(f["advantages"]) if on_policy else f["old_logprobs"],
             ref_logprob=f.get("ref_logprobs"),
             advantages=f["advantages"],
             rollout_logprob=f.get("rollout_logprobs"),
@@ -90,13 +96,31 @@ class LogProbHead:
         chunked = (POLICY_LOSSES[algo.policy_loss].token_level and self.cfg.actor.logprob_impl != "naive"
                    and mb.num_tokens > 0)
         if chunked:
-            loss, metrics, _, _ = mgrpo_kernels.fused_linear_loss(
-                h, weight, mb.labels, make_token_loss_fn(inputs, algo), **self._kernel_kwargs(weight, temperature))
+            token_loss = make_token_loss_fn(inputs, algo)
+            if on_policy:
+                token_loss = _on_policy(token_loss, inputs.old_logprob)
+            loss, metrics, lp, ent = mgrpo_kernels.fused_linear_loss(
+                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, temperature))
         else:
             lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
                                                     **self._kernel_kwargs(weight, temperature))
+            if on_policy:
+                inputs.old_logprob = lp.detach()
             loss, metrics = policy_loss(lp, ent, inputs, algo)
+        if per_token is not None:
+            per_token.update(logprobs=lp.detach(), entropy=ent.detach())  # both paths compute entropy
         return loss, metrics
+
+
+def _on_policy(token_loss, old_logprob: torch.Tensor):
+    """The chunked kernel hands the loss one chunk of log-probs at a time: pi_old of those tokens is
+    written just before (a constant of the update: the buffer never takes part in autograd)."""
+
+    def fn(logprob, entropy, sl):
+        old_logprob[sl] = logprob.detach()
+        return token_loss(logprob, entropy, sl)
+
+    return fn
 
 
 def run_model(model, mb: MicroBatch):
@@ -134,18 +158,24 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
     return step
 
 
-def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float):
+def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float,
+               per_token: Optional[list] = None):
     """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
     data-parallel ranks: our token weights already normalise by the global mini-batch. Under CP each
     rank's loss covers the response tokens it holds; megatron multiplies the loss by cp and averages
-    gradients over the dp x cp ranks, so the same scale makes the gradient the sum over CP ranks."""
+    gradients over the dp x cp ranks, so the same scale makes the gradient the sum over CP ranks.
+    `per_token`, when given, collects each micro-batch's detached {'logprobs', 'entropy'} of this
+    forward, in sample order (as `forward_only_step` returns them)."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         out = run_model(model, mb)
 
         def loss_func(hidden):
-            loss, metrics = head.loss(hidden, get_weight(), mb, temperature)
+            got: Optional[dict] = {} if per_token is not None else None
+            loss, metrics = head.loss(hidden, get_weight(), mb, temperature, per_token=got)
+            if got is not None:
+                per_token.append({k: in_sample_order(v, mb, head.ctx.cp_group) for k, v in got.items()})
             reported = {k: v.detach().float() for k, v in metrics.items()}
             reported["loss"] = loss.detach().float()
             return loss * loss_scale, reported
