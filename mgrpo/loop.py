@@ -1,4 +1,4 @@
-"""The GRPO loop: the one place where every room meets (DESIGN.md section 1).
+"""The GRPO loop: the one place where every room meets (docs/architecture.md: one step, as data flows).
 
     prompts -> rollout -> judge -> log-probs (old, ref) -> advantages -> update -> weight sync -> observe
 
@@ -80,8 +80,11 @@ class Trainer:
         cfg, timer, metrics = self.cfg, PhaseTimer(), {}
         with timer("step"):
             with timer("rollout"):  # generation (timing_s/gen) and judging (timing_s/reward), or waiting for them
-                exp = (self.pipeline.next(self.state.weight_version, metrics) if self.pipeline is not None
-                       else self.generate_and_judge(metrics, self.state.step))
+                if self.pipeline is not None:
+                    exp = self.pipeline.next(self.state.weight_version, metrics)
+                    self.state.count({"rollout/stale_dropped": metrics.pop("rollout/stale_dropped")}, metrics)
+                else:
+                    exp = self.generate_and_judge(metrics, self.state.step)
             self.state.count(self.weights.release_engines(), metrics)
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
