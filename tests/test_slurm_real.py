@@ -1,10 +1,10 @@
 """slurm/train.sbatch on a real one-node SLURM: slurmctld and slurmd from Debian's slurm-wlm, started on
 this machine by slurm/testing/local_cluster.sh (which CI runs first; here it is re-run, a no-op when the
 daemons are up). A job is submitted with `sbatch`, waited for, and checked: its steps in metrics.jsonl
-and its state in `scontrol show job`. A longer job is interrupted three ways mid-run -- `scontrol
-requeue`, the time-limit warning the script asks for (`--signal=B:USR1@...`, sent here with `scancel
---signal=USR1 --batch`), a SIGTERM to the batch script -- and each requeued run resumes from its
-checkpoint; the job finishes with every step logged exactly once.
+and its state in `scontrol show job`. A longer job is interrupted mid-run by `scontrol requeue`, then by
+the time-limit warning the script asks for (`--signal=B:USR1@...`, sent here with `scancel --signal=USR1
+--batch`); each requeued run resumes from its checkpoint and the job finishes with every step logged
+exactly once. A SIGTERM to the batch script stops and requeues a third job.
 
 There is no accounting database (sacct does not work): the job record stays in `scontrol show job` for
 MinJobAge seconds and jobcomp/filetxt logs one line per finished run."""
@@ -223,9 +223,9 @@ def test_submit_runs_to_completion(slurm, tmp_path):
         job.cancel()
 
 
-# --- interrupted three times, resumed three times -----------------------------------------------------
-def test_requeue_signal_and_sigterm_resume_from_the_checkpoint(slurm, tmp_path):
-    n = 20
+# --- requeued twice, resumed twice -------------------------------------------------------------------
+def test_requeue_and_time_limit_signal_resume_from_the_checkpoint(slurm, tmp_path):
+    n = 16
     job = Job(tmp_path, steps=n, save_freq=1)
     run = job.run_dir
     try:
@@ -240,7 +240,7 @@ def test_requeue_signal_and_sigterm_resume_from_the_checkpoint(slurm, tmp_path):
         k = int(ckpt.split("_")[-1])
         # save_freq=1: the kill loses at most the step whose metrics were logged before its checkpoint.
         assert k >= 1 and 0 <= logged[-1] - k <= 1, (logged, ckpt)
-        assert "SLURM is requeueing job" in job.text()
+        assert "SIGTERM: SLURM is requeueing job" in job.text()
 
         # Run 1 resumes from that checkpoint; then the time-limit warning (what --signal=B:USR1@300 sends
         # to the batch script): mgrpo-train finishes its step, checkpoints, and the script requeues.
@@ -255,57 +255,49 @@ def test_requeue_signal_and_sigterm_resume_from_the_checkpoint(slurm, tmp_path):
         assert "SIGUSR1: the time limit is near" in text
         j = int(job.latest().split("_")[-1])
         assert f"stopped at step {j} on request; checkpoint {run}/checkpoints/step_{j:06d}" in text, job.diagnostics()
-        assert job.steps()[-1] == j  # nothing lost: the stop came after the step's checkpoint
+        assert job.steps()[-1] == j < n  # nothing lost: the stop came after the step's checkpoint
 
-        # Run 2: a SIGTERM to the batch script alone is handled like SIGUSR1.
-        job.wait_running_with_steps(restarts=2, more_than=j, timeout=150)
-        assert f"resumed from {run}/checkpoints/step_{j:06d} at step {j}" in job.text()
-        job.mark(f"run 2 at step {job.steps()[-1]}: scancel --signal=TERM --batch")
-        _run("scancel", "--signal=TERM", "--batch", job.id)
-        job.wait_requeued(restarts=3, timeout=150)
-        job.mark("requeued")
-        text = job.text()
-        assert "SIGTERM (RUNNING): stopping and requeueing" in text
-        m = int(job.latest().split("_")[-1])
-        assert f"stopped at step {m} on request; checkpoint {run}/checkpoints/step_{m:06d}" in text
-        assert job.steps()[-1] == m and m < n
-
-        # Run 3 resumes and finishes.
+        # Run 2 resumes and finishes.
         info = job.wait_end(timeout=240)
-        job.mark(f"run 3 finished: {info['JobState']}")
+        job.mark(f"run 2 finished: {info['JobState']}")
         text = job.text()
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.diagnostics()
-        assert info["Restarts"] == "3"
-        assert "requeued 3 time(s): resuming from the latest checkpoint" in text
-        assert f"resumed from {run}/checkpoints/step_{m:06d} at step {m}" in text
+        assert info["Restarts"] == "2"
+        assert "requeued 2 time(s): resuming from the latest checkpoint" in text
+        assert f"resumed from {run}/checkpoints/step_{j:06d} at step {j}" in text
         assert job.latest() == f"step_{n:06d}"
         _run_once(job)
-        assert [r["JobState"] for r in job.jobcomp()][-1] == "COMPLETED" and len(job.jobcomp()) == 4
+        assert [r["JobState"] for r in job.jobcomp()][-1] == "COMPLETED" and len(job.jobcomp()) == 3
         _no_ray_left(job)
     finally:
         job.cancel()
 
 
-# --- SIGTERM at mgrpo-train itself ---------------------------------------------------------------------
-@pytest.mark.xfail(strict=False, reason="mgrpo-train does not yet handle SIGTERM like SIGUSR1 (mgrpo/runtime.py "
-                                        "installs the stop handler for SIGUSR1 only); SLURM sends SIGTERM to "
-                                        "every process of the job at the time limit and on preemption")
-def test_driver_stops_cleanly_on_sigterm(slurm, tmp_path):
-    """MGRPO_STOP_SIGNAL=TERM: the script asks mgrpo-train to stop with SIGTERM, as SLURM itself does at
-    the time limit. A driver that treats it like SIGUSR1 finishes its step and checkpoints (exit 75);
-    save_freq is larger than the run, so that checkpoint can only come from the stop."""
+# --- SIGTERM ----------------------------------------------------------------------------------------------
+def test_sigterm_stops_and_requeues(slurm, tmp_path):
+    """A SIGTERM to the batch script alone (the job stays RUNNING) is handled like SIGUSR1: mgrpo-train is
+    asked to stop, the job is requeued. MGRPO_STOP_SIGNAL=TERM makes the script pass SIGTERM on to
+    mgrpo-train, as SLURM itself does at the time limit and on preemption: a driver that treats it like
+    SIGUSR1 finishes its step and checkpoints (save_freq is larger than the run, so a checkpoint can only
+    come from the stop)."""
     job = Job(tmp_path, steps=1000, save_freq=1000, MGRPO_STOP_SIGNAL="TERM")
     try:
         job.wait_running_with_steps(restarts=0, more_than=0, timeout=150)
-        job.mark(f"at step {job.steps()[-1]}: scancel --signal=USR1 --batch (MGRPO_STOP_SIGNAL=TERM)")
-        _run("scancel", "--signal=USR1", "--batch", job.id)
+        job.mark(f"at step {job.steps()[-1]}: scancel --signal=TERM --batch")
+        _run("scancel", "--signal=TERM", "--batch", job.id)
         job.wait_requeued(restarts=1, timeout=150)
         job.mark("requeued")
         text = job.text()
-        assert "with SIGTERM" in text
+        assert "SIGTERM (RUNNING): stopping and requeueing" in text, job.diagnostics()
+        assert "stopping mgrpo-train (pid" in text and ") with SIGTERM, up to 25s" in text  # KillWait 30 - 5
+        assert "requeued; the next run resumes from the latest checkpoint" in text
+        # The driver's side: it must stop at the end of its step with a checkpoint, not die at once.
         latest = job.latest()
-        assert latest, "mgrpo-train wrote no checkpoint when it got SIGTERM\n" + job.diagnostics()
+        if not latest and "stopped at step" not in text:
+            pytest.xfail("mgrpo-train does not handle SIGTERM like SIGUSR1 yet (mgrpo/runtime.py installs the "
+                         "stop handler for SIGUSR1 only): it died without a checkpoint")
         j = int(latest.split("_")[-1])
-        assert f"stopped at step {j} on request" in text
+        assert f"stopped at step {j} on request; checkpoint {job.run_dir}/checkpoints/step_{j:06d}" in text
+        assert job.steps()[-1] == j
     finally:
         job.cancel()
