@@ -4,7 +4,7 @@ daemons are up). A job is submitted with `sbatch`, waited for, and checked: its 
 and its state in `scontrol show job`. A longer job is interrupted mid-run by `scontrol requeue`, then by
 the time-limit warning the script asks for (`--signal=B:USR1@...`, sent here with `scancel --signal=USR1
 --batch`); each requeued run resumes from its checkpoint and the job finishes with every step logged
-exactly once. A SIGTERM to the batch script stops and requeues a third job.
+exactly once. A SIGTERM to the batch script stops and requeues a third job, `scancel` ends it.
 
 There is no accounting database (sacct does not work): the job record stays in `scontrol show job` for
 MinJobAge seconds and jobcomp/filetxt logs one line per finished run."""
@@ -276,7 +276,7 @@ def test_requeue_and_time_limit_signal_resume_from_the_checkpoint(slurm, tmp_pat
 # --- SIGTERM ----------------------------------------------------------------------------------------------
 def test_sigterm_stops_and_requeues(slurm, tmp_path):
     """A SIGTERM to the batch script alone (the job stays RUNNING) is handled like SIGUSR1: mgrpo-train is
-    asked to stop, the job is requeued. MGRPO_STOP_SIGNAL=TERM makes the script pass SIGTERM on to
+    asked to stop, the job is requeued; `scancel` then ends it without a requeue. MGRPO_STOP_SIGNAL=TERM makes the script pass SIGTERM on to
     mgrpo-train, as SLURM itself does at the time limit and on preemption: a driver that treats it like
     SIGUSR1 finishes its step and checkpoints (save_freq is larger than the run, so a checkpoint can only
     come from the stop)."""
@@ -291,6 +291,16 @@ def test_sigterm_stops_and_requeues(slurm, tmp_path):
         assert "SIGTERM (RUNNING): stopping and requeueing" in text, job.diagnostics()
         assert "stopping mgrpo-train (pid" in text and ") with SIGTERM, up to 25s" in text  # KillWait 30 - 5
         assert "requeued; the next run resumes from the latest checkpoint" in text
+        # The requeued run, cancelled by the user: it stops for good, no requeue.
+        _wait_for(lambda: job.text().count("running: mgrpo-train") == 2, 150, "run 1 to start mgrpo-train", job)
+        job.mark("run 1 started mgrpo-train: scancel")
+        _run("scancel", job.id)
+        info = job.wait_end(timeout=90)
+        job.mark(f"finished: {info['JobState']}")
+        assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "1"), job.diagnostics()
+        assert f"SIGTERM: job {job.id} cancelled (state COMPLETING); stopping without requeue" in job.text()
+        _no_ray_left(job)
+
         # The driver's side: it must stop at the end of its step with a checkpoint, not die at once.
         latest = job.latest()
         if not latest and "stopped at step" not in text:
