@@ -152,23 +152,28 @@ def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> li
     stages = estimate_stages(cfg)
     rows = []
     for rank, res in enumerate(results):
-        est = stages[res["pp_rank"]]
-        measured = max(res["peaks"].values())
-        rows.append({
-            "case": name, "malloc": malloc, "model": cfg.model.name, "tp": a.tp, "pp": a.pp, "rank": rank, "pp_rank": res["pp_rank"],
-            "tp_rank": res["tp_rank"], "micro_batch_tokens": est.shape.tokens,
-            "baseline_mib": round(res["baseline"] / MIB, 1),
-            **{f"measured_{p}_mib": round(res["peaks"][p] / MIB, 1) for p in PHASES},
-            "measured_peak_mib": round(measured / MIB, 1),
-            "estimated_peak_mib": round(est.peak / MIB, 1), "estimated_peak_phase": est.peak_phase,
-            "estimated_persistent_mib": round(sum(est.terms[k] for k in ("actor_weights", "actor_grads",
-                                                                           "optimizer_states", "reference_weights"))
-                                              / MIB, 1),
-            "estimated_activations_mib": round(est.terms["activations"] / MIB, 1),
-            "estimate_over_measured": round(est.peak / measured, 3),
-            "seconds": round(sum(res["seconds"].values()), 1),
-        })
+        rows.append(row(name, cfg, rank, res["pp_rank"], res["tp_rank"], res["baseline"], res["peaks"],
+                        sum(res["seconds"].values()), stages, malloc))
     return rows
+
+
+def row(name, cfg, rank, pp_rank, tp_rank, baseline, peaks, seconds, stages, malloc) -> dict:
+    a = cfg.actor
+    measured = max(peaks.values())
+    return {"case": name, "malloc": malloc, "model": cfg.model.name, "tp": a.tp, "pp": a.pp, "rank": rank,
+            "pp_rank": pp_rank, "tp_rank": tp_rank, "micro_batch_tokens": stages[pp_rank].shape.tokens,
+            "baseline_mib": round(baseline / MIB, 1),
+            **{f"measured_{p}_mib": round(peaks[p] / MIB, 1) for p in PHASES},
+            "measured_peak_mib": round(measured / MIB, 1),
+            **estimate_columns(stages[pp_rank], measured / MIB), "seconds": round(seconds, 1)}
+
+
+def estimate_columns(est, measured_mib: float) -> dict:
+    return {"estimated_peak_mib": round(est.peak / MIB, 1), "estimated_peak_phase": est.peak_phase,
+            "estimated_persistent_mib": round(sum(est.terms[k] for k in (
+                "actor_weights", "actor_grads", "optimizer_states", "reference_weights")) / MIB, 1),
+            "estimated_activations_mib": round(est.terms["activations"] / MIB, 1),
+            "estimate_over_measured": round(est.peak / MIB / measured_mib, 3)}
 
 
 def available_memory() -> int:
@@ -186,9 +191,15 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--malloc", nargs="*", default=["mmap", "default"], choices=list(MALLOC_ENV))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "plan_vs_measured_cpu"))
+    parser.add_argument("--reestimate", action="store_true",
+                        help="measure nothing: recompute the estimate columns of the stored rows with this planner")
     args = parser.parse_args()
     # Results accumulate: a run replaces the rows of the cases and malloc modes it measured.
     old = json.load(open(args.out + ".json")) if os.path.exists(args.out + ".json") else {"rows": [], "skipped": []}
+    if args.reestimate:
+        for r in old["rows"]:
+            r.update(estimate_columns(estimate_stages(case_config(r["case"]))[r["pp_rank"]], r["measured_peak_mib"]))
+        args.cases = []
     done = {(c, m) for c in args.cases for m in args.malloc}
     rows = [r for r in old["rows"] if (r["case"], r["malloc"]) not in done]
     skipped = [x for x in old.get("skipped", []) if (x["case"], x["malloc"]) not in done]
@@ -216,8 +227,11 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    runs = old.get("runs", []) + [{"command": "python benchmarks/plan_memory_cpu.py " + " ".join(sys.argv[1:]),
-                                   "machine": machine(packages=("torch", "megatron-core", "psutil"))}]
+    run = {"command": "python benchmarks/plan_memory_cpu.py " + " ".join(sys.argv[1:]),
+           "machine": machine(packages=("torch", "megatron-core", "psutil"))}
+    if args.reestimate:
+        run["note"] = "estimate columns recomputed by the planner of this commit; measured columns from earlier runs"
+    runs = old.get("runs", []) + [run]
     with open(args.out + ".json", "w") as f:
         json.dump({"runs": runs, "rows": rows, "skipped": skipped}, f, indent=1)
 

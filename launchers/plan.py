@@ -208,11 +208,12 @@ def render_memory(me: dict) -> list[str]:
            f"{mb['in_flight_on_first_stage']} in flight"]
     phases = me["phases"]
     names = [k for k in LABELS if any(k in t for t in phases.values())]
-    out.append("          " + f"{'':<48}" + "".join(f"{p:>14}" for p in phases))
+    width = {p: max(12, len(p)) + 2 for p in phases}
+    out.append("          " + f"{'':<48}" + "".join(f"{p:>{width[p]}}" for p in phases))
     for k in names:
-        cells = "".join(f"{_size(phases[p][k]) if k in phases[p] else '':>14}" for p in phases)
+        cells = "".join(f"{_size(phases[p][k]) if k in phases[p] else '':>{width[p]}}" for p in phases)
         out.append(f"          {LABELS[k]:<48}{cells}")
-    out.append(f"          {'total':<48}" + "".join(f"{_size(phases[p]['total']):>14}" for p in phases))
+    out.append(f"          {'total':<48}" + "".join(f"{_size(phases[p]['total']):>{width[p]}}" for p in phases))
     act = me["activations_by_recompute"]
     out.append(f"          activations with recompute none / selective / full: {_size(act['None'])} / "
                f"{_size(act['selective'])} / {_size(act['full'])} "

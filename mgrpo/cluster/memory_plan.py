@@ -176,7 +176,8 @@ LABELS = {
     "cuda_context": "CUDA context, cuBLAS, NCCL (assumed)", "activations": "activations",
     "logprob_head": "log-prob head", "backward_working_set": "backward working set (one layer)",
     "gradient_transient": "gradient transient (largest parameter)", "cpu_runtime": "gloo groups, megatron state",
-    "optimizer_temporaries": "Adam/clip temporaries (CPU)", "weight_sync_buckets": "weight-sync buckets",
+    "optimizer_temporaries": "Adam/clip temporaries (CPU)", "weight_sync_buckets": "weight-sync bucket",
+    "tp_gather": "weight sync: TP gather of the largest tensor",
     "sglang_share": "SGLang share (rollout.gpu_memory_utilization)", "sglang_released": "SGLang released (assumed)",
     "sglang_weights": "SGLang weights (resumed for sync)", "allocator_slack": "allocator slack (5%)",
 }
@@ -233,11 +234,17 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
     v_local = counts["padded_vocab"] // a.tp
     shape = micro_batch_shape(cfg, lay, device)
     colocated_gpu = device == "cuda" and r.mode == "colocated"
-    largest_param = max(v_local * m.hidden_size,
-                        max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms"))
+    layer_largest = max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     stages = []
     for stage in range(a.pp):
         n = counts["per_rank_by_stage"][stage]
+        vocab = stage == 0 or stage == a.pp - 1  # the embedding, or the output layer (a tied copy when pp > 1)
+        largest_param = max(v_local * m.hidden_size if vocab else 0, layer_largest)
+        # the largest HF tensor the weight sync gathers over TP: the vocabulary (not the tied copy on the
+        # last stage, which HF does not have), or gate/up/q of a layer
+        exported_vocab = stage == 0 or (stage == a.pp - 1 and not m.tie_word_embeddings)
+        largest_full = max(counts["padded_vocab"] * m.hidden_size if exported_vocab else 0,
+                           m.ffn_hidden_size * m.hidden_size, m.num_attention_heads * m.head_dim * m.hidden_size)
         persistent = {
             "actor_weights": n * w,
             "actor_grads": n * 4,
@@ -251,13 +258,17 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         last = stage == a.pp - 1
         act = stage_activations(cfg, shape, stage, w, spec, recompute)
         train = {"activations": act, "backward_working_set": backward_working_set(m, shape, a.tp, w, spec),
-                 "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0,
-                 "gradient_transient": largest_param * w}
+                 "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0}
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
-        # a bucket never holds more than the stage's weights; the TP gather of one tensor rides along
-        sync = {"weight_sync_buckets": 2 * min(r.update_weights_bucket_mb * MIB, n * w)}
-        phases = {"training": train, "log-probs": fwd, "weight sync": sync}
+        # A bucket never holds more than the stage's weights. At TP > 1 every tensor is gathered whole
+        # (measured: twice the largest one at the peak, benchmarks/plan_memory_cpu.py); at TP = 1 the
+        # iteration hands out views of the parameters.
+        sync = {"weight_sync_buckets": min(r.update_weights_bucket_mb * MIB, n * w),
+                "tp_gather": 2 * largest_full * w if a.tp > 1 else 0}
+        # the embedding's dense gradient comes last in the backward, after the activations are freed
+        phases = {"training": train, "end of backward": {"gradient_transient": largest_param * w},
+                  "log-probs": fwd, "weight sync": sync}
         if device == "cpu":
             phases["optimizer step"] = {"optimizer_temporaries": 2 * largest_param * 4}
         if colocated_gpu:
