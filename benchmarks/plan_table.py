@@ -45,7 +45,7 @@ def markdown(table: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in table:
         fix = f"`{r['suggestion']}` ({r['suggested_peak_gib']} GiB)" if r["suggestion"] else \
-            ("none needed" if r["fits"] else "none found within 3 knob changes")
+            ("none needed" if r["fits"] else "none within 4 knob changes: more GPUs needed")
         lines.append(f"| {r['model']} | {r['nodes']} | {r['peak_gib']} GiB ({r['peak_phase']}) | "
                      f"{'FITS' if r['fits'] else 'DOES NOT FIT'} | {r['largest_term']} {r['largest_term_gib']} GiB | "
                      f"{fix} |")
