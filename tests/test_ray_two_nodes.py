@@ -57,7 +57,19 @@ class TwoNodes:
         return killed
 
     def stop(self) -> None:
-        ray_cmd("stop", "--force", tmp=self.tmp)
+        """Kill this cluster's processes only (`ray stop` would kill every Ray on the machine)."""
+        marks = (self.tmp, f":{self.port}", f"={WORKER}")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if int(pid) != os.getpid() and any(m in cmd for m in marks):
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 @pytest.fixture
