@@ -32,6 +32,9 @@ class Trainer:
     def __init__(self, config: MGRPOConfig):
         self.cfg = config = resolve_device(config)
         self.layout = validate(config)  # every config error surfaces here, before any process exists
+        from mgrpo.cluster.memory_plan import check_fits
+
+        self.memory = check_fits(config)  # a run that cannot fit fails now, not after hours in the queue
         self.run_dir = output_dir(config)
         self.need_ref = config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
         self.trainer = self.rollout = self.observer = self.judger = self.placement = self.pipeline = None

@@ -141,3 +141,15 @@ def test_cli_rejects_bad_config_before_spawning_anything():
     assert out.returncode == 2
     assert "actor.tp=3 does not divide model.num_attention_heads=4" in out.stderr
     assert "Ray" not in out.stdout + out.stderr.split("actor.tp=3")[0]
+
+
+def test_trainer_refuses_a_run_that_cannot_fit_before_starting_anything():
+    """mgrpo-train runs mgrpo-plan's memory check in Trainer(...): Qwen3-32B in fp32 on one CPU rank needs
+    far more than the host has, so it is refused naming the largest term; the explicit override starts it."""
+    from mgrpo.loop import Trainer
+
+    cfg = _compose("model=qwen3-32b", "trainer.device=cpu", "model.tokenizer=synthetic")
+    with pytest.raises(ConfigError, match=r"(?s)does not fit.*largest term: activations"):
+        Trainer(cfg)
+    ok = Trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, allow_oversubscribe=True)))
+    assert not ok.memory.fits

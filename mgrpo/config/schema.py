@@ -149,7 +149,9 @@ class ActorConfig:
     exactly one optimizer step follows each rollout (ppo_epochs=1, one mini-batch, no KL in the reward):
     pi_old then equals the training forward's own detached log-probs, which the loss uses instead."""
     max_tokens_per_gpu: int = 8192
-    """Token budget of one micro-batch on one rank (padded tokens count on CPU)."""
+    """Token budget of one micro-batch on one rank. Padded rows count their padding; packed ones
+    (pack_sequences) have none. Under context parallelism a micro-batch holds cp x this many tokens
+    over the CP group (each rank 1/cp of every sample)."""
     pack_sequences: bool = False
     """Lay micro-batches out as THD packs (samples end to end, no padding; megatron's PackedSeqParams)
     instead of right-padded [b, s] rows. Transformer Engine's attention takes them on GPU; without TE
@@ -275,6 +277,10 @@ class TrainerConfig:
     """Write an HF-format checkpoint (config, safetensors, tokenizer) at the end."""
     log_trajectories: bool = True
     seed: int = 1
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one accelerator in GiB for the memory check before start (None = 80; on CPU the host's)."""
+    allow_oversubscribe: bool = False
+    """Start even when mgrpo-plan's estimate says the run does not fit (the check still prints why)."""
     ray_address: Optional[str] = None
     """Connect to an existing Ray cluster (SLURM); None = start a local one."""
 
