@@ -252,7 +252,7 @@ def test_requeue_and_time_limit_signal_resume_from_the_checkpoint(slurm, tmp_pat
         job.wait_requeued(restarts=2, timeout=150)
         job.mark("requeued")
         text = job.text()
-        assert "SIGUSR1: the time limit is near" in text
+        assert "SIGUSR1: the time limit is near" in text and f"requeueing job {job.id}; the next run resumes" in text
         j = int(job.latest().split("_")[-1])
         assert f"stopped at step {j} on request; checkpoint {run}/checkpoints/step_{j:06d}" in text, job.diagnostics()
         assert job.steps()[-1] == j < n  # nothing lost: the stop came after the step's checkpoint
@@ -276,10 +276,10 @@ def test_requeue_and_time_limit_signal_resume_from_the_checkpoint(slurm, tmp_pat
 # --- SIGTERM ----------------------------------------------------------------------------------------------
 def test_sigterm_stops_and_requeues(slurm, tmp_path):
     """A SIGTERM to the batch script alone (the job stays RUNNING) is handled like SIGUSR1: mgrpo-train is
-    asked to stop, the job is requeued; `scancel` then ends it without a requeue. MGRPO_STOP_SIGNAL=TERM makes the script pass SIGTERM on to
-    mgrpo-train, as SLURM itself does at the time limit and on preemption: a driver that treats it like
-    SIGUSR1 finishes its step and checkpoints (save_freq is larger than the run, so a checkpoint can only
-    come from the stop)."""
+    asked to stop, the job is requeued; `scancel` then ends it without a requeue. MGRPO_STOP_SIGNAL=TERM
+    makes the script pass SIGTERM on to mgrpo-train, as SLURM itself does at the time limit and on
+    preemption: a driver that treats it like SIGUSR1 finishes its step and checkpoints (save_freq is larger
+    than the run, so a checkpoint can only come from the stop)."""
     job = Job(tmp_path, steps=1000, save_freq=1000, MGRPO_STOP_SIGNAL="TERM")
     try:
         job.wait_running_with_steps(restarts=0, more_than=0, timeout=150)
@@ -290,7 +290,7 @@ def test_sigterm_stops_and_requeues(slurm, tmp_path):
         text = job.text()
         assert "SIGTERM (RUNNING): stopping and requeueing" in text, job.diagnostics()
         assert "stopping mgrpo-train (pid" in text and ") with SIGTERM, up to 25s" in text  # KillWait 30 - 5
-        assert "requeued; the next run resumes from the latest checkpoint" in text
+        assert f"requeueing job {job.id}; the next run resumes from the latest checkpoint" in text
         # The requeued run, cancelled by the user: it stops for good, no requeue.
         _wait_for(lambda: job.text().count("running: mgrpo-train") == 2, 150, "run 1 to start mgrpo-train", job)
         job.mark("run 1 started mgrpo-train: scancel")
