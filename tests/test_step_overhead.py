@@ -118,6 +118,29 @@ def test_skipped_old_forward_gives_the_same_updates(runs, pair):
     assert skip[1]["separate_forward"]["logprobs"] != skip[0]["separate_forward"]["logprobs"]
 
 
+def test_timer_other_is_the_step_outside_its_named_phases():
+    import time
+
+    from mgrpo.observe.timing import PhaseTimer
+
+    timer = PhaseTimer()
+    with timer("step"):
+        with timer("gen"):
+            time.sleep(0.01)
+        time.sleep(0.03)  # not in any named phase
+        with timer("update"):
+            with timer("fwd_bwd"):  # nested deeper: part of update, not counted twice
+                time.sleep(0.01)
+    m = timer.metrics()
+    named = m["timing_s/gen"] + m["timing_s/update"]
+    assert m["timing_s/other"] == pytest.approx(m["timing_s/step"] - named, abs=1e-12)
+    assert m["timing_s/other"] >= 0.03 and m["timing_s/fwd_bwd"] <= m["timing_s/update"]
+    single = PhaseTimer()
+    with single("reward"):
+        pass
+    assert set(single.metrics()) == {"timing_s/reward"}  # nothing inside: no 'other'
+
+
 @pytest.mark.slow
 def test_training_run_with_and_without_the_old_forward(tmp_path):
     """Two steps of the default job (shortened) through the whole stack: skipping the old-policy forward
