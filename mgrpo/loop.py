@@ -46,8 +46,8 @@ class Trainer:
 
         self.stop = StopSignal()
         try:
-            self.stop.install()
             self._start()
+            self.stop.install()  # after Ray's init, which installs a SIGTERM handler of its own
             if self.cfg.trainer.val_before_train and self.state.step == 0:
                 self.observer.log(self.evaluate(), step=0)
             self.pipeline = self._start_pipeline()

@@ -154,17 +154,18 @@ def test_plan_does_not_start_ray_or_import_torch():
 # --- the verdict -------------------------------------------------------------------------------------------
 def test_recipe_without_data_gives_a_verdict_and_a_change_that_fits(tmp_path):
     """The 8B recipe names data/gsm8k/*.parquet; planning needs none of it. Its verdict on 8 x 80 GiB
-    (colocated SGLang at 0.6, no recompute, no distributed optimizer) and the change it suggests, which
-    is then planned again and fits."""
-    out = subprocess.run(["mgrpo-plan", "recipe=qwen3-8b-gsm8k-grpo"], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    at actor.tp=2 (colocated SGLang at 0.6, no recompute, no distributed optimizer; the recipe ships the
+    planner's fix, tp=8) and the change it suggests, which is then planned again and fits."""
+    out = subprocess.run(["mgrpo-plan", "recipe=qwen3-8b-gsm8k-grpo", "actor.tp=2"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "data").exists()
     verdict = out.stdout[out.stdout.index("verdict"):]
     assert verdict.startswith("verdict   DOES NOT FIT: peak ") and "of 80.0 GiB; largest term: " in verdict
     change = verdict.split("fits with: ")[1].split(" (peak")[0].split()
     assert change == ["actor.tp=8"]
-    again = subprocess.run(["mgrpo-plan", "recipe=qwen3-8b-gsm8k-grpo", *change, "--json"], capture_output=True,
+    again = subprocess.run(["mgrpo-plan", "recipe=qwen3-8b-gsm8k-grpo", "actor.tp=2", *change, "--json"],
+                           capture_output=True,
                            text=True, timeout=120, cwd=tmp_path)
     mem = json.loads(again.stdout)["memory_per_accelerator"]
     assert mem["fits"] and mem["peak"] <= 80 * 2**30 and mem["verdict"].startswith("FITS")

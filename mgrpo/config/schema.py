@@ -134,6 +134,9 @@ class ActorConfig:
     lr: float = 5e-4
     min_lr: float = 0.0
     lr_warmup_steps: int = 0
+    """Linear warm-up from 0, in RL steps (veRL's unit). The scheduler advances once per optimizer step, so
+    warm-up spans lr_warmup_steps x ppo_epochs x train_batch_size/ppo_mini_batch_size updates, and decay
+    ends at the last RL step."""
     lr_decay_style: str = "constant"
     """constant | linear | cosine"""
     weight_decay: float = 0.0
@@ -179,6 +182,9 @@ class ActorConfig:
     logprob_chunk_size: int = 512
     """Tokens per chunk of the chunked / fused log-prob path. A chunk holds chunk x vocabulary fp32
     logits: 512 x 151,936 is ~300 MB (measured fastest on CPU in kernels/bench.py)."""
+    recompute: Optional[str] = None
+    """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |
+    selective (core attention only). Trades compute for activation memory (mgrpo-plan shows how much)."""
     use_distributed_optimizer: bool = False
     seed: int = 1
 

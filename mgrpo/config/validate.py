@@ -108,6 +108,7 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
     if a.cp < 1:
         e.append(f"actor.cp={a.cp} must be positive")
     _choice(e, "actor.cp_comm_type", a.cp_comm_type, CP_COMM_TYPES)
+    _choice(e, "actor.recompute", a.recompute, (None, "full", "selective"))
     if a.cp > 1 and a.cp_comm_type in ("a2a", "a2a+p2p") and (m.num_attention_heads // max(a.tp, 1)) % a.cp:
         e.append(f"actor.cp_comm_type={a.cp_comm_type!r} splits each rank's attention heads over CP ranks: "
                  f"model.num_attention_heads/actor.tp={m.num_attention_heads // max(a.tp, 1)} is not divisible by "

@@ -45,7 +45,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
                               use_te: bool = False, params_dtype: torch.dtype = torch.float32,
                               sequence_parallel: bool = False, fp8: Optional[str] = None,
                               fp8_recipe: str = "delayed", fp8_param: bool = False,
-                              cp_comm_type: str = "p2p") -> dict:
+                              cp_comm_type: str = "p2p", recompute: Optional[str] = None) -> dict:
     """The TransformerConfig fields for `model` (its family's architecture) at a parallel layout,
     without any capability check. Kept separate from `transformer_config` so the GPU configuration
     can be inspected on a CPU.
@@ -74,6 +74,10 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
         deallocate_pipeline_outputs=False,
     )
     kwargs.update(family_of(model).megatron_config(model))
+    if recompute == "full":  # every layer's activations recomputed in backward, one layer per checkpoint
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":  # core attention only
+        kwargs.update(recompute_granularity="selective")
     if use_cpu:
         kwargs.update(
             use_cpu_initialization=True,
@@ -102,7 +106,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
 def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                        fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
-                       use_te: Optional[bool] = None, cp_comm_type: str = "p2p"):
+                       use_te: Optional[bool] = None, cp_comm_type: str = "p2p", recompute: Optional[str] = None):
     """TransformerConfig for `model` at the given parallel layout.
 
     On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
@@ -123,7 +127,7 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
     kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
                                        params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                        fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param,
-                                       cp_comm_type=cp_comm_type)
+                                       cp_comm_type=cp_comm_type, recompute=recompute)
     return TransformerConfig(**kwargs)
 
 

@@ -39,7 +39,7 @@ class MegatronActor:
         self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                             fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param,
-                                            cp_comm_type=a.cp_comm_type)
+                                            cp_comm_type=a.cp_comm_type, recompute=a.recompute)
         # micro-batch layout: padded rows or THD-packed, this rank's CP share, FP8 slot multiples
         self.layout = batch_layout(packed=a.pack_sequences, cp=a.cp, cp_rank=self.ctx.cp_rank,
                                    fp8_recipe=a.fp8_recipe if a.fp8 is not None else None)
