@@ -29,7 +29,7 @@ from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of sc
 
 DISAGG = ("rollout.mode=disaggregated", "trainer.n_gpus_per_node=2")
 VARIANTS = {
-    "hf-inprocess": (),
+    "hf-inprocess": ("rollout=hf_cpu",),
     "sglang-colocated": ("rollout.engine=sglang",),
     "sglang-disaggregated": ("rollout.engine=sglang", *DISAGG),
     "sglang-router-2-engines": ("rollout.engine=sglang", "rollout.num_engines=2", "trainer.n_gpus_per_node=2"),

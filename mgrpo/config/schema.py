@@ -193,8 +193,10 @@ class ActorConfig:
 class RolloutConfig:
     """Rollout engines: how responses are sampled and how weights reach them."""
 
-    engine: str = "hf"
-    """hf (in-process transformers engine, CPU) | sglang (SGLang server per engine)"""
+    engine: str = "sglang"
+    """sglang (a server per engine speaking SGLang's HTTP protocol: SGLang itself where it can run, the CPU
+    server otherwise; the production path) | hf (the in-process transformers engine: no HTTP, fastest for
+    tiny CPU models)"""
     n: int = 8
     """Responses per prompt (the GRPO group size)."""
     temperature: float = 1.0
