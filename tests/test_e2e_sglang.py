@@ -16,6 +16,7 @@ import pytest
 from mgrpo.cluster.rollout_group import NodeLocalDelivery
 from mgrpo.loop import Trainer
 from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
+from tests.procs import pids_where
 from tests.test_e2e import read_metrics, small_config
 
 STEPS = 5
@@ -56,16 +57,8 @@ def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp):
 
 
 def _server_pids(model_dir: str) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "mgrpo.rollout.sglang.cpu_server" in cmd and model_dir in cmd:
-            pids.append(int(pid))
-    return pids
+    """The CPU servers serving `model_dir` (each run's initial weights have their own folder)."""
+    return pids_where(f"mgrpo.rollout.sglang.cpu_server\0--model-path\0{model_dir}\0")
 
 
 def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list, limit: int = 1) -> threading.Thread:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import time
 
 import pytest
 
+from tests.procs import kill, pids_where
 from tests.test_e2e import read_metrics
 
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
@@ -44,32 +44,19 @@ class TwoNodes:
 
     def kill_worker(self) -> int:
         """SIGKILL the worker node's raylet (its workers go with it), as when the machine dies."""
-        killed = 0
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if "raylet" in cmd and f"--node_ip_address={WORKER}" in cmd:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-        return killed
+        return kill(p for p in pids_where(f"--node_ip_address={WORKER}") if "raylet" in _cmd(p))
 
     def stop(self) -> None:
         """Kill this cluster's processes only (`ray stop` would kill every Ray on the machine)."""
-        marks = (self.tmp, f":{self.port}", f"={WORKER}")
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if int(pid) != os.getpid() and any(m in cmd for m in marks):
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill(pids_where(self.tmp, f":{self.port}", f"={WORKER}"))
+
+
+def _cmd(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.fixture

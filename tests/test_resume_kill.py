@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.procs import kill, pids_where
 from tests.test_e2e import LOSS_KEYS, read_metrics
 
 STEPS, BATCH, N = 5, 8, 4
@@ -32,21 +33,7 @@ def kill_everything(proc: subprocess.Popen, marker: str) -> int:
     """SIGKILL the driver's process group and every process of its private Ray (found by its temp dir):
     nothing gets to clean up, as when a node dies."""
     os.killpg(proc.pid, signal.SIGKILL)
-    killed = 1
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if int(pid) != os.getpid() and (marker in cmd or f"RAY_TMPDIR={marker}" in env):
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+    killed = 1 + kill(pids_where(marker, f"RAY_TMPDIR={marker}", environ=True))
     proc.wait(timeout=60)
     return killed
 

@@ -17,24 +17,8 @@ from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
 from mgrpo.rollout.sglang.client import build_generate_payload
 from mgrpo.rollout.sglang.server import CPU_MODULE, sglang_runtime_missing
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import VOCAB, FaultProxy, Reference, launch, perturbed, post, tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def engine(ckpt, tmp_path_factory):
-    eng = launch(ckpt, str(tmp_path_factory.mktemp("logs")))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return Reference(ckpt)
+from tests.sglang_cpu import VOCAB, FaultProxy, launch, perturbed, post
+from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
 
 
 def _requests(n=6):  # prompts of different lengths: the server pads them in one batch

@@ -16,26 +16,10 @@ import pytest
 
 from mgrpo.rollout.sglang import DistributedWeightSender, TensorWeightSender
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import Reference, launch, perturbed, post, tiny_checkpoint, torch_shm_segments
+from tests.sglang_cpu import perturbed, post, torch_shm_segments
+from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
 
 SYNCS = 5
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def engine(ckpt, tmp_path_factory):
-    eng = launch(ckpt, str(tmp_path_factory.mktemp("logs")))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return Reference(ckpt)
 
 
 REQS = [GenerateRequest(uid=i, prompt_ids=[1, 3 + i, 5][: 2 + i % 2]) for i in range(4)]

@@ -1,0 +1,41 @@
+"""Finding and killing processes of a test's own runs by their command line (and environment), as a
+machine failure would: nothing gets to clean up. Only processes that carry the test's own marker (a
+private temp dir, port or model folder) are touched, never other runs on the machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def _read(pid: str, what: str) -> str:
+    with open(f"/proc/{pid}/{what}", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def pids_where(*markers: str, environ: bool = False) -> list[int]:
+    """Processes (not this one) whose NUL-separated command line contains any marker (or, with `environ`,
+    whose environment does)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            text = _read(pid, "cmdline") + ("\0" + _read(pid, "environ") if environ else "")
+        except OSError:
+            continue
+        if any(m in text for m in markers):
+            out.append(int(pid))
+    return out
+
+
+def kill(pids, sig: int = signal.SIGKILL) -> int:
+    """Send `sig` to each pid that still exists; return how many got it."""
+    sent = 0
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            sent += 1
+        except ProcessLookupError:
+            pass
+    return sent
