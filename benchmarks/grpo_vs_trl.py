@@ -69,28 +69,30 @@ WHAT_EACH_SIDE_DOES = {
     ),
     "mgrpo": (
         "A Ray driver and Ray actors: one Megatron trainer rank (actor + frozen reference), one rollout engine "
-        "(HF transformers, in its own Ray actor), two reward-worker subprocesses, plus Ray's own processes "
-        "(gcs_server, raylet, dashboard/runtime-env agents, monitors, idle workers). Per step: next 32 prompts; "
-        "rollout call to the engine (HF generate with output_logits -> per-token rollout log-probs); decode; "
-        "rewards in the worker subprocesses (JSON over pipes); old-policy forward (Megatron; loop.py always runs "
-        "it); reference forward; advantages; one Megatron forward+backward and optimizer step (DDP wrapper, "
-        "grad-clip); weight sync (Megatron -> HF names, buckets through Ray's object store into the engine, with "
-        "an engine health check first); metrics to JSONL + TensorBoard + console; trajectories to JSONL."
+        "(HF transformers, rollout=hf_cpu, in its own Ray actor), two reward-worker subprocesses, plus the Ray "
+        "processes a local run keeps (gcs_server, raylet with its dashboard and runtime-env agents, log monitor; "
+        "no API server, autoscaler monitor or idle workers). Per step: next 32 prompts; rollout call to the "
+        "engine (HF generate with output_logits -> per-token rollout log-probs); decode; rewards in the worker "
+        "subprocesses (each worker's share of the 256 responses as one JSON message, answers line by line); "
+        "reference forward; advantages; one Megatron forward+backward and optimizer step (DDP wrapper, "
+        "grad-clip) whose own detached log-probs are pi_old (no separate old-policy forward: one update per "
+        "rollout) and give the rollout-vs-trainer check; weight sync (Megatron -> HF names, buckets through "
+        "Ray's object store into the engine, with an engine health check first); metrics to JSONL + "
+        "TensorBoard + console; trajectories to JSONL."
     ),
 }
 
 DIFFERENCES = [
-    "mgrpo runs an old-policy forward pass every step; TRL skips it in this on-policy setting (one update per "
-    "rollout makes it equal to the detached current log-probs). That is extra work on mgrpo's side, not a "
-    "difference in the algorithm.",
+    "Neither side runs an old-policy forward: with one update per rollout both take pi_old from the training "
+    "forward's detached log-probs (mgrpo: actor.recompute_old_logprob=false, its default).",
     "KL term: mgrpo's low_var_kl is k3 clamped to [-10, 10]; TRL's is plain k3. TRL's use_bias_correction_kl "
     "(default True) is turned off so its KL term is the same unweighted k3.",
     "Loss aggregation: TRL loss_type='dapo' (sum over tokens / active tokens of the whole batch) = mgrpo "
     "token-mean. Advantage std epsilon: TRL 1e-4, mgrpo its own; irrelevant to timing.",
     "Generation: both use transformers' generate with a KV cache; mgrpo also returns every step's raw logits "
     "(output_logits=True) to compute rollout log-probs, which TRL without vLLM does not need.",
-    "Rewards: TRL calls the function in its own process; mgrpo's default job sends each response to one of "
-    "reward.num_workers=2 isolated subprocesses (timeouts, crash isolation).",
+    "Rewards: TRL calls the function in its own process; mgrpo's default job scores in reward.num_workers=2 "
+    "isolated subprocesses (per-call timeouts, crash isolation), one message per worker per step.",
     "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's trainer rank and engine each get "
     "trainer.cpus_per_worker=--threads (the default job uses 1); mgrpo's processes take turns, never compute together.",
     "Models: TRL trains and generates with HF Qwen3ForCausalLM (fp32, sdpa attention); mgrpo trains a Megatron "
@@ -248,6 +250,9 @@ def run_trl(spec: dict, gate: Gate) -> dict:
 
 def mgrpo_overrides(spec: dict) -> list[str]:
     return [
+        # mgrpo's in-process transformers engine: its fastest rollout for a tiny CPU model, and the same HF
+        # generate TRL runs (the default job may use the SGLang-protocol CPU server, built for production).
+        "rollout=hf_cpu",
         f"model.hf_path={spec['init_dir']}",
         f"trainer.total_training_steps={spec['total_steps']}",
         f"trainer.output_dir={spec['run_dir']}",
