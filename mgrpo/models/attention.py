@@ -52,17 +52,18 @@ class _AllGather(torch.autograd.Function):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """One sequence: queries [l, heads, d] at global positions `q_pos` [l] against its keys and values
-    [L, groups, d] in position order; a query sees the keys at positions <= its own."""
-    heads, groups = q.shape[1], k.shape[1]
+    """Sequences of one length, batched: queries [n, l, heads, d] at global positions `q_pos` [l]
+    against their keys and values [n, L, groups, d] in position order; a query sees the keys at
+    positions <= its own."""
+    heads, groups = q.shape[2], k.shape[2]
     if heads != groups:  # grouped-query attention: query head h reads key/value group h // (heads/groups)
-        k = k.repeat_interleave(heads // groups, dim=1)
-        v = v.repeat_interleave(heads // groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos.to(q.device)[:, None]
+        k = k.repeat_interleave(heads // groups, dim=2)
+        v = v.repeat_interleave(heads // groups, dim=2)
+    scores = torch.einsum("nqhd,nkhd->nhqk", q, k) * scale
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos.to(q.device)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return torch.einsum("nhqk,nkhd->nqhd", probs, v)
 
 
 class ReferenceCoreAttention(MegatronModule):
@@ -119,11 +120,19 @@ class ReferenceCoreAttention(MegatronModule):
             k = _AllGather.apply(k, self.cp_group).flatten(0, 1)[order]
             v = _AllGather.apply(v, self.cp_group).flatten(0, 1)[order]
         rank = self.cp_group.rank()
-        outs, local, glob = [], 0, 0
-        for length in seq_lens:
+        # sequences of equal length share their positions and mask: one batched call per length
+        # (the default job's many short samples would otherwise cost one call each)
+        local_start = torch.tensor([0] + seq_lens[:-1]).cumsum(0) // cp
+        glob_start = torch.tensor([0] + seq_lens[:-1]).cumsum(0)
+        by_length: dict[int, list[int]] = {}
+        for i, length in enumerate(seq_lens):
+            by_length.setdefault(length, []).append(i)
+        outs, where = [], []
+        for length, seqs in by_length.items():
             pos = cp_positions(length, cp, rank)
-            n = pos.numel()
-            outs.append(causal_attention(q[local:local + n], k[glob:glob + length], v[glob:glob + length], pos,
-                                         self.scale))
-            local, glob = local + n, glob + length
-        return torch.cat(outs)
+            q_idx = (local_start[seqs][:, None] + torch.arange(pos.numel())[None, :]).to(q.device)
+            k_idx = (glob_start[seqs][:, None] + torch.arange(length)[None, :]).to(q.device)
+            outs.append(causal_attention(q[q_idx], k[k_idx], v[k_idx], pos, self.scale).flatten(0, 1))
+            where.append(q_idx.flatten())
+        out = torch.cat(outs)
+        return out[torch.argsort(torch.cat(where))]  # back to this rank's token order
