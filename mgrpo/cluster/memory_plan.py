@@ -95,11 +95,14 @@ def micro_batch_shape(cfg: MGRPOConfig, lay: Layout, device: str) -> Shape:
     s = d.max_prompt_length + d.max_response_length
     mini = a.ppo_mini_batch_size or d.train_batch_size
     per_rank = max(math.ceil(mini * cfg.rollout.n / lay.dp), 1)
-    b = max(min(a.max_tokens_per_gpu // s, per_rank), 1)
+    # a micro-batch spans the CP group: cp x the per-GPU budget, each CP rank holding 1/cp of it
+    # (mgrpo.training.actor.MegatronActor.token_budget)
+    budget = a.max_tokens_per_gpu * a.cp
+    b = max(min(budget // s, per_rank), 1)
     micro = math.ceil(per_rank / b)
     # cuda packs sequences end to end (THD), so shorter ones fill the whole budget; cpu pads [b, s]
     packed = device == "cuda" or getattr(a, "pack_sequences", False)
-    tokens = min(a.max_tokens_per_gpu, per_rank * s) if packed else b * s
+    tokens = min(budget, per_rank * s) if packed else b * s
     return Shape(tokens=tokens // a.cp, seqs=b, seq_len=s // a.cp,
                  response_tokens=tokens * d.max_response_length // s // a.cp, in_flight=min(a.pp, micro))
 
