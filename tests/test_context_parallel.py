@@ -145,12 +145,18 @@ def test_cp_ranks_sync_and_save_the_same_weights(runs):
 
 
 @pytest.mark.slow
-def test_tp2_cp2_packed_reproduces_cp1(runs, tmp_path):
+def test_tp2_cp2_and_pp2_cp2_packed_reproduce_cp1(runs, tmp_path):
+    """Four ranks: TP=2 x CP=2, then PP=2 x CP=2 (several packs of different lengths through the
+    pipeline, each split over the CP ranks of its stage)."""
     hf_dir = str(runs["tmp"] / "hf")
-    res = run_ranks(rank_runs, 4, hf_dir, [dict(tp=2, cp=2, packed=True, budget=24)], timeout_s=600)
-    got = answer([r[0] for r in res])
+    res = run_ranks(rank_runs, 4, hf_dir, [dict(tp=2, cp=2, packed=True, budget=24),
+                                           dict(pp=2, cp=2, packed=True, budget=24)], timeout_s=600)
     assert sorted((r[0]["info"]["tp_rank"], r[0]["info"]["cp_rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert_same_run(got, runs["ref"], label="tp2xcp2")
+    assert sorted((r[1]["info"]["pp_rank"], r[1]["info"]["cp_rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_same_run(answer([r[0] for r in res]), runs["ref"], label="tp2xcp2")
+    pp2cp2 = answer([r[1] for r in res])
+    assert len(pp2cp2["micro_batches"]) > 1
+    assert_same_run(pp2cp2, runs["ref"], label="pp2xcp2")
 
 
 # ---------------------------------------------------------------------------------------------
