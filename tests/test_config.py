@@ -23,7 +23,7 @@ def test_default_composes_to_the_typed_default_job():
     cfg = _compose()
     assert isinstance(cfg, MGRPOConfig) and isinstance(cfg.actor, ActorConfig)
     assert cfg.model.vocab_size == 16 and cfg.model.tokenizer == "synthetic"
-    assert cfg.trainer.device == "cpu" and cfg.rollout.engine == "hf"
+    assert cfg.trainer.device == "cpu" and cfg.rollout.engine == "sglang"  # the production rollout path, CPU server here
     validate(cfg)
 
 
