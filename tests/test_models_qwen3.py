@@ -89,7 +89,7 @@ def test_fp8_without_gpu_is_a_clear_error(recipe):
 def test_auto_spec_on_cpu_is_local():
     from megatron.core.transformer.identity_op import IdentityOp
 
-    assert not capability.te_available() and not capability.thd_available()
+    assert not capability.te_available()
     spec = layer_spec()  # use_te=None: decided here, at call time
     assert spec.submodules.input_layernorm is not IdentityOp  # local spec keeps its own norms
     c = transformer_config(CFG, use_cpu=False)  # no TE on this machine: the local path even off-CPU

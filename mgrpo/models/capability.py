@@ -100,9 +100,3 @@ def require_fp8(fp8: str, recipe: str) -> None:
     ok, reason = fp8_support(recipe)
     if not ok:
         raise ValueError(f"fp8={fp8!r} with fp8_recipe={recipe!r} cannot run on this machine: {reason}")
-
-
-def thd_available() -> bool:
-    """THD-packed sequences (`gpt.packed_seq_params`) need TE's flash / cuDNN attention, so the
-    trainer packs sequences end to end exactly when the TE spec runs; otherwise it pads [b, s]."""
-    return te_available()
