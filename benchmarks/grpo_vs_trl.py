@@ -1,4 +1,4 @@
-"""mgrpo vs TRL's GRPOTrainer on the same tiny GRPO workload, on CPU, in one run (DESIGN.md section 6).
+"""mgrpo vs TRL's GRPOTrainer on the same tiny GRPO workload, on CPU, in one run.
 
     python benchmarks/grpo_vs_trl.py                       # 3 warm-up + 30 timed steps, 2 rounds
     python benchmarks/grpo_vs_trl.py --steps 10 --warmup 2 --rounds 1 --out /tmp/quick
