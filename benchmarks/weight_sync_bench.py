@@ -25,7 +25,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,22 +32,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-
-
-def machine() -> dict:
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gb": round(mem_gb, 1), "gpu": "none",
-            "python": platform.python_version(), "torch": torch.__version__, "os": platform.platform(),
-            # the machine is shared: other jobs' load skews every number here
-            "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from convert_bench import machine  # noqa: E402  (benchmarks/ is a folder of scripts)
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
