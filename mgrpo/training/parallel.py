@@ -76,9 +76,12 @@ def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: 
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from mgrpo.models.rope import install as install_thd_rope
+
     cuda = not needs_patches()
     if not cuda:
         apply_cpu_patches()
+    install_thd_rope()  # megatron's unfused THD RoPE without its per-sequence loop (exact; any device)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     if not dist.is_initialized():
