@@ -1,4 +1,5 @@
 """Context parallelism on CPU: the reference attention's CP exchange against plain causal attention,
+its fused padded-bucket computation against the einsum definition (CP 1 and 2, packed and padded, GQA),
 CP=2 against CP=1 on the real MegatronActor (padded and packed; log-probs, loss, gradient norm within
 1e-5), weight sync and checkpoints from CP ranks, and the validator's refusals."""
 
@@ -83,6 +84,90 @@ def test_reference_attention_cp_exchange_is_exact():
     for r in run_ranks(_rank_attention, 2):
         assert r["out"] < 1e-5 and r["rows"] < 1e-5, r
         assert r["scale_of_grads"] > 0.1 and max(r["grads"]) < 1e-5, r  # q, k and v gradients, k/v summed over ranks
+
+
+# lengths (multiples of 2*cp = 4, plus an empty one) that make several padded buckets and a lone one:
+# [40], [16, 12], [8, 8, 4], [4] (mgrpo.models.attention.buckets_by_length)
+MIXED = [8, 12, 4, 16, 4, 8, 40, 0]
+
+
+def _einsum_dense(q, k, v, seqs, scale):
+    """The readable reference, per sequence over all its positions."""
+    from mgrpo.models.attention import causal_attention_reference
+
+    outs, start = [], 0
+    for n in seqs:
+        sl = slice(start, start + n)
+        outs.append(causal_attention_reference(q[sl][None], k[sl][None], v[sl][None], torch.arange(n), scale)[0])
+        start += n
+    return torch.cat(outs)
+
+
+def _rank_fused_vs_einsum(rank, world, port):
+    """`ReferenceCoreAttention` (fused attention over padded buckets) against the einsum reference on
+    CP=1 (a one-rank gloo group per rank) and CP=2 (both ranks): packed THD of mixed lengths and padded
+    [s, b] rows, grouped-query and plain multi-head; outputs and q/k/v gradients, relative to their size."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mgrpo.models.attention import ReferenceCoreAttention
+    from mgrpo.models.attention_layout import cp_positions
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    errors = {}
+    for (cp, group), groups, packed in [((c, g), gr, p) for c, g in ((1, alone), (2, dist.group.WORLD))
+                                        for gr in (GROUPS, HEADS) for p in (True, False)]:
+        seqs = MIXED if packed else [8] * 3
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=HEADS, num_query_groups=groups,
+                                   kv_channels=DIM, attention_dropout=0.0, use_cpu_initialization=True)
+        attn = ReferenceCoreAttention(config, 1, AttnMaskType.causal, "self",
+                                      pg_collection=types.SimpleNamespace(tp=group, cp=group))
+        g = torch.Generator().manual_seed(1)
+        total = sum(seqs)
+        q, k, v = (torch.randn(total, h, DIM, generator=g) for h in (HEADS, groups, groups))
+        w = torch.randn(total, HEADS, DIM, generator=g)
+        starts = torch.tensor([0] + seqs).cumsum(0)
+        mine = torch.cat([starts[i] + cp_positions(n, cp, rank % cp) for i, n in enumerate(seqs)])
+        cu = starts.to(torch.int32)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                              cu_seqlens_kv_padded=cu, max_seqlen_q=max(seqs), max_seqlen_kv=max(seqs))
+
+        def ours(a, b, c):
+            if packed:
+                return attn(a, b, c, None, packed_seq_params=psp).view(-1, HEADS, DIM)
+            rows = lambda x: x.view(3, -1, *x.shape[1:]).transpose(0, 1)  # noqa: E731  [s_local, b, ...]
+            return attn(rows(a), rows(b), rows(c), None).view(-1, 3, HEADS, DIM).transpose(0, 1).reshape(-1, HEADS, DIM)
+
+        xs = [x[mine].clone().requires_grad_(True) for x in (q, k, v)]
+        out = ours(*xs)
+        (out * w[mine]).sum().backward()
+        ys = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        ref = _einsum_dense(*ys, seqs, attn.scale)
+        (ref * w).sum().backward()
+        rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()  # noqa: E731
+        errors[f"cp{cp}-{'gqa' if groups < HEADS else 'mha'}-{'packed' if packed else 'padded'}"] = (
+            [rel(out.detach(), ref.detach()[mine])] + [rel(x.grad, y.grad[mine]) for x, y in zip(xs, ys)])
+    dist.destroy_process_group()
+    return errors
+
+
+def test_buckets_pad_only_similar_lengths():
+    from mgrpo.models.attention import buckets_by_length
+
+    assert buckets_by_length(MIXED) == [[6], [3, 1], [0, 5, 2], [4]]  # the empty sequence 7 in none
+    by_length = [list(range(first, 150, 3)) for first in (2, 1, 0)]  # 8s, 7s, 6s: one padded bucket
+    assert buckets_by_length([6, 7, 8] * 50) == [by_length[0] + by_length[1] + by_length[2]]
+    assert buckets_by_length([1000, 10, 10]) == [[0], [1, 2]]
+
+
+def test_fused_attention_matches_the_einsum_reference():
+    for errors in run_ranks(_rank_fused_vs_einsum, 2):
+        assert len(errors) == 8
+        for case, errs in errors.items():
+            assert max(errs) < 1e-6, (case, errs)  # output, then q, k, v gradients
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,17 +89,18 @@ def premise() -> bool:
     """True while megatron-core's unfused THD RoPE is the per-sequence loop this module reproduces:
     the zig-zag CP slices, the two freqs cases, and `apply_rotary_pos_emb` calling it by module name."""
     rope_utils = importlib.import_module(_ROPE_UTILS)
-    src = {name: inspect.getsource(getattr(rope_utils, name, None) or (lambda: None))
-           for name in ("_get_thd_freqs_on_this_cp_rank", "_apply_rotary_pos_emb_thd", "apply_rotary_pos_emb")}
-    thd = _megatron_thd or rope_utils._apply_rotary_pos_emb_thd
-    return (hasattr(rope_utils, "_apply_rotary_pos_emb_bshd")
-            and "freqs[offset + cp_rank * cp_seg : offset + (cp_rank + 1) * cp_seg]" in src["_get_thd_freqs_on_this_cp_rank"]
-            and "- (cp_rank + 1) * cp_seg : offset" in src["_get_thd_freqs_on_this_cp_rank"]
-            and "full_seqlen = cp_size * x.size(0)" in src["_get_thd_freqs_on_this_cp_rank"]
-            and "return freqs[offset : offset + x.size(0)]" in src["_get_thd_freqs_on_this_cp_rank"]
-            and "_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs" in inspect.getsource(thd)
-            and "cu_seqlens[-1]" in inspect.getsource(thd)
-            and "return _apply_rotary_pos_emb_thd(" in src["apply_rotary_pos_emb"])
+    needed = ("_get_thd_freqs_on_this_cp_rank", "_apply_rotary_pos_emb_bshd", "apply_rotary_pos_emb")
+    if not all(hasattr(rope_utils, name) for name in needed):
+        return False
+    slices = inspect.getsource(rope_utils._get_thd_freqs_on_this_cp_rank)
+    thd = inspect.getsource(megatron_thd())
+    return all(needle in slices for needle in (
+        "full_seqlen = cp_size * x.size(0)",
+        "freqs[offset + cp_rank * cp_seg : offset + (cp_rank + 1) * cp_seg]",  # chunk r
+        "- (cp_rank + 1) * cp_seg : offset",  # chunk 2cp-1-r
+        "return freqs[offset : offset + x.size(0)]",  # cp == 1
+    )) and ("_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs" in thd and "cu_seqlens[-1]" in thd
+            and "return _apply_rotary_pos_emb_thd(" in inspect.getsource(rope_utils.apply_rotary_pos_emb))
 
 
 def megatron_thd():
