@@ -7,6 +7,7 @@ CPU job and the tests use; on GPUs SGLang takes its place.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -15,6 +16,9 @@ from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, S
 
 
 class HFRolloutEngine:
+    releases_memory = False
+    """On the CPU there is no accelerator memory to give back: the rollout group skips the calls."""
+
     def __init__(self, hf_dir: str, *, eos_token_ids: Sequence[int], pad_token_id: int, chunk_size: int = 512,
                  num_threads: int | None = None, weight_version: int = 0):
         from transformers import AutoModelForCausalLM
@@ -29,10 +33,16 @@ class HFRolloutEngine:
         self._params = dict(self.model.named_parameters())
         self._received: set[str] = set()
         self._generated = 0
+        # one model, one global random generator: calls from several host threads take turns
+        self._lock = threading.Lock()
 
     # --- generation -----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
+        with self._lock:
+            return self._generate(requests, sampling)
+
+    def _generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         # Similar lengths share a forward batch, which keeps left padding small.
@@ -46,11 +56,12 @@ class HFRolloutEngine:
 
     def _generate_chunk(self, chunk: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
         width = max(len(r.prompt_ids) for r in chunk)
-        ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, r in enumerate(chunk):  # left padding: every prompt ends at the same column
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids):] = 1
+        # left padding: every prompt ends at the same column (one tensor built from lists: a per-row
+        # tensor copy costs more than the forward of a tiny model)
+        ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in chunk],
+                           dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
+                            dtype=torch.long)
         sample = not sampling.greedy
         out = self.model.generate(
             input_ids=ids,
@@ -74,20 +85,23 @@ class HFRolloutEngine:
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
         eos = set(self.eos_token_ids)
-        for row, r in enumerate(chunk):
-            toks = new_tokens[row].tolist()
+        for r, toks, lps in zip(chunk, new_tokens.tolist(), token_logprobs.tolist()):
             n, finish = len(toks), "length"
             for j, t in enumerate(toks):
                 if t in eos:
                     n, finish = j + 1, "stop"
                     break
-            results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=token_logprobs[row, :n].tolist(),
+            results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n],
                                           finish_reason=finish, weight_version=self.weight_version))
         return results
 
     # --- weight sync ----------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            self._load(named_tensors)
+
+    def _load(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
