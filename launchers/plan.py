@@ -107,13 +107,13 @@ def placement(cfg: MGRPOConfig, lay: Layout) -> tuple[list[dict], list[dict]]:
         if a.pp > 1 and c["pp"] == a.pp - 1:
             role.append("last stage")
         ranks.append({"rank": i, "node": i // per_node, "local": i % per_node, **c, "role": ", ".join(role)})
-    first = 0 if r.mode == "colocated" else lay.trainer_world
+    first = 0 if r.shares_trainer_devices else lay.trainer_world
     engines = []
     for e in range(r.num_engines):
         slots = [first + e * r.tp + k for k in range(r.tp)]
         engines.append({"engine": e, "tp": r.tp, "accelerators": [[s // per_node, s % per_node] for s in slots],
                         "shares_with_trainer_ranks": [s for s in slots if s < lay.trainer_world]
-                        if r.mode == "colocated" else []})
+                        if r.shares_trainer_devices else []})
     return ranks, engines
 
 
@@ -172,7 +172,8 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
         "cluster": {"nodes": t.nnodes, "accelerators_per_node": lay.total // t.nnodes, "accelerators": lay.total,
                     "cpus_per_worker": t.cpus_per_worker, "ray_address": t.ray_address,
                     # every trainer rank and every engine is a Ray bundle of cpus_per_worker CPUs
-                    "ray_cpus_needed": (lay.trainer_world + r.num_engines) * t.cpus_per_worker},
+                    "ray_cpus_needed": (lay.trainer_world + (0 if r.mode == "hybrid" else r.num_engines))
+                                       * t.cpus_per_worker},
         "trainer": {"world": lay.trainer_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp,
                     "layers_per_stage": m.num_layers // a.pp, "ranks": ranks},
         "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": r.num_engines, "tp": r.tp,
@@ -234,6 +235,8 @@ def render(p: dict) -> str:
            f"({tr['layers_per_stage']} layer(s) per pipeline stage)"]
     if ro["mode"] == "colocated":
         where = "colocated: shares the trainer's accelerators (memory released while training)"
+    elif ro["mode"] == "hybrid":
+        where = "hybrid: inside the trainer ranks' processes, on their accelerators (memory released while training)"
     else:
         where = f"disaggregated: its own {ro['accelerators']} accelerator(s) after the trainer's"
     out.append(f"rollout   {ro['num_engines']} {ro['engine']} engine(s) x tp {ro['tp']} = {ro['accelerators']} "

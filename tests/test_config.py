@@ -60,6 +60,10 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"rollout": {"health_check_interval_s": -1.0}}, "rollout.health_check_interval_s=-1.0 and"),
     ({"trainer": {"max_ckpt_to_keep": 0}}, "trainer.max_ckpt_to_keep=0 must be at least 1"),
     ({"actor": {"ppo_mini_batch_size": 5}}, "actor.ppo_mini_batch_size=5 does not divide data.train_batch_size=32"),
+    ({"rollout": {"mode": "hybrid", "async_mode": "one_step_off"}},
+     "rollout.async_mode='one_step_off' overlaps generation with training, which rollout.mode=hybrid engines cannot"),
+    ({"rollout": {"mode": "hybrid", "num_engines": 2}},
+     "rollout.num_engines*rollout.tp=2 exceeds the 1 accelerators (rollout.mode=hybrid: each engine lives in a trainer rank)"),
 ])
 def test_validation_names_the_field(changes, message):
     cfg = MGRPOConfig()
@@ -74,7 +78,7 @@ def test_production_rollout_modes_validate_on_cpu():
     """The SGLang path runs on CPU against the server speaking its protocol (every branch of the
     production path runs in tests; refusing it would hide its bugs), so both weight-sync modes pass
     validation on a CPU trainer."""
-    for mode in ("colocated", "disaggregated"):
+    for mode in ("colocated", "hybrid", "disaggregated"):
         cfg = _compose("rollout.engine=sglang", f"rollout.mode={mode}", "trainer.device=cpu",
                        "trainer.n_gpus_per_node=2" if mode == "disaggregated" else "rollout.n=8")
         validate(cfg)

@@ -32,7 +32,7 @@ class Recording(Trainer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, tp", [("colocated", 1), ("disaggregated", 1), ("colocated", 2),
-                                      ("disaggregated", 2)])
+                                      ("disaggregated", 2), ("hybrid", 1)])
 def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp):
     """>= 5 consecutive weight syncs in one run; after every sync the engine samples from exactly the
     trainer's weights: rollout and trainer log-probs of the same tokens agree at every step."""
@@ -42,7 +42,7 @@ def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp):
     t = Recording(cfg)
     t.fit()
     (receiver,) = t.receivers
-    assert isinstance(receiver, NodeLocalDelivery if mode == "colocated" else DistributedWeightSender)
+    assert isinstance(receiver, NodeLocalDelivery if mode in ("colocated", "hybrid") else DistributedWeightSender)
     m = read_metrics(str(tmp_path))
     assert [x["step"] for x in m] == list(range(1, STEPS + 1))
     assert [x["rollout/weight_version"] for x in m] == [float(s) for s in range(1, STEPS + 1)]
@@ -83,13 +83,15 @@ def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list, limit: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_engine_fault_mid_run_is_recovered(tmp_path, sig):
+@pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "colocated"), (signal.SIGSTOP, "colocated"),
+                                       (signal.SIGKILL, "hybrid")], ids=["killed", "hung", "killed-hybrid"])
+def test_engine_fault_mid_run_is_recovered(tmp_path, sig, mode):
     """A server killed (SIGKILL) or hung (SIGSTOP) during the run is found by the health checks, restarted,
     re-synced to the current weights, and its requests resent: the run finishes, every prompt has its n
-    samples exactly once per step, and the restart and retry counters say what happened."""
+    samples exactly once per step, and the restart and retry counters say what happened. A hybrid engine
+    (its client inside a trainer rank) is restarted inside that rank, which lives on."""
     run_dir = str(tmp_path)
-    cfg = small_config(run_dir, rollout={"engine": "sglang", "health_check_interval_s": 1.0,
+    cfg = small_config(run_dir, rollout={"engine": "sglang", "mode": mode, "health_check_interval_s": 1.0,
                                          "health_check_timeout_s": 2.0, "request_timeout_s": 30.0},
                        trainer={"total_training_steps": 4})
     hits: list = []

@@ -19,6 +19,7 @@ class Recording(Trainer):
     def _start(self):
         super()._start()
         self.engine_addresses = ray.get([e.address.remote() for e in self.rollout.engines])
+        self.rank_actor_ids = [r._actor_id.hex() for r in self.trainer.group.ranks]
 
 
 def run_on_logical_gpus(cfg, gpus: int) -> Recording:
@@ -57,4 +58,20 @@ def test_disaggregated_engines_get_gpus_of_their_own(tmp_path):
     assert len(trainer_ids) == 1 and len(engine_ids) == 2  # 3 GPUs: 1 trainer rank, 2 engines of rollout.tp=1
     assert sorted(trainer_ids + engine_ids) == ["0", "1", "2"]  # nobody shares
     assert t.rollout.devices is None
+    assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
+
+
+@pytest.mark.slow
+def test_hybrid_engines_live_in_their_trainer_ranks(tmp_path):
+    """rollout.mode=hybrid: no engine process and no rollout bundles; engine i is hosted by trainer rank
+    i*rollout.tp (the same actor), whose whole GPU it shares, and its server would use that rank's GPU."""
+    cfg = small_config(str(tmp_path), trainer={"n_gpus_per_node": 2}, rollout={"mode": "hybrid"}, actor={"tp": 2})
+    t = run_on_logical_gpus(cfg, gpus=2)
+    p = t.placement
+    assert p.gpus and p.hybrid and not p.shared and p.rollout is None
+    assert p.trainer_gpus == 1.0
+    ranks = t.trainer.group.devices
+    assert t.rollout.devices == [ranks[0]["gpu_ids"]]
+    assert t.engine_addresses[0]["gpu_ids"] == ranks[0]["gpu_ids"]
+    assert t.engine_addresses[0]["actor_id"] == t.rank_actor_ids[0]  # the engine's host is trainer rank 0
     assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]

@@ -236,7 +236,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
     counts = param_counts(m, a.tp, a.pp)
     v_local = counts["padded_vocab"] // a.tp
     shape = micro_batch_shape(cfg, lay, device)
-    colocated_gpu = device == "cuda" and r.mode == "colocated"
+    colocated_gpu = device == "cuda" and r.shares_trainer_devices
     layer_largest = max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     stages = []
     for stage in range(a.pp):
@@ -349,7 +349,7 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     options["actor.max_tokens_per_gpu"] = [(a.max_tokens_per_gpu // 2 ** k, k) for k in (1, 2, 3)
                                            if a.max_tokens_per_gpu // 2 ** k >= seq]
-    if device == "cuda" and r.mode == "colocated":
+    if device == "cuda" and r.shares_trainer_devices:
         options["rollout.gpu_memory_utilization"] = [
             (round(u, 2), round((r.gpu_memory_utilization - u) * 10)) for u in (0.6, 0.5, 0.4, 0.3)
             if u < r.gpu_memory_utilization - 1e-9]

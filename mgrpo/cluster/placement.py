@@ -8,6 +8,8 @@ with logical GPUs (`ray start --num-gpus 8`): only the compute leaf differs.
 - Colocated rollout: engines share the trainer's accelerators. Engine i's host actor takes a fraction
   of the first GPU of trainer ranks [i*tp, (i+1)*tp) (trainer ranks leave that fraction free), and its
   server is pointed at exactly those ranks' GPUs, which must sit on one node.
+- Hybrid rollout: no process of its own; engine i lives in trainer rank i*tp's actor (its bundle) and its
+  server, if it has one, uses the GPUs of trainer ranks [i*tp, (i+1)*tp).
 - Disaggregated rollout: one bundle per engine with `rollout.tp` GPUs of its own.
 """
 
@@ -33,8 +35,15 @@ class Placement:
     gpus: bool
     """Bundles carry GPU resources (real GPUs, or logical ones on a CPU test cluster)."""
     shared: bool
-    """Engines sit in the trainer's bundles (colocated mode with accelerators)."""
+    """Engine hosts sit in the trainer's bundles (colocated mode with accelerators)."""
     engine_tp: int
+    hybrid: bool = False
+    """Engines live in trainer ranks' processes (rollout.mode=hybrid): no bundles or hosts of their own."""
+
+    @property
+    def engines_on_trainer_devices(self) -> bool:
+        """Engines' servers must use their trainer ranks' accelerators (colocated or hybrid, with GPUs)."""
+        return self.gpus and (self.shared or self.hybrid)
 
     @property
     def trainer_gpus(self) -> float:
@@ -69,15 +78,18 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     cpus = t.cpus_per_worker
     local_cpu = t.device == "cpu" and not t.ray_address
     # A local CPU Ray is told exactly how many CPU slots it may hand out (a bundle is a logical slot).
+    hybrid = r.mode == "hybrid"
+    engine_slots = 0 if hybrid else r.num_engines
     start_ray(address=t.ray_address,
-              num_cpus=cpus * (layout.trainer_world + r.num_engines) + 1 if local_cpu else None)
+              num_cpus=cpus * (layout.trainer_world + engine_slots) + 1 if local_cpu else None)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).
     shared = r.mode == "colocated" and gpus
     trainer = reserve(layout.trainer_world, cpus=cpus, gpus=1 if gpus else 0, name="mgrpo-trainer")
-    rollout = None if shared else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0, name="mgrpo-rollout")
-    return Placement(trainer=trainer, rollout=rollout, gpus=gpus, shared=shared, engine_tp=r.tp)
+    rollout = None if shared or hybrid else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0,
+                                                    name="mgrpo-rollout")
+    return Placement(trainer=trainer, rollout=rollout, gpus=gpus, shared=shared, engine_tp=r.tp, hybrid=hybrid)
 
 
 def colocated_devices(rank_devices: list[dict], ranks: range, index: int) -> list[str]:

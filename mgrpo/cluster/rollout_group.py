@@ -1,7 +1,8 @@
 """Rollout engines as Ray actors: dispatch, progress, health checks, restarts and retries.
 
-Each engine lives in its own Ray actor (`EngineHost`), built by the engine registry
-(`mgrpo/rollout/factory.py`); this module knows no engine by name. The driver splits a batch of
+Each engine lives in a host process (`mgrpo/cluster/engine_host.py`): an `EngineHost` actor of its
+own, or, with rollout.mode=hybrid, a trainer rank. The engine registry (`mgrpo/rollout/factory.py`)
+builds it; this module knows no engine by name. The driver splits a batch of
 requests into chunks, spreads them over the engines and shows progress as chunks finish. While it
 waits it health-checks the engines that hold chunks every `rollout.health_check_interval_s`: an engine
 that died or stopped answering (`rollout.health_check_timeout_s`) is restarted, brought to the current
@@ -19,68 +20,14 @@ from typing import Callable, Optional
 import ray
 from tqdm import tqdm
 
+from mgrpo.cluster.engine_host import EngineHost, HostDelivery
 from mgrpo.cluster.placement import Placement
 from mgrpo.cluster.trainer_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
-from mgrpo.rollout.factory import EngineContext, build_engine, engine_spec
+from mgrpo.rollout.factory import EngineContext, engine_spec
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@ray.remote
-class EngineHost:
-    """Hosts one rollout engine (whatever the registry builds for its name)."""
-
-    def __init__(self, name: str, hf_dir: str, kwargs: dict):
-        self.engine = build_engine(name, hf_dir, kwargs)
-
-    def generate(self, requests, sampling):
-        return self.engine.generate(requests, sampling)
-
-    def update_weights(self, named_tensors):
-        self.engine.update_weights(named_tensors)
-
-    def finish_weight_update(self, version: int):
-        self.engine.finish_weight_update(version)
-
-    def health(self):
-        return self.engine.health()
-
-    def address(self) -> dict:
-        """Where the engine is, for direct weight senders: node, server URL (if any), TP size, and the
-        accelerators Ray gave its host."""
-        return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
-                "tp": getattr(self.engine, "tp", 1), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
-    def retries(self) -> int:
-        """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
-        return int(getattr(self.engine, "retries", 0))
-
-    def release_memory(self, tags=None):
-        self.engine.release_memory(tags)
-
-    def resume_memory(self, tags=None):
-        self.engine.resume_memory(tags)
-
-    def shutdown(self):
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            stop()
-
-
-class HostDelivery:
-    """Weight buckets through the engines' host actors: one object transfer per bucket, shared by all
-    engines (each host then loads it, or hands it to its server from the server's own node)."""
-
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def update_weights(self, bucket) -> None:
-        if not self.handles:
-            return
-        ref = ray.put(bucket)
-        ray.get([h.update_weights.remote(ref) for h in self.handles])
 
 
 class NodeLocalDelivery:
@@ -89,7 +36,7 @@ class NodeLocalDelivery:
 
     def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
         self.cfg = cfg
-        self.engines = engines  # (host handle, EngineHost.address())
+        self.engines = engines  # (host handle, EngineSlot.address())
         self.generation = generation
         self._split = None
 
@@ -99,7 +46,8 @@ class NodeLocalDelivery:
             local = [a for _, a in self.engines if a["node_ip"] == here]
             spec = engine_spec(self.cfg.rollout.engine)
             sender = spec.direct_sender(self.cfg, local, self.generation) if local else None
-            self._split = (sender, HostDelivery([h for h, a in self.engines if a["node_ip"] != here]))
+            remote = [(h, a) for h, a in self.engines if a["node_ip"] != here]
+            self._split = (sender, HostDelivery([h for h, _ in remote], [a["actor_id"] for _, a in remote]))
         sender, remote = self._split
         if sender is not None:
             sender.update_weights(bucket)
@@ -116,9 +64,11 @@ class RolloutStats:
 
 class RolloutGroup:
     def __init__(self, cfg: MGRPOConfig, placement: Placement, *, hf_dir: str, context: EngineContext,
-                 devices: Optional[list[list[str]]] = None):
-        """`devices[i]`: accelerator ids engine i's server must use (colocated on GPUs), else None."""
+                 devices: Optional[list[list[str]]] = None, hosts: Optional[list] = None):
+        """`devices[i]`: accelerator ids engine i's server must use (colocated on GPUs), else None.
+        `hosts[i]`: the trainer rank that hosts engine i (rollout.mode=hybrid), else None (own processes)."""
         self.cfg = cfg
+        self.hosts = hosts
         self.placement = placement
         self.spec = engine_spec(cfg.rollout.engine)
         self.devices = devices
@@ -128,12 +78,12 @@ class RolloutGroup:
         self.hf_dir = hf_dir
         self.engines = [self._start(i) for i in range(cfg.rollout.num_engines)]
         ray.get([e.health.remote() for e in self.engines])  # wait until every engine is up
-        self.nodes = [a["node_ip"] for a in ray.get([e.address.remote() for e in self.engines])]
+        self.addresses = ray.get([e.address.remote() for e in self.engines])
+        """`EngineSlot.address()` of each engine: node, URL, host actor, whether it releases memory."""
         self.front = None
         """A router in front of several engines (when the engine has one): generation goes through it."""
         if self.spec.front is not None and len(self.engines) > 1:
-            self.urls = [a["url"] for a in ray.get([e.address.remote() for e in self.engines])]
-            self.front = self.spec.front(cfg, self.urls, context)
+            self.front = self.spec.front(cfg, [a["url"] for a in self.addresses], context)
         self.weight_version = 0
         self.generation = 0
         """Bumped when an engine restarts: direct senders built for the old engines are stale."""
@@ -143,9 +93,16 @@ class RolloutGroup:
         self._engine_retries = 0
         self._receivers: Optional[tuple[int, list]] = None
 
+    @property
+    def urls(self) -> list:
+        """The engines' server URLs (None for an engine without a server)."""
+        return [a["url"] for a in self.addresses]
+
     def _start(self, index: int):
-        return EngineHost.options(max_concurrency=4,
-                                  **self.placement.engine_options(index, self.cfg.trainer.cpus_per_worker)).remote(
+        if self.hosts is not None:  # hybrid: the engine moves into its trainer rank's process
+            ray.get(self.hosts[index].start_engine.remote(self.cfg.rollout.engine, self.hf_dir, self._kwargs[index]))
+            return self.hosts[index]
+        return EngineHost.options(**self.placement.engine_options(index, self.cfg.trainer.cpus_per_worker)).remote(
             self.cfg.rollout.engine, self.hf_dir, self._kwargs[index])
 
     # --- weight receivers -----------------------------------------------------------------------
@@ -161,9 +118,9 @@ class RolloutGroup:
         return out
 
     def _build_receivers(self, handles: list) -> list:
+        addresses = [self.addresses[self.engines.index(h)] for h in handles]
         if self.spec.direct_sender is None:
-            return [HostDelivery(handles)]
-        addresses = ray.get([h.address.remote() for h in handles])
+            return [HostDelivery(handles, [a["actor_id"] for a in addresses])]
         if self.spec.node_local(self.cfg):
             return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation)]
         return [self.spec.direct_sender(self.cfg, addresses, self.generation)]
@@ -226,7 +183,8 @@ class RolloutGroup:
 
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
         # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
-        engine_retries = sum(ray.get([e.retries.remote() for e in self.engines]))
+        engine_retries = sum(ray.get([e.retries.remote() for e, a in zip(self.engines, self.addresses)
+                                      if a["counts_retries"]]))
         if self.front is not None:
             engine_retries += self.front.retries
         stats.retries += max(engine_retries - self._engine_retries, 0)
@@ -300,19 +258,26 @@ class RolloutGroup:
 
     def _node_lost(self, index: int, wait_s: float) -> None:
         """Raise, naming the node, if engine `index`'s node left the cluster (its bundle has nowhere to go)."""
-        if self.nodes[index] in dead_nodes(wait_s):
-            raise RuntimeError(f"rollout engine {index} was on node {self.nodes[index]}, which left the Ray "
+        node = self.addresses[index]["node_ip"]
+        if node in dead_nodes(wait_s):
+            raise RuntimeError(f"rollout engine {index} was on node {node}, which left the Ray "
                                "cluster; run again with trainer.resume=auto to continue from the last checkpoint")
 
     def _restart(self, index: int) -> None:
         self._node_lost(index, wait_s=0.0)
         log.warning("restarting rollout engine %d", index)
         self._stop(self.engines[index])
+        if self.hosts is None:  # a hybrid engine's host is a trainer rank: only the engine is replaced
+            try:
+                ray.kill(self.engines[index])
+            except Exception:
+                pass
         try:
-            ray.kill(self.engines[index])
-        except Exception:
-            pass
-        self.engines[index] = self._start(index)
+            self.engines[index] = self._start(index)
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(f"rollout engine {index} cannot be restarted: its host, trainer rank "
+                               f"{self.cfg.rollout.tp * index} (rollout.mode=hybrid), died; run again with "
+                               "trainer.resume=auto to continue from the last checkpoint") from err
         self.generation += 1
         ready, deadline = self.engines[index].health.remote(), time.monotonic() + self.cfg.rollout.request_timeout_s
         while not ray.wait([ready], timeout=5.0)[0]:  # a node declared dead meanwhile ends the wait
@@ -321,11 +286,9 @@ class RolloutGroup:
                 raise RuntimeError(f"rollout engine {index} did not come back within rollout.request_timeout_s="
                                    f"{self.cfg.rollout.request_timeout_s}")
         ray.get(ready)
-        self.nodes[index] = ray.get(self.engines[index].address.remote())["node_ip"]
+        old_url, self.addresses[index] = self.addresses[index]["url"], ray.get(self.engines[index].address.remote())
         if self.front is not None:
-            new_url = ray.get(self.engines[index].address.remote())["url"]
-            self.front.replace(self.urls[index], new_url)
-            self.urls[index] = new_url
+            self.front.replace(old_url, self.addresses[index]["url"])
         if self.on_restart is not None and self.weight_version > 0:
             self.on_restart([self.engines[index]])
             ray.get(self.engines[index].finish_weight_update.remote(self.weight_version))
@@ -349,9 +312,12 @@ class RolloutGroup:
         return self._on_each("resume_memory", tags)
 
     def _on_each(self, method: str, *args) -> int:
-        refs = [getattr(e, method).remote(*args) for e in self.engines]
+        """A memory call on every engine that has accelerator memory to release (an engine on the CPU has
+        none: it is not called, which spares a round trip per step)."""
+        refs = {i: getattr(e, method).remote(*args) for i, e in enumerate(self.engines)
+                if self.addresses[i]["releases_memory"]}
         restarted = 0
-        for i, ref in enumerate(refs):
+        for i, ref in refs.items():
             try:
                 ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
@@ -365,9 +331,9 @@ class RolloutGroup:
         return restarted
 
     def _stop(self, engine) -> None:
-        """Let the engine stop what it owns (a server) before its actor is killed."""
+        """Let the engine stop what it owns (a server) before its host is killed."""
         try:
-            ray.get(engine.shutdown.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
+            ray.get(engine.stop_engine.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
         except Exception:  # a dead or hung engine has nothing left to stop politely
             pass
 
@@ -376,4 +342,5 @@ class RolloutGroup:
             self.front.shutdown()
         for e in self.engines:
             self._stop(e)
-            ray.kill(e)
+            if self.hosts is None:  # hybrid hosts are trainer ranks: the trainer group takes them down
+                ray.kill(e)

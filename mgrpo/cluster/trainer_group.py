@@ -12,13 +12,16 @@ import time
 
 import ray
 
+from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 
 
-@ray.remote
-class TrainerRank:
-    """A process that hosts one `MegatronActor` (imported inside, so the driver never loads megatron)."""
+@ray.remote(concurrency_groups=ENGINE_GROUPS)
+class TrainerRank(EngineSlot):
+    """A process that hosts one `MegatronActor` (imported inside, so the driver never loads megatron)
+    and, with rollout.mode=hybrid, a rollout engine too (`EngineSlot`: its calls run in their own
+    concurrency groups, so a rank streaming weights can take another stage's bucket for its engine)."""
 
     def __init__(self, num_threads: int):
         import torch
@@ -27,7 +30,7 @@ class TrainerRank:
         self.num_threads = num_threads
         self.impl = None
 
-    def address(self) -> tuple[str, int]:
+    def rendezvous_address(self) -> tuple[str, int]:
         """Rendezvous address for torch.distributed when this rank is rank 0."""
         with socket.socket() as s:
             s.bind(("", 0))
@@ -67,7 +70,7 @@ class TrainerGroup:
 
     def setup(self, cfg: MGRPOConfig) -> None:
         """Build the Megatron stages on every rank (after colocated engines took their memory)."""
-        master_addr, master_port = ray.get(self.ranks[0].address.remote())
+        master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
         self.info = self._gather([
             r.setup.remote(cfg, rank=i, world_size=self.world, master_addr=master_addr, master_port=master_port,
                            **self._setup_args)
@@ -93,8 +96,11 @@ class TrainerGroup:
         """Call `method(shard_of_my_replica, ...)` on every rank; return results by rank."""
         if len(shards) != self.dp:
             raise ValueError(f"{len(shards)} shards for {self.dp} data-parallel replicas")
-        refs = [ray.put(s) for s in shards]
-        return self._gather([r.call.remote(method, refs[info["dp_rank"]], *args, **kwargs)
+        # A shard that several ranks take (TP, PP and CP ranks of one replica) goes to the object store
+        # once; a shard for one rank travels with its call (a put is a round trip of its own).
+        takers = [sum(info["dp_rank"] == d for info in self.info) for d in range(self.dp)]
+        args_of = [ray.put(s) if n > 1 else s for s, n in zip(shards, takers)]
+        return self._gather([r.call.remote(method, args_of[info["dp_rank"]], *args, **kwargs)
                              for r, info in zip(self.ranks, self.info)])
 
     def compute_logprobs(self, shards: list, which: str, temperature: float) -> list[dict]:

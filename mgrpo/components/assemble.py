@@ -68,13 +68,15 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, *, need_ref: bool) -> 
     try:
         placement = place(cfg, layout)
         group = TrainerGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps, need_ref=need_ref)
-        devices = None
-        if placement.shared:
+        devices = hosts = None
+        if placement.engines_on_trainer_devices:
             devices = [colocated_devices(group.devices, placement.shared_ranks(i), i)
                        for i in range(cfg.rollout.num_engines)]
+        if placement.hybrid:  # engine i moves into the process of the first trainer rank it shares
+            hosts = [group.ranks[placement.shared_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
         eos = [tokenizer.eos_token_id]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices,
+        rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
                                context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
                                                      log_dir=os.path.join(run_dir, "logs")))
         group.setup(cfg)

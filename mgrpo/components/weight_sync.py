@@ -1,6 +1,6 @@
 """Weight sync: the actor's weights, resharded into Hugging Face layout, into every rollout engine.
 
-One sync: health-check the engines (a dead one is restarted first), in colocated mode take back the
+One sync: health-check the engines (a dead one is restarted first), in colocated and hybrid mode take back the
 engines' weight memory, let every trainer rank stream its buckets through the engines' receivers, then
 close the update on every engine with the new version (which also flushes its prefix cache), and
 take back the rest of the engines' memory. A restarted engine gets the current weights the same way.
@@ -15,7 +15,7 @@ from mgrpo.config import MGRPOConfig
 
 class WeightSync:
     def __init__(self, cfg: MGRPOConfig, trainer, rollout):
-        self.colocated = cfg.rollout.mode == "colocated"
+        self.colocated = cfg.rollout.shares_trainer_devices
         self.trainer = trainer
         """`TrainerClient`."""
         self.rollout = rollout

@@ -208,7 +208,10 @@ class RolloutConfig:
     """Tensor-parallel size of one engine."""
     num_engines: int = 1
     mode: str = "colocated"
-    """colocated (engines share the trainer's accelerators) | disaggregated (own accelerators)"""
+    """colocated (engines share the trainer's accelerators, each in a process of its own) | hybrid (veRL's
+    hybrid engine: engine i lives inside trainer rank i*rollout.tp's process, on its accelerators, and takes
+    the weights that rank exports in memory; generation and training take turns) | disaggregated (engines
+    on accelerators of their own)"""
     gpu_memory_utilization: float = 0.7
     update_weights_bucket_mb: int = 256
     """Bucket size of the streaming weight sync."""
@@ -230,6 +233,12 @@ class RolloutConfig:
     trains it; older ones are dropped and counted (rollout/stale_dropped), never trained."""
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
+
+    @property
+    def shares_trainer_devices(self) -> bool:
+        """Engines run on the trainer's accelerators (colocated or hybrid): they release their memory
+        while the trainer trains and take weights through node-local transports."""
+        return self.mode in ("colocated", "hybrid")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from mgrpo.config.schema import MGRPOConfig
 # mgrpo_kernels.IMPLS (test_config checks they agree): the kernels import torch, the planner must not.
 LOGPROB_IMPLS = ("chunked", "fused", "naive")
 ROLLOUT_ENGINES = ("hf", "sglang")
-ROLLOUT_MODES = ("colocated", "disaggregated")
+ROLLOUT_MODES = ("colocated", "hybrid", "disaggregated")
 DEVICES = ("auto", "cpu", "cuda")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 LOGGERS = ("console", "tensorboard")
@@ -159,9 +159,10 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
     if r.async_mode not in ("off", "one_step_off", "bounded_staleness"):
         e.append(f"rollout.async_mode={r.async_mode!r} is not one of ['off', 'one_step_off', 'bounded_staleness']")
     elif r.async_mode != "off":
-        if r.mode == "colocated":
-            e.append(f"rollout.async_mode={r.async_mode!r} overlaps generation with training, which colocated engines "
-                     "cannot (they release their accelerators while the trainer runs); use rollout.mode=disaggregated")
+        if r.shares_trainer_devices:
+            e.append(f"rollout.async_mode={r.async_mode!r} overlaps generation with training, which rollout.mode="
+                     f"{r.mode} engines cannot (they release their accelerators while the trainer runs); use "
+                     "rollout.mode=disaggregated")
         if r.max_staleness < 1:
             e.append(f"rollout.max_staleness={r.max_staleness} must be at least 1 with rollout.async_mode="
                      f"{r.async_mode!r}")
@@ -178,8 +179,9 @@ def validate(cfg: MGRPOConfig, *, check_files: bool = True) -> Layout:
             e.append(f"actor.tp*actor.pp*actor.cp={mp} does not divide the trainer's {lay.trainer_world} "
                      f"accelerators (trainer.nnodes*trainer.n_gpus_per_node"
                      f"{' - rollout.num_engines*rollout.tp' if r.mode == 'disaggregated' else ''})")
-        if r.mode == "colocated" and lay.rollout_devices > lay.total:
-            e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} exceeds the {lay.total} accelerators")
+        if r.shares_trainer_devices and lay.rollout_devices > lay.total:
+            e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} exceeds the {lay.total} accelerators"
+                     + (" (rollout.mode=hybrid: each engine lives in a trainer rank)" if r.mode == "hybrid" else ""))
 
     # --- data ------------------------------------------------------------------------------------
     for key in ("train_files", "val_files"):

@@ -81,12 +81,12 @@ def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
                 max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
                 health_timeout_s=r.health_check_timeout_s,
                 log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
-                enable_memory_saver=r.mode == "colocated", visible_devices=ctx.visible_devices)
+                enable_memory_saver=r.shares_trainer_devices, visible_devices=ctx.visible_devices)
 
 
 def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
     urls, tps = [a["url"] for a in addresses], [a["tp"] for a in addresses]
-    if cfg.rollout.mode == "colocated":
+    if cfg.rollout.shares_trainer_devices:  # the engine's server is on the sending rank's GPUs
         from mgrpo.rollout.sglang.weights_tensor import TensorWeightSender
 
         return TensorWeightSender(urls, tps)
@@ -108,7 +108,7 @@ def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("hf", _build_hf, _hf_kwargs),
     "sglang": EngineSpec("sglang", _build_sglang, _sglang_kwargs, direct_sender=_sglang_sender,
-                         node_local=lambda cfg: cfg.rollout.mode == "colocated", front=_sglang_router),
+                         node_local=lambda cfg: cfg.rollout.shares_trainer_devices, front=_sglang_router),
 }
 
 

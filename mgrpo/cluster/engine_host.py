@@ -1,0 +1,108 @@
+"""The process an engine lives in, and how weight buckets reach it.
+
+An engine is hosted either by an `EngineHost` actor of its own (rollout.mode colocated or
+disaggregated) or by a trainer rank (rollout.mode=hybrid, veRL's hybrid engine: the actor and the
+engine share one process, and the weights the rank exports go into the engine without leaving it).
+Both hosts answer the same calls, defined once in `EngineSlot`, so the rollout group treats their
+handles alike.
+
+Calls run in concurrency groups (Ray threads of the host): `engine` for generation and weights (several
+at once, which a server batches; an engine with one model serialises them itself), and `health`, so a
+health check is answered while a long generation runs.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from mgrpo.rollout.factory import build_engine
+
+ENGINE_GROUPS = {"engine": 4, "health": 1}
+
+_hosted: dict = {}
+"""This process's engine (by host actor id): what an in-process delivery hands buckets to."""
+
+
+class EngineSlot:
+    """The engine-facing calls of a host process (a Ray actor: `EngineHost` or a trainer rank)."""
+
+    engine = None
+
+    def start_engine(self, name: str, hf_dir: str, kwargs: dict) -> None:
+        self.engine = build_engine(name, hf_dir, kwargs)
+        _hosted[ray.get_runtime_context().get_actor_id()] = self.engine
+
+    @ray.method(concurrency_group="engine")
+    def generate(self, requests, sampling):
+        return self.engine.generate(requests, sampling)
+
+    @ray.method(concurrency_group="engine")
+    def update_weights(self, named_tensors):
+        self.engine.update_weights(named_tensors)
+
+    @ray.method(concurrency_group="engine")
+    def finish_weight_update(self, version: int):
+        self.engine.finish_weight_update(version)
+
+    @ray.method(concurrency_group="health")
+    def health(self):
+        return self.engine.health()
+
+    @ray.method(concurrency_group="health")
+    def address(self) -> dict:
+        """Where the engine is, for weight senders: node, server URL (if any), TP size, the accelerators
+        Ray gave its host, the host's actor id, whether the engine has memory to release and whether it
+        retries requests itself (the rollout group skips the calls that would return nothing)."""
+        return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
+                "tp": getattr(self.engine, "tp", 1), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "actor_id": ray.get_runtime_context().get_actor_id(),
+                "releases_memory": bool(getattr(self.engine, "releases_memory", True)),
+                "counts_retries": hasattr(self.engine, "retries")}
+
+    @ray.method(concurrency_group="health")
+    def retries(self) -> int:
+        """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
+        return int(getattr(self.engine, "retries", 0))
+
+    @ray.method(concurrency_group="engine")
+    def release_memory(self, tags=None):
+        self.engine.release_memory(tags)
+
+    @ray.method(concurrency_group="engine")
+    def resume_memory(self, tags=None):
+        self.engine.resume_memory(tags)
+
+    @ray.method(concurrency_group="health")
+    def stop_engine(self):
+        """Let the engine stop what it owns (a server); the host process stays."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
+        _hosted.pop(ray.get_runtime_context().get_actor_id(), None)
+
+
+@ray.remote(concurrency_groups=ENGINE_GROUPS)
+class EngineHost(EngineSlot):
+    """A process of its own for one rollout engine (whatever the registry builds for its name)."""
+
+    def __init__(self, name: str, hf_dir: str, kwargs: dict):
+        self.start_engine(name, hf_dir, kwargs)
+
+
+class HostDelivery:
+    """Weight buckets through the engines' hosts: one object transfer per bucket, shared by all engines
+    (each host then loads it, or hands it to its server from the server's own node). An engine hosted by
+    the sending process itself (rollout.mode=hybrid) gets the bucket in memory, with no transfer."""
+
+    def __init__(self, handles: list, actor_ids: list[str]):
+        self.handles = handles
+        self.actor_ids = actor_ids
+
+    def update_weights(self, bucket) -> None:
+        here = ray.get_runtime_context().get_actor_id()
+        remote = [h for h, a in zip(self.handles, self.actor_ids) if a != here]
+        if here in self.actor_ids:
+            _hosted[here].update_weights(bucket)
+        if remote:
+            ref = ray.put(bucket)
+            ray.get([h.update_weights.remote(ref) for h in remote])
