@@ -59,3 +59,36 @@ def test_training_step_runs_on_cpu(tp, pp):
     for n in norms[1:]:
         assert n == pytest.approx(norms[0], rel=1e-6)
     assert all(x > 0 and x == x for x in norms[0])
+
+
+def test_eager_jit_module_matches_megatrons():
+    """The `jit` module put in place before megatron-core is imported defines what megatron's defines
+    (read from its source, which cannot be imported here: this process already holds the stand-in)."""
+    import ast
+    import importlib.util
+    import os
+
+    from mgrpo.training.cpu_compat import JIT_NAMES
+
+    root = importlib.util.find_spec("megatron").submodule_search_locations[0]
+    tree = ast.parse(open(os.path.join(root, "core", "jit.py")).read())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert defined == set(JIT_NAMES)
+
+
+def test_megatron_imports_without_torch_compile_on_cpu():
+    """Importing mgrpo.training first keeps megatron-core's fusions eager on CPU: no TorchDynamo or
+    Inductor in the process (~70 MiB per trainer rank), and megatron sees a fuser that changes nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mgrpo.training, megatron.core\n"
+            "from megatron.core.jit import jit_fuser\n"
+            "f = lambda x: x\n"
+            "assert jit_fuser(f) is f\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

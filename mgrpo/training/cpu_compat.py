@@ -200,6 +200,40 @@ OPTIONAL_PATCHES: tuple[Patch, ...] = (
 _applied: list[str] = []
 
 
+# --- before megatron-core is imported ---------------------------------------------------------------
+JIT_MODULE = "megatron.core.jit"
+JIT_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fuser")
+"""What megatron-core's `jit` module defines (and its modules import: `jit_fuser`), checked by the tests."""
+
+
+def eager_megatron_fusers() -> bool:
+    """Without CUDA, give megatron-core a `jit` module whose `jit_fuser` leaves functions as they are.
+
+    megatron decorates its fusions (bias-GeLU, SwiGLU, ...) with `jit_fuser` = `torch.compile` when
+    `megatron.core` is imported, and `torch.compile` imports TorchDynamo and Inductor (sympy, networkx,
+    ...): ~70 MiB of every trainer rank's memory and over a second of its start, on a CPU path that runs
+    those functions eagerly anyway (the local spec turns the fusions off; where one runs, eager is what
+    Inductor would compute). megatron's own `disable_jit_fuser()` comes too late: the decorators run
+    during `import megatron.core`. So its `jit` module is put in place before: the same names, with
+    megatron's "disabled" behaviour. Must run before anything imports megatron-core (the package
+    `mgrpo.training` calls it); returns whether it did. On a CUDA machine megatron keeps `torch.compile`.
+    """
+    import sys
+    import types
+
+    if not needs_patches() or "megatron.core" in sys.modules or JIT_MODULE in sys.modules:
+        return False
+
+    def noop_decorator(func):
+        return func
+
+    jit = types.ModuleType(JIT_MODULE, "megatron-core's jit with the fuser disabled (mgrpo.training.cpu_compat)")
+    jit.jit_fuser = jit.noop_decorator = noop_decorator
+    jit.enable_jit_fuser = jit.disable_jit_fuser = lambda: None
+    sys.modules[JIT_MODULE] = jit
+    return True
+
+
 def needs_patches() -> bool:
     return not torch.cuda.is_available()
 
