@@ -72,7 +72,8 @@ class Experience:
         return out
 
     def select(self, idx: Sequence[int]) -> "Experience":
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        # a field not filled yet (None, or [] before judging: the trainer may start on an unjudged batch) stays so
+        pick = lambda xs: xs if not xs else [xs[i] for i in idx]  # noqa: E731
         return Experience(**{name: pick(getattr(self, name)) for name in self.__dataclass_fields__})
 
     def __len__(self) -> int:

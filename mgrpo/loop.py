@@ -39,6 +39,7 @@ class Trainer:
         self.need_ref = config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
         self.trainer = self.rollout = self.observer = self.judger = self.placement = self.pipeline = None
         self.state = RunState()
+        self._handed_over = None  # the experience `_generation_done` last handed to the trainer
 
     def fit(self) -> dict:
         """Train; return the last step's metrics. Ctrl-C stops cleanly (files flushed, Ray shut down)."""
@@ -87,8 +88,9 @@ class Trainer:
                     exp = self.pipeline.next(self.state.weight_version, metrics)
                     self.state.count({"rollout/stale_dropped": metrics.pop("rollout/stale_dropped")}, metrics)
                 else:
-                    exp = self.generate_and_judge(metrics, self.state.step)
-            self.state.count(self.weights.release_engines(), metrics)
+                    exp = self.generate_and_judge(metrics, self.state.step,
+                                                  before_judging=lambda e: self._generation_done(e, metrics))
+            self._generation_done(exp, metrics)
             if cfg.algorithm.overlong_filter:
                 metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
             if self.trainer.needs_old_logprobs(exp):  # else the one update takes pi_old from its own forward
@@ -113,9 +115,24 @@ class Trainer:
         self.observer.write_trajectories(self.state.step + 1, exp)  # the step its metrics are logged under
         return metrics
 
-    def generate_and_judge(self, metrics: dict, batch: int) -> Experience:
+    def _generation_done(self, exp: Experience, metrics: dict) -> None:
+        """The step's samples are generated (once per step; a second call does nothing): colocated engines
+        give their accelerator memory back, then the trainer starts the log-prob forwards the step needs.
+        Called between generation and judging, those forwards run while the driver judges."""
+        if self._handed_over is exp:
+            return
+        self._handed_over = exp
+        self.state.count(self.weights.release_engines(), metrics)
+        if self.trainer.needs_old_logprobs(exp):
+            self.trainer.start_logprobs(exp, "actor")
+        if self.need_ref:
+            self.trainer.start_logprobs(exp, "ref")
+
+    def generate_and_judge(self, metrics: dict, batch: int, before_judging=None) -> Experience:
         """Sample n responses per prompt for batch `batch` (the step that trains it) and score them; with
-        dynamic sampling keep only groups whose rewards differ, generating more rounds until the batch is full."""
+        dynamic sampling keep only groups whose rewards differ, generating more rounds until the batch is full.
+        `before_judging(exp)` runs between generation and judging when the samples generated are the batch
+        (no dynamic sampling)."""
         cfg = self.cfg
 
         def sampling(round_: int) -> SamplingParams:
@@ -124,7 +141,8 @@ class Trainer:
                                   seed=seeds.sampling_seed(cfg.trainer.seed, batch, round_))
 
         if not cfg.algorithm.filter_groups.enable:
-            return self.rollout_and_judge(self.train_data.next_batch(), cfg.rollout.n, sampling(0), metrics)
+            return self.rollout_and_judge(self.train_data.next_batch(), cfg.rollout.n, sampling(0), metrics,
+                                          before_judging=before_judging)
         from mgrpo.algorithms.filtering import GroupAccumulator
 
         acc = GroupAccumulator(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches)
@@ -141,10 +159,12 @@ class Trainer:
         return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups])
 
     def rollout_and_judge(self, items, n: int, sampling: SamplingParams, metrics: dict,
-                          desc: str = "rollout") -> Experience:
+                          desc: str = "rollout", before_judging=None) -> Experience:
         timer = PhaseTimer()
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
         exp = Experience.from_rollout(items, results, n)
+        if before_judging is not None:
+            before_judging(exp)
         with timer("reward"):
             counts = exp.judge(self.judger, self.tokenizer, self.cfg)
         self.state.count({**counts, "rollout/retries": stats.retries, "rollout/restarts": stats.restarts}, metrics)

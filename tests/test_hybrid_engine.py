@@ -54,3 +54,44 @@ def test_hybrid_engine_takes_every_pipeline_stage(tmp_path):
     assert [x["rollout/weight_version"] for x in m] == [float(s) for s in range(1, STEPS + 1)]
     for x in m:
         assert x["rollout/logprob_abs_diff"] <= 1e-5, x["step"]
+
+
+class Ordered(Trainer):
+    """Records, in order, when the driver asks the trainer ranks for log-probs, starts judging and
+    collects the log-probs, and what the reference forward returned."""
+
+    def _start(self):
+        super()._start()
+        self.events: list[tuple[str, str]] = []
+        group, judger = self.trainer.group, self.judger
+        send, score = group.compute_logprobs, judger.score
+
+        def compute_logprobs(shards, which, temperature):
+            self.events.append(("started", which))
+            wait = send(shards, which, temperature)
+            return lambda: (self.events.append(("collected", which)), wait())[1]
+
+        def judged(requests):
+            self.events.append(("judging", ""))
+            return score(requests)
+
+        group.compute_logprobs, judger.score = compute_logprobs, judged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", [False, True], ids=["one-update", "old-forward"])
+def test_log_prob_forwards_run_while_the_driver_judges(tmp_path, recompute):
+    """Generation done, the step's log-prob forwards (reference; old policy when the update needs it) are
+    sent to the ranks before judging starts and collected after it: the ranks compute while the driver
+    scores. Each forward runs once per step, and the run still matches the engine's log-probs."""
+    cfg = small_config(str(tmp_path), rollout={"engine": "hf", "mode": "hybrid"},
+                       algorithm={"use_kl_loss": True}, actor={"recompute_old_logprob": recompute},
+                       trainer={"total_training_steps": 2})
+    t = Ordered(cfg)
+    t.fit()
+    forwards = ["actor", "ref"] if recompute else ["ref"]
+    step = ([("started", w) for w in forwards] + [("judging", "")] + [("collected", w) for w in forwards])
+    assert t.events == step * 2
+    for x in read_metrics(str(tmp_path)):
+        assert x["rollout/logprob_abs_diff"] <= 1e-5
+        assert x["actor/kl_loss"] >= 0.0

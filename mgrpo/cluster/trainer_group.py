@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Callable
 
 import ray
 
@@ -94,20 +95,29 @@ class TrainerGroup:
 
     def _sharded(self, method: str, shards: list, *args, **kwargs) -> list:
         """Call `method(shard_of_my_replica, ...)` on every rank; return results by rank."""
+        return self._gather(self._send_sharded(method, shards, *args, **kwargs))
+
+    def _send_sharded(self, method: str, shards: list, *args, **kwargs) -> list:
+        """Start `method(shard_of_my_replica, ...)` on every rank; return the calls' refs by rank."""
         if len(shards) != self.dp:
             raise ValueError(f"{len(shards)} shards for {self.dp} data-parallel replicas")
         # A shard that several ranks take (TP, PP and CP ranks of one replica) goes to the object store
         # once; a shard for one rank travels with its call (a put is a round trip of its own).
         takers = [sum(info["dp_rank"] == d for info in self.info) for d in range(self.dp)]
         args_of = [ray.put(s) if n > 1 else s for s, n in zip(shards, takers)]
-        return self._gather([r.call.remote(method, args_of[info["dp_rank"]], *args, **kwargs)
-                             for r, info in zip(self.ranks, self.info)])
+        return [r.call.remote(method, args_of[info["dp_rank"]], *args, **kwargs)
+                for r, info in zip(self.ranks, self.info)]
 
-    def compute_logprobs(self, shards: list, which: str, temperature: float) -> list[dict]:
-        """Per-shard {'logprobs', 'entropy'}, in data-parallel order."""
-        results = self._sharded("compute_logprobs", shards, which, temperature)
-        by_dp = {info["dp_rank"]: res for info, res in zip(self.info, results) if res is not None}
-        return [by_dp[d] for d in range(self.dp)]
+    def compute_logprobs(self, shards: list, which: str, temperature: float) -> Callable[[], list[dict]]:
+        """Start the forward on every rank and return at once; calling the result waits for it and gives
+        per-shard {'logprobs', 'entropy'}, in data-parallel order."""
+        refs = self._send_sharded("compute_logprobs", shards, which, temperature)
+
+        def wait() -> list[dict]:
+            by_dp = {info["dp_rank"]: res for info, res in zip(self.info, self._gather(refs)) if res is not None}
+            return [by_dp[d] for d in range(self.dp)]
+
+        return wait
 
     def train_mini_batch(self, shards: list, temperature: float) -> dict:
         """The step's metrics; for on-policy shards (no old log-probs) also 'per_sample': each shard's

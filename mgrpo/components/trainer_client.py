@@ -23,15 +23,28 @@ class TrainerClient:
         """`mgrpo.cluster.trainer_group.TrainerGroup`: fans calls out to every Megatron rank."""
         self.cfg = cfg
         self.dp = dp
+        self._started: dict = {}
+        """which -> (experience, wait): forwards started by `start_logprobs`, not yet collected."""
 
     # --- log-probs ----------------------------------------------------------------------------------
     def compute_logprobs(self, exp: Experience, which: str) -> dict:
         """{'logprobs', 'entropy'} per sample of `exp` under `which` in {'actor', 'ref'}, at the rollout
-        temperature (the tempered distribution the rollout sampled from)."""
+        temperature (the tempered distribution the rollout sampled from). A forward started earlier by
+        `start_logprobs(exp, which)` is only waited for."""
+        started = self._started.pop(which, None)
+        wait = started[1] if started is not None and started[0] is exp else self._start(exp, which)
+        outs = wait()
         idx = list(range(len(exp)))
-        outs = self.group.compute_logprobs(self._shards(exp, idx, for_training=False), which,
-                                           self.cfg.rollout.temperature)
         return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
+
+    def start_logprobs(self, exp: Experience, which: str) -> None:
+        """Start `which`'s forward over `exp` and return at once: the ranks compute while the driver does
+        other work (judging the same samples); `compute_logprobs(exp, which)` then collects it."""
+        self._started[which] = (exp, self._start(exp, which))
+
+    def _start(self, exp: Experience, which: str):
+        shards = self._shards(exp, range(len(exp)), for_training=False)
+        return self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature)
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Whether pi_old needs a forward of its own before the update. With exactly one optimizer step
