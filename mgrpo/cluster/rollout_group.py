@@ -294,9 +294,13 @@ class RolloutGroup:
             ray.get(self.engines[index].finish_weight_update.remote(self.weight_version))
 
     def health_check(self) -> int:
-        """Restart every engine that does not answer; return how many were restarted."""
+        """Restart every engine that does not answer; return how many were restarted. A hybrid engine
+        without a server is objects inside its trainer rank, alive exactly while the rank is (which the
+        trainer's own calls find out): it is not asked."""
         restarted = 0
         for i in range(len(self.engines)):
+            if self.hosts is not None and self.addresses[i]["url"] is None:
+                continue
             if not self._alive(i):
                 self._restart(i)
                 restarted += 1
