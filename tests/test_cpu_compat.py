@@ -79,16 +79,22 @@ def test_eager_jit_module_matches_megatrons():
 
 def test_megatron_imports_without_torch_compile_on_cpu():
     """Importing mgrpo.training first keeps megatron-core's fusions eager on CPU: no TorchDynamo or
-    Inductor in the process (~70 MiB per trainer rank), and megatron sees a fuser that changes nothing."""
+    Inductor in the process (~70 MiB per trainer rank), and megatron sees a fuser that changes nothing;
+    Triton is not imported unless TRITON_INTERPRET=1 (then the fused kernel stays available)."""
     import subprocess
     import sys
 
-    code = ("import sys, mgrpo.training, megatron.core\n"
+    import os
+
+    code = ("import sys, mgrpo.training, megatron.core, mgrpo_kernels\n"
             "from megatron.core.jit import jit_fuser\n"
             "f = lambda x: x\n"
             "assert jit_fuser(f) is f\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+            "print(mgrpo_kernels.capabilities()['fused'])\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'triton') if sys.modules.get(m)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for interpret, loaded in (("0", "[]"), ("1", "['triton']")):  # Triton stays where the interpreter asks for it
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**env, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": interpret})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-2:] == [str(interpret == "1"), loaded]

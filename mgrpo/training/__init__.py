@@ -1,5 +1,5 @@
 """The trainer ranks' code: megatron-core stages, forward/loss steps, optimizer, checkpoints."""
 
-from mgrpo.training.cpu_compat import eager_megatron_fusers
+from mgrpo.training.cpu_compat import lean_megatron_import
 
-eager_megatron_fusers()  # before any module of this package imports megatron-core (CPU only)
+lean_megatron_import()  # before any module of this package imports megatron-core (CPU only)

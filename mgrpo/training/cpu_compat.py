@@ -206,8 +206,33 @@ JIT_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fus
 """What megatron-core's `jit` module defines (and its modules import: `jit_fuser`), checked by the tests."""
 
 
-def eager_megatron_fusers() -> bool:
-    """Without CUDA, give megatron-core a `jit` module whose `jit_fuser` leaves functions as they are.
+def lean_megatron_import() -> list[str]:
+    """Without CUDA, keep GPU-only import weight out of a trainer rank; returns what it did. Must run
+    before anything imports megatron-core (the package `mgrpo.training` calls it).
+
+    - `eager_jit`: megatron-core's `jit` module with the fuser disabled (`_eager_jit_module`).
+    - `no_triton`: `import triton` fails in this process unless TRITON_INTERPRET=1 asks for Triton on
+      the CPU. megatron-core imports Triton only to probe for symmetric-memory collectives, which need
+      CUDA, and mgrpo's fused kernel needs CUDA or the interpreter; the import alone is ~40 MiB of PSS.
+    """
+    import os
+    import sys
+
+    if not needs_patches() or "megatron.core" in sys.modules:
+        return []
+    done = []
+    if JIT_MODULE not in sys.modules:
+        sys.modules[JIT_MODULE] = _eager_jit_module()
+        done.append("eager_jit")
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
+        sys.modules["triton"] = None  # `import triton` raises ImportError; find_spec("triton") is None
+        done.append("no_triton")
+    return done
+
+
+def _eager_jit_module():
+    """megatron-core's `jit` module as it is after `disable_jit_fuser()`: `jit_fuser` leaves functions as
+    they are.
 
     megatron decorates its fusions (bias-GeLU, SwiGLU, ...) with `jit_fuser` = `torch.compile` when
     `megatron.core` is imported, and `torch.compile` imports TorchDynamo and Inductor (sympy, networkx,
@@ -215,14 +240,9 @@ def eager_megatron_fusers() -> bool:
     those functions eagerly anyway (the local spec turns the fusions off; where one runs, eager is what
     Inductor would compute). megatron's own `disable_jit_fuser()` comes too late: the decorators run
     during `import megatron.core`. So its `jit` module is put in place before: the same names, with
-    megatron's "disabled" behaviour. Must run before anything imports megatron-core (the package
-    `mgrpo.training` calls it); returns whether it did. On a CUDA machine megatron keeps `torch.compile`.
+    megatron's "disabled" behaviour. On a CUDA machine megatron keeps `torch.compile`.
     """
-    import sys
     import types
-
-    if not needs_patches() or "megatron.core" in sys.modules or JIT_MODULE in sys.modules:
-        return False
 
     def noop_decorator(func):
         return func
@@ -230,8 +250,7 @@ def eager_megatron_fusers() -> bool:
     jit = types.ModuleType(JIT_MODULE, "megatron-core's jit with the fuser disabled (mgrpo.training.cpu_compat)")
     jit.jit_fuser = jit.noop_decorator = noop_decorator
     jit.enable_jit_fuser = jit.disable_jit_fuser = lambda: None
-    sys.modules[JIT_MODULE] = jit
-    return True
+    return jit
 
 
 def needs_patches() -> bool:
