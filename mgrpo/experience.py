@@ -80,23 +80,25 @@ class Experience:
         return len(self.response_ids)
 
     # --- tensors --------------------------------------------------------------------------------
+    # (built from Python lists in one call each: a tensor write per row costs more than the step's
+    # arithmetic on the default job's 256 short responses)
+    def _width(self) -> int:
+        return max(max((len(r) for r in self.response_ids), default=0), 1)
+
     def response_mask(self, *, loss_only: bool = False) -> torch.Tensor:
         """[N, L] 1 on response tokens (and, with loss_only, only of responses in the loss)."""
-        width = max((len(r) for r in self.response_ids), default=0)
-        mask = torch.zeros(len(self), max(width, 1))
-        for i, r in enumerate(self.response_ids):
-            if not loss_only or self.in_loss[i]:
-                mask[i, :len(r)] = 1.0
-        return mask
+        width = self._width()
+        rows = [[1.0] * len(r) + [0.0] * (width - len(r)) if not loss_only or keep else [0.0] * width
+                for r, keep in zip(self.response_ids, self.in_loss or [True] * len(self))]
+        return torch.tensor(rows) if rows else torch.zeros(0, width)
 
     def padded(self, values: list[list[float]]) -> torch.Tensor:
-        out = torch.zeros(len(self), max(max((len(r) for r in self.response_ids), default=0), 1))
-        for i, v in enumerate(values):
-            out[i, :len(v)] = torch.tensor(v, dtype=torch.float32)
-        return out
+        width = self._width()
+        rows = [list(v) + [0.0] * (width - len(v)) for v in values]
+        return torch.tensor(rows, dtype=torch.float32) if rows else torch.zeros(0, width)
 
     def unpadded(self, values: torch.Tensor) -> list[list[float]]:
-        return [values[i, :len(r)].tolist() for i, r in enumerate(self.response_ids)]
+        return [row[:len(r)] for row, r in zip(values.tolist(), self.response_ids)]
 
     # --- phases -----------------------------------------------------------------------------------
     def apply_overlong_filter(self) -> int:

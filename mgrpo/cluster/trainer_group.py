@@ -27,6 +27,10 @@ class TrainerRank(EngineSlot):
     def __init__(self, num_threads: int):
         import torch
 
+        # first thing: on CPU, megatron-core without torch.compile and Triton (mgrpo.training.cpu_compat),
+        # before a hybrid engine's transformers import pulls TorchDynamo and, with it, Triton
+        import mgrpo.training  # noqa: F401
+
         torch.set_num_threads(num_threads)
         self.num_threads = num_threads
         self.impl = None

@@ -142,6 +142,8 @@ def balanced_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
     length; indices inside a part stay in ascending order. Every part gets at least one sample."""
     if len(lengths) < parts:
         raise ValueError(f"{len(lengths)} samples cannot be split over {parts} data-parallel replicas")
+    if parts == 1:
+        return [list(range(len(lengths)))]
     load = [0] * parts
     out: list[list[int]] = [[] for _ in range(parts)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
