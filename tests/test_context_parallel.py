@@ -210,7 +210,14 @@ def test_cp_rank_without_response_tokens(runs):
     backward (its attention exchange), reports the same metric sums, and nothing changes."""
     ranks = runs["cp2_tail"]
     assert [r["local_tokens"] for r in ranks] == [8, 0]
-    assert_same_run(answer(ranks), runs["ref_tail"], label="tail")
+    got, want = answer(ranks), runs["ref_tail"]
+    # Log-probs before the update, the reference's, and the step's loss metrics and gradient norm at 1e-5.
+    # The log-probs after it at 1e-3: this batch's 8 response tokens leave many weight gradients near zero,
+    # where Adam's first step (about lr * sign(gradient), lr=1e-2) turns fp32 rounding into lr-sized moves;
+    # the same CP=1 packed run with the einsum attention and with the fused one (no CP at all) differ by
+    # 2e-4 after the step, 2.4e-7 before it.
+    assert_same_run(dict(got, after=want["after"]), want, label="tail")
+    assert max_diff(got["after"]["logprobs"], want["after"]["logprobs"]) < 1e-3
 
 
 def test_cp_ranks_sync_and_save_the_same_weights(runs):
