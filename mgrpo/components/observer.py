@@ -3,17 +3,65 @@
 It owns the tracker (TensorBoard, `metrics.jsonl`, one console line per step) and the trajectory file,
 and it is what makes a resumed run append rather than repeat: records logged after the step a run
 resumes from are dropped before anything new is written, so every step appears exactly once.
+
+Records are written by a thread of the observer's own, in the order they were logged: JSON encoding
+and TensorBoard events then run while the driver waits for the trainer ranks and engines, not between
+them. `flush()` (before every checkpoint is published) and `close()` wait until everything logged is
+on disk; a write that failed raises at the next call, so nothing is lost silently.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import queue
+import threading
+from typing import Callable, Optional
 
 from mgrpo.config import MGRPOConfig
 from mgrpo.experience import Experience
 from mgrpo.observe.tracker import Tracker, truncate_jsonl
 from mgrpo.observe.trajectories import TrajectoryWriter
+
+
+class _Writer:
+    """One background thread running submitted writes in order."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mgrpo-observer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:  # after a failure nothing more is written (the driver raises it)
+                    job()
+            except BaseException as err:  # noqa: BLE001 - handed to the driver at its next call
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._raise()
+        self._queue.put(job)
+
+    def drain(self) -> None:
+        self._queue.join()
+        self._raise()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing the run's records failed: {err}") from err
 
 
 class Observer:
@@ -26,14 +74,19 @@ class Observer:
             if resume_step is not None:
                 truncate_jsonl(path, resume_step)
             self.trajectories = TrajectoryWriter(path)
+        self._writer = _Writer()
 
     def log(self, metrics: dict, step: int) -> None:
-        self.tracker.log(metrics, step=step)
+        metrics = dict(metrics)  # the caller may go on changing its dict
+        self._writer.submit(lambda: self.tracker.log(metrics, step=step))
 
     def write_trajectories(self, step: int, exp: Experience) -> None:
-        """One line per sampled response, under the step its metrics are logged under."""
-        if self.trajectories is None:
-            return
+        """One line per sampled response, under the step its metrics are logged under (the experience
+        is not changed after its step, so the thread reads it as it is now)."""
+        if self.trajectories is not None:
+            self._writer.submit(lambda: self._write_trajectories(step, exp))
+
+    def _write_trajectories(self, step: int, exp: Experience) -> None:
         self.trajectories.write(step, [
             {"prompt": it.prompt_text, "response": text, "reward": rew, "score": sc,
              "advantage": adv[0] if adv else 0.0, "weight_version": ver, "finish_reason": fr,
@@ -45,11 +98,15 @@ class Observer:
 
     def flush(self) -> None:
         """Everything logged so far is on disk (called before a checkpoint is published)."""
+        self._writer.drain()
         self.tracker.flush()
         if self.trajectories is not None:
             self.trajectories.flush()
 
     def close(self) -> None:
-        self.tracker.close()
-        if self.trajectories is not None:
-            self.trajectories.close()
+        try:
+            self._writer.stop()
+        finally:
+            self.tracker.close()
+            if self.trajectories is not None:
+                self.trajectories.close()
