@@ -106,3 +106,10 @@ class HostDelivery:
         if remote:
             ref = ray.put(bucket)
             ray.get([h.update_weights.remote(ref) for h in remote])
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close the update on every engine (called by the only sender, after its last bucket)."""
+        here = ray.get_runtime_context().get_actor_id()
+        if here in self.actor_ids:
+            _hosted[here].finish_weight_update(version)
+        ray.get([h.finish_weight_update.remote(version) for h, a in zip(self.handles, self.actor_ids) if a != here])

@@ -245,8 +245,10 @@ class RolloutGroup:
         return restarted
 
     # --- weights and health ---------------------------------------------------------------------
-    def finish_weight_update(self, version: int) -> None:
-        ray.get([e.finish_weight_update.remote(version) for e in self.engines])
+    def finish_weight_update(self, version: int, done: bool = False) -> None:
+        """Close the update on every engine (`done`: the sending rank already has)."""
+        if not done:
+            ray.get([e.finish_weight_update.remote(version) for e in self.engines])
         self.weight_version = version
 
     def _alive(self, index: int) -> bool:

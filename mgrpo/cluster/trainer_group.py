@@ -133,10 +133,10 @@ class TrainerGroup:
             out["per_sample"] = [by_dp[d] for d in range(self.dp)]
         return out
 
-    def sync_weights(self, receivers: list, bucket_bytes: int) -> dict:
-        results = self._all("sync_weights", receivers, bucket_bytes)
+    def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: int | None = None) -> dict:
+        results = self._all("sync_weights", receivers, bucket_bytes, finish_version)
         return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
-                "seconds": max(r["seconds"] for r in results)}
+                "seconds": max(r["seconds"] for r in results), "finished": any(r["finished"] for r in results)}
 
     def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
         self._all("save_hf", out_dir, tokenizer_dir)

@@ -35,8 +35,8 @@ class WeightSync:
         restarted = self.rollout.health_check()
         if self.colocated:  # room for the new weights, KV cache still released
             restarted += self.rollout.resume_memory(["weights"])
-        sent = self.trainer.sync_weights(self.rollout.receivers())
-        self.rollout.finish_weight_update(version)
+        sent = self.trainer.sync_weights(self.rollout.receivers(), version)
+        self.rollout.finish_weight_update(version, done=sent["finished"])
         if self.colocated:
             restarted += self.rollout.resume_memory()
         seconds = time.perf_counter() - t0

@@ -203,11 +203,14 @@ class MegatronActor:
 
     # --- weight sync ----------------------------------------------------------------------------
     @torch.no_grad()
-    def sync_weights(self, receivers: Sequence, bucket_bytes: int) -> dict:
+    def sync_weights(self, receivers: Sequence, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
         """Stream this stage's weights in HF layout to every rollout engine.
 
         All TP ranks of data-parallel replica 0 iterate (the TP gather is a collective); the TP-rank-0
-        ranks (one per pipeline stage) send. Other replicas hold identical weights and do nothing."""
+        ranks (one per pipeline stage) send. Other replicas hold identical weights and do nothing.
+        `finish_version`: this rank is the only sender (one pipeline stage), so once its buckets are in
+        it closes the update on every engine itself ('finished' in the result), sparing the driver a
+        round trip."""
         c = self.ctx
         sent, tensors, t0 = 0, 0, time.perf_counter()
         if c.dp_rank == 0 and c.cp_rank == 0:
@@ -219,7 +222,11 @@ class MegatronActor:
                         r.update_weights(bucket)
                     sent += sum(t.numel() * t.element_size() for _, t in bucket)
                     tensors += len(bucket)
-        return {"bytes": sent, "tensors": tensors, "seconds": time.perf_counter() - t0}
+        finished = finish_version is not None and c.is_weight_source
+        if finished:
+            for r in receivers:
+                r.finish_weight_update(finish_version)
+        return {"bytes": sent, "tensors": tensors, "seconds": time.perf_counter() - t0, "finished": finished}
 
     def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
         """Write the actor as an HF checkpoint: TP rank 0 of each pipeline stage (of replica 0) streams
