@@ -22,10 +22,12 @@ Activations per decoder layer (Korthikanti et al. 2022, "Reducing Activation Rec
 Transformer Models", the accounting behind megatron's 34sbh + 5as^2b, here term by term for Qwen3:
 RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens of a micro-batch
 (b sequences of s), t = TP size, dq = heads x head_dim, dkv = kv_heads x head_dim, f = ffn width:
-  local spec (CPU, torch RMSNorm, unfused attention) — coefficients counted from the tensors autograd
-  saves (tests/test_plan_memory.py checks them):
-    e T (6h + 5f/t + (5 + g) dq/t + 3 dkv/t + (nq + nkv)/t + 2) + e b (nq/t) s^2 + 4 e s hd
-  with g = 2 under GQA (k, v expanded to every query head), 1 with one kv head per rank, 0 without GQA
+  local spec (CPU, torch RMSNorm, torch's fused attention in mgrpo/models/attention.py: no s x s
+  scores, no GQA-expanded keys and values) — coefficients counted from the tensors autograd saves
+  (tests/test_plan_memory.py checks them):
+    e T (6h + 5f/t + (5 + g) dq/t + 5 dkv/t + (2 nq + nkv)/t + 2) + 4 e s hd
+  with g = 1 under GQA with more than one key/value head per rank, else 0 (the fused attention keeps
+  q, k, v and its output in its own [b, h, s, d] layout and one log-sum-exp per query head)
   Transformer Engine spec (cuda: fused RMSNorm in LayerNormLinear, flash attention, fused SwiGLU):
     e T (4h + 3f/t + 3 dq/t + 3 dkv/t)
   full recompute (uniform, one layer per checkpoint): e T h per layer + one layer's full set.
@@ -113,24 +115,25 @@ def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
     dq, dkv, T = nq * hd, nkv * hd, shape.tokens
     if spec == "te":
         return e * T * (4 * h + (3 * f + 3 * dq + 3 * dkv) // tp)
-    # GQA: megatron's local attention expands k and v to every query head (two copies); with a single
-    # key/value head per rank one of them stays a view.
-    gqa = 0 if nq == nkv else (1 if nkv // tp == 1 else 2)
-    per_token = 6 * h + (5 * f + (5 + gqa) * dq + 3 * dkv + nq + nkv) // tp + 2
-    return e * T * per_token + e * shape.seqs * (nq // tp) * shape.seq_len ** 2 + 4 * e * shape.seq_len * hd
+    # torch's fused attention (mgrpo/models/attention.py) keeps q, k, v and its output in its own
+    # [b, h, s, d] layout, a log-sum-exp per query head, and under GQA with more than one key/value head
+    # per rank one more query-sized buffer; no s x s scores (measured: tests/test_plan_memory.py)
+    gqa = 1 if nq != nkv and nkv // tp > 1 else 0
+    per_token = 6 * h + (5 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp + 2
+    return e * T * per_token + 4 * e * shape.seq_len * hd
 
 
 def backward_working_set(m, shape: Shape, tp: int, e: int, spec: str) -> int:
     """Gradients alive at once while one layer runs backward (besides the saved activations): in the
-    attention, the gradients of the probabilities and of the scores (local spec: two [b, nq/t, s, s]
-    tensors) with those of q, k, v and the residual; in the MLP, those of the SwiGLU input and output."""
+    attention, those of q, k, v and the residual (fused attention's backward needs no s x s tensor, on
+    either spec); in the MLP, those of the SwiGLU input and output."""
     h, f, nq, nkv, hd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     T = shape.tokens
     mlp = T * (4 * f // tp + h)
-    if spec == "te":  # flash attention's backward needs no s x s tensor
+    if spec == "te":
         attn = T * ((3 * nq * hd + 2 * nkv * hd) // tp + h)
     else:
-        attn = 2 * shape.seqs * (nq // tp) * shape.seq_len ** 2 + T * (3 * nq * hd // tp + h)
+        attn = T * (3 * nq * hd // tp + h)
     return e * max(mlp, attn)
 
 
@@ -144,9 +147,7 @@ def stage_activations(cfg: MGRPOConfig, shape: Shape, stage: int, e: int, spec: 
         per_mb = layers * e * shape.tokens * m.hidden_size
         peak_extra = per_layer
     else:
-        if recompute == "selective" and spec == "local":  # the core attention's s^2 scores are recomputed
-            per_layer -= e * shape.seqs * (m.num_attention_heads // a.tp) * shape.seq_len ** 2
-        per_mb, peak_extra = layers * per_layer, 0
+        per_mb, peak_extra = layers * per_layer, 0  # selective: fused attention keeps no s^2 to drop
     if stage == a.pp - 1:  # final norm: input, normalised and output (local) / input and output (TE)
         per_mb += e * shape.tokens * m.hidden_size * (3 if spec == "local" else 2)
     in_flight = max(min(a.pp - stage, shape.in_flight), 1)

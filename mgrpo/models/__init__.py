@@ -13,6 +13,9 @@
   hf_checkpoint.py load an HF directory into a stage (each rank reads only its slices)
   weight_iter.py   stream a stage out as HF tensors (TP gather per parameter); buckets
   megatron_ckpt.py megatron distributed checkpoints of the weights (reshard on load)
+  attention.py     core attention for the local spec (packed, context-parallel, padded) through torch's
+                   fused attention; attention_layout.py: which tokens a CP rank holds
+  rope.py          megatron's unfused THD RoPE without its per-sequence loop (bitwise the same)
 
 The names below are imported on first use, not with the package: family.py, registry.py, qwen3.py,
 shapes.py and capability.py import no torch, and mgrpo.config.validate and the planner read them

@@ -3,7 +3,7 @@
 megatron and Transformer Engine split each sequence of length L (a multiple of 2*cp) into 2*cp equal
 chunks and give CP rank r chunks r and 2*cp-1-r: with causal attention the early chunks are cheap and
 the late ones dear, so every rank gets one of each. The batch builder (mgrpo.training.batch) and the
-reference attention (mgrpo.models.attention) both follow these two functions.
+reference attention (mgrpo.models.attention, which builds the same split with tensor ops) follow it.
 """
 
 from __future__ import annotations
@@ -22,18 +22,3 @@ def cp_positions(length: int, cp: int, cp_rank: int) -> torch.Tensor:
     c = length // (2 * cp)
     return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
                       torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)])
-
-
-def global_order(seq_lens: list[int], cp: int) -> torch.Tensor:
-    """For the CP ranks' local buffers stacked as [cp * t_local], the index of every token of every
-    sequence in global (sequence, position) order. t_local = sum(seq_lens) / cp."""
-    t_local = sum(seq_lens) // cp
-    parts, offset = [], 0
-    for length in seq_lens:
-        c = length // (2 * cp)
-        for chunk in range(2 * cp):
-            rank, second = (chunk, 0) if chunk < cp else (2 * cp - 1 - chunk, 1)
-            start = rank * t_local + offset + second * c
-            parts.append(torch.arange(start, start + c))
-        offset += length // cp
-    return torch.cat(parts)
