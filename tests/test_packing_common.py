@@ -121,9 +121,10 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def assert_same_run(got: dict, want: dict, tol: float = 1e-5, label: str = "") -> None:
     """Log-probs (before and after the update, and the reference's) and the step's loss metrics agree."""
     for key in ("before", "ref", "after"):
-        for k in ("logprobs", "entropy"):
+        for k in ("logprobs", "entropy") if key != "ref" else ("logprobs",):
             d = max_diff(got[key][k], want[key][k])
             assert d < tol, f"{label}: {key} {k} differ by {d}"
+    assert all(e is None for e in got["ref"]["entropy"])  # nothing reads the reference's entropy: not computed
     for k in ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
         a, b = got["metrics"][k], want["metrics"][k]
         assert math.isfinite(a) and abs(a - b) < tol, f"{label}: {k} {a} vs {b}"

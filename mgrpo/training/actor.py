@@ -116,7 +116,8 @@ class MegatronActor:
     # --- log-probs ------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, batch: RankBatch, which: str, temperature: float) -> Optional[dict]:
-        """Per-response-token log-probs (and entropy) of `which` in {'actor', 'ref'}.
+        """Per-response-token log-probs of `which` in {'actor', 'ref'}, and the actor's entropy (None
+        per sample for the reference, whose entropy nothing reads).
 
         Returned by the last pipeline stage (one TP and CP rank suffices; all hold the same values)."""
         model = self.actor if which == "actor" else self.ref
@@ -124,14 +125,16 @@ class MegatronActor:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
         mbs, groups = self._micro_batches(batch)
-        out = self._run(model, forward_only_step(self.head, lambda: output_weight(gpt), temperature), mbs, True)
+        step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor")
+        out = self._run(model, step, mbs, True)
         if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
             return None
         logprobs: list = [None] * len(batch)
         entropy: list = [None] * len(batch)
         for mb, idx, res in zip(mbs, groups, out):
-            for i, lp, ent in zip(idx, split_per_sample(res["logprobs"], mb.response_lens),
-                                  split_per_sample(res["entropy"], mb.response_lens)):
+            ents = (split_per_sample(res["entropy"], mb.response_lens) if res["entropy"] is not None
+                    else [None] * len(idx))
+            for i, lp, ent in zip(idx, split_per_sample(res["logprobs"], mb.response_lens), ents):
                 logprobs[i], entropy[i] = lp, ent
         return {"logprobs": logprobs, "entropy": entropy}
 

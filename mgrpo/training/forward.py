@@ -63,10 +63,11 @@ class LogProbHead:
     def _gather(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         return hidden.reshape(-1, hidden.shape[-1])[mb.positions]
 
-    def logprobs(self, hidden, weight, mb: MicroBatch, temperature: float):
-        lp, ent = mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels,
-                                                compute_entropy=True, **self._kernel_kwargs(weight, temperature))
-        return lp, ent
+    def logprobs(self, hidden, weight, mb: MicroBatch, temperature: float, entropy: bool = True):
+        """Per-token log-probs and entropy (None unless `entropy`: the reference needs none, and at a
+        real vocabulary the entropy is a second pass over every chunk's logits)."""
+        return mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels, compute_entropy=entropy,
+                                             **self._kernel_kwargs(weight, temperature))
 
     def loss(self, hidden, weight, mb: MicroBatch, temperature: float, per_token: Optional[dict] = None):
         """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
@@ -140,17 +141,18 @@ def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Ten
     return full
 
 
-def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float):
-    """forward_step_func for megatron's schedules collecting per-token log-probs (and entropy), in
-    sample order (gathered over the CP group)."""
+def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float,
+                      entropy: bool = True):
+    """forward_step_func for megatron's schedules collecting per-token log-probs (and, with `entropy`,
+    entropy), in sample order (gathered over the CP group)."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         out = run_model(model, mb)
 
         def collect(hidden):
-            lp, ent = head.logprobs(hidden, get_weight(), mb, temperature)
-            lp, ent = (in_sample_order(x.detach(), mb, head.ctx.cp_group) for x in (lp, ent))
+            lp, ent = head.logprobs(hidden, get_weight(), mb, temperature, entropy=entropy)
+            lp, ent = (None if x is None else in_sample_order(x.detach(), mb, head.ctx.cp_group) for x in (lp, ent))
             return torch.zeros((), dtype=torch.float32), {"logprobs": lp, "entropy": ent}
 
         return out, collect
