@@ -97,7 +97,7 @@ class Trainer:
                 with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
                     out = self.trainer.compute_logprobs(exp, "actor")
                     exp.old_logprobs, exp.entropy = out["logprobs"], out["entropy"]
-            if self.need_ref:
+            if self.need_ref and not self.trainer.kept(exp, "ref"):  # else the update runs on the kept ones
                 with timer("ref"):
                     exp.ref_logprobs = self.trainer.compute_logprobs(exp, "ref")["logprobs"]
             with timer("adv"):
@@ -125,8 +125,8 @@ class Trainer:
         self.state.count(self.weights.release_engines(), metrics)
         if self.trainer.needs_old_logprobs(exp):
             self.trainer.start_logprobs(exp, "actor")
-        if self.need_ref:
-            self.trainer.start_logprobs(exp, "ref")
+        if self.need_ref:  # kept on the ranks when only the update reads them
+            self.trainer.start_logprobs(exp, "ref", keep=self.trainer.keeps_ref(exp))
 
     def generate_and_judge(self, metrics: dict, batch: int, before_judging=None) -> Experience:
         """Sample n responses per prompt for batch `batch` (the step that trains it) and score them; with

@@ -125,7 +125,7 @@ def test_run_artifacts(tp1_run):
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
                 "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                 "response_length/mean", "response_length/clip_ratio", "rollout/logprob_abs_diff", "timing_s/gen",
-                "timing_s/ref", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
+                "timing_s/ref_on_ranks", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
                 "perf/update_weights_bytes"):
         assert key in metrics[0], key
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -63,12 +63,14 @@ class Ordered(Trainer):
     def _start(self):
         super()._start()
         self.events: list[tuple[str, str]] = []
+        self.kept: list[tuple[str, bool]] = []
         group, judger = self.trainer.group, self.judger
         send, score = group.compute_logprobs, judger.score
 
-        def compute_logprobs(shards, which, temperature):
+        def compute_logprobs(shards, which, temperature, keep=False):
             self.events.append(("started", which))
-            wait = send(shards, which, temperature)
+            self.kept.append((which, keep))
+            wait = send(shards, which, temperature, keep=keep)
             return lambda: (self.events.append(("collected", which)), wait())[1]
 
         def judged(requests):
@@ -83,7 +85,8 @@ class Ordered(Trainer):
 def test_log_prob_forwards_run_while_the_driver_judges(tmp_path, recompute):
     """Generation done, the step's log-prob forwards (reference; old policy when the update needs it) are
     sent to the ranks before judging starts and collected after it: the ranks compute while the driver
-    scores. Each forward runs once per step, and the run still matches the engine's log-probs."""
+    scores. Each forward runs once per step, and the run still matches the engine's log-probs. With one
+    update per rollout the reference log-probs stay on the ranks (kept for the update, never sent back)."""
     cfg = small_config(str(tmp_path), rollout={"engine": "hf", "mode": "hybrid"},
                        algorithm={"use_kl_loss": True}, actor={"recompute_old_logprob": recompute},
                        trainer={"total_training_steps": 2})
@@ -92,6 +95,7 @@ def test_log_prob_forwards_run_while_the_driver_judges(tmp_path, recompute):
     forwards = ["actor", "ref"] if recompute else ["ref"]
     step = ([("started", w) for w in forwards] + [("judging", "")] + [("collected", w) for w in forwards])
     assert t.events == step * 2
+    assert t.kept == [(w, w == "ref" and not recompute) for w in forwards] * 2
     for x in read_metrics(str(tmp_path)):
         assert x["rollout/logprob_abs_diff"] <= 1e-5
         assert x["actor/kl_loss"] >= 0.0

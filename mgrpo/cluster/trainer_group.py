@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import ray
 
@@ -112,21 +112,30 @@ class TrainerGroup:
         return [r.call.remote(method, args_of[info["dp_rank"]], *args, **kwargs)
                 for r, info in zip(self.ranks, self.info)]
 
-    def compute_logprobs(self, shards: list, which: str, temperature: float) -> Callable[[], list[dict]]:
+    def compute_logprobs(self, shards: list, which: str, temperature: float, keep: bool = False
+                         ) -> Callable[[], list[dict]]:
         """Start the forward on every rank and return at once; calling the result waits for it and gives
-        per-shard {'logprobs', 'entropy'}, in data-parallel order."""
-        refs = self._send_sharded("compute_logprobs", shards, which, temperature)
+        per-shard {'logprobs', 'entropy'}, in data-parallel order (nothing with `keep`: the ranks keep
+        the values for the update that follows)."""
+        refs = self._send_sharded("compute_logprobs", shards, which, temperature, keep=keep)
 
         def wait() -> list[dict]:
+            if keep:
+                self._gather(refs)
+                return []
             by_dp = {info["dp_rank"]: res for info, res in zip(self.info, self._gather(refs)) if res is not None}
             return [by_dp[d] for d in range(self.dp)]
 
         return wait
 
-    def train_mini_batch(self, shards: list, temperature: float) -> dict:
+    def train_mini_batch(self, shards: list, temperature: float, while_sent: Optional[Callable] = None) -> dict:
         """The step's metrics; for on-policy shards (no old log-probs) also 'per_sample': each shard's
-        per-sample log-probs and entropy of the training forward, in data-parallel order."""
-        results = self._sharded("train_mini_batch", shards, temperature)
+        per-sample log-probs and entropy of the training forward, in data-parallel order. `while_sent`
+        runs once the update is on its way (waiting for a forward the ranks run before it)."""
+        refs = self._send_sharded("train_mini_batch", shards, temperature)
+        if while_sent is not None:
+            while_sent()
+        results = self._gather(refs)
         out = {k: v for k, v in results[0].items() if k != "per_sample"}
         by_dp = {info["dp_rank"]: res["per_sample"] for info, res in zip(self.info, results) if "per_sample" in res}
         if by_dp:

@@ -32,19 +32,36 @@ class TrainerClient:
         temperature (the tempered distribution the rollout sampled from). A forward started earlier by
         `start_logprobs(exp, which)` is only waited for."""
         started = self._started.pop(which, None)
-        wait = started[1] if started is not None and started[0] is exp else self._start(exp, which)
+        if started is not None and started[0] is exp:
+            if started[2]:
+                raise RuntimeError(f"the {which} log-probs of this batch were kept on the ranks for the update")
+            wait = started[1]
+        else:
+            wait = self._start(exp, which)
         outs = wait()
         idx = list(range(len(exp)))
         return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
 
-    def start_logprobs(self, exp: Experience, which: str) -> None:
+    def start_logprobs(self, exp: Experience, which: str, keep: bool = False) -> None:
         """Start `which`'s forward over `exp` and return at once: the ranks compute while the driver does
-        other work (judging the same samples); `compute_logprobs(exp, which)` then collects it."""
-        self._started[which] = (exp, self._start(exp, which))
+        other work (judging the same samples); `compute_logprobs(exp, which)` then collects it. With
+        `keep` (the reference, when only the one update of this batch reads it: see `keeps_ref`) the
+        ranks keep the values and `train` uses them: they never travel to the driver and back."""
+        self._started[which] = (exp, self._start(exp, which, keep), keep)
 
-    def _start(self, exp: Experience, which: str):
+    def keeps_ref(self, exp: Experience) -> bool:
+        """Whether the reference log-probs of `exp` can stay on the ranks: nothing on the driver reads
+        them (no KL in the reward) and one update over the whole batch follows (the ranks' shards of the
+        update are those of the forward)."""
+        return not self.needs_old_logprobs(exp)
+
+    def kept(self, exp: Experience, which: str) -> bool:
+        started = self._started.get(which)
+        return started is not None and started[0] is exp and started[2]
+
+    def _start(self, exp: Experience, which: str, keep: bool = False):
         shards = self._shards(exp, range(len(exp)), for_training=False)
-        return self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature)
+        return self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature, keep=keep)
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Whether pi_old needs a forward of its own before the update. With exactly one optimizer step
@@ -66,11 +83,14 @@ class TrainerClient:
         if on_policy and self.needs_old_logprobs(exp):
             raise RuntimeError("the update needs pi_old (exp.old_logprobs): more than one optimizer step per "
                                "rollout, use_kl_in_reward or actor.recompute_old_logprob; compute it first")
+        kept = self._started.pop("ref") if self.kept(exp, "ref") else None  # the ranks run it first
         updates = []
         for epoch in range(self.cfg.actor.ppo_epochs):
             for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
                 shards = self._shards(exp, idx, for_training=True)
-                updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature))
+                updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature,
+                                                           while_sent=kept[1] if kept else None))
+                kept = None
                 if on_policy:  # the one mini-batch holds every sample
                     per_sample = updates[-1].pop("per_sample")
                     exp.old_logprobs, exp.entropy = ([None] * len(exp), [None] * len(exp))

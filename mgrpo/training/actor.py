@@ -67,6 +67,8 @@ class MegatronActor:
             self.ref.requires_grad_(False)
             self.ref.eval()
         self.skipped_steps = 0
+        self._kept_ref: Optional[tuple] = None
+        """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
 
     # --- construction ---------------------------------------------------------------------------
     def _build_stage(self, tf_config, hf_dir: str):
@@ -115,20 +117,35 @@ class MegatronActor:
 
     # --- log-probs ------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, batch: RankBatch, which: str, temperature: float) -> Optional[dict]:
+    def compute_logprobs(self, batch: RankBatch, which: str, temperature: float, keep: bool = False
+                         ) -> Optional[dict]:
         """Per-response-token log-probs of `which` in {'actor', 'ref'}, and the actor's entropy (None
         per sample for the reference, whose entropy nothing reads).
 
-        Returned by the last pipeline stage (one TP and CP rank suffices; all hold the same values)."""
+        Returned by the last pipeline stage (one TP and CP rank suffices; all hold the same values).
+        `keep` (the reference only): nothing is returned; every rank keeps its values for the update of
+        the same batch that follows (`train_mini_batch` without reference log-probs), so they never
+        travel to the driver and back."""
         model = self.actor if which == "actor" else self.ref
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
+        t0 = time.perf_counter()
         mbs, groups = self._micro_batches(batch)
         step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor")
         out = self._run(model, step, mbs, True)
+        if keep:
+            if which != "ref":
+                raise ValueError("only the reference's log-probs are kept for the update")
+            values = self._per_sample(batch, mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
+            self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
+            return None
         if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
             return None
+        return self._per_sample(batch, mbs, groups, out)
+
+    @staticmethod
+    def _per_sample(batch: RankBatch, mbs, groups, out) -> dict:
         logprobs: list = [None] * len(batch)
         entropy: list = [None] * len(batch)
         for mb, idx, res in zip(mbs, groups, out):
@@ -149,6 +166,13 @@ class MegatronActor:
         A batch without old log-probs trains on-policy (pi_old = this forward, detached; see
         `LogProbHead.loss`); the reporting rank then also returns the forward's per-sample log-probs
         and entropy under 'per_sample', as `compute_logprobs` would have."""
+        ref_seconds = None
+        if batch.ref_logprobs is None and self._kept_ref is not None:  # computed just before, kept here
+            key, values, ref_seconds = self._kept_ref
+            self._kept_ref = None
+            if key != _batch_key(batch):
+                raise RuntimeError("the kept reference log-probs belong to another batch than this update's")
+            batch = replace(batch, ref_logprobs=values)
         self.actor.train()
         self.actor.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -180,6 +204,8 @@ class MegatronActor:
             "actor/over_budget_samples": float(len(over_budget(batch.lengths(), self.token_budget))),
             "timing_s/fwd_bwd": time.perf_counter() - t0,
         })
+        if ref_seconds is not None:  # the kept reference forward, on the ranks while the driver judged
+            metrics["timing_s/ref_on_ranks"] = ref_seconds
         if per_token is not None and self._reports_per_sample():
             metrics["per_sample"] = _by_sample(len(batch), mbs, groups, per_token)
         return metrics
@@ -257,6 +283,11 @@ class MegatronActor:
         from mgrpo.training.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def _batch_key(batch: RankBatch) -> tuple:
+    """What identifies a rank's batch between the reference forward and the update: its samples and lengths."""
+    return tuple(batch.seq_index), tuple(batch.lengths())
 
 
 def _by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
