@@ -68,16 +68,20 @@ WHAT_EACH_SIDE_DOES = {
         "log to stdout. No weight sync: generation uses the model being trained."
     ),
     "mgrpo": (
-        "A Ray driver and Ray actors: one Megatron trainer rank (actor + frozen reference), one rollout engine "
-        "(HF transformers, rollout=hf_cpu, in its own Ray actor), two reward-worker subprocesses, plus the Ray "
+        "A Ray driver and Ray actors: one Megatron trainer rank (actor + frozen reference) that also hosts the "
+        "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), two "
+        "reward-worker subprocesses, plus the Ray "
         "processes a local run keeps (gcs_server, raylet with its dashboard and runtime-env agents, log monitor; "
         "no API server, autoscaler monitor or idle workers). Per step: next 32 prompts; rollout call to the "
         "engine (HF generate with output_logits -> per-token rollout log-probs); decode; rewards in the worker "
         "subprocesses (each worker's share of the 256 responses as one JSON message, answers line by line); "
-        "reference forward; advantages; one Megatron forward+backward and optimizer step (DDP wrapper, "
+        "reference forward (sent to the trainer rank right after generation, so it runs while the driver judges; "
+        "its log-probs stay on the rank for the update: 'reference log-probs' below is the driver's wait for "
+        "them, 0 here, and timing_s/ref_on_ranks the rank's time); advantages; one Megatron forward+backward "
+        "and optimizer step (DDP wrapper, "
         "grad-clip) whose own detached log-probs are pi_old (no separate old-policy forward: one update per "
-        "rollout) and give the rollout-vs-trainer check; weight sync (Megatron -> HF names, buckets through "
-        "Ray's object store into the engine, with an engine health check first); metrics to JSONL + "
+        "rollout) and give the rollout-vs-trainer check; weight sync (Megatron -> HF names, copied in memory "
+        "into the engine in the same process, with an engine health check first); metrics to JSONL + "
         "TensorBoard + console; trajectories to JSONL."
     ),
 }
