@@ -78,7 +78,7 @@ def test_eager_jit_module_matches_megatrons():
 
 
 def test_megatron_imports_without_torch_compile_on_cpu():
-    """Importing mgrpo.training first keeps megatron-core's fusions eager on CPU: no TorchDynamo or
+    """lean_megatron_import() first (as a trainer rank does) keeps megatron-core's fusions eager on CPU: no TorchDynamo or
     Inductor in the process (~70 MiB per trainer rank), and megatron sees a fuser that changes nothing;
     Triton is not imported unless TRITON_INTERPRET=1 (then the fused kernel stays available)."""
     import subprocess
@@ -86,7 +86,10 @@ def test_megatron_imports_without_torch_compile_on_cpu():
 
     import os
 
-    code = ("import sys, mgrpo.training, megatron.core, mgrpo_kernels\n"
+    code = ("import sys\n"
+            "from mgrpo.training.cpu_compat import lean_megatron_import\n"
+            "lean_megatron_import()\n"
+            "import megatron.core, mgrpo_kernels\n"
             "from megatron.core.jit import jit_fuser\n"
             "f = lambda x: x\n"
             "assert jit_fuser(f) is f\n"

@@ -28,8 +28,11 @@ class TrainerRank(EngineSlot):
         import torch
 
         # first thing: on CPU, megatron-core without torch.compile and Triton (mgrpo.training.cpu_compat),
-        # before a hybrid engine's transformers import pulls TorchDynamo and, with it, Triton
-        import mgrpo.training  # noqa: F401
+        # before a hybrid engine's transformers import pulls TorchDynamo and, with it, Triton. Only here,
+        # in a rank's own process: a driver or test process that imports mgrpo.training keeps both.
+        from mgrpo.training.cpu_compat import lean_megatron_import
+
+        lean_megatron_import()
 
         torch.set_num_threads(num_threads)
         self.num_threads = num_threads

@@ -208,7 +208,8 @@ JIT_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fus
 
 def lean_megatron_import() -> list[str]:
     """Without CUDA, keep GPU-only import weight out of a trainer rank; returns what it did. Must run
-    before anything imports megatron-core (the package `mgrpo.training` calls it).
+    before anything imports megatron-core, first thing in a rank's process (`cluster.trainer_group.TrainerRank`),
+    never in a driver or test process (which may want Triton under the interpreter later).
 
     - `eager_jit`: megatron-core's `jit` module with the fuser disabled (`_eager_jit_module`).
     - `no_triton`: `import triton` fails in this process unless TRITON_INTERPRET=1 asks for Triton on
