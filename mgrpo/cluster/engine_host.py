@@ -98,18 +98,23 @@ class HostDelivery:
         self.handles = handles
         self.actor_ids = actor_ids
 
-    def update_weights(self, bucket) -> None:
+    def _split(self) -> tuple:
+        """(the engine hosted by this process, if it is a receiver; the other receivers' hosts)."""
         here = ray.get_runtime_context().get_actor_id()
-        remote = [h for h, a in zip(self.handles, self.actor_ids) if a != here]
-        if here in self.actor_ids:
-            _hosted[here].update_weights(bucket)
+        return (_hosted[here] if here in self.actor_ids else None,
+                [h for h, a in zip(self.handles, self.actor_ids) if a != here])
+
+    def update_weights(self, bucket) -> None:
+        local, remote = self._split()
+        if local is not None:
+            local.update_weights(bucket)
         if remote:
             ref = ray.put(bucket)
             ray.get([h.update_weights.remote(ref) for h in remote])
 
     def finish_weight_update(self, version: int) -> None:
         """Close the update on every engine (called by the only sender, after its last bucket)."""
-        here = ray.get_runtime_context().get_actor_id()
-        if here in self.actor_ids:
-            _hosted[here].finish_weight_update(version)
-        ray.get([h.finish_weight_update.remote(version) for h, a in zip(self.handles, self.actor_ids) if a != here])
+        local, remote = self._split()
+        if local is not None:
+            local.finish_weight_update(version)
+        ray.get([h.finish_weight_update.remote(version) for h in remote])

@@ -9,12 +9,20 @@ never shards and never reaches into ranks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.experience import Experience
 from mgrpo.training.batch import RankBatch
+
+
+class _Started(NamedTuple):
+    exp: Experience
+    wait: Callable[[], list]
+    """Waits for the ranks' results (with `keep`: only for the forward to have run)."""
+    keep: bool
+    """The ranks keep the values for the update."""
 
 
 class TrainerClient:
@@ -23,8 +31,8 @@ class TrainerClient:
         """`mgrpo.cluster.trainer_group.TrainerGroup`: fans calls out to every Megatron rank."""
         self.cfg = cfg
         self.dp = dp
-        self._started: dict = {}
-        """which -> (experience, wait): forwards started by `start_logprobs`, not yet collected."""
+        self._started: dict[str, _Started] = {}
+        """which -> the forward started by `start_logprobs`, not yet collected."""
 
     # --- log-probs ----------------------------------------------------------------------------------
     def compute_logprobs(self, exp: Experience, which: str) -> dict:
@@ -32,10 +40,10 @@ class TrainerClient:
         temperature (the tempered distribution the rollout sampled from). A forward started earlier by
         `start_logprobs(exp, which)` is only waited for."""
         started = self._started.pop(which, None)
-        if started is not None and started[0] is exp:
-            if started[2]:
+        if started is not None and started.exp is exp:
+            if started.keep:
                 raise RuntimeError(f"the {which} log-probs of this batch were kept on the ranks for the update")
-            wait = started[1]
+            wait = started.wait
         else:
             wait = self._start(exp, which)
         outs = wait()
@@ -47,7 +55,7 @@ class TrainerClient:
         other work (judging the same samples); `compute_logprobs(exp, which)` then collects it. With
         `keep` (the reference, when only the one update of this batch reads it: see `keeps_ref`) the
         ranks keep the values and `train` uses them: they never travel to the driver and back."""
-        self._started[which] = (exp, self._start(exp, which, keep), keep)
+        self._started[which] = _Started(exp, self._start(exp, which, keep), keep)
 
     def keeps_ref(self, exp: Experience) -> bool:
         """Whether the reference log-probs of `exp` can stay on the ranks: nothing on the driver reads
@@ -57,7 +65,7 @@ class TrainerClient:
 
     def kept(self, exp: Experience, which: str) -> bool:
         started = self._started.get(which)
-        return started is not None and started[0] is exp and started[2]
+        return started is not None and started.exp is exp and started.keep
 
     def _start(self, exp: Experience, which: str, keep: bool = False):
         shards = self._shards(exp, range(len(exp)), for_training=False)
@@ -89,7 +97,7 @@ class TrainerClient:
             for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
                 shards = self._shards(exp, idx, for_training=True)
                 updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature,
-                                                           while_sent=kept[1] if kept else None))
+                                                           while_sent=kept.wait if kept else None))
                 kept = None
                 if on_policy:  # the one mini-batch holds every sample
                     per_sample = updates[-1].pop("per_sample")
