@@ -51,7 +51,7 @@ def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
     field that disagrees is a warning here and an error in mgrpo-train."""
     from dataclasses import replace
 
-    from mgrpo.config.hf_arch import hf_architecture
+    from mgrpo.models.hf_config import hf_architecture
 
     try:
         arch = hf_architecture(cfg.model.hf_path)
@@ -285,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="memory of one GPU in GiB (default trainer.gpu_memory_gb if set, else 80)")
     args = parser.parse_intermixed_args(argv)
     try:
-        from mgrpo.config.verl import translate
+        from mgrpo.compat.verl import translate
 
         translation = translate(args.overrides)
         if translation.is_verl:

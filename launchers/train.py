@@ -7,7 +7,7 @@
     mgrpo-train --cfg job                         # print the composed config and exit
     mgrpo-train actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...   # a veRL command line
 
-veRL keys are translated into mgrpo's before Hydra composes (mgrpo.config.verl): the table of what
+veRL keys are translated into mgrpo's before Hydra composes (mgrpo.compat.verl): the table of what
 became of each is printed to stderr, and keys mgrpo cannot honour are refused by name (exit status 2).
 
 The YAML in configs/ is composed onto the typed dataclasses of `mgrpo.config` (structured configs):
@@ -63,7 +63,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from mgrpo.config.verl import translate
+    from mgrpo.compat.verl import translate
 
     try:
         translation = translate(sys.argv[1:])

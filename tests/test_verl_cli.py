@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from mgrpo.config.verl import VerlKeyError, translate
+from mgrpo.compat.verl import VerlKeyError, translate
 from mgrpo_launchers.plan import compose_config
 
 # examples/grpo_trainer/run_qwen3-8b.sh

@@ -57,6 +57,9 @@ class ModelFamily:
     """(transformers config, path) -> the variants of the architecture this family does not implement."""
     hf_model_fields: Callable[[Any], dict]
     """transformers config -> the ModelConfig architecture fields it describes."""
+    hf_json_fields: Callable[[dict], dict]
+    """config.json as a plain dict -> the same fields, without torch or transformers (the planner and the
+    veRL front door read checkpoints this way); fields the file leaves out take transformers' defaults."""
     hf_checked_fields: Sequence[tuple[str, str]]
     """(config.json field, ModelConfig field) pairs a checkpoint must agree with the config on."""
 

@@ -18,9 +18,9 @@ from typing import Iterable, Optional
 import torch
 
 from mgrpo.config import ModelConfig
+from mgrpo.models.hf_config import CONFIG, checkpoint_identity, read_hf_config
 from mgrpo.models.registry import family_for_hf, family_of
 
-CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -38,19 +38,9 @@ def _need(path: str, what: str) -> str:
     return path
 
 
-def read_hf_config(hf_dir: str) -> dict:
-    """The raw config.json of an HF checkpoint directory."""
-    _need(hf_dir, "HF checkpoint directory")
-    path = _need(os.path.join(hf_dir, CONFIG), "HF checkpoint has no config.json")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
-
-
 def model_config_from_hf(hf_dir: str) -> ModelConfig:
-    """ModelConfig describing the architecture in `hf_dir`/config.json (its family from `model_type`)."""
+    """ModelConfig describing the architecture in `hf_dir`/config.json (its family from `model_type`),
+    refusing by name the variants the family does not implement."""
     path = os.path.join(hf_dir, CONFIG)
     raw = read_hf_config(hf_dir)
     family = family_for_hf(raw.get("model_type"), path)
@@ -59,14 +49,7 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
     if errors:
         raise ValueError("; ".join(errors))
     fields = family.hf_model_fields(cfg)
-    has_tokenizer = any(os.path.exists(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    return ModelConfig(
-        name=os.path.basename(os.path.normpath(hf_dir)),
-        hf_path=hf_dir,
-        family=family.name,
-        tokenizer=hf_dir if has_tokenizer else family.default_tokenizer(fields["vocab_size"]),
-        **fields,
-    )
+    return ModelConfig(hf_path=hf_dir, **checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields)
 
 
 def check_hf_config(hf_dir: str, model: ModelConfig) -> None:

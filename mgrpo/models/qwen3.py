@@ -207,12 +207,28 @@ HF_CHECKED_FIELDS = (
 )
 
 
+def hf_json_fields(raw: dict) -> dict:
+    """The ModelConfig architecture fields of a Qwen3 config.json (a plain dict: no torch), with
+    transformers' defaults for the fields a config.json may leave out. The one mapping of this family:
+    `hf_model_fields` reads a parsed transformers config through it."""
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    fields = {ours: raw[hf] for hf, ours in HF_CHECKED_FIELDS if hf in required}
+    rope = raw.get("rope_parameters") or {}
+    fields.update(
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        num_query_groups=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        init_std=raw.get("initializer_range", 0.02),
+    )
+    return fields
+
+
 def hf_model_fields(cfg) -> dict:
     """The ModelConfig architecture fields of a transformers Qwen3Config."""
-    fields = {ours: getattr(cfg, hf) for hf, ours in HF_CHECKED_FIELDS if hf != "rope_theta"}
-    fields.update(rope_theta=hf_rope(cfg)[0], tie_word_embeddings=bool(cfg.tie_word_embeddings),
-                  init_std=cfg.initializer_range)
-    return fields
+    return hf_json_fields(cfg.to_dict())
 
 
 def default_tokenizer(vocab_size: int) -> str:
@@ -249,6 +265,7 @@ QWEN3 = ModelFamily(
     hf_model=hf_model,
     hf_unsupported=hf_unsupported,
     hf_model_fields=hf_model_fields,
+    hf_json_fields=hf_json_fields,
     hf_checked_fields=HF_CHECKED_FIELDS,
     layer_params=layer_params,
     default_tokenizer=default_tokenizer,

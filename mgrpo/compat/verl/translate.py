@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 from mgrpo.config.schema import MGRPOConfig
 from mgrpo.config.validate import ConfigError
-from mgrpo.config.verl_rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
+from mgrpo.compat.verl.rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
                                      VERL_ONLY_PREFIXES, Refuse, rule_for)
 
 

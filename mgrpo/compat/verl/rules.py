@@ -1,4 +1,4 @@
-"""The veRL key table of mgrpo.config.verl: what becomes of each veRL key.
+"""The veRL key table of mgrpo.compat.verl: what becomes of each veRL key.
 
 Each rule takes the key's value and every value on the command line (some translations need two keys,
 e.g. min_lr_ratio x lr) and returns [(mgrpo key, value), ...], or [("", reason)] for a key accepted and
@@ -9,11 +9,9 @@ Sources: veRL's verl/trainer/config/_generated_ppo_{,megatron_}trainer.yaml and 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
-from mgrpo.config.hf_arch import hf_architecture, resolve_hf_dir
-from mgrpo.config.schema import MGRPOConfig
+from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
 
 A, R, F, M = ("actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref.",
               "actor_rollout_ref.model.")
@@ -128,20 +126,11 @@ def _kl_coef_in_reward(v, ctx):
 
 
 def _recompute(v, ctx):
-    if not v:
-        return [("", "off, as in mgrpo")]
-    if "recompute" in {f.name for f in dataclasses.fields(MGRPOConfig().actor)}:
-        return [("actor.recompute", "full")]
-    return [("", "mgrpo has no activation recompute yet: memory only (the result is the same); mgrpo-plan "
-                 "shows the activations without it")]
+    return [("actor.recompute", "full")] if v else [("", "off, as in mgrpo")]
 
 
 def _megatron_recompute(v, ctx):
-    if v is None:
-        return [("", "off, as in mgrpo")]
-    if "recompute" in {f.name for f in dataclasses.fields(MGRPOConfig().actor)}:
-        return [("actor.recompute", v)]
-    raise Refuse("mgrpo has no activation recompute yet; drop the key (mgrpo-plan says whether the run fits)")
+    return [("", "off, as in mgrpo")] if v is None else [("actor.recompute", v)]
 
 
 def _model_path(v, ctx):
@@ -191,11 +180,7 @@ def _ref_layout(name: str) -> Rule:
 
 
 def _max_ckpt(v, ctx):
-    if v is None:
-        return [("", "null: keep all, as in mgrpo")]
-    if "max_ckpt_to_keep" in {f.name for f in dataclasses.fields(MGRPOConfig().trainer)}:
-        return [("trainer.max_ckpt_to_keep", int(v))]
-    return [("", "mgrpo keeps every checkpoint (disk only)")]
+    return [("", "null: keep all, as in mgrpo")] if v is None else [("trainer.max_ckpt_to_keep", int(v))]
 
 
 def _adv_estimator(v, ctx):

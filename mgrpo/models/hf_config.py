@@ -1,0 +1,71 @@
+"""An HF checkpoint's config.json without torch: read it, find its model family, map it to ModelConfig fields.
+
+Used where a model directory is named but nothing may be loaded: veRL's `actor_rollout_ref.model.path`
+(mgrpo.compat.verl) and the planner (mgrpo-plan works from config.json alone). The field mapping itself
+belongs to the family (`ModelFamily.hf_json_fields`), so a new family never edits this module.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+from mgrpo.models.registry import family_for_hf
+
+CONFIG = "config.json"
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+"""Files whose presence means the directory ships its own tokenizer."""
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """The raw config.json of an HF checkpoint directory (FileNotFoundError / ValueError naming the file)."""
+    if not os.path.exists(hf_dir):
+        raise FileNotFoundError(f"HF checkpoint directory: {hf_dir} does not exist")
+    path = os.path.join(hf_dir, CONFIG)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"HF checkpoint has no config.json: {path} does not exist")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def checkpoint_identity(hf_dir: str, family, vocab_size: int) -> dict:
+    """The ModelConfig fields that come from the directory rather than the architecture: its name, its
+    family and its tokenizer (the directory's own files, else the family's default for the vocabulary)."""
+    has_tokenizer = any(os.path.exists(os.path.join(hf_dir, f)) for f in TOKENIZER_MARKERS)
+    return {"name": os.path.basename(os.path.normpath(hf_dir)), "family": family.name,
+            "tokenizer": hf_dir if has_tokenizer else family.default_tokenizer(vocab_size)}
+
+
+def hf_architecture(hf_dir: str) -> dict:
+    """ModelConfig fields (identity and architecture) of the checkpoint in hf_dir, from config.json alone."""
+    raw = read_hf_config(hf_dir)
+    family = family_for_hf(raw.get("model_type"), os.path.join(hf_dir, CONFIG))
+    fields = family.hf_json_fields(raw)
+    return {**checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields}
+
+
+def resolve_hf_dir(path: str) -> Optional[str]:
+    """A local checkpoint directory for a model path: the directory itself, or the snapshot of a hub id
+    in the local Hugging Face cache (no download)."""
+    path = os.path.expanduser(path)
+    if os.path.isfile(os.path.join(path, CONFIG)):
+        return path
+    if path.count("/") == 1 and not os.path.exists(path):
+        hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+            os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+        repo = os.path.join(hub, "models--" + path.replace("/", "--"))
+        ref = os.path.join(repo, "refs", "main")
+        if os.path.isfile(ref):
+            with open(ref) as f:
+                snap = os.path.join(repo, "snapshots", f.read().strip())
+            if os.path.isfile(os.path.join(snap, CONFIG)):
+                return snap
+        snaps = sorted(glob.glob(os.path.join(repo, "snapshots", "*", CONFIG)))
+        if snaps:
+            return os.path.dirname(snaps[-1])
+    return None
