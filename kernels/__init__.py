@@ -16,11 +16,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mgrpo.config.choices import LogprobImpl, values
+
 from . import chunked, reference
 from .chunked import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, num_valid_rows
 from .reference import full_linear_loss, full_logprobs, grpo_token_loss, kl_penalty, make_grpo_token_loss
 
-IMPLS = ("chunked", "fused", "naive")
+IMPLS = tuple(values(LogprobImpl))  # actor.logprob_impl
 
 __all__ = [
     "IMPLS", "capabilities", "linear_logprobs", "fused_linear_loss", "num_valid_rows", "grpo_token_loss",

@@ -28,8 +28,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from mgrpo.config import ConfigError, Layout, MGRPOConfig, output_dir, validate
+from mgrpo.config import ConfigError, Layout, MGRPOConfig, output_dir
 from mgrpo.models.registry import param_counts  # the model family's count; imports no torch
+from mgrpo.preflight import preflight
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -67,7 +68,7 @@ def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
 def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                 gpu_mem_gb: Optional[float] = None) -> dict:
     """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.cluster.memory_plan)."""
-    from mgrpo.cluster.memory_plan import recompute_of, verdict
+    from mgrpo.cluster.memory_plan import verdict
 
     v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
     m = v.memory
@@ -79,7 +80,7 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                         "response_tokens": shape.response_tokens, "in_flight_on_first_stage": shape.in_flight},
         "terms": m.terms,
         "activations_by_recompute": m.activations_by_recompute,
-        "recompute": recompute_of(cfg), "recompute_available": hasattr(cfg.actor, "recompute"),
+        "recompute": cfg.actor.recompute,
         "phases": {p: {**t, "total": sum(t.values())} for p, t in m.phases.items()},
         "capacity": m.capacity, "peak": m.peak, "peak_phase": m.peak_phase, "largest_term": list(m.largest),
         "fits": m.fits, "verdict": v.message(),
@@ -94,12 +95,12 @@ def rank_coords(rank: int, tp: int, cp: int, dp: int) -> dict:
 
 
 def placement(cfg: MGRPOConfig, lay: Layout) -> tuple[list[dict], list[dict]]:
-    """Trainer ranks and rollout engines on (node, local accelerator), in the order Ray's PACK strategy
+    """Megatron ranks and rollout engines on (node, local accelerator), in the order Ray's PACK strategy
     fills the nodes (Ray may pick other nodes; the grouping into nodes is what matters)."""
     a, r = cfg.actor, cfg.rollout
     per_node = lay.total // cfg.trainer.nnodes
     ranks = []
-    for i in range(lay.trainer_world):
+    for i in range(lay.megatron_world):
         c = rank_coords(i, a.tp, a.cp, lay.dp)
         role = []
         if c["tp"] == 0 and c["dp"] == 0 and c["cp"] == 0:
@@ -107,13 +108,13 @@ def placement(cfg: MGRPOConfig, lay: Layout) -> tuple[list[dict], list[dict]]:
         if a.pp > 1 and c["pp"] == a.pp - 1:
             role.append("last stage")
         ranks.append({"rank": i, "node": i // per_node, "local": i % per_node, **c, "role": ", ".join(role)})
-    first = 0 if r.shares_trainer_devices else lay.trainer_world
+    first = 0 if r.shares_actor_devices else lay.megatron_world
     engines = []
     for e in range(r.num_engines):
         slots = [first + e * r.tp + k for k in range(r.tp)]
         engines.append({"engine": e, "tp": r.tp, "accelerators": [[s // per_node, s % per_node] for s in slots],
-                        "shares_with_trainer_ranks": [s for s in slots if s < lay.trainer_world]
-                        if r.shares_trainer_devices else []})
+                        "shares_with_trainer_ranks": [s for s in slots if s < lay.megatron_world]
+                        if r.shares_actor_devices else []})
     return ranks, engines
 
 
@@ -159,7 +160,7 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
 # --- the plan ----------------------------------------------------------------------------------------
 def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Optional[float] = None) -> dict:
     """Validate (data files need not exist yet) and lay out a run; raises ConfigError like mgrpo-train."""
-    lay = validate(cfg, check_files=False)
+    lay = preflight(cfg, check_files=False, check_memory=False).layout
     warnings: list[str] = []
     if cfg.model.hf_path:
         cfg = hf_planning_config(cfg, warnings)
@@ -171,10 +172,10 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
         "device": t.device,
         "cluster": {"nodes": t.nnodes, "accelerators_per_node": lay.total // t.nnodes, "accelerators": lay.total,
                     "cpus_per_worker": t.cpus_per_worker, "ray_address": t.ray_address,
-                    # every trainer rank and every engine is a Ray bundle of cpus_per_worker CPUs
-                    "ray_cpus_needed": (lay.trainer_world + (0 if r.mode == "hybrid" else r.num_engines))
+                    # every Megatron rank and every engine is a Ray bundle of cpus_per_worker CPUs
+                    "ray_cpus_needed": (lay.megatron_world + (0 if r.mode == "hybrid" else r.num_engines))
                                        * t.cpus_per_worker},
-        "trainer": {"world": lay.trainer_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp,
+        "trainer": {"world": lay.megatron_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp,
                     "layers_per_stage": m.num_layers // a.pp, "ranks": ranks},
         "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": r.num_engines, "tp": r.tp,
                     "accelerators": lay.rollout_devices, "engines": engines},
@@ -218,8 +219,7 @@ def render_memory(me: dict) -> list[str]:
     act = me["activations_by_recompute"]
     out.append(f"          activations with recompute none / selective / full: {_size(act['None'])} / "
                f"{_size(act['selective'])} / {_size(act['full'])} "
-               + (f"(actor.recompute={me['recompute']})" if me["recompute_available"] else
-                  "(mgrpo has no activation recompute yet: actor.recompute is proposed)"))
+               + f"(actor.recompute={me['recompute']})")
     out.append(f"verdict   {me['verdict']}")
     return out
 
@@ -234,22 +234,22 @@ def render(p: dict) -> str:
            f"trainer   world {tr['world']} = tp {tr['tp']} x pp {tr['pp']} x cp {tr['cp']} x dp {tr['dp']}  "
            f"({tr['layers_per_stage']} layer(s) per pipeline stage)"]
     if ro["mode"] == "colocated":
-        where = "colocated: shares the trainer's accelerators (memory released while training)"
+        where = "colocated: shares the actor's accelerators (memory released while training)"
     elif ro["mode"] == "hybrid":
-        where = "hybrid: inside the trainer ranks' processes, on their accelerators (memory released while training)"
+        where = "hybrid: inside the Megatron ranks' processes, on their accelerators (memory released while training)"
     else:
         where = f"disaggregated: its own {ro['accelerators']} accelerator(s) after the trainer's"
     out.append(f"rollout   {ro['num_engines']} {ro['engine']} engine(s) x tp {ro['tp']} = {ro['accelerators']} "
                f"accelerator(s), {where}")
     out.append("")
-    out.append("placement (rank = trainer bundle; Ray's PACK strategy fills nodes in this order)")
+    out.append("placement (rank = Megatron bundle; Ray's PACK strategy fills nodes in this order)")
     out.append("  rank  node  local    tp  pp  cp  dp  role")
     for r in tr["ranks"]:
         out.append(f"  {r['rank']:>4}  {r['node']:>4}  {r['local']:>5}  {r['tp']:>4}{r['pp']:>4}{r['cp']:>4}"
                    f"{r['dp']:>4}  {r['role']}")
     for e in ro["engines"]:
         accs = " ".join(f"{n}:{i}" for n, i in e["accelerators"])
-        share = f" (with trainer ranks {', '.join(map(str, e['shares_with_trainer_ranks']))})" \
+        share = f" (with Megatron ranks {', '.join(map(str, e['shares_with_trainer_ranks']))})" \
             if e["shares_with_trainer_ranks"] else ""
         out.append(f"  engine {e['engine']}: node:local {accs}{share}")
     out.append("")

@@ -2,7 +2,7 @@
 
     mgrpo-train                                   # the default CPU job (tiny Qwen3 learns sums)
     mgrpo-train actor.lr=1e-5 rollout.n=8 trainer.total_training_steps=50
-    mgrpo-train actor.tp=2                        # same job on two tensor-parallel trainer ranks
+    mgrpo-train actor.tp=2                        # same job on two tensor-parallel Megatron ranks
     mgrpo-train recipe=qwen3-8b-gsm8k-grpo        # a ready recipe from configs/recipe/
     mgrpo-train --cfg job                         # print the composed config and exit
     mgrpo-train actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...   # a veRL command line
@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from mgrpo.config import ConfigError, MGRPOConfig
+from mgrpo.config.choices import plain
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_STOPPED = 75
@@ -36,8 +37,9 @@ ConfigStore.instance().store(name="mgrpo_schema", node=MGRPOConfig)
 
 
 def to_config(cfg: DictConfig) -> MGRPOConfig:
-    """The composed Hydra config as the typed dataclass the library takes."""
-    return OmegaConf.to_object(cfg)
+    """The composed Hydra config as the typed dataclass the library takes (closed choices as plain strings,
+    exactly as a config built in Python holds them)."""
+    return plain(OmegaConf.to_object(cfg))
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")

@@ -1,8 +1,8 @@
 """One step's experience on the driver: sampled responses, their scores (judged here, with overlong
 shaping), log-probs and advantages, and the mini-batches the trainer steps on.
 
-How a mini-batch is cut into data-parallel shards is the trainer client's business
-(`mgrpo/components/trainer_client.py`), not the experience's.
+How a mini-batch is cut into data-parallel shards is the actor client's business
+(`mgrpo/components/actor_client.py`), not the experience's.
 
 Everything here is per sample, in rollout order: sample i*n + j is the j-th response to prompt i.
 """
@@ -78,6 +78,11 @@ class Experience:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def judged(self) -> bool:
+        """Every sample has its score (`judge` ran on this batch)."""
+        return len(self.scores) == len(self.response_ids)
 
     # --- tensors --------------------------------------------------------------------------------
     # (built from Python lists in one call each: a tensor write per row costs more than the step's

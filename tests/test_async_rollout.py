@@ -10,7 +10,6 @@ import tempfile
 
 import pytest
 
-from mgrpo.components.rollout_pipeline import RolloutPipeline
 from mgrpo.loop import Trainer
 from tests.test_e2e import LOSS_KEYS, read_metrics, small_config
 from tests.test_resume_kill import kill_everything, train, wait_for_step
@@ -43,11 +42,9 @@ def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
 class RunsAhead(Trainer):
     """A producer allowed three batches ahead of a bound of one: samples two or three versions old appear."""
 
-    def _start_pipeline(self):
-        pipeline = RolloutPipeline(lambda batch, metrics: self.generate_and_judge(metrics, batch), max_staleness=1,
-                                   lookahead=3)
-        pipeline.start()
-        return pipeline
+    def _start(self):
+        super()._start()
+        self.parts.experiences.lookahead = 3
 
 
 @pytest.mark.slow

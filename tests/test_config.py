@@ -9,8 +9,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
-from mgrpo.config import ActorConfig, AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, layout, validate
-from mgrpo.config.validate import LOGPROB_IMPLS
+from mgrpo.config import ActorConfig, AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, layout
+from mgrpo.config.choices import LogprobImpl
+from mgrpo.preflight import preflight
 from mgrpo_launchers.train import CONFIG_DIR, to_config
 
 
@@ -24,7 +25,7 @@ def test_default_composes_to_the_typed_default_job():
     assert isinstance(cfg, MGRPOConfig) and isinstance(cfg.actor, ActorConfig)
     assert cfg.model.vocab_size == 16 and cfg.model.tokenizer == "synthetic"
     assert cfg.trainer.device == "cpu" and cfg.rollout.engine == "sglang"  # the production rollout path, CPU server here
-    validate(cfg)
+    preflight(cfg, check_memory=False)
 
 
 def test_python_config_equals_command_line():
@@ -63,14 +64,14 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"rollout": {"mode": "hybrid", "async_mode": "one_step_off"}},
      "rollout.async_mode='one_step_off' overlaps generation with training, which rollout.mode=hybrid engines cannot"),
     ({"rollout": {"mode": "hybrid", "num_engines": 2}},
-     "rollout.num_engines*rollout.tp=2 exceeds the 1 accelerators (rollout.mode=hybrid: each engine lives in a trainer rank)"),
+     "rollout.num_engines*rollout.tp=2 exceeds the 1 accelerators (rollout.mode=hybrid: each engine lives in a Megatron rank)"),
 ])
 def test_validation_names_the_field(changes, message):
     cfg = MGRPOConfig()
     for group, fields in changes.items():
         cfg = dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
     with pytest.raises(ConfigError) as info:
-        validate(cfg)
+        preflight(cfg, check_memory=False)
     assert message in str(info.value)
 
 
@@ -81,15 +82,15 @@ def test_production_rollout_modes_validate_on_cpu():
     for mode in ("colocated", "hybrid", "disaggregated"):
         cfg = _compose("rollout.engine=sglang", f"rollout.mode={mode}", "trainer.device=cpu",
                        "trainer.n_gpus_per_node=2" if mode == "disaggregated" else "rollout.n=8")
-        validate(cfg)
+        preflight(cfg, check_memory=False)
 
 
 def test_layout_splits_accelerators():
     cfg = _compose("actor.tp=2", "trainer.n_gpus_per_node=4")
     lay = layout(cfg)
-    assert (lay.trainer_world, lay.dp) == (4, 2)
+    assert (lay.megatron_world, lay.dp) == (4, 2)
     cfg = _compose("actor.pp=2")  # n_gpus_per_node unset: exactly tp*pp*cp ranks
-    assert layout(cfg).trainer_world == 2
+    assert layout(cfg).megatron_world == 2
 
 
 def _algo(estimator: str, n: int) -> MGRPOConfig:
@@ -109,34 +110,48 @@ def toy_estimators():
 
 def test_estimator_errors_come_from_the_registry(toy_estimators):
     with pytest.raises(ConfigError) as info:
-        validate(_algo("ppo", 8))
+        preflight(_algo("ppo", 8), check_memory=False)
     assert (f"algorithm.adv_estimator='ppo' is not one of {list(ADVANTAGE_ESTIMATORS)}" in str(info.value)
             and "'toy_grouped', 'toy_single'" in str(info.value))
     # rollout.n=1 is refused exactly for the estimators whose entry says needs_groups
     for name, entry in ADVANTAGE_ESTIMATORS.items():
-        validate(_algo(name, 2))
+        preflight(_algo(name, 2), check_memory=False)
         if entry.needs_groups:
             with pytest.raises(ConfigError, match=f"rollout.n=1 must be at least 2 for "
                                                   f"algorithm.adv_estimator='{name}'"):
-                validate(_algo(name, 1))
+                preflight(_algo(name, 1), check_memory=False)
         else:
-            validate(_algo(name, 1))
+            preflight(_algo(name, 1), check_memory=False)
     assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups] == ["reinforce_plus_plus", "toy_single"]
 
 
 def test_unknown_family_and_unregistered_estimator_are_refused():
-    validate(_algo("grpo", 2))
+    preflight(_algo("grpo", 2), check_memory=False)
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='toy_grouped' is not one of"):
-        validate(_algo("toy_grouped", 2))  # the fixture's entries are gone again
+        preflight(_algo("toy_grouped", 2), check_memory=False)  # the fixture's entries are gone again
     cfg = MGRPOConfig()
     with pytest.raises(ConfigError, match=r"model.family='llama' is not one of \['qwen3'\]"):
-        validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="llama")))
+        preflight(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="llama")), check_memory=False)
 
 
-def test_logprob_impls_are_the_kernels():
+def test_every_logprob_impl_choice_reaches_a_kernel_path():
+    """actor.logprob_impl's choices are declared once (mgrpo.config.choices); each one is a path the kernel
+    entry point runs (fused needs Triton on a GPU or its interpreter, and says so by name), and anything
+    else is refused there too."""
+    import torch
+
     import mgrpo_kernels
 
-    assert set(LOGPROB_IMPLS) == set(mgrpo_kernels.IMPLS)
+    h, w, labels = torch.randn(3, 8), torch.randn(16, 8), torch.tensor([1, 2, 3])
+    for impl in LogprobImpl:
+        try:
+            lp, _ = mgrpo_kernels.linear_logprobs(h, w, labels, impl=impl)
+        except RuntimeError as err:
+            assert impl == LogprobImpl.fused and "actor.logprob_impl=fused" in str(err)
+            continue
+        assert torch.allclose(lp, torch.log_softmax(h @ w.T, -1).gather(1, labels[:, None])[:, 0], atol=1e-5)
+    with pytest.raises(ValueError, match="actor.logprob_impl"):
+        mgrpo_kernels.linear_logprobs(h, w, labels, impl="fast")
 
 
 def test_cli_rejects_bad_config_before_spawning_anything():

@@ -257,17 +257,17 @@ def test_tp2_cp2_and_pp2_cp2_packed_reproduce_cp1(runs, tmp_path):
 
 def _validate(**groups):
     from mgrpo.config import MGRPOConfig
-    from mgrpo.config.validate import validate
+    from mgrpo.preflight import preflight
 
     cfg = MGRPOConfig()
     for group, fields in {"trainer": {"device": "cpu"}, **groups}.items():
         cfg = dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
-    return validate(cfg, check_files=False)
+    return preflight(cfg, check_files=False, check_memory=False).layout
 
 
 def test_validation_accepts_cp_on_cpu_and_refuses_what_cannot_work():
-    assert _validate(actor={"cp": 2}).trainer_world == 2
-    assert _validate(actor={"cp": 2, "tp": 2, "pp": 2, "pack_sequences": True}).trainer_world == 8
+    assert _validate(actor={"cp": 2}).megatron_world == 2
+    assert _validate(actor={"cp": 2, "tp": 2, "pp": 2, "pack_sequences": True}).megatron_world == 8
     with pytest.raises(ValueError, match=r"actor.cp=2 splits every response.*policy_loss='gspo' is sequence-level"):
         _validate(actor={"cp": 2}, algorithm={"policy_loss": "gspo"})
     with pytest.raises(ValueError, match=r"actor.cp_comm_type='a2a'.*num_attention_heads/actor.tp=1 is not divisible"):

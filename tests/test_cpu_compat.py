@@ -78,8 +78,8 @@ def test_eager_jit_module_matches_megatrons():
 
 
 def test_megatron_imports_without_torch_compile_on_cpu():
-    """lean_megatron_import() first (as a trainer rank does) keeps megatron-core's fusions eager on CPU: no TorchDynamo or
-    Inductor in the process (~70 MiB per trainer rank), and megatron sees a fuser that changes nothing;
+    """lean_megatron_import() first (as a Megatron rank does) keeps megatron-core's fusions eager on CPU: no TorchDynamo or
+    Inductor in the process (~70 MiB per Megatron rank), and megatron sees a fuser that changes nothing;
     Triton is not imported unless TRITON_INTERPRET=1 (then the fused kernel stays available)."""
     import subprocess
     import sys

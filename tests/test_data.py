@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from mgrpo.config import ConfigError, DataConfig, MGRPOConfig, ModelConfig, validate
+from mgrpo.config import ConfigError, DataConfig, MGRPOConfig, ModelConfig
+from mgrpo.preflight import preflight
 from mgrpo.data import (
     SYNTHETIC_TASKS,
     PromptDataset,
@@ -42,11 +43,11 @@ def _rec(i, source="openai/gsm8k", prompt=None):
 
 def test_synthetic_registry_is_what_config_validation_accepts():
     for name, task in SYNTHETIC_TASKS.items():
-        validate(MGRPOConfig(data=DataConfig(synthetic_task=name)))
+        preflight(MGRPOConfig(data=DataConfig(synthetic_task=name)), check_memory=False)
         assert {r["data_source"] for r in task.records(DataConfig())} == {task.data_source}
     message = f"data.synthetic_task='nope' is not one of {list(SYNTHETIC_TASKS)}"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(MGRPOConfig(data=DataConfig(synthetic_task="nope")))
+        preflight(MGRPOConfig(data=DataConfig(synthetic_task="nope")), check_memory=False)
 
 
 def test_synthetic_tokenizer(tmp_path):

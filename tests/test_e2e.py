@@ -91,7 +91,7 @@ def test_parallel_layouts_match_tp1(tp1_run, tmp_path, layout):
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-5), (step, key)
     if "max_tokens_per_gpu" in layout.get("actor", {}):
         assert got[0]["actor/micro_batches"] > 1 and ref[0]["actor/micro_batches"] == 1
-    # The HF export, written stage by stage from the trainer ranks, loads in transformers and holds
+    # The HF export, written stage by stage from the Megatron ranks, loads in transformers and holds
     # the same trained weights as the TP=1 run's export.
     from transformers import AutoModelForCausalLM
 

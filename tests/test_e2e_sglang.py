@@ -27,7 +27,7 @@ class Recording(Trainer):
 
     def _start(self):
         super()._start()
-        self.receivers = self.rollout.receivers()
+        self.receivers = self.parts.experiences.rollout.receivers()
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def test_engine_fault_mid_run_is_recovered(tmp_path, sig, mode):
     """A server killed (SIGKILL) or hung (SIGSTOP) during the run is found by the health checks, restarted,
     re-synced to the current weights, and its requests resent: the run finishes, every prompt has its n
     samples exactly once per step, and the restart and retry counters say what happened. A hybrid engine
-    (its client inside a trainer rank) is restarted inside that rank, which lives on."""
+    (its client inside a Megatron rank) is restarted inside that rank, which lives on."""
     run_dir = str(tmp_path)
     cfg = small_config(run_dir, rollout={"engine": "sglang", "mode": mode, "health_check_interval_s": 1.0,
                                          "health_check_timeout_s": 2.0, "request_timeout_s": 30.0},
@@ -137,12 +137,12 @@ def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
     class Routed(Trainer):
         def _start(self):
             super()._start()
-            self.router_workers_at_start = set(self.rollout.front.router.workers())
+            self.router_workers_at_start = set(self.parts.experiences.rollout.front.router.workers())
 
         def _close(self):
-            if self.rollout is not None and self.rollout.front is not None:
-                self.router_workers_at_end = set(self.rollout.front.router.workers())
-                self.urls_at_end = list(self.rollout.urls)
+            if self.parts is not None and self.parts.experiences.rollout.front is not None:
+                self.router_workers_at_end = set(self.parts.experiences.rollout.front.router.workers())
+                self.urls_at_end = list(self.parts.experiences.rollout.urls)
             super()._close()
 
     hits: list = []

@@ -1,4 +1,4 @@
-"""The experience's tensor views and the trainer client's split, against per-row constructions."""
+"""The experience's tensor views and the actor client's split, against per-row constructions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from mgrpo.components.trainer_client import balanced_split
+from mgrpo.components.actor_client import balanced_split
 from mgrpo.experience import Experience
 
 

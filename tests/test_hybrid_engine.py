@@ -1,4 +1,4 @@
-"""rollout.mode=hybrid: the engine lives inside a trainer rank's process (veRL's hybrid engine) and takes
+"""rollout.mode=hybrid: the engine lives inside a Megatron rank's process (veRL's hybrid engine) and takes
 the weights that rank exports in memory; the other ranks' buckets reach it through the rank's engine
 calls. It must train exactly as an engine in a process of its own does."""
 
@@ -17,8 +17,8 @@ COMPARED = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "
 class Recording(Trainer):
     def _start(self):
         super()._start()
-        self.hosts = [e._actor_id.hex() for e in self.rollout.engines]
-        self.ranks = [r._actor_id.hex() for r in self.trainer.group.ranks]
+        self.hosts = [e._actor_id.hex() for e in self.parts.experiences.rollout.engines]
+        self.ranks = [r._actor_id.hex() for r in self.parts.actor.group.ranks]
 
 
 def _run(run_dir: str, mode: str, **actor) -> tuple[Recording, list[dict]]:
@@ -34,7 +34,7 @@ def test_hybrid_engine_trains_exactly_like_an_engine_of_its_own(tmp_path):
     own, m_own = _run(str(tmp_path / "colocated"), "colocated")
     hyb, m_hyb = _run(str(tmp_path / "hybrid"), "hybrid")
     assert not set(own.hosts) & set(own.ranks)  # colocated: an engine process of its own
-    assert hyb.hosts == hyb.ranks[:1]  # hybrid: the engine's host is trainer rank 0
+    assert hyb.hosts == hyb.ranks[:1]  # hybrid: the engine's host is Megatron rank 0
     assert [x["step"] for x in m_hyb] == list(range(1, STEPS + 1))
     for a, b in zip(m_own, m_hyb):  # same seeds, same engine code: the same samples and updates
         for key in COMPARED:
@@ -57,14 +57,14 @@ def test_hybrid_engine_takes_every_pipeline_stage(tmp_path):
 
 
 class Ordered(Trainer):
-    """Records, in order, when the driver asks the trainer ranks for log-probs, starts judging and
+    """Records, in order, when the driver asks the Megatron ranks for log-probs, starts judging and
     collects the log-probs, and what the reference forward returned."""
 
     def _start(self):
         super()._start()
         self.events: list[tuple[str, str]] = []
         self.kept: list[tuple[str, bool]] = []
-        group, judger = self.trainer.group, self.judger
+        group, judger = self.parts.actor.group, self.parts.experiences.judger
         send, score = group.compute_logprobs, judger.score
 
         def compute_logprobs(shards, which, temperature, keep=False):

@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from mgrpo.config import ConfigError, MGRPOConfig, validate
+from mgrpo.config import ConfigError, MGRPOConfig
+from mgrpo.preflight import preflight
 from mgrpo.models import qwen3
 from mgrpo.models.registry import FAMILIES, family_of, param_counts
 from tests.distributed import run_ranks
@@ -91,12 +92,12 @@ def toy():
 
 def test_validator_accepts_a_family_only_while_it_is_registered(toy):
     cfg = dataclasses.replace(MGRPOConfig(), model=toy)
-    validate(cfg)
+    preflight(cfg, check_memory=False)
     assert family_of(toy) is TOY_FAMILY
     FAMILIES.unregister(TOY)
     try:
         with pytest.raises(ConfigError, match=r"model.family='toy_llama' is not one of \['qwen3'\]"):
-            validate(cfg)
+            preflight(cfg, check_memory=False)
     finally:
         FAMILIES.register(TOY, TOY_FAMILY)
 

@@ -42,7 +42,7 @@ TAIL = ([10] * 4, [2] * 4)
 
 def make_batch(vocab: int, seed: int = 0, prompts=PROMPTS, responses=RESPONSES):
     """A RankBatch with random tokens, advantages and old log-probs, and token weights of the
-    token-mean aggregation over its own tokens (as the trainer client would send a single replica)."""
+    token-mean aggregation over its own tokens (as the actor client would send a single replica)."""
     from mgrpo.training.batch import RankBatch
 
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,5 @@
 """Two Ray nodes on one machine, started with `ray start` as on a cluster (a head at one loopback address,
-a worker at another, each with its own resources): the default job spreads its trainer ranks and engine
+a worker at another, each with its own resources): the default job spreads its Megatron ranks and engine
 over both and learns as on one node; a worker node that dies mid-run fails the job with a message naming
 the node, and the job started again resumes from its checkpoint."""
 
@@ -67,7 +67,7 @@ def two_nodes():
 
 
 def train(nodes: TwoNodes, run_dir: str, *args: str) -> subprocess.Popen:
-    # two trainer ranks (TP=2) fill one node's 2 CPU slots, so the engine lands on the other node
+    # two Megatron ranks (TP=2) fill one node's 2 CPU slots, so the engine lands on the other node
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}",
            f"trainer.ray_address={nodes.address}", "actor.tp=2", "trainer.save_hf=false", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -80,7 +80,7 @@ def test_default_job_learns_over_two_ray_nodes(two_nodes, tmp_path):
     p = train(two_nodes, run_dir)
     out, _ = p.communicate(timeout=1200)
     assert p.returncode == 0, out[-4000:]
-    assert "engines 1" in out and "trainer ranks 2" in out
+    assert "engines 1" in out and "Megatron ranks 2" in out
     rewards = [m["critic/score/mean"] for m in read_metrics(run_dir)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     with open(os.path.join(run_dir, "two_nodes.json"), "w") as f:

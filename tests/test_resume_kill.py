@@ -60,7 +60,7 @@ def test_sigkill_mid_run_resumes_exactly(tmp_path):
 
     p = train(killed, ray_tmp + "/b")
     wait_for_step(killed, 3, p)  # checkpoint at step 2, step 3 logged: the kill lands past the checkpoint
-    assert kill_everything(p, ray_tmp + "/b") > 3  # driver, GCS, raylet, trainer rank, engine, ...
+    assert kill_everything(p, ray_tmp + "/b") > 3  # driver, GCS, raylet, Megatron rank, engine, ...
     p = train(killed, ray_tmp + "/c", "trainer.resume=auto")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]

@@ -13,5 +13,5 @@ to SUM losses and gradients across micro-batches and data-parallel ranks.
   filtering.py    DAPO's dynamic sampling and overlong filtering / shaping
 
 This package imports none of its modules: import from them directly. That keeps registry.py
-importable without torch (mgrpo.config.validate asks it, and the planner validates without torch).
+importable without torch (mgrpo.preflight asks it, and the planner validates without torch).
 """

@@ -1,6 +1,6 @@
 """The algorithm choices a config may name, and what each one is: the single list of them.
 
-`mgrpo.config.validate` and the trainer read these entries; the functions they name live in
+`mgrpo.preflight` and the trainer read these entries; the functions they name live in
 advantages.py, policy_loss.py, kl.py and aggregation.py. This module imports no torch (the
 validator runs inside the planner, which must not), so each entry names its function by a
 'module:function' target that is imported on first use.

@@ -1,7 +1,7 @@
 """The process an engine lives in, and how weight buckets reach it.
 
 An engine is hosted either by an `EngineHost` actor of its own (rollout.mode colocated or
-disaggregated) or by a trainer rank (rollout.mode=hybrid, veRL's hybrid engine: the actor and the
+disaggregated) or by a Megatron rank (rollout.mode=hybrid, veRL's hybrid engine: the actor and the
 engine share one process, and the weights the rank exports go into the engine without leaving it).
 Both hosts answer the same calls, defined once in `EngineSlot`, so the rollout group treats their
 handles alike.
@@ -24,7 +24,7 @@ _hosted: dict = {}
 
 
 class EngineSlot:
-    """The engine-facing calls of a host process (a Ray actor: `EngineHost` or a trainer rank)."""
+    """The engine-facing calls of a host process (a Ray actor: `EngineHost` or a Megatron rank)."""
 
     engine = None
 

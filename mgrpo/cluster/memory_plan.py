@@ -1,7 +1,7 @@
 """Per-accelerator memory of a run, the verdict (does it fit?) and the smallest change that fits.
 
 No torch, no processes: this runs in mgrpo-plan and in the driver before anything starts
-(`check_fits`). Every term is bytes on one trainer rank of the heaviest pipeline stage.
+(`check_fits`). Every term is bytes on one Megatron rank of the heaviest pipeline stage.
 
 Persistent (resident through the whole step):
   weights      params x 2 (bf16 on cuda) or 4 (fp32 on cpu)           actor.dtype, auto = bf16 on cuda
@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
+from mgrpo.config.validate import default_dtype, resolved_device
 
 GIB = 1024**3
 MIB = 1024**2
@@ -70,18 +71,12 @@ class Shape:
 
 
 def device_of(cfg: MGRPOConfig) -> str:
-    """The trainer's device: trainer.device, 'auto' resolved without torch (an NVIDIA device node)."""
-    if cfg.trainer.device != "auto":
-        return cfg.trainer.device
-    return "cuda" if os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus") else "cpu"
+    """The actor's device: trainer.device, 'auto' resolved (mgrpo.config.validate.resolved_device)."""
+    return resolved_device(cfg.trainer.device)
 
 
 def dtype_of(cfg: MGRPOConfig, device: str) -> str:
-    return cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
-
-
-def recompute_of(cfg: MGRPOConfig) -> Optional[str]:
-    return getattr(cfg.actor, "recompute", None)  # schema field requested (see README); None = off
+    return default_dtype(cfg.actor.dtype, device)
 
 
 def param_counts(model, tp: int, pp: int) -> dict:
@@ -233,11 +228,11 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
     dtype = dtype or dtype_of(cfg, device)
     w = 2 if dtype == "bf16" else 4
     spec = "te" if device == "cuda" else "local"
-    recompute = recompute_of(cfg)
+    recompute = cfg.actor.recompute
     counts = param_counts(m, a.tp, a.pp)
     v_local = counts["padded_vocab"] // a.tp
     shape = micro_batch_shape(cfg, lay, device)
-    colocated_gpu = device == "cuda" and r.shares_trainer_devices
+    engines_share_gpu = device == "cuda" and r.shares_actor_devices
     layer_largest = max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     stages = []
     for stage in range(a.pp):
@@ -275,15 +270,15 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                   "log-probs": fwd, "weight sync": sync}
         if device == "cpu":
             phases["optimizer step"] = {"optimizer_temporaries": 2 * largest_param * 4}
-        if colocated_gpu:
+        if engines_share_gpu:
             released = int(SGLANG_RELEASED_GIB * GIB)
             for p in phases.values():
                 p["sglang_released"] = released
             sync["sglang_weights"] = 2 * counts["hf_total"] // r.tp
         capacity = int((gpu_mem_gb or getattr(cfg.trainer, "gpu_memory_gb", None) or DEFAULT_GPU_MEM_GIB) * GIB) \
-            if device == "cuda" else _host_memory() // max(lay.trainer_world // cfg.trainer.nnodes, 1)
+            if device == "cuda" else _host_memory() // max(lay.megatron_world // cfg.trainer.nnodes, 1)
         full = {p: {**persistent, **t} for p, t in phases.items()}
-        if colocated_gpu:
+        if engines_share_gpu:
             full["generation"] = {**persistent, "sglang_share": int(r.gpu_memory_utilization * capacity)}
         if device == "cuda":
             for p in full.values():
@@ -345,12 +340,12 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
     options: dict[str, list] = {}
     if device == "cuda" and not a.use_distributed_optimizer and lay.dp > 1:
         options["actor.use_distributed_optimizer"] = [(True, 1)]
-    if hasattr(a, "recompute") and recompute_of(cfg) != "full":
+    if a.recompute != "full":
         options["actor.recompute"] = [("full", 1)]
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     options["actor.max_tokens_per_gpu"] = [(a.max_tokens_per_gpu // 2 ** k, k) for k in (1, 2, 3)
                                            if a.max_tokens_per_gpu // 2 ** k >= seq]
-    if device == "cuda" and r.shares_trainer_devices:
+    if device == "cuda" and r.shares_actor_devices:
         options["rollout.gpu_memory_utilization"] = [
             (round(u, 2), round((r.gpu_memory_utilization - u) * 10)) for u in (0.6, 0.5, 0.4, 0.3)
             if u < r.gpu_memory_utilization - 1e-9]
@@ -404,7 +399,7 @@ def check_fits(cfg: MGRPOConfig, *, gpu_mem_gb: Optional[float] = None) -> Verdi
     largest term and a change that fits, unless trainer.allow_oversubscribe is true. `cfg` must be
     valid; the card's memory is `gpu_mem_gb`, else trainer.gpu_memory_gb, else 80 GiB."""
     v = verdict(cfg, gpu_mem_gb=gpu_mem_gb)
-    if not v.fits and not getattr(cfg.trainer, "allow_oversubscribe", False):
+    if not v.fits and not cfg.trainer.allow_oversubscribe:
         raise ConfigError(f"the run does not fit in memory (mgrpo-plan shows every term):\n  {v.message()}\n"
                           "  trainer.allow_oversubscribe=true starts it anyway")
     return v

@@ -1,15 +1,15 @@
-"""Where every process goes: Ray placement groups for the trainer ranks and the rollout engines.
+"""Where every process goes: Ray placement groups for the Megatron ranks and the rollout engines.
 
 Accelerator bundles are used whenever the Ray cluster has GPU resources. That is decided by asking
 Ray, not torch, so the GPU branches of placement also run on a CPU machine whose Ray nodes were started
 with logical GPUs (`ray start --num-gpus 8`): only the compute leaf differs.
 
 - Trainer: one bundle per Megatron rank, `{CPU: c, GPU: 1}`, packed onto as few nodes as possible.
-- Colocated rollout: engines share the trainer's accelerators. Engine i's host actor takes a fraction
-  of the first GPU of trainer ranks [i*tp, (i+1)*tp) (trainer ranks leave that fraction free), and its
+- Colocated rollout: engines share the actor's accelerators. Engine i's host actor takes a fraction
+  of the first GPU of Megatron ranks [i*tp, (i+1)*tp) (Megatron ranks leave that fraction free), and its
   server is pointed at exactly those ranks' GPUs, which must sit on one node.
-- Hybrid rollout: no process of its own; engine i lives in trainer rank i*tp's actor (its bundle) and its
-  server, if it has one, uses the GPUs of trainer ranks [i*tp, (i+1)*tp).
+- Hybrid rollout: no process of its own; engine i lives in Megatron rank i*tp's actor (its bundle) and its
+  server, if it has one, uses the GPUs of Megatron ranks [i*tp, (i+1)*tp).
 - Disaggregated rollout: one bundle per engine with `rollout.tp` GPUs of its own.
 """
 
@@ -23,51 +23,51 @@ from mgrpo.cluster.ray_env import Bundles, reserve, start_ray
 from mgrpo.config import Layout, MGRPOConfig
 
 ENGINE_GPU_SHARE = 0.2
-"""Fraction of a GPU a colocated engine's host actor claims in the trainer bundle it shares (the host
+"""Fraction of a GPU a colocated engine's host actor claims in the Megatron bundle it shares (the host
 itself only talks HTTP; the memory split is SGLang's `mem_fraction_static`, Ray just needs room)."""
 
 
 @dataclass
 class Placement:
-    trainer: Bundles
+    megatron: Bundles
     rollout: Bundles | None
     """Own bundles of disaggregated engines; None when colocated (engines use the trainer's)."""
     gpus: bool
     """Bundles carry GPU resources (real GPUs, or logical ones on a CPU test cluster)."""
     shared: bool
-    """Engine hosts sit in the trainer's bundles (colocated mode with accelerators)."""
+    """Engine hosts sit in the Megatron bundles (colocated mode with accelerators)."""
     engine_tp: int
     hybrid: bool = False
-    """Engines live in trainer ranks' processes (rollout.mode=hybrid): no bundles or hosts of their own."""
+    """Engines live in Megatron ranks' processes (rollout.mode=hybrid): no bundles or hosts of their own."""
 
     @property
-    def engines_on_trainer_devices(self) -> bool:
-        """Engines' servers must use their trainer ranks' accelerators (colocated or hybrid, with GPUs)."""
+    def engines_use_actor_gpus(self) -> bool:
+        """Engines' servers must use their Megatron ranks' accelerators (colocated or hybrid, with GPUs)."""
         return self.gpus and (self.shared or self.hybrid)
 
     @property
-    def trainer_gpus(self) -> float:
-        """GPU resource each trainer rank asks for."""
+    def megatron_gpus(self) -> float:
+        """GPU resource each Megatron rank asks for."""
         if not self.gpus:
             return 0.0
         return 1.0 - ENGINE_GPU_SHARE if self.shared else 1.0
 
     def engine_options(self, index: int, cpus: float) -> dict:
         """Ray options of engine `index`'s host actor: its bundle, CPU and GPU resources. A host sharing a
-        trainer bundle claims no CPU of it (the trainer rank holds the bundle's CPUs; the host only drives
+        Megatron bundle claims no CPU of it (the Megatron rank holds the bundle's CPUs; the host only drives
         its server, whose work is on the accelerators)."""
         if self.shared:
-            return {"scheduling_strategy": self.trainer.strategy(index * self.engine_tp), "num_cpus": 0,
+            return {"scheduling_strategy": self.megatron.strategy(index * self.engine_tp), "num_cpus": 0,
                     "num_gpus": ENGINE_GPU_SHARE}
         return {"scheduling_strategy": self.rollout.strategy(index), "num_cpus": cpus,
                 "num_gpus": float(self.engine_tp) if self.gpus else 0.0}
 
-    def shared_ranks(self, index: int) -> range:
-        """Trainer ranks whose accelerators colocated engine `index` uses."""
+    def engine_ranks(self, index: int) -> range:
+        """Megatron ranks whose accelerators colocated engine `index` uses."""
         return range(index * self.engine_tp, (index + 1) * self.engine_tp)
 
     def remove(self) -> None:
-        for b in (self.trainer, self.rollout):
+        for b in (self.megatron, self.rollout):
             if b is not None:
                 b.remove()
 
@@ -81,26 +81,26 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     hybrid = r.mode == "hybrid"
     engine_slots = 0 if hybrid else r.num_engines
     start_ray(address=t.ray_address,
-              num_cpus=cpus * (layout.trainer_world + engine_slots) + 1 if local_cpu else None)
+              num_cpus=cpus * (layout.megatron_world + engine_slots) + 1 if local_cpu else None)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).
     shared = r.mode == "colocated" and gpus
-    trainer = reserve(layout.trainer_world, cpus=cpus, gpus=1 if gpus else 0, name="mgrpo-trainer")
+    megatron = reserve(layout.megatron_world, cpus=cpus, gpus=1 if gpus else 0, name="mgrpo-megatron")
     rollout = None if shared or hybrid else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0,
                                                     name="mgrpo-rollout")
-    return Placement(trainer=trainer, rollout=rollout, gpus=gpus, shared=shared, engine_tp=r.tp, hybrid=hybrid)
+    return Placement(megatron=megatron, rollout=rollout, gpus=gpus, shared=shared, engine_tp=r.tp, hybrid=hybrid)
 
 
-def colocated_devices(rank_devices: list[dict], ranks: range, index: int) -> list[str]:
-    """The accelerator ids colocated engine `index` must use: those of its trainer ranks, which must
+def engine_gpu_ids(rank_devices: list[dict], ranks: range, index: int) -> list[str]:
+    """The accelerator ids colocated engine `index` must use: those of its Megatron ranks, which must
     all be on one node (a TP engine cannot span nodes)."""
     picked = [rank_devices[k] for k in ranks]
     nodes = {d["node_ip"] for d in picked}
     if len(nodes) != 1:
-        raise RuntimeError(f"colocated rollout engine {index} would span nodes {sorted(nodes)} (trainer ranks "
+        raise RuntimeError(f"colocated rollout engine {index} would span nodes {sorted(nodes)} (Megatron ranks "
                            f"{list(ranks)}); rollout.tp must divide trainer.n_gpus_per_node")
     ids = [g for d in picked for g in d["gpu_ids"]]
     if len(ids) != len(ranks):
-        raise RuntimeError(f"colocated rollout engine {index}: trainer ranks {list(ranks)} report GPUs {ids}")
+        raise RuntimeError(f"colocated rollout engine {index}: Megatron ranks {list(ranks)} report GPUs {ids}")
     return ids

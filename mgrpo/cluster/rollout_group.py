@@ -1,7 +1,7 @@
 """Rollout engines as Ray actors: dispatch, progress, health checks, restarts and retries.
 
 Each engine lives in a host process (`mgrpo/cluster/engine_host.py`): an `EngineHost` actor of its
-own, or, with rollout.mode=hybrid, a trainer rank. The engine registry (`mgrpo/rollout/factory.py`)
+own, or, with rollout.mode=hybrid, a Megatron rank. The engine registry (`mgrpo/rollout/factory.py`)
 builds it; this module knows no engine by name. The driver splits a batch of
 requests into chunks, spreads them over the engines and shows progress as chunks finish. While it
 waits it health-checks the engines that hold chunks every `rollout.health_check_interval_s`: an engine
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from mgrpo.cluster.engine_host import EngineHost, HostDelivery
 from mgrpo.cluster.placement import Placement
-from mgrpo.cluster.trainer_group import dead_nodes
+from mgrpo.cluster.megatron_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.rollout.factory import EngineContext, engine_spec
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class NodeLocalDelivery:
     """A node-local transport (CUDA IPC, shared memory) for the engines on the sending rank's node,
-    host delivery for the others. Resolved on the trainer rank at its first bucket, then reused."""
+    host delivery for the others. Resolved on the Megatron rank at its first bucket, then reused."""
 
     def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
         self.cfg = cfg
@@ -66,7 +66,7 @@ class RolloutGroup:
     def __init__(self, cfg: MGRPOConfig, placement: Placement, *, hf_dir: str, context: EngineContext,
                  devices: Optional[list[list[str]]] = None, hosts: Optional[list] = None):
         """`devices[i]`: accelerator ids engine i's server must use (colocated on GPUs), else None.
-        `hosts[i]`: the trainer rank that hosts engine i (rollout.mode=hybrid), else None (own processes)."""
+        `hosts[i]`: the Megatron rank that hosts engine i (rollout.mode=hybrid), else None (own processes)."""
         self.cfg = cfg
         self.hosts = hosts
         self.placement = placement
@@ -99,7 +99,7 @@ class RolloutGroup:
         return [a["url"] for a in self.addresses]
 
     def _start(self, index: int):
-        if self.hosts is not None:  # hybrid: the engine moves into its trainer rank's process
+        if self.hosts is not None:  # hybrid: the engine moves into its Megatron rank's process
             ray.get(self.hosts[index].start_engine.remote(self.cfg.rollout.engine, self.hf_dir, self._kwargs[index]))
             return self.hosts[index]
         return EngineHost.options(**self.placement.engine_options(index, self.cfg.trainer.cpus_per_worker)).remote(
@@ -107,7 +107,7 @@ class RolloutGroup:
 
     # --- weight receivers -----------------------------------------------------------------------
     def receivers(self, engines: Optional[list] = None) -> list:
-        """What the trainer ranks push weight buckets through, to all engines (built once and reused
+        """What the Megatron ranks push weight buckets through, to all engines (built once and reused
         until an engine restarts) or to the given ones (a restarted engine catching up)."""
         if engines is None and self._receivers is not None and self._receivers[0] == self.generation:
             return self._receivers[1]
@@ -269,7 +269,7 @@ class RolloutGroup:
         self._node_lost(index, wait_s=0.0)
         log.warning("restarting rollout engine %d", index)
         self._stop(self.engines[index])
-        if self.hosts is None:  # a hybrid engine's host is a trainer rank: only the engine is replaced
+        if self.hosts is None:  # a hybrid engine's host is a Megatron rank: only the engine is replaced
             try:
                 ray.kill(self.engines[index])
             except Exception:
@@ -277,7 +277,7 @@ class RolloutGroup:
         try:
             self.engines[index] = self._start(index)
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(f"rollout engine {index} cannot be restarted: its host, trainer rank "
+            raise RuntimeError(f"rollout engine {index} cannot be restarted: its host, Megatron rank "
                                f"{self.cfg.rollout.tp * index} (rollout.mode=hybrid), died; run again with "
                                "trainer.resume=auto to continue from the last checkpoint") from err
         self.generation += 1
@@ -297,7 +297,7 @@ class RolloutGroup:
 
     def health_check(self) -> int:
         """Restart every engine that does not answer; return how many were restarted. A hybrid engine
-        without a server is objects inside its trainer rank, alive exactly while the rank is (which the
+        without a server is objects inside its Megatron rank, alive exactly while the rank is (which the
         trainer's own calls find out): it is not asked."""
         restarted = 0
         for i in range(len(self.engines)):
@@ -348,5 +348,5 @@ class RolloutGroup:
             self.front.shutdown()
         for e in self.engines:
             self._stop(e)
-            if self.hosts is None:  # hybrid hosts are trainer ranks: the trainer group takes them down
+            if self.hosts is None:  # hybrid hosts are Megatron ranks: the Megatron group takes them down
                 ray.kill(e)

@@ -2,11 +2,12 @@
 
 1. Data and judges: an unknown data_source or a bad record fails before any process starts.
 2. The initial weights every process starts from.
-3. Placement (Ray and its bundles), the trainer ranks' processes, the rollout engines (colocated ones
+3. Placement (Ray and its bundles), the Megatron ranks' processes, the rollout engines (colocated ones
    take their accelerator memory before the trainer builds its model), then the Megatron stages.
 4. Resume: the checkpoint's weights, optimizer, data position and driver state; the engines are
    brought to the checkpoint's weight version.
-5. The observer, which drops records a previous attempt logged after the resumed step.
+5. The experience maker and evaluator over the data, judges and engines; the observer, which drops records a
+   previous attempt logged after the resumed step.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import logging
 import os
 from dataclasses import dataclass
 
+from mgrpo.components.actor_client import ActorClient
 from mgrpo.components.checkpoint import Checkpointer, RunState
+from mgrpo.components.evaluator import Evaluator
+from mgrpo.components.experience_maker import ExperienceMaker
 from mgrpo.components.observer import Observer
-from mgrpo.components.trainer_client import TrainerClient
 from mgrpo.components.weight_sync import WeightSync
 from mgrpo.config import Layout, MGRPOConfig
 
@@ -26,24 +29,31 @@ log = logging.getLogger("mgrpo")
 
 @dataclass
 class Parts:
-    tokenizer: object
-    train_data: object
-    val_data: object
-    judger: object
-    placement: object
-    trainer: TrainerClient
-    rollout: object
+    """What a running Trainer holds (each with one job), and how to take it down."""
+
+    experiences: ExperienceMaker
+    """Prompts -> judged samples: training data, judges, rollout engines (and the async producer)."""
+    actor: ActorClient
+    """The actor and its frozen reference on the Megatron ranks."""
     weights: WeightSync
     checkpointer: Checkpointer
+    evaluator: Evaluator
     observer: Observer
+    placement: object
+    """`mgrpo.cluster.placement.Placement`: the Ray bundles."""
     state: RunState
+    """The driver's progress, restored from the checkpoint it resumed from (fresh otherwise)."""
     total_steps: int
 
+    def close(self) -> None:
+        self.experiences.close()  # the asynchronous producer stops before its engines go
+        close(self.observer, self.experiences.judger, self.experiences.rollout, self.actor.group)
 
-def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, *, need_ref: bool) -> Parts:
-    from mgrpo.cluster.placement import colocated_devices, place
+
+def build(cfg: MGRPOConfig, layout: Layout, run_dir: str) -> Parts:
+    from mgrpo.cluster.megatron_group import MegatronGroup
+    from mgrpo.cluster.placement import engine_gpu_ids, place
     from mgrpo.cluster.rollout_group import RolloutGroup
-    from mgrpo.cluster.trainer_group import TrainerGroup
     from mgrpo.data import PromptDataset, load_tokenizer
     from mgrpo.rewards import Judger, check_data_sources
     from mgrpo.rollout.factory import EngineContext
@@ -58,7 +68,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, *, need_ref: bool) -> 
     total_steps = t.total_training_steps if t.total_training_steps is not None else \
         t.total_epochs * train_data.batches_per_epoch()
 
-    checkpointer = Checkpointer(run_dir, cfg)
+    checkpointer = Checkpointer(run_dir, t, cfg.model.name)
     resume_dir = checkpointer.resume_dir()
     if resume_dir is not None:
         checkpointer.read_state(resume_dir)  # a broken checkpoint fails before processes start
@@ -67,35 +77,40 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, *, need_ref: bool) -> 
     group = rollout = None
     try:
         placement = place(cfg, layout)
-        group = TrainerGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps, need_ref=need_ref)
+        group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
+                              need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         devices = hosts = None
-        if placement.engines_on_trainer_devices:
-            devices = [colocated_devices(group.devices, placement.shared_ranks(i), i)
+        if placement.engines_use_actor_gpus:
+            devices = [engine_gpu_ids(group.devices, placement.engine_ranks(i), i)
                        for i in range(cfg.rollout.num_engines)]
-        if placement.hybrid:  # engine i moves into the process of the first trainer rank it shares
-            hosts = [group.ranks[placement.shared_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
+        if placement.hybrid:  # engine i moves into the process of the first Megatron rank it shares
+            hosts = [group.ranks[placement.engine_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
         eos = [tokenizer.eos_token_id]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
                                context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
                                                      log_dir=os.path.join(run_dir, "logs")))
         group.setup(cfg)
-        trainer = TrainerClient(group, cfg, layout.dp)
-        weights = WeightSync(cfg, trainer, rollout)
+        actor = ActorClient(group, cfg, layout.dp)
+        weights = WeightSync(cfg.rollout, actor, rollout)
         state = RunState()
         if resume_dir is not None:
-            state = checkpointer.restore(resume_dir, trainer, train_data)
+            state = checkpointer.restore(resume_dir, actor, train_data)
             weights.sync(state.weight_version)  # engines started from the initial weights
-        observer = Observer(run_dir, cfg, total_steps=total_steps,
+        experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=train_data, judger=judger,
+                                      rollout=rollout, count=state.count)
+        evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
+                              seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=val_data,
+                              experiences=experiences)
+        observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None)
     except BaseException:
         close(None, judger, rollout, group)
         raise
-    log.info("run dir %s | trainer ranks %d (tp=%d pp=%d cp=%d dp=%d) | engines %d (%s) | steps %d..%d",
-             run_dir, layout.trainer_world, cfg.actor.tp, cfg.actor.pp, cfg.actor.cp, layout.dp,
+    log.info("run dir %s | Megatron ranks %d (tp=%d pp=%d cp=%d dp=%d) | engines %d (%s) | steps %d..%d",
+             run_dir, layout.megatron_world, cfg.actor.tp, cfg.actor.pp, cfg.actor.cp, layout.dp,
              cfg.rollout.num_engines, cfg.rollout.engine, state.step, total_steps)
-    return Parts(tokenizer, train_data, val_data, judger, placement, trainer, rollout, weights, checkpointer,
-                 observer, state, total_steps)
+    return Parts(experiences, actor, weights, checkpointer, evaluator, observer, placement, state, total_steps)
 
 
 def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:
@@ -113,13 +128,13 @@ def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:
     return path
 
 
-def close(observer, judger, rollout, trainer) -> None:
+def close(observer, judger, rollout, group) -> None:
     """Take down whatever was built (any of them may be None after a failed start); a failure while
     shutting down is logged, never allowed to hide the failure that caused it."""
     for closer in (observer, judger):
         if closer is not None:
             closer.close()
-    for part in (rollout, trainer):
+    for part in (rollout, group):
         if part is not None:
             try:
                 part.shutdown()

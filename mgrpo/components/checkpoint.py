@@ -1,7 +1,7 @@
 """The checkpointer: save, find the latest, restore all RL state, keep the last k.
 
 A checkpoint is a folder `checkpoints/step_NNNNNN/` holding the Megatron distributed checkpoint of the
-trainer ranks (weights, optimizer moments, LR schedule: `megatron/`) and the driver's state
+Megatron ranks (weights, optimizer moments, LR schedule: `megatron/`) and the driver's state
 (`trainer_state.json`: step, weight version, counters, data position). It is published by rewriting
 `checkpoints/latest` only after everything is on disk, so a run killed while saving resumes from the
 previous one. Loading never unpickles arbitrary objects: JSON here, megatron's dist-checkpoint there.
@@ -18,7 +18,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from mgrpo.config import MGRPOConfig
+from mgrpo.config import TrainerConfig
 
 log = logging.getLogger("mgrpo")
 
@@ -54,15 +54,27 @@ class RunState:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, cfg: MGRPOConfig):
+    def __init__(self, run_dir: str, cfg: TrainerConfig, model_name: str):
         self.root = os.path.join(run_dir, "checkpoints")
         self.cfg = cfg
+        """trainer.*: resume, save_freq, max_ckpt_to_keep."""
+        self.model_name = model_name
+
+    # --- cadence ------------------------------------------------------------------------------------
+    def due(self, step: int, total_steps: int) -> bool:
+        """A checkpoint after this step: every trainer.save_freq steps (the last one is `saves_at_end`'s)."""
+        return self.cfg.save_freq > 0 and step % self.cfg.save_freq == 0 and step < total_steps
+
+    @property
+    def saves_at_end(self) -> bool:
+        """trainer.save_freq=0 writes no checkpoint at all; otherwise the run's end writes one."""
+        return self.cfg.save_freq != 0
 
     # --- find ---------------------------------------------------------------------------------------
     def resume_dir(self) -> Optional[str]:
         """The checkpoint `trainer.resume` points at: the latest published one (auto), none
         (disable), or the given folder."""
-        r = self.cfg.trainer.resume
+        r = self.cfg.resume
         if r == "disable":
             return None
         if r != "auto":
@@ -82,14 +94,14 @@ class Checkpointer:
             return json.load(f)
 
     # --- save ---------------------------------------------------------------------------------------
-    def save(self, state: RunState, trainer, train_data, observer=None, pending: Optional[dict] = None) -> str:
+    def save(self, state: RunState, actor, train_data, observer=None, pending: Optional[dict] = None) -> str:
         path = os.path.join(self.root, f"step_{state.step:06d}")
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
-        trainer.save_checkpoint(os.path.join(path, "megatron"))
+        actor.save_checkpoint(os.path.join(path, "megatron"))
         payload = {**{k: v for k, v in asdict(state).items() if k != "pending"},
-                   "train_data": train_data.state_dict(), "config_name": self.cfg.model.name}
+                   "train_data": train_data.state_dict(), "config_name": self.model_name}
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(payload, f, indent=1)
         if pending is not None:
@@ -107,7 +119,7 @@ class Checkpointer:
 
     def _prune(self, keep: str) -> None:
         """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one)."""
-        k = self.cfg.trainer.max_ckpt_to_keep
+        k = self.cfg.max_ckpt_to_keep
         if k is None or k <= 0:
             return
         steps = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d+", d))
@@ -116,11 +128,11 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
     # --- restore ------------------------------------------------------------------------------------
-    def restore(self, path: str, trainer, train_data) -> RunState:
-        """Load weights and optimizer into the trainer ranks and the data position; return the driver's
+    def restore(self, path: str, actor, train_data) -> RunState:
+        """Load weights and optimizer into the Megatron ranks and the data position; return the driver's
         state. (Bringing the rollout engines to the checkpoint's weights is the weight sync's job.)"""
         saved = self.read_state(path)
-        trainer.load_checkpoint(os.path.join(path, "megatron"))
+        actor.load_checkpoint(os.path.join(path, "megatron"))
         train_data.load_state_dict(saved["train_data"])
         state = RunState(step=int(saved["step"]), weight_version=int(saved["weight_version"]))
         state.counters.update(saved.get("counters", {}))

@@ -5,7 +5,7 @@ and it is what makes a resumed run append rather than repeat: records logged aft
 resumes from are dropped before anything new is written, so every step appears exactly once.
 
 Records are written by a thread of the observer's own, in the order they were logged: JSON encoding
-and TensorBoard events then run while the driver waits for the trainer ranks and engines, not between
+and TensorBoard events then run while the driver waits for the Megatron ranks and engines, not between
 them. `flush()` (before every checkpoint is published) and `close()` wait until everything logged is
 on disk; a write that failed raises at the next call, so nothing is lost silently.
 """
@@ -17,7 +17,7 @@ import queue
 import threading
 from typing import Callable, Optional
 
-from mgrpo.config import MGRPOConfig
+from mgrpo.config import TrainerConfig
 from mgrpo.experience import Experience
 from mgrpo.observe.tracker import Tracker, truncate_jsonl
 from mgrpo.observe.trajectories import TrajectoryWriter
@@ -65,8 +65,7 @@ class _Writer:
 
 
 class Observer:
-    def __init__(self, run_dir: str, cfg: MGRPOConfig, *, total_steps: int, resume_step: Optional[int]):
-        t = cfg.trainer
+    def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int]):
         self.tracker = Tracker(run_dir, t.logger, total_steps=total_steps, resume_step=resume_step)
         self.trajectories = None
         if t.log_trajectories:

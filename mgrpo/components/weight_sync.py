@@ -1,7 +1,7 @@
 """Weight sync: the actor's weights, resharded into Hugging Face layout, into every rollout engine.
 
 One sync: health-check the engines (a dead one is restarted first), in colocated and hybrid mode take back the
-engines' weight memory, let every trainer rank stream its buckets through the engines' receivers, then
+engines' weight memory, let every Megatron rank stream its buckets through the engines' receivers, then
 close the update on every engine with the new version (which also flushes its prefix cache), and
 take back the rest of the engines' memory. A restarted engine gets the current weights the same way.
 """
@@ -10,34 +10,34 @@ from __future__ import annotations
 
 import time
 
-from mgrpo.config import MGRPOConfig
+from mgrpo.config import RolloutConfig
 
 
 class WeightSync:
-    def __init__(self, cfg: MGRPOConfig, trainer, rollout):
-        self.colocated = cfg.rollout.shares_trainer_devices
-        self.trainer = trainer
-        """`TrainerClient`."""
+    def __init__(self, cfg: RolloutConfig, actor, rollout):
+        self.shares_devices = cfg.shares_actor_devices
+        self.actor = actor
+        """`ActorClient`."""
         self.rollout = rollout
         """`RolloutGroup`."""
-        rollout.on_restart = lambda engines: trainer.sync_weights(rollout.receivers(engines))
+        rollout.on_restart = lambda engines: actor.sync_weights(rollout.receivers(engines))
 
     def release_engines(self) -> dict:
-        """Colocated engines give their accelerator memory to the trainer between generation and sync;
+        """Colocated engines give their accelerator memory to the actor between generation and sync;
         returns the counts of what that took (engines found dead and restarted)."""
-        if not self.colocated:
+        if not self.shares_devices:
             return {}
         return {"rollout/restarts": self.rollout.release_memory()}
 
     def sync(self, version: int) -> dict:
-        """Push the trainer's current weights as `version`; return the sync's metrics."""
+        """Push the actor's current weights as `version`; return the sync's metrics."""
         t0 = time.perf_counter()
         restarted = self.rollout.health_check()
-        if self.colocated:  # room for the new weights, KV cache still released
+        if self.shares_devices:  # room for the new weights, KV cache still released
             restarted += self.rollout.resume_memory(["weights"])
-        sent = self.trainer.sync_weights(self.rollout.receivers(), version)
+        sent = self.actor.sync_weights(self.rollout.receivers(), version)
         self.rollout.finish_weight_update(version, done=sent["finished"])
-        if self.colocated:
+        if self.shares_devices:
             restarted += self.rollout.resume_memory()
         seconds = time.perf_counter() - t0
         return {"perf/update_weights_bytes": float(sent["bytes"]), "rollout/weight_version": float(version),

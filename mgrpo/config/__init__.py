@@ -1,4 +1,4 @@
-"""Typed run configuration (Hydra structured configs) and its validation."""
+"""Typed run configuration (Hydra structured configs), its closed choices and its field-local checks."""
 
 from mgrpo.config.schema import (
     ActorConfig,

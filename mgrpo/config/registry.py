@@ -2,7 +2,7 @@
 
 A `Registry` maps the names a config field accepts to entries that describe them (an estimator says
 whether it needs groups of n >= 2, a policy loss whether it is token- or sequence-level). The room
-that implements the choices owns its registry; `mgrpo.config.validate` and the trainer ask it, so a
+that implements the choices owns its registry; `mgrpo.preflight` and the trainer ask it, so a
 name is declared once. Registries live in modules that import no torch, because the validator runs
 in the planner, which never imports torch; an entry whose code needs torch names that code with a
 'module:attribute' target, imported on first use (`load_target`).
@@ -59,11 +59,20 @@ class Registry(Mapping[str, T], Generic[T]):
         return self._entries[name]
 
 
+def target_error(target: str, key: str = "target", what: str = "attribute") -> Optional[str]:
+    """Why `target` is not a 'package.module:attribute' reference (naming `key`), or None if it is one."""
+    module_name, sep, attr = str(target).partition(":")
+    if not sep or not module_name or not attr:
+        return f"{key}={target!r} must look like 'module:{what}'"
+    return None
+
+
 def load_target(target: str):
     """The object a 'package.module:attribute' target names (imported now)."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"target {target!r} must look like 'module:attribute'")
+    problem = target_error(target)
+    if problem:
+        raise ValueError(problem)
+    module_name, _, attr = target.partition(":")
     obj = getattr(importlib.import_module(module_name), attr, None)
     if obj is None:
         raise ValueError(f"target {target!r}: module {module_name!r} has no attribute {attr!r}")

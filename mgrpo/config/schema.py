@@ -15,6 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+# Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
+# converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
+from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger, LogprobImpl,
+                                  LrDecayStyle, Recompute, RolloutMode)
+
 
 @dataclass
 class ModelConfig:
@@ -137,8 +142,7 @@ class ActorConfig:
     """Linear warm-up from 0, in RL steps (veRL's unit). The scheduler advances once per optimizer step, so
     warm-up spans lr_warmup_steps x ppo_epochs x train_batch_size/ppo_mini_batch_size updates, and decay
     ends at the last RL step."""
-    lr_decay_style: str = "constant"
-    """constant | linear | cosine"""
+    lr_decay_style: LrDecayStyle = "constant"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -170,21 +174,20 @@ class ActorConfig:
     cp_comm_type: str = "p2p"
     """How Transformer Engine exchanges keys/values between CP ranks on GPU: p2p (ring) | all_gather |
     a2a | a2a+p2p. Without TE the reference attention all-gathers them."""
-    fp8: Optional[str] = None
+    fp8: Optional[Fp8Format] = None
     """None | e4m3 | hybrid (Transformer Engine FP8 formats; GPU only)."""
-    fp8_recipe: str = "delayed"
-    """delayed | tensorwise | blockwise | mxfp8"""
+    fp8_recipe: Fp8Recipe = "delayed"
     fp8_param: bool = False
     """Keep the FP8 copy of the weights as the parameters (saves memory; Transformer Engine only)."""
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     """Parameter dtype: auto (bf16 on cuda with fp32 master weights in the optimizer, fp32 on cpu) |
     bf16 | fp32."""
-    logprob_impl: str = "chunked"
+    logprob_impl: LogprobImpl = "chunked"
     """fused (Triton) | chunked (torch, never full logits) | naive (full logits)"""
     logprob_chunk_size: int = 512
     """Tokens per chunk of the chunked / fused log-prob path. A chunk holds chunk x vocabulary fp32
     logits: 512 x 151,936 is ~300 MB (measured fastest on CPU in kernels/bench.py)."""
-    recompute: Optional[str] = None
+    recompute: Optional[Recompute] = None
     """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |
     selective (core attention only). Trades compute for activation memory (mgrpo-plan shows how much)."""
     use_distributed_optimizer: bool = False
@@ -195,7 +198,7 @@ class ActorConfig:
 class RolloutConfig:
     """Rollout engines: how responses are sampled and how weights reach them."""
 
-    engine: str = "sglang"
+    engine: Engine = "sglang"
     """sglang (a server per engine speaking SGLang's HTTP protocol: SGLang itself where it can run, the CPU
     server otherwise; the production path) | hf (the in-process transformers engine: no HTTP, fastest for
     tiny CPU models)"""
@@ -207,9 +210,9 @@ class RolloutConfig:
     tp: int = 1
     """Tensor-parallel size of one engine."""
     num_engines: int = 1
-    mode: str = "colocated"
-    """colocated (engines share the trainer's accelerators, each in a process of its own) | hybrid (veRL's
-    hybrid engine: engine i lives inside trainer rank i*rollout.tp's process, on its accelerators, and takes
+    mode: RolloutMode = "colocated"
+    """colocated (engines share the actor's accelerators, each in a process of its own) | hybrid (veRL's
+    hybrid engine: engine i lives inside Megatron rank i*rollout.tp's process, on its accelerators, and takes
     the weights that rank exports in memory; generation and training take turns) | disaggregated (engines
     on accelerators of their own)"""
     gpu_memory_utilization: float = 0.7
@@ -223,7 +226,7 @@ class RolloutConfig:
     dead or hung is restarted, re-synced and its requests resent."""
     health_check_timeout_s: float = 10.0
     """An engine whose health check takes longer than this counts as hung."""
-    async_mode: str = "off"
+    async_mode: AsyncMode = "off"
     """off (generate, then train) | one_step_off (batch k+1 is generated while step k trains, with the
     weights of step k-1) | bounded_staleness (the generator runs up to max_staleness batches ahead).
     Needs rollout.mode=disaggregated (colocated engines give their memory to the trainer while it trains).
@@ -235,8 +238,8 @@ class RolloutConfig:
     """Sequences per forward batch of the hf engine."""
 
     @property
-    def shares_trainer_devices(self) -> bool:
-        """Engines run on the trainer's accelerators (colocated or hybrid): they release their memory
+    def shares_actor_devices(self) -> bool:
+        """Engines run on the actor's accelerators (colocated or hybrid): they release their memory
         while the trainer trains and take weights through node-local transports."""
         return self.mode in ("colocated", "hybrid")
 
@@ -272,13 +275,13 @@ class TrainerConfig:
     experiment_name: str = "sum-tiny"
     output_dir: Optional[str] = None
     """Run directory; None = outputs/<project_name>/<experiment_name>."""
-    device: str = "auto"
-    """auto | cpu | cuda"""
+    device: Device = "auto"
+    """auto (cuda when a GPU is visible, else cpu) | cpu | cuda"""
     nnodes: int = 1
     n_gpus_per_node: Optional[int] = None
     """Accelerators (CPU bundles on CPU) per node; None = exactly actor.tp*pp*cp (DP=1)."""
     cpus_per_worker: int = 1
-    """CPU threads of one trainer rank (the CPU bundle size)."""
+    """CPU threads of one Megatron rank (the CPU bundle size)."""
     total_epochs: int = 1
     total_training_steps: Optional[int] = 150
     """Stop after this many steps; None = total_epochs over the training data."""
@@ -291,7 +294,7 @@ class TrainerConfig:
     val_before_train: bool = False
     resume: str = "auto"
     """auto (latest checkpoint in output_dir, if any) | disable | a checkpoint directory"""
-    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    logger: list[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     save_hf: bool = True
     """Write an HF-format checkpoint (config, safetensors, tokenizer) at the end."""
     log_trajectories: bool = True

@@ -18,7 +18,7 @@
   rope.py          megatron's unfused THD RoPE without its per-sequence loop (bitwise the same)
 
 The names below are imported on first use, not with the package: family.py, registry.py, qwen3.py,
-shapes.py and capability.py import no torch, and mgrpo.config.validate and the planner read them
+shapes.py and capability.py import no torch, and mgrpo.preflight and the planner read them
 without importing torch.
 """
 

@@ -6,8 +6,8 @@ of TE: Hopper (sm90) or Ada (sm89) for `delayed` / `tensorwise`, Hopper with CUD
 `check_*_support()` functions, which moved from `transformer_engine.pytorch.fp8` (TE 2.x) to
 `transformer_engine.pytorch.quantization` (newer); we ask whichever module exists.
 
-torch is imported inside the functions: `mgrpo.config.validate` reads FP8_FORMATS / FP8_RECIPES
-from here, and the planner validates without importing torch.
+torch is imported inside the functions: the planner asks without importing torch. The FP8 formats and
+recipes a config may name are declared in mgrpo.config.choices.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import importlib
 import importlib.util
 from typing import Optional
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+from mgrpo.config.choices import Fp8Format, Fp8Recipe, values
+
+FP8_FORMATS = tuple(values(Fp8Format))
+FP8_RECIPES = tuple(values(Fp8Recipe))
 
 # recipe -> name of TE's support check; delayed and tensorwise only need plain FP8 GEMMs.
 _TE_RECIPE_CHECK = {

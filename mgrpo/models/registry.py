@@ -1,6 +1,6 @@
 """The model families a config may name (`model.family`) and how a config or a checkpoint finds its own.
 
-Imports no torch: `mgrpo.config.validate` checks `model.family` here and the planner counts
+Imports no torch: `mgrpo.preflight` checks `model.family` here and the planner counts
 parameters through `param_counts`. A new family is its module (see qwen3.py) and one entry below.
 """
 

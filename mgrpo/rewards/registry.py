@@ -6,7 +6,7 @@
 Built-ins cover GSM8K, the math datasets (math-verify) and the synthetic tasks; users add or
 override sources with reward.custom_functions = {data_source: 'module:function'}. An unknown
 data_source is an error naming it and the known ones, raised by `check_data_sources` before any
-process starts; `mgrpo.config.validate` asks `BUILTIN_REWARDS` and `spec_error` about the config.
+process starts; `mgrpo.preflight` asks `BUILTIN_REWARDS` about the config.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Iterable, Optional
 
+from mgrpo.config.registry import target_error
 from mgrpo.config.schema import RewardConfig
 from mgrpo.rewards import gsm8k, math_reward, synthetic
 
@@ -28,10 +29,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def spec_error(spec: str, data_source: str = "?") -> Optional[str]:
     """Why `spec` is not a 'package.module:function' (naming the config entry), or None if it is one."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        return f"reward.custom_functions[{data_source!r}]={spec!r} must look like 'module:function'"
-    return None
+    return target_error(spec, f"reward.custom_functions[{data_source!r}]", "function")
 
 
 def load_function(spec: str, data_source: str = "?") -> RewardFn:

@@ -5,7 +5,7 @@ registry everything engine-specific, so it knows nothing of SGLang's launch argu
 transports. A new engine is one `EngineSpec` here plus its module.
 
 Weight transports: an engine either receives buckets in its host process (`direct_sender` is None;
-the trainer hands the bucket to the host, which calls `engine.update_weights`), or the trainer ranks
+the trainer hands the bucket to the host, which calls `engine.update_weights`), or the Megatron ranks
 push to the engine's server directly (`direct_sender` builds the sender from the engines' addresses).
 A `node_local` transport (CUDA IPC / shared memory) reaches only engines on the sending rank's node;
 the others still get the bucket through their hosts.
@@ -28,7 +28,7 @@ class EngineContext:
     pad_token_id: int
     log_dir: Optional[str] = None
     visible_devices: Optional[list[str]] = None
-    """Accelerator ids the engine's server must use (colocated: those of its trainer ranks)."""
+    """Accelerator ids the engine's server must use (colocated: those of its Megatron ranks)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class EngineSpec:
     kwargs: Callable[[MGRPOConfig, EngineContext], dict]
     """The engine's construction arguments for this run."""
     direct_sender: Optional[Callable[[MGRPOConfig, list[dict], int], object]] = None
-    """(config, engine addresses, engine generation) -> a sender trainer ranks call `update_weights(bucket)`
+    """(config, engine addresses, engine generation) -> a sender Megatron ranks call `update_weights(bucket)`
     on. The generation changes when an engine restarts, so a sender holding per-engine state (a process
     group) is made anew."""
     node_local: Callable[[MGRPOConfig], bool] = lambda cfg: False
@@ -81,12 +81,12 @@ def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
                 max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
                 health_timeout_s=r.health_check_timeout_s,
                 log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
-                enable_memory_saver=r.shares_trainer_devices, visible_devices=ctx.visible_devices)
+                enable_memory_saver=r.shares_actor_devices, visible_devices=ctx.visible_devices)
 
 
 def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
     urls, tps = [a["url"] for a in addresses], [a["tp"] for a in addresses]
-    if cfg.rollout.shares_trainer_devices:  # the engine's server is on the sending rank's GPUs
+    if cfg.rollout.shares_actor_devices:  # the engine's server is on the sending rank's GPUs
         from mgrpo.rollout.sglang.weights_tensor import TensorWeightSender
 
         return TensorWeightSender(urls, tps)
@@ -108,7 +108,7 @@ def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec("hf", _build_hf, _hf_kwargs),
     "sglang": EngineSpec("sglang", _build_sglang, _sglang_kwargs, direct_sender=_sglang_sender,
-                         node_local=lambda cfg: cfg.rollout.shares_trainer_devices, front=_sglang_router),
+                         node_local=lambda cfg: cfg.rollout.shares_actor_devices, front=_sglang_router),
 }
 
 

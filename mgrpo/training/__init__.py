@@ -1,1 +1,1 @@
-"""The trainer ranks' code: megatron-core stages, forward/loss steps, optimizer, checkpoints."""
+"""The Megatron ranks' code: megatron-core stages, forward/loss steps, optimizer, checkpoints."""

@@ -1,4 +1,4 @@
-"""One trainer rank: a pipeline stage of the trainable actor and of the frozen reference model.
+"""One Megatron rank: a pipeline stage of the trainable actor and of the frozen reference model.
 
 Everything here is plain Python over megatron-core and torch.distributed; `mgrpo.cluster` wraps
 this class in a Ray actor and calls its methods on every rank at once. Process groups come from

@@ -207,8 +207,8 @@ JIT_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fus
 
 
 def lean_megatron_import() -> list[str]:
-    """Without CUDA, keep GPU-only import weight out of a trainer rank; returns what it did. Must run
-    before anything imports megatron-core, first thing in a rank's process (`cluster.trainer_group.TrainerRank`),
+    """Without CUDA, keep GPU-only import weight out of a Megatron rank; returns what it did. Must run
+    before anything imports megatron-core, first thing in a rank's process (`cluster.megatron_group.MegatronRank`),
     never in a driver or test process (which may want Triton under the interpreter later).
 
     - `eager_jit`: megatron-core's `jit` module with the fuser disabled (`_eager_jit_module`).
@@ -237,7 +237,7 @@ def _eager_jit_module():
 
     megatron decorates its fusions (bias-GeLU, SwiGLU, ...) with `jit_fuser` = `torch.compile` when
     `megatron.core` is imported, and `torch.compile` imports TorchDynamo and Inductor (sympy, networkx,
-    ...): ~70 MiB of every trainer rank's memory and over a second of its start, on a CPU path that runs
+    ...): ~70 MiB of every Megatron rank's memory and over a second of its start, on a CPU path that runs
     those functions eagerly anyway (the local spec turns the fusions off; where one runs, eager is what
     Inductor would compute). megatron's own `disable_jit_fuser()` comes too late: the decorators run
     during `import megatron.core`. So its `jit` module is put in place before: the same names, with

@@ -72,7 +72,7 @@ class LogProbHead:
     def loss(self, hidden, weight, mb: MicroBatch, temperature: float, per_token: Optional[dict] = None):
         """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
 
-        A micro-batch without old log-probs trains on-policy (the trainer client sends none when exactly
+        A micro-batch without old log-probs trains on-policy (the actor client sends none when exactly
         one optimizer step follows the rollout): pi_old is this forward's own log-probs, detached, which
         is what a separate old-policy forward would have computed. `per_token`, when given, receives
         this forward's detached per-token 'logprobs' and 'entropy' (this rank's tokens)."""

@@ -1,4 +1,4 @@
-"""Process groups of one trainer rank.
+"""Process groups of one Megatron rank.
 
 `init_parallel` is the only place that touches megatron's global `parallel_state`: it creates the
 tensor/pipeline/context/data-parallel groups and hands them back in a `ParallelContext`, which the

@@ -88,7 +88,7 @@ class HTTPClient:
         self._lock = threading.Lock()
         self._local = threading.local()  # requests.Session is not documented thread-safe: one per thread
 
-    def __getstate__(self):  # travels to trainer ranks inside the senders (Ray pickles them)
+    def __getstate__(self):  # travels to Megatron ranks inside the senders (Ray pickles them)
         state = dict(self.__dict__)
         del state["_lock"], state["_local"]
         return state

@@ -17,7 +17,7 @@ Backend by capability: NCCL where CUDA is, gloo otherwise (the CPU server joins 
 Group lifetime (issue 9): torch.distributed refuses a second group under a name still in use, so
 a group is made once per sender and reused for every sync. A sender pickles as its spec and
 resolves, in each process, to the one live sender with that spec: the driver may ship the same
-sender every sync (or even rebuild an identical one) and the trainer rank keeps its group. After
+sender every sync (or even rebuild an identical one) and the Megatron rank keeps its group. After
 an engine restart the driver makes a new sender (new URLs, or `generation=` bumped when a URL is
 reused); on its first use the rank closes the other live sender (a process holds one group at a
 time: the old group is destroyed on the surviving engines and locally) and makes a new group
@@ -97,7 +97,7 @@ class DistributedWeightSender:
     over a process group it shares with every engine TP rank. World size = 1 + sum of engine TP
     sizes; the trainer is rank 0, engine i's ranks start at 1 + (TP sizes of engines before i).
 
-    Made on the driver, shipped to the trainer ranks, reused for every sync (module docstring).
+    Made on the driver, shipped to the Megatron ranks, reused for every sync (module docstring).
     Resolved on the rank that first sends: `backend` (None: NCCL with CUDA, else gloo),
     `master_address` (this node's address), `master_port` (a free one), `group_name` (None: per
     global rank and group count, so pipeline stages and successive groups get their own). Several

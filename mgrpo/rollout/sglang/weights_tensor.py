@@ -158,7 +158,7 @@ def tensor_payloads(bucket: Bucket, tp_size: int, load_format: Optional[str] = F
 
 # --- the colocated sender ---------------------------------------------------------------------------
 class TensorWeightSender:
-    """Colocated mode: a trainer rank posts handles to its HF-layout bucket to the engines on its
+    """Colocated mode: a Megatron rank posts handles to its HF-layout bucket to the engines on its
     node (`POST /update_weights_from_tensor`); the engines copy from the trainer's memory. Handles
     (CUDA IPC or shared-memory names) are intra-node: every URL must be a server on this rank's node.
 
@@ -177,7 +177,7 @@ class TensorWeightSender:
         self.buckets_sent = 0
         self._staging: Optional[torch.Tensor] = None
 
-    def __getstate__(self):  # travels to trainer ranks pickled: the staging buffer stays behind
+    def __getstate__(self):  # travels to Megatron ranks pickled: the staging buffer stays behind
         return {**self.__dict__, "_staging": None}
 
     def update_weights(self, bucket: Bucket) -> None:

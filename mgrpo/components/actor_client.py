@@ -1,4 +1,5 @@
-"""The loop's view of the trainer ranks: whole experiences in, per-sample results and metrics out.
+"""The loop's view of the actor (and its frozen reference) on the Megatron ranks: whole experiences in,
+per-sample results and metrics out.
 
 The client owns data-parallel sharding. It cuts what the loop hands it into one `RankBatch` per
 data-parallel replica (balanced by tokens), gives every token its loss-aggregation weight normalised
@@ -9,7 +10,7 @@ never shards and never reaches into ranks.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Optional, Sequence
 
 from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
 from mgrpo.config import MGRPOConfig, seeds
@@ -17,59 +18,70 @@ from mgrpo.experience import Experience
 from mgrpo.training.batch import RankBatch
 
 
-class _Started(NamedTuple):
-    exp: Experience
-    wait: Callable[[], list]
-    """Waits for the ranks' results (with `keep`: only for the forward to have run)."""
-    keep: bool
-    """The ranks keep the values for the update."""
+class StepForwards:
+    """The log-prob forwards of one step's experience, decided once, when its samples are generated.
+
+    pi_old gets a forward of its own only when the update needs it before it starts
+    (`ActorClient.needs_old_logprobs`); otherwise the one update takes pi_old from its own detached
+    log-probs. The reference's log-probs stay on the ranks when only that one update reads them (no KL in
+    the reward): they never travel to the driver and back. Both forwards are sent at once, so the ranks
+    compute while the driver judges; `collect` waits for what the driver needs and `update` trains.
+    """
+
+    def __init__(self, client: "ActorClient", exp: Experience, need_ref: bool):
+        self.client, self.exp = client, exp
+        self.old = client.needs_old_logprobs(exp)
+        self.keep_ref = need_ref and not self.old
+        self._old = client.send_logprobs(exp, "actor") if self.old else None
+        self._ref = client.send_logprobs(exp, "ref", keep=self.keep_ref) if need_ref else None
+
+    def collect(self, timer) -> None:
+        """Wait for the forwards the driver reads (timed as `old_logprob` and `ref`) into the experience."""
+        if self._old is not None:
+            with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
+                out = self._old()
+                self.exp.old_logprobs, self.exp.entropy = out["logprobs"], out["entropy"]
+        if self._ref is not None and not self.keep_ref:
+            with timer("ref"):
+                self.exp.ref_logprobs = self._ref()["logprobs"]
+
+    def update(self, step: int) -> dict:
+        """The step's optimizer updates (`ActorClient.train`); a kept reference forward runs first on the ranks."""
+        return self.client.train(self.exp, step, kept_ref=self._ref if self.keep_ref else None)
 
 
-class TrainerClient:
+class ActorClient:
     def __init__(self, group, cfg: MGRPOConfig, dp: int):
         self.group = group
-        """`mgrpo.cluster.trainer_group.TrainerGroup`: fans calls out to every Megatron rank."""
+        """`mgrpo.cluster.megatron_group.MegatronGroup`: fans calls out to every Megatron rank."""
         self.cfg = cfg
         self.dp = dp
-        self._started: dict[str, _Started] = {}
-        """which -> the forward started by `start_logprobs`, not yet collected."""
+        self.need_ref = cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
     # --- log-probs ----------------------------------------------------------------------------------
-    def compute_logprobs(self, exp: Experience, which: str) -> dict:
-        """{'logprobs', 'entropy'} per sample of `exp` under `which` in {'actor', 'ref'}, at the rollout
-        temperature (the tempered distribution the rollout sampled from). A forward started earlier by
-        `start_logprobs(exp, which)` is only waited for."""
-        started = self._started.pop(which, None)
-        if started is not None and started.exp is exp:
-            if started.keep:
-                raise RuntimeError(f"the {which} log-probs of this batch were kept on the ranks for the update")
-            wait = started.wait
-        else:
-            wait = self._start(exp, which)
-        outs = wait()
-        idx = list(range(len(exp)))
-        return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
+    def begin(self, exp: Experience) -> StepForwards:
+        """Send the log-prob forwards `exp` needs to the ranks and return at once (see StepForwards)."""
+        return StepForwards(self, exp, self.need_ref)
 
-    def start_logprobs(self, exp: Experience, which: str, keep: bool = False) -> None:
-        """Start `which`'s forward over `exp` and return at once: the ranks compute while the driver does
-        other work (judging the same samples); `compute_logprobs(exp, which)` then collects it. With
-        `keep` (the reference, when only the one update of this batch reads it: see `keeps_ref`) the
-        ranks keep the values and `train` uses them: they never travel to the driver and back."""
-        self._started[which] = _Started(exp, self._start(exp, which, keep), keep)
+    def logprobs(self, exp: Experience, which: str) -> dict:
+        """{'logprobs', 'entropy'} per sample of `exp` under `which` in {'actor', 'ref'}, waiting for them."""
+        return self.send_logprobs(exp, which)()
 
-    def keeps_ref(self, exp: Experience) -> bool:
-        """Whether the reference log-probs of `exp` can stay on the ranks: nothing on the driver reads
-        them (no KL in the reward) and one update over the whole batch follows (the ranks' shards of the
-        update are those of the forward)."""
-        return not self.needs_old_logprobs(exp)
-
-    def kept(self, exp: Experience, which: str) -> bool:
-        started = self._started.get(which)
-        return started is not None and started.exp is exp and started.keep
-
-    def _start(self, exp: Experience, which: str, keep: bool = False):
+    def send_logprobs(self, exp: Experience, which: str, keep: bool = False) -> Callable[[], dict]:
+        """Start `which`'s forward over `exp` at the rollout temperature (the tempered distribution the
+        rollout sampled from) and return a function that waits for {'logprobs', 'entropy'} per sample.
+        With `keep` the ranks keep the values for the update that follows and the function only waits."""
         shards = self._shards(exp, range(len(exp)), for_training=False)
-        return self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature, keep=keep)
+        wait = self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature, keep=keep)
+
+        def collect() -> dict:
+            outs = wait()
+            if keep:
+                return {}
+            idx = list(range(len(exp)))
+            return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
+
+        return collect
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Whether pi_old needs a forward of its own before the update. With exactly one optimizer step
@@ -83,22 +95,22 @@ class TrainerClient:
                 or len(exp.mini_batches(cfg, epoch_seed=0)) != 1)
 
     # --- training -----------------------------------------------------------------------------------
-    def train(self, exp: Experience, step: int) -> dict:
+    def train(self, exp: Experience, step: int, kept_ref: Optional[Callable[[], dict]] = None) -> dict:
         """`actor.ppo_epochs` passes over `exp`, one optimizer step per mini-batch; the metrics are the
         mean over those optimizer steps (cumulative counters keep their last value). Without
-        `exp.old_logprobs` (see `needs_old_logprobs`) the single update is on-policy and fills them."""
+        `exp.old_logprobs` (see `needs_old_logprobs`) the single update is on-policy and fills them.
+        `kept_ref`: the reference forward whose values the ranks kept for this update (it runs first)."""
         on_policy = exp.old_logprobs is None
         if on_policy and self.needs_old_logprobs(exp):
             raise RuntimeError("the update needs pi_old (exp.old_logprobs): more than one optimizer step per "
                                "rollout, use_kl_in_reward or actor.recompute_old_logprob; compute it first")
-        kept = self._started.pop("ref") if self.kept(exp, "ref") else None  # the ranks run it first
         updates = []
         for epoch in range(self.cfg.actor.ppo_epochs):
             for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
                 shards = self._shards(exp, idx, for_training=True)
                 updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature,
-                                                           while_sent=kept.wait if kept else None))
-                kept = None
+                                                           while_sent=kept_ref))
+                kept_ref = None
                 if on_policy:  # the one mini-batch holds every sample
                     per_sample = updates[-1].pop("per_sample")
                     exp.old_logprobs, exp.entropy = ([None] * len(exp), [None] * len(exp))

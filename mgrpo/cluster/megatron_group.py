@@ -19,7 +19,7 @@ from mgrpo.config import Layout, MGRPOConfig
 
 
 @ray.remote(concurrency_groups=ENGINE_GROUPS)
-class TrainerRank(EngineSlot):
+class MegatronRank(EngineSlot):
     """A process that hosts one `MegatronActor` (imported inside, so the driver never loads megatron)
     and, with rollout.mode=hybrid, a rollout engine too (`EngineSlot`: its calls run in their own
     concurrency groups, so a rank streaming weights can take another stage's bucket for its engine)."""
@@ -59,16 +59,16 @@ class TrainerRank(EngineSlot):
         return getattr(self.impl, method)(*args, **kwargs)
 
 
-class TrainerGroup:
+class MegatronGroup:
     def __init__(self, cfg: MGRPOConfig, layout: Layout, placement: Placement, *, init_hf_dir: str,
                  total_steps: int, need_ref: bool):
-        self.world = layout.trainer_world
+        self.world = layout.megatron_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         self.ranks = [
-            TrainerRank.options(num_cpus=threads, num_gpus=placement.trainer_gpus,
-                                scheduling_strategy=placement.trainer.strategy(i),
+            MegatronRank.options(num_cpus=threads, num_gpus=placement.megatron_gpus,
+                                scheduling_strategy=placement.megatron.strategy(i),
                                 runtime_env={"env_vars": env}).remote(threads)
             for i in range(self.world)
         ]
@@ -97,7 +97,7 @@ class TrainerGroup:
                 done, pending = ray.wait(pending, num_returns=1)
                 ray.get(done[0])
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(lost_nodes_message("a trainer rank died", self.devices, err)) from err
+            raise RuntimeError(lost_nodes_message("a Megatron rank died", self.devices, err)) from err
         return ray.get(refs)
 
     def _sharded(self, method: str, shards: list, *args, **kwargs) -> list:
@@ -179,10 +179,10 @@ def dead_nodes(wait_s: float = 0.0) -> set[str]:
 
 
 def lost_nodes_message(what: str, rank_devices: list[dict], err: Exception) -> str:
-    """Name the Ray nodes that are gone (and which trainer ranks were on them), so that the user knows
+    """Name the Ray nodes that are gone (and which Megatron ranks were on them), so that the user knows
     which machine to look at before resuming with trainer.resume=auto."""
     dead = dead_nodes(wait_s=60.0)
     ranks = [i for i, d in enumerate(rank_devices) if d["node_ip"] in dead]
-    where = (f"node(s) {sorted(dead)} left the Ray cluster (trainer ranks {ranks} were there)" if dead
+    where = (f"node(s) {sorted(dead)} left the Ray cluster (Megatron ranks {ranks} were there)" if dead
              else "no Ray node is reported dead")
     return f"{what}: {where}; run again with trainer.resume=auto to continue from the last checkpoint. ({err})"

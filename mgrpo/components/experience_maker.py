@@ -1,0 +1,125 @@
+"""Prompts in, samples out: n responses per prompt from the rollout engines, scored by the judges.
+
+The loop asks for the batch of a step (`next`) and gets it in one of two states:
+  - generated, not judged: the plain synchronous case. The loop starts the step's log-prob forwards on
+    the Megatron ranks first and judges while they run (`judge`);
+  - judged already: when a whole batch must be judged before it exists (dynamic sampling keeps only prompt
+    groups whose rewards differ, generating rounds until the batch is full) or when an asynchronous
+    producer made it ahead of time (`rollout.async_mode`, components/rollout_pipeline.py).
+The evaluator (components/evaluator.py) uses the same `generate` and `judge` on the validation prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+from mgrpo.components.rollout_pipeline import RolloutPipeline
+from mgrpo.config import MGRPOConfig, seeds
+from mgrpo.config.choices import AsyncMode
+from mgrpo.experience import Experience
+from mgrpo.observe.timing import PhaseTimer
+from mgrpo.rollout.types import SamplingParams
+
+Count = Callable[[dict, dict], None]
+"""RunState.count: add counts to the run-long counters and to a step's metrics."""
+
+
+class ExperienceMaker:
+    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout, count: Count):
+        self.cfg = cfg
+        self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
+        self.rollout = rollout
+        """`mgrpo.cluster.rollout_group.RolloutGroup`."""
+        self.count = count
+        self.pipeline: Optional[RolloutPipeline] = None
+        """The asynchronous producer (rollout.async_mode != off), from `start`."""
+        self.lookahead: Optional[int] = None
+        """Batches the producer may run ahead of training; None = rollout's staleness bound (tests raise it)."""
+
+    # --- training batches ---------------------------------------------------------------------------
+    def start(self, first_batch: int, pending: Optional[dict]) -> None:
+        """Start the asynchronous producer, if the config asks for one, at batch `first_batch` with the
+        batches a checkpoint saved as ready (`pending`)."""
+        r = self.cfg.rollout
+        if r.async_mode == AsyncMode.off:
+            return
+        bound = 1 if r.async_mode == AsyncMode.one_step_off else r.max_staleness
+        self.pipeline = RolloutPipeline(lambda batch, metrics: self.generate_and_judge(batch, metrics),
+                                        max_staleness=bound, first_batch=first_batch, lookahead=self.lookahead)
+        if pending is not None:
+            self.pipeline.load_state_dict(pending, self.train_data.items)
+        self.pipeline.start()
+
+    def next(self, step: int, weight_version: int, metrics: dict) -> Experience:
+        """The samples step `step` trains on (see the module docstring for whether they are judged)."""
+        if self.pipeline is not None:
+            exp = self.pipeline.next(weight_version, metrics)
+            self.count({"rollout/stale_dropped": metrics.pop("rollout/stale_dropped")}, metrics)
+            return exp
+        if self.cfg.algorithm.filter_groups.enable:
+            return self.generate_and_judge(step, metrics)
+        return self.generate(self.train_data.next_batch(), self.cfg.rollout.n, self.sampling(step), metrics)
+
+    def step_done(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.step_done()
+
+    def idle(self):
+        """A context in which no generation runs: the batch in flight finishes on the weights it started
+        with and no new one starts (weight syncs, evaluations and checkpoints hold it)."""
+        return self.pipeline.paused() if self.pipeline is not None else contextlib.nullcontext()
+
+    def state_dict(self) -> Optional[dict]:
+        """Batches the producer has ready (saved with a checkpoint, replayed on resume); call while idle."""
+        return self.pipeline.state_dict() if self.pipeline is not None else None
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    # --- generate and judge ---------------------------------------------------------------------------
+    def sampling(self, step: int, round_: int = 0) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=self.cfg.data.max_response_length,
+                              seed=seeds.sampling_seed(self.cfg.trainer.seed, step, round_))
+
+    def generate(self, items, n: int, sampling: SamplingParams, metrics: dict, desc: str = "rollout") -> Experience:
+        results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
+        self.count({"rollout/retries": stats.retries, "rollout/restarts": stats.restarts}, metrics)
+        metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
+        return Experience.from_rollout(items, results, n)
+
+    def judge(self, exp: Experience, metrics: dict) -> None:
+        """Score every sample with the judge of its data_source (failures and timeouts are counted)."""
+        self.count(exp.judge(self.judger, self.tokenizer, self.cfg), metrics)
+
+    def generate_and_judge(self, step: int, metrics: dict) -> Experience:
+        """The judged samples of batch `step`; with dynamic sampling only the prompt groups whose rewards
+        differ, generating more rounds until the batch is full."""
+        cfg = self.cfg
+        if not cfg.algorithm.filter_groups.enable:
+            return self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step), metrics)
+        from mgrpo.algorithms.filtering import GroupAccumulator
+
+        acc = GroupAccumulator(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches)
+        rounds: list[Experience] = []
+        while not acc.full and not acc.exhausted:
+            exp = self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step, len(rounds)), metrics)
+            acc.add([(len(rounds), i) for i in range(len(exp))], exp.rewards, exp.group_index)
+            rounds.append(exp)
+        groups = acc.take()
+        metrics.update(acc.metrics())
+        if not groups:
+            raise RuntimeError(f"dynamic sampling kept no prompt group in {acc.num_gen_batches} rounds "
+                               "(algorithm.filter_groups.max_num_gen_batches)")
+        return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups])
+
+    def _judged(self, items, n: int, sampling: SamplingParams, metrics: dict) -> Experience:
+        exp = self.generate(items, n, sampling, metrics)
+        timer = PhaseTimer()
+        with timer("reward"):
+            self.judge(exp, metrics)
+        metrics["timing_s/reward"] = metrics.get("timing_s/reward", 0.0) + timer.metrics()["timing_s/reward"]
+        return exp

@@ -1,0 +1,120 @@
+"""The closed choices of config fields, declared once: the schema types its fields with them, Hydra refuses
+anything else while composing (naming the key and the choices), and every room reads them from here.
+
+They are `StrEnum`s: a member equals its string (`RolloutMode.HYBRID == "hybrid"`), prints as it, and is
+written to JSON as it, so a config built in Python with plain strings behaves the same. Member names are
+the values Hydra accepts on the command line (OmegaConf looks enum values up by name).
+
+Open choices, whose names are registered by the room that implements them (advantage estimators, policy
+losses, KL estimators, loss aggregation modes, model families, synthetic tasks, reward functions), are not
+here: their registries are the one source of their names (mgrpo.config.registry), and mgrpo/preflight.py
+checks them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(StrEnum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class LogprobImpl(StrEnum):
+    """The log-prob / loss kernel path (mgrpo_kernels)."""
+
+    fused = "fused"
+    """Triton; GPU (CPU under TRITON_INTERPRET=1)."""
+    chunked = "chunked"
+    """torch, one chunk of logits at a time."""
+    naive = "naive"
+    """full [tokens x vocab] logits: the oracle, small vocabularies only."""
+
+
+class Recompute(StrEnum):
+    full = "full"
+    selective = "selective"
+
+
+class LrDecayStyle(StrEnum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Fp8Format(StrEnum):
+    e4m3 = "e4m3"
+    hybrid = "hybrid"
+
+
+class Fp8Recipe(StrEnum):
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""TransformerConfig.cp_comm_type (Transformer Engine's CP exchange); a tuple, not an enum, because
+'a2a+p2p' is not a name Hydra could look up."""
+
+
+class Engine(StrEnum):
+    sglang = "sglang"
+    hf = "hf"
+
+
+class RolloutMode(StrEnum):
+    colocated = "colocated"
+    hybrid = "hybrid"
+    disaggregated = "disaggregated"
+
+
+class AsyncMode(StrEnum):
+    off = "off"
+    one_step_off = "one_step_off"
+    bounded_staleness = "bounded_staleness"
+
+
+class Logger(StrEnum):
+    console = "console"
+    tensorboard = "tensorboard"
+
+
+def values(choice: type[StrEnum]) -> list[str]:
+    """The accepted strings of a choice, in declaration order (for messages)."""
+    return [m.value for m in choice]
+
+
+def is_choice(value, choice: type[StrEnum]) -> bool:
+    """`value` is one of `choice`'s strings (a plain string from a Python-built config counts)."""
+    return value in {m.value for m in choice}
+
+
+def plain(cfg):
+    """A copy of a config dataclass whose choices are plain strings. Hydra hands back enum members; the
+    rooms below receive what a Python-built config holds (the values travel into megatron's state, Ray
+    messages and checkpoints, where a class of ours must not be needed to read them back)."""
+    import dataclasses
+
+    def convert(value):
+        if isinstance(value, StrEnum):
+            return str(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: convert(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value) if f.init})
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    return convert(cfg)

@@ -1,0 +1,82 @@
+"""Preflight: everything that can be known to be wrong with a run before any process starts.
+
+`mgrpo.config.validate` checks each field on its own terms; this module, one floor above the rooms, adds the
+checks that ask them: names registered by the rooms that implement them (advantage estimators, policy losses,
+KL estimators, loss aggregation modes, model families, synthetic tasks, reward functions) with their
+metadata (an estimator that needs groups of n >= 2, a sequence-level loss that cannot be split over context
+parallel ranks), and the memory plan's verdict. Every problem is reported in one ConfigError (the launchers
+exit with status 2). `Trainer.__init__` and `mgrpo-plan` call it; each registry stays the one list of its
+names, and nothing here copies one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mgrpo.config import ConfigError, Layout, MGRPOConfig
+from mgrpo.config.validate import field_errors, layout, raise_errors
+
+
+def _registered(errors: list[str], name: str, value, registry):
+    """The registry entry of `value`, or None after recording the error (which lists the registered names)."""
+    message = registry.unknown(value, key=name)
+    if message is not None:
+        errors.append(message)
+        return None
+    return registry[value]
+
+
+def registry_errors(cfg: MGRPOConfig) -> list[str]:
+    """Named choices checked against the registries of the rooms that implement them."""
+    from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    from mgrpo.data.synthetic import SYNTHETIC_TASKS
+    from mgrpo.models.registry import FAMILIES
+    from mgrpo.rewards.registry import BUILTIN_REWARDS
+
+    e: list[str] = []
+    al, a, d, r = cfg.algorithm, cfg.actor, cfg.data, cfg.rollout
+    _registered(e, "model.family", cfg.model.family, FAMILIES)
+    estimator = _registered(e, "algorithm.adv_estimator", al.adv_estimator, ADVANTAGE_ESTIMATORS)
+    loss = _registered(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
+    _registered(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)
+    _registered(e, "algorithm.kl_penalty", al.kl_penalty, KL_ESTIMATORS)
+    _registered(e, "algorithm.loss_agg_mode", al.loss_agg_mode, AGGREGATION_MODES)
+    if estimator is not None and estimator.needs_groups and r.n < 2:
+        e.append(f"rollout.n={r.n} must be at least 2 for algorithm.adv_estimator={al.adv_estimator!r} "
+                 "(advantages are relative to the prompt group)")
+    if loss is not None and a.cp > 1 and not loss.token_level:
+        e.append(f"actor.cp={a.cp} splits every response over CP ranks, but algorithm.policy_loss="
+                 f"{al.policy_loss!r} is sequence-level and needs each whole response on one rank "
+                 "(use actor.cp=1 or a token-level loss such as vanilla)")
+    if not d.train_files:
+        task = _registered(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
+        if (task is not None and task.data_source not in BUILTIN_REWARDS
+                and task.data_source not in cfg.reward.custom_functions):
+            e.append(f"data.synthetic_task={d.synthetic_task!r} makes records of data_source {task.data_source!r}, "
+                     "which has no reward function; add one with reward.custom_functions")
+    return e
+
+
+@dataclass(frozen=True)
+class Checked:
+    layout: Layout
+    """How the accelerators are split."""
+    memory: Optional[object]
+    """The memory plan's verdict (`mgrpo.cluster.memory_plan.Verdict`); None when not asked for."""
+
+
+def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True) -> Checked:
+    """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
+    With `check_memory`, a run the memory plan says cannot fit fails here too, unless
+    trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
+    raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg))
+    memory = None
+    if check_memory:
+        from mgrpo.cluster.memory_plan import check_fits
+
+        memory = check_fits(cfg)
+    return Checked(layout(cfg), memory)
+
+
+__all__ = ["Checked", "ConfigError", "preflight", "registry_errors"]
