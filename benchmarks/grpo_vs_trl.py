@@ -68,14 +68,14 @@ WHAT_EACH_SIDE_DOES = {
         "log to stdout. No weight sync: generation uses the model being trained."
     ),
     "mgrpo": (
-        "A Ray driver and Ray actors: one Megatron trainer rank (actor + frozen reference) that also hosts the "
+        "A Ray driver and Ray actors: one Megatron Megatron rank (actor + frozen reference) that also hosts the "
         "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), two "
         "reward-worker subprocesses, plus the Ray "
         "processes a local run keeps (gcs_server, raylet with its dashboard and runtime-env agents, log monitor; "
         "no API server, autoscaler monitor or idle workers). Per step: next 32 prompts; rollout call to the "
         "engine (HF generate with output_logits -> per-token rollout log-probs); decode; rewards in the worker "
         "subprocesses (each worker's share of the 256 responses as one JSON message, answers line by line); "
-        "reference forward (sent to the trainer rank right after generation, so it runs while the driver judges; "
+        "reference forward (sent to the Megatron rank right after generation, so it runs while the driver judges; "
         "its log-probs stay on the rank for the update: 'reference log-probs' below is the driver's wait for "
         "them, 0 here, and timing_s/ref_on_ranks the rank's time); advantages; one Megatron forward+backward "
         "and optimizer step (DDP wrapper, "
@@ -97,7 +97,7 @@ DIFFERENCES = [
     "(output_logits=True) to compute rollout log-probs, which TRL without vLLM does not need.",
     "Rewards: TRL calls the function in its own process; mgrpo's default job scores in reward.num_workers=2 "
     "isolated subprocesses (per-call timeouts, crash isolation), one message per worker per step.",
-    "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's trainer rank and engine each get "
+    "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's Megatron rank and engine each get "
     "trainer.cpus_per_worker=--threads (the default job uses 1); mgrpo's processes take turns, never compute together.",
     "Models: TRL trains and generates with HF Qwen3ForCausalLM (fp32, sdpa attention); mgrpo trains a Megatron "
     "GPTModel (local spec, fp32) and generates with an HF copy that receives the weights each step.",

@@ -1,5 +1,5 @@
 """The README's main job, measured: wall time, peak memory of the whole process tree (driver, Ray's
-processes, trainer ranks, rollout engine, reward workers) and the learning numbers it must show.
+processes, Megatron ranks, rollout engine, reward workers) and the learning numbers it must show.
 
     python benchmarks/main_job.py                          # mgrpo-train with its defaults
     python benchmarks/main_job.py -- actor.tp=2            # extra Hydra overrides after --

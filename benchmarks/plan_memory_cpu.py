@@ -85,7 +85,7 @@ def rank_batch(cfg):
 
 
 def _measure_rank(rank, world, port, cfg, hf_dir):
-    # Everything a trainer rank imports, before the baseline: the actor's construction reaches
+    # Everything a Megatron rank imports, before the baseline: the actor's construction reaches
     # transformers (config checks) and megatron's DDP/optimizer/schedules, whose code pages are
     # part of the process, not of the plan.
     import megatron.core.distributed  # noqa: F401

@@ -21,7 +21,7 @@ def process_label(p, root_pid: int) -> str:
     if not cmd:  # exiting, or not exec'd yet; the kernel's 15-character name is all there is
         return f"({p.name()})"
     if cmd[0].startswith("ray::"):
-        return cmd[0].split(".")[0].split(" ")[0]  # "ray::TrainerRank.call" -> "ray::TrainerRank"
+        return cmd[0].split(".")[0].split(" ")[0]  # "ray::MegatronRank.call" -> "ray::MegatronRank"
     if "mgrpo.rewards.worker" in cmd:
         return "mgrpo reward worker"
     base = os.path.basename(cmd[0])

@@ -4,9 +4,9 @@ engines behind SGLang's router), and synchronous vs one-step-off asynchronous ro
 
     python benchmarks/rollout_paths.py                 # every variant, 150 steps each
     python benchmarks/rollout_paths.py --only async    # variants whose name contains 'async'
-    python benchmarks/rollout_paths.py --pin           # trainer rank on core 0, engine on core 1
+    python benchmarks/rollout_paths.py --pin           # Megatron rank on core 0, engine on core 1
 
-With --pin the trainer rank's and the engine's processes (found by their Ray process titles and the
+With --pin the Megatron rank's and the engine's processes (found by their Ray process titles and the
 CPU server's command line) are given one core each, so that overlapping generation with training has
 the cores to overlap on. Writes benchmarks/results/rollout_paths_cpu.{json,csv}.
 """
@@ -39,13 +39,13 @@ VARIANTS = {
 
 
 def pin_processes(stop: threading.Event) -> None:
-    """Core 0 for trainer ranks, core 1 for engines (their hosts and servers)."""
+    """Core 0 for Megatron ranks, core 1 for engines (their hosts and servers)."""
     while not stop.is_set():
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().decode(errors="replace")
-                if "TrainerRank" in cmd:
+                if "MegatronRank" in cmd:
                     os.sched_setaffinity(int(pid), {0})
                 elif "EngineHost" in cmd or "sglang.cpu_server" in cmd:
                     os.sched_setaffinity(int(pid), {1})

@@ -6,7 +6,8 @@ per rank, and a failing rank's traceback in the error so the test report shows w
 
 from __future__ import annotations
 
-from mgrpo.training.spawn import RankError, free_port, spawn_ranks
+from mgrpo.net import free_port
+from mgrpo.training.spawn import RankError, spawn_ranks
 
 __all__ = ["free_port", "run_ranks"]
 

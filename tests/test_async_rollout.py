@@ -4,22 +4,16 @@ pipeline full resumes with every step's samples exactly once and the same number
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import LOSS_KEYS, read_metrics, small_config
+from tests.test_e2e import LOSS_KEYS, read_metrics, small_config, trajectories
 from tests.test_resume_kill import kill_everything, train, wait_for_step
 
 ASYNC = {"mode": "disaggregated", "async_mode": "one_step_off"}
-
-
-def trajectories(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow
@@ -36,7 +30,10 @@ def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
     assert all(x["rollout/stale_dropped"] == 0 for x in m)
     # the off-policy gap shows, and truncated importance sampling (on by default when async) measures it
     assert m[0]["rollout/logprob_abs_diff"] < 1e-5 < m[1]["rollout/logprob_abs_diff"]
-    assert all("actor/tis_ratio_mean" in x and 0 <= x["actor/tis_capped_frac"] <= 1 for x in m)
+    # step 1 is on-policy: pi_old is the policy that sampled, ratio 1 everywhere, nothing capped; the later
+    # steps' samples are a version behind, so their ratio moves away from 1
+    assert m[0]["actor/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m[0]["actor/tis_capped_frac"] == 0.0
+    assert all(abs(x["actor/tis_ratio_mean"] - 1.0) > 1e-5 for x in m[1:])
 
 
 class RunsAhead(Trainer):

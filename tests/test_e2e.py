@@ -44,6 +44,11 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def trajectories(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
@@ -202,7 +207,15 @@ def test_algorithm_variants_run_end_to_end(tmp_path, groups):
         assert m[0]["actor/updates"] == 4.0
         assert m[0]["actor/ppo_kl"] != 0.0  # later mini-batches are off-policy: pi moved since pi_old
     if "filter_groups" in groups.get("algorithm", {}):
-        assert m[0]["dynamic_sampling/num_gen_batches"] >= 1
+        for x in m:  # every generated group was either kept or filtered; the batch holds the kept ones, n each
+            assert x["dynamic_sampling/kept_groups"] + x["dynamic_sampling/filtered_groups"] == \
+                8 * x["dynamic_sampling/num_gen_batches"]
+            assert x["rollout/samples"] == 4 * x["dynamic_sampling/batch_groups"] > 0
+        groups_of_step1: dict = {}
+        for r in trajectories(str(tmp_path)):
+            if r["step"] == 1:
+                groups_of_step1.setdefault(r["group"], set()).add(r["reward"])
+        assert groups_of_step1 and all(len(scores) > 1 for scores in groups_of_step1.values())  # no uniform group
         assert m[0]["rollout/samples"] == 8 * 4  # topped up to the full batch of groups with signal
         assert "response_length/overlong_filtered" in m[0]
 

@@ -20,7 +20,8 @@ from mgrpo.rollout.sglang import schema
 from mgrpo.rollout.sglang.client import (SGLangEngine, build_generate_payload, checkpoint_tensor_names,
                                          parse_generate_item)
 from mgrpo.rollout.sglang.http import SGLangRequestError, SGLangUnavailableError
-from mgrpo.rollout.sglang.server import check_host, free_port, start_server
+from mgrpo.net import free_port
+from mgrpo.rollout.sglang.server import check_host, start_server
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 
 EOS = 2

@@ -23,9 +23,9 @@ from mgrpo.cluster.slurm import (
     expand_hostlist,
     gpus_per_node,
     hostnames,
-    missing_hosts,
     node_ip,
 )
+from mgrpo.cluster.ray_nodes import missing_hosts
 
 
 # --- node lists ---------------------------------------------------------------------------------------
@@ -172,10 +172,7 @@ def test_missing_hosts_matching_rules():
 
 
 # --- against a real Ray head ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from mgrpo.net import free_port  # noqa: E402  (re-exported for the other SLURM tests)
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -243,7 +240,7 @@ def test_wait_for_nodes_passes_when_this_host_joined(ray_head):
 def test_wait_for_nodes_names_the_missing_host_after_the_timeout(ray_head):
     code = f"""
 import json, socket, time
-from mgrpo.cluster.slurm import NodesMissingError, wait_for_nodes
+from mgrpo.cluster.ray_nodes import NodesMissingError, wait_for_nodes
 t0 = time.monotonic()
 try:
     wait_for_nodes({ray_head['address']!r}, [socket.gethostname(), "ghost-node-7"], timeout_s=4, poll_s=0.5)

@@ -146,7 +146,7 @@ def _layer_spec(gpt) -> str:
 
 def train_rank(rank: int, world: int, port: int, cfgs: list, hf_dir: str, data: dict, shims: bool) -> list[dict]:
     """For each config in turn (one megatron import for all): `one_run`, each on a fresh port."""
-    from mgrpo.training.spawn import free_port
+    from mgrpo.net import free_port
 
     return [one_run(rank, world, port if i == 0 else free_port(), cfg, hf_dir, data, shims)
             for i, cfg in enumerate(cfgs)]

@@ -1,4 +1,4 @@
-"""The trainer's Ray actors: one per Megatron rank, placed one per bundle.
+"""The Megatron ranks as Ray actors: one process per rank, placed one per bundle.
 
 The group fans a call out to every rank (megatron ranks must all enter the same collective), hands
 each data-parallel replica its shard of the batch, and gathers what the ranks that hold the answer
@@ -7,12 +7,12 @@ return (the last pipeline stage for log-probs and metrics, the weight sources fo
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Callable, Optional
 
 import ray
 
+from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
@@ -40,10 +40,7 @@ class MegatronRank(EngineSlot):
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rendezvous address for torch.distributed when this rank is rank 0."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     def devices(self) -> dict:
         """This rank's node and accelerator ids (what a colocated engine sharing them must use)."""
@@ -55,8 +52,27 @@ class MegatronRank(EngineSlot):
         self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
         return self.impl.info()
 
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.impl, method)(*args, **kwargs)
+    # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
+    def compute_logprobs(self, batch, which: str, temperature: float, keep: bool = False):
+        return self.impl.compute_logprobs(batch, which, temperature, keep=keep)
+
+    def train_mini_batch(self, batch, temperature: float) -> dict:
+        return self.impl.train_mini_batch(batch, temperature)
+
+    def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
+        return self.impl.sync_weights(receivers, bucket_bytes, finish_version)
+
+    def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
+        self.impl.save_hf(out_dir, tokenizer_dir)
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        self.impl.save_checkpoint(ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        self.impl.load_checkpoint(ckpt_dir)
+
+    def shutdown(self) -> None:
+        self.impl.shutdown()
 
 
 class MegatronGroup:
@@ -85,8 +101,9 @@ class MegatronGroup:
             for i, r in enumerate(self.ranks)
         ])
 
-    def _all(self, method: str, *args, **kwargs) -> list:
-        return self._gather([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+    def _all(self, call: Callable) -> list:
+        """`call(rank)` (a remote call) on every rank; the results by rank."""
+        return self._gather([call(r) for r in self.ranks])
 
     def _gather(self, refs: list) -> list:
         """Results by rank. A rank that dies fails the call at once with the node it was on (the others
@@ -100,27 +117,22 @@ class MegatronGroup:
             raise RuntimeError(lost_nodes_message("a Megatron rank died", self.devices, err)) from err
         return ray.get(refs)
 
-    def _sharded(self, method: str, shards: list, *args, **kwargs) -> list:
-        """Call `method(shard_of_my_replica, ...)` on every rank; return results by rank."""
-        return self._gather(self._send_sharded(method, shards, *args, **kwargs))
-
-    def _send_sharded(self, method: str, shards: list, *args, **kwargs) -> list:
-        """Start `method(shard_of_my_replica, ...)` on every rank; return the calls' refs by rank."""
+    def _send_sharded(self, shards: list, call: Callable) -> list:
+        """Start `call(rank, shard_of_its_replica)` on every rank; return the calls' refs by rank."""
         if len(shards) != self.dp:
             raise ValueError(f"{len(shards)} shards for {self.dp} data-parallel replicas")
         # A shard that several ranks take (TP, PP and CP ranks of one replica) goes to the object store
         # once; a shard for one rank travels with its call (a put is a round trip of its own).
         takers = [sum(info["dp_rank"] == d for info in self.info) for d in range(self.dp)]
         args_of = [ray.put(s) if n > 1 else s for s, n in zip(shards, takers)]
-        return [r.call.remote(method, args_of[info["dp_rank"]], *args, **kwargs)
-                for r, info in zip(self.ranks, self.info)]
+        return [call(r, args_of[info["dp_rank"]]) for r, info in zip(self.ranks, self.info)]
 
     def compute_logprobs(self, shards: list, which: str, temperature: float, keep: bool = False
                          ) -> Callable[[], list[dict]]:
         """Start the forward on every rank and return at once; calling the result waits for it and gives
         per-shard {'logprobs', 'entropy'}, in data-parallel order (nothing with `keep`: the ranks keep
         the values for the update that follows)."""
-        refs = self._send_sharded("compute_logprobs", shards, which, temperature, keep=keep)
+        refs = self._send_sharded(shards, lambda r, s: r.compute_logprobs.remote(s, which, temperature, keep=keep))
 
         def wait() -> list[dict]:
             if keep:
@@ -135,7 +147,7 @@ class MegatronGroup:
         """The step's metrics; for on-policy shards (no old log-probs) also 'per_sample': each shard's
         per-sample log-probs and entropy of the training forward, in data-parallel order. `while_sent`
         runs once the update is on its way (waiting for a forward the ranks run before it)."""
-        refs = self._send_sharded("train_mini_batch", shards, temperature)
+        refs = self._send_sharded(shards, lambda r, s: r.train_mini_batch.remote(s, temperature))
         if while_sent is not None:
             while_sent()
         results = self._gather(refs)
@@ -146,22 +158,23 @@ class MegatronGroup:
         return out
 
     def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: int | None = None) -> dict:
-        results = self._all("sync_weights", receivers, bucket_bytes, finish_version)
+        results = self._all(lambda r: r.sync_weights.remote(receivers, bucket_bytes, finish_version))
         return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
                 "seconds": max(r["seconds"] for r in results), "finished": any(r["finished"] for r in results)}
 
     def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
-        self._all("save_hf", out_dir, tokenizer_dir)
+        self._all(lambda r: r.save_hf.remote(out_dir, tokenizer_dir))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
-        self._all("save_checkpoint", ckpt_dir)
+        self._all(lambda r: r.save_checkpoint.remote(ckpt_dir))
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
-        self._all("load_checkpoint", ckpt_dir)
+        self._all(lambda r: r.load_checkpoint.remote(ckpt_dir))
 
     def shutdown(self) -> None:
         try:
-            self._all("shutdown")
+            if self.info:  # the Megatron stages were built (`setup` ran): take their process groups down
+                self._all(lambda r: r.shutdown.remote())
         finally:
             for r in self.ranks:
                 ray.kill(r)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -89,7 +90,6 @@ class RolloutGroup:
         """Bumped when an engine restarts: direct senders built for the old engines are stale."""
         self.on_restart: Optional[Callable[[list], None]] = None
         """Set by the weight sync: pushes the current weights to the given engine handles."""
-        self.total = RolloutStats()
         self._engine_retries = 0
         self._receivers: Optional[tuple[int, list]] = None
 
@@ -128,7 +128,12 @@ class RolloutGroup:
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
                  ) -> tuple[list[GenerateResult], RolloutStats]:
-        """n samples per prompt; result i*n + j is sample j of prompt i."""
+        """n samples per prompt; result i*n + j is sample j of prompt i.
+
+        The requests go out in chunks, to the engines in turn or through the router, and come back as
+        futures. One loop waits for them: a chunk that fails is sent again (at most rollout.max_retries
+        times, each counted) after the engines were checked, and while it waits the loop health-checks
+        the engines every rollout.health_check_interval_s, restarting a dead or hung one."""
         r = self.cfg.rollout
         requests = [GenerateRequest(uid=i * n + j, prompt_ids=p) for i, p in enumerate(prompts) for j in range(n)]
         size = r.generate_chunk
@@ -137,48 +142,48 @@ class RolloutGroup:
         chunks = [requests[k:k + size] for k in range(0, len(requests), size)]
         params = [SamplingParams(**{**sampling.__dict__, "seed": seeds.chunk_seed(sampling.seed, k)})
                   for k in range(len(chunks))]
-        stats = RolloutStats()
-        t0 = time.perf_counter()
-        pending: dict = {}  # ObjectRef -> (chunk index, engine index, attempt)
+        stats, t0 = RolloutStats(), time.perf_counter()
+        route = _ViaRouter(self, chunks, params) if self.front is not None else _ToEngines(self, chunks, params)
+        pending: dict[Future, tuple[int, Optional[int], int]] = {}  # future -> (chunk, engine or None, attempt)
 
-        def send(k: int, e: int, attempt: int) -> None:
-            pending[self.engines[e].generate.remote(chunks[k], params[k])] = (k, e, attempt)
+        def send(k: int, attempt: int, engine: Optional[int] = None) -> None:
+            future, e = route.send(k, engine)
+            pending[future] = (k, e, attempt)
 
-        def retry(k: int, e: int, attempt: int, why: str) -> None:
+        def retry(k: int, e: Optional[int], attempt: int, why: str) -> None:
             if attempt >= r.max_retries:
-                raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times (rollout.max_retries="
+                raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times{route.where} (rollout.max_retries="
                                    f"{r.max_retries}); last error: {why}")
-            log.warning("rollout engine %d: %s; retrying chunk %d", e, why, k)
+            log.warning("rollout chunk %d failed%s (%s); sending it again", k, route.where, why)
             stats.retries += 1
-            send(k, e, attempt + 1)
+            send(k, attempt + 1, e)
 
         results: dict[int, list[GenerateResult]] = {}
-        if self.front is not None:
-            self._generate_via_front(chunks, params, results, stats, desc, len(requests))
-            return self._finish_generate(results, stats, t0)
         for k in range(len(chunks)):
-            send(k, k % len(self.engines), 0)
+            send(k, 0)
         last_check = time.monotonic()
-        with tqdm(total=len(requests), desc=desc, unit="sample", leave=False, dynamic_ncols=True,
-                  disable=None) as bar:
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=r.health_check_interval_s)
-                if done:
-                    k, e, attempt = pending.pop(done[0])
-                    try:
-                        out = ray.get(done[0])
-                    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                        if not self._alive(e):
-                            self._restart(e)
-                            stats.restarts += 1
-                        retry(k, e, attempt, f"{type(err).__name__}: {err}")
-                        continue
-                    results[k] = out
-                    stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
-                    bar.update(len(out))
-                if time.monotonic() - last_check >= r.health_check_interval_s:
-                    last_check = time.monotonic()
-                    stats.restarts += self._recover_busy(pending, retry)
+        try:
+            with tqdm(total=len(requests), desc=desc, unit="sample", leave=False, dynamic_ncols=True,
+                      disable=None) as bar:
+                while pending:
+                    done, _ = wait(list(pending), timeout=r.health_check_interval_s, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        k, e, attempt = pending.pop(future)
+                        try:
+                            out = future.result()
+                        except route.retryable as err:
+                            stats.restarts += route.recover(e)
+                            retry(k, e, attempt, f"{type(err).__name__}: {err}")
+                            continue
+                        results[k] = out
+                        if e is not None:
+                            stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
+                        bar.update(len(out))
+                    if time.monotonic() - last_check >= r.health_check_interval_s:
+                        last_check = time.monotonic()
+                        stats.restarts += route.check(pending, retry)
+        finally:
+            route.close()
         return self._finish_generate(results, stats, t0)
 
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
@@ -190,59 +195,7 @@ class RolloutGroup:
         stats.retries += max(engine_retries - self._engine_retries, 0)
         self._engine_retries = engine_retries
         stats.seconds = time.perf_counter() - t0
-        self.total.retries += stats.retries
-        self.total.restarts += stats.restarts
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
-
-    def _generate_via_front(self, chunks, params, results: dict, stats: RolloutStats, desc: str, total: int) -> None:
-        """Every chunk through the router (which picks an engine per request). A chunk that fails is resent
-        after the engines were health-checked (and the dead or hung ones restarted and re-registered)."""
-        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-        r = self.cfg.rollout
-        pool = ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 4 * len(self.engines))),
-                                  thread_name_prefix="mgrpo-rollout")
-        pending = {pool.submit(self.front.generate, chunks[k], params[k]): (k, 0) for k in range(len(chunks))}
-        last_check = time.monotonic()
-        try:
-            with tqdm(total=total, desc=desc, unit="sample", leave=False, dynamic_ncols=True, disable=None) as bar:
-                while pending:
-                    done, _ = wait(list(pending), timeout=r.health_check_interval_s, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        k, attempt = pending.pop(fut)
-                        try:
-                            results[k] = fut.result()
-                        except Exception as err:  # noqa: BLE001 - counted, retried, raised when out of retries
-                            if attempt >= r.max_retries:
-                                raise RuntimeError(f"rollout chunk {k} failed {attempt + 1} times through the router "
-                                                   f"(rollout.max_retries={r.max_retries}): {err}") from err
-                            log.warning("rollout chunk %d failed through the router (%s); checking engines", k, err)
-                            stats.restarts += self.health_check()
-                            stats.retries += 1
-                            pending[pool.submit(self.front.generate, chunks[k], params[k])] = (k, attempt + 1)
-                            continue
-                        bar.update(len(results[k]))
-                    if time.monotonic() - last_check >= r.health_check_interval_s:
-                        last_check = time.monotonic()
-                        stats.restarts += self.health_check()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _recover_busy(self, pending: dict, retry) -> int:
-        """Health-check the engines that hold chunks; restart a dead or hung one and resend its chunks
-        (their old futures are dropped, so a late answer from the old engine is never taken)."""
-        restarted = 0
-        for e in sorted({e for _, e, _ in pending.values()}):
-            if self._alive(e):
-                continue
-            lost = [(ref, v) for ref, v in pending.items() if v[1] == e]
-            for ref, _ in lost:
-                del pending[ref]
-            self._restart(e)
-            restarted += 1
-            for _, (k, _, attempt) in lost:
-                retry(k, e, attempt, "engine failed its health check")
-        return restarted
 
     # --- weights and health ---------------------------------------------------------------------
     def finish_weight_update(self, version: int, done: bool = False) -> None:
@@ -306,7 +259,6 @@ class RolloutGroup:
             if not self._alive(i):
                 self._restart(i)
                 restarted += 1
-        self.total.restarts += restarted
         return restarted
 
     def release_memory(self, tags=None) -> int:
@@ -333,7 +285,6 @@ class RolloutGroup:
                 self._restart(i)
                 restarted += 1
                 ray.get(getattr(self.engines[i], method).remote(*args))
-        self.total.restarts += restarted
         return restarted
 
     def _stop(self, engine) -> None:
@@ -350,3 +301,68 @@ class RolloutGroup:
             self._stop(e)
             if self.hosts is None:  # hybrid hosts are Megatron ranks: the Megatron group takes them down
                 ray.kill(e)
+
+
+class _ToEngines:
+    """Chunks sent to the engines in turn, as Ray calls. A failed chunk restarts its engine if it died and
+    goes back to it; the periodic check restarts a dead or hung engine holding chunks and resends them
+    (their old futures are dropped, so a late answer from the old engine is never taken)."""
+
+    where = ""
+    retryable = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+    def __init__(self, group: RolloutGroup, chunks: list, params: list):
+        self.group, self.chunks, self.params = group, chunks, params
+
+    def send(self, k: int, engine: Optional[int]) -> tuple[Future, int]:
+        e = k % len(self.group.engines) if engine is None else engine
+        return self.group.engines[e].generate.remote(self.chunks[k], self.params[k]).future(), e
+
+    def recover(self, e: int) -> int:
+        if self.group._alive(e):
+            return 0
+        self.group._restart(e)
+        return 1
+
+    def check(self, pending: dict, retry: Callable) -> int:
+        restarted = 0
+        for e in sorted({e for _, e, _ in pending.values()}):
+            if self.group._alive(e):
+                continue
+            lost = [(f, v) for f, v in pending.items() if v[1] == e]
+            for f, _ in lost:
+                del pending[f]
+            self.group._restart(e)
+            restarted += 1
+            for _, (k, _, attempt) in lost:
+                retry(k, e, attempt, "engine failed its health check")
+        return restarted
+
+    def close(self) -> None:
+        pass
+
+
+class _ViaRouter:
+    """Chunks sent through SGLang's router (which picks an engine per request) from a thread pool. A failed
+    chunk, and the periodic check, health-check every engine (restarting and re-registering a dead or hung
+    one) before the chunk is resent."""
+
+    where = " through the router"
+    retryable = (Exception,)
+
+    def __init__(self, group: RolloutGroup, chunks: list, params: list):
+        self.group, self.chunks, self.params = group, chunks, params
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(chunks), 4 * len(group.engines))),
+                                       thread_name_prefix="mgrpo-rollout")
+
+    def send(self, k: int, engine: Optional[int]) -> tuple[Future, None]:
+        return self.pool.submit(self.group.front.generate, self.chunks[k], self.params[k]), None
+
+    def recover(self, e: None) -> int:
+        return self.group.health_check()
+
+    def check(self, pending: dict, retry: Callable) -> int:
+        return self.group.health_check()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mgrpo.components.actor_client import ActorClient
 from mgrpo.components.checkpoint import Checkpointer, RunState
@@ -23,6 +24,9 @@ from mgrpo.components.experience_maker import ExperienceMaker
 from mgrpo.components.observer import Observer
 from mgrpo.components.weight_sync import WeightSync
 from mgrpo.config import Layout, MGRPOConfig
+
+if TYPE_CHECKING:  # cluster imports Ray, which the driver loads only when a run starts (build)
+    from mgrpo.cluster.placement import Placement
 
 log = logging.getLogger("mgrpo")
 
@@ -39,8 +43,8 @@ class Parts:
     checkpointer: Checkpointer
     evaluator: Evaluator
     observer: Observer
-    placement: object
-    """`mgrpo.cluster.placement.Placement`: the Ray bundles."""
+    placement: Placement
+    """The Ray bundles."""
     state: RunState
     """The driver's progress, restored from the checkpoint it resumed from (fresh otherwise)."""
     total_steps: int

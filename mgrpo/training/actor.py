@@ -140,9 +140,7 @@ class MegatronActor:
             values = self._per_sample(batch, mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
             self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
             return None
-        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
-            return None
-        return self._per_sample(batch, mbs, groups, out)
+        return self._per_sample(batch, mbs, groups, out) if self.ctx.reports else None
 
     @staticmethod
     def _per_sample(batch: RankBatch, mbs, groups, out) -> dict:
@@ -206,13 +204,9 @@ class MegatronActor:
         })
         if ref_seconds is not None:  # the kept reference forward, on the ranks while the driver judged
             metrics["timing_s/ref_on_ranks"] = ref_seconds
-        if per_token is not None and self._reports_per_sample():
+        if per_token is not None and self.ctx.reports:
             metrics["per_sample"] = _by_sample(len(batch), mbs, groups, per_token)
         return metrics
-
-    def _reports_per_sample(self) -> bool:
-        """One rank per data-parallel replica holds per-sample results (all TP and CP ranks agree)."""
-        return self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
 
     def _reduce_metrics(self, out: Sequence[dict]) -> dict:
         """Sum the per-micro-batch metric sums on the last stage, then over DP and CP (each CP rank's sums
@@ -242,11 +236,11 @@ class MegatronActor:
         round trip."""
         c = self.ctx
         sent, tensors, t0 = 0, 0, time.perf_counter()
-        if c.dp_rank == 0 and c.cp_rank == 0:
+        if c.exports_weights:
             named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
                                         pp_rank=c.pp_rank, pp_size=c.pp)
             for bucket in bucketize(named, bucket_bytes):
-                if c.tp_rank == 0:
+                if c.is_weight_source:
                     for r in receivers:
                         r.update_weights(bucket)
                     sent += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -263,10 +257,9 @@ class MegatronActor:
         from mgrpo.models.weight_iter import save_hf_checkpoint_distributed
 
         c = self.ctx
-        source = c.dp_rank == 0 and c.cp_rank == 0
         named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
-                                    pp_rank=c.pp_rank, pp_size=c.pp) if source else iter(())
-        save_hf_checkpoint_distributed(out_dir, named, self.cfg.model, writer=source and c.tp_rank == 0,
+                                    pp_rank=c.pp_rank, pp_size=c.pp) if c.exports_weights else iter(())
+        save_hf_checkpoint_distributed(out_dir, named, self.cfg.model, writer=c.is_weight_source,
                                        stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:

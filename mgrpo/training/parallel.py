@@ -62,11 +62,23 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    # --- rank roles: which rank does what, written once -----------------------------------------------
+    @property
+    def reports(self) -> bool:
+        """Returns its data-parallel replica's per-sample results: the last stage holds them, and every TP
+        and CP rank of it holds the same values, so one of each answers."""
+        return self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def exports_weights(self) -> bool:
+        """Takes part in exporting its stage's weights (weight sync, HF export): replica 0's TP ranks, since
+        gathering a TP-sharded tensor is a collective. Other replicas and CP ranks hold the same weights."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
     @property
     def is_weight_source(self) -> bool:
-        """Ranks that send their pipeline stage's weights to the rollout engines (CP ranks hold the
-        same weights as CP rank 0, like data-parallel replicas)."""
-        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+        """Sends (or writes) its pipeline stage's gathered weights: one exporting rank per stage."""
+        return self.exports_weights and self.tp_rank == 0
 
 
 def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, pp: int,

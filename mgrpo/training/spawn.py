@@ -8,9 +8,10 @@ between calls.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Optional
+
+from mgrpo.net import free_port
 
 # Errors a rank raises for bad input (a missing file, a wrong config): the caller reports the message,
 # not a traceback.
@@ -23,12 +24,6 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, summary: str, rank_traceback: str, expected: bool):
         super().__init__(f"rank {rank} failed: {summary}")
         self.rank, self.rank_traceback, self.expected = rank, rank_traceback, expected
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world_size, port, threads, fn, args, queue):
@@ -55,7 +50,7 @@ def spawn_ranks(fn, world_size: int, *args, timeout_s: float = 24 * 3600, thread
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, threads, fn, args, queue))
              for r in range(world_size)]
     for p in procs:

@@ -7,8 +7,10 @@ for both. Request and response shapes are SGLang 0.5.23's (`sglang/srt/entrypoin
 `sglang/srt/managers/io_struct.py`, the JSON contract in
 `sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
 
-Left out, on purpose: streaming (rollouts want whole responses), text prompts (the trainer owns
-tokenisation), SGLang's router (one client per server; the rollout group spreads the load).
+One client talks to one server. With several engines the rollout group starts SGLang's router in front of
+them (`router.py`) and sends generation through it; weight updates and health checks still go to each
+server through its own client. Left out, on purpose: streaming (rollouts want whole responses) and text
+prompts (the trainer owns tokenisation).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mgrpo.config.seeds import request_seed
+from mgrpo.net import free_port
 from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, node_ip
 from mgrpo.rollout.sglang.schema import MEMORY_TAGS
-from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, free_port, launch_command, log_tail,
+from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
 from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer
@@ -39,12 +43,6 @@ log = logging.getLogger(__name__)
 
 
 # --- request / response (pure functions, tested against SGLang's shapes) ------------------------------
-def request_seed(seed: int, uid: int) -> int:
-    """Per-request sampling seed. SGLang's deterministic sampler draws from (seed, position), so the
-    n copies of one prompt need different seeds or they come back identical."""
-    return (seed * 1_000_003 + uid * 7_919 + 1) % (2 ** 63)
-
-
 def build_generate_payload(requests: Sequence[GenerateRequest], sampling: SamplingParams, *, rids: Sequence[str],
                            stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True,
                            single: bool = False) -> dict:

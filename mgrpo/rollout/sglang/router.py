@@ -18,7 +18,8 @@ import time
 from typing import Optional, Sequence
 
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError
-from mgrpo.rollout.sglang.server import check_host, free_port, log_tail, start_server, terminate_group, url_of
+from mgrpo.net import free_port
+from mgrpo.rollout.sglang.server import check_host, log_tail, start_server, terminate_group, url_of
 
 log = logging.getLogger(__name__)
 

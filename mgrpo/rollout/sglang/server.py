@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
+
 import subprocess
 import sys
 import time
@@ -23,7 +23,6 @@ WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 SGLANG_MODULE = "sglang.launch_server"
 CPU_MODULE = "mgrpo.rollout.sglang.cpu_server"
 SERVERS = {"sglang": SGLANG_MODULE, "cpu": CPU_MODULE}
-
 
 def sglang_runtime_missing() -> Optional[str]:
     """None when SGLang's own server can run here, else why not. SGLang's server needs the
@@ -38,7 +37,6 @@ def sglang_runtime_missing() -> Optional[str]:
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
 
-
 def choose_server(server: Optional[str] = None) -> str:
     """The module to run: `server` = 'sglang' | 'cpu' | None (SGLang where it can run, else the CPU server)."""
     if server is None:
@@ -51,7 +49,6 @@ def choose_server(server: Optional[str] = None) -> str:
             raise SGLangUnavailableError(f"SGLang's server cannot run here: {why}. {ENGINE_HINT}.")
     return SERVERS[server]
 
-
 def launch_command(module: str, hf_dir: str, *, tp: int, host: str, port: int, mem_fraction_static: float,
                    weight_version: int, enable_memory_saver: bool, extra_args: Sequence[str] = ()) -> list[str]:
     """`python -m <module> ...` with SGLang's launch arguments (the CPU server accepts the same)."""
@@ -61,7 +58,6 @@ def launch_command(module: str, hf_dir: str, *, tp: int, host: str, port: int, m
         cmd.append("--enable-memory-saver")  # lets colocated mode release and resume GPU memory
     return cmd + list(extra_args)
 
-
 def check_host(host: str) -> str:
     if host.strip() in WILDCARD_HOSTS:
         raise ValueError(f"refusing to bind the SGLang server to {host!r}: rollout servers listen on the "
@@ -69,18 +65,8 @@ def check_host(host: str) -> str:
                          "unset to use this node's address")
     return host
 
-
-def free_port(host: str = "") -> int:
-    """A port free on `host` now (the OS picks it; a race with another binder is possible but rare)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
 
 def log_tail(path: Optional[str], lines: int = 40) -> str:
     if not path or not os.path.exists(path):
@@ -90,7 +76,6 @@ def log_tail(path: Optional[str], lines: int = 40) -> str:
         f.seek(max(0, f.tell() - 64_000))
         text = f.read().decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:])
-
 
 # Kills the server's process group once the process that launched it is gone (a Ray actor killed
 # with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
@@ -118,7 +103,6 @@ while True:
         sys.exit(0)
 """
 
-
 def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGTERM the server's process group, SIGKILL it after `timeout_s`. A stopped (SIGSTOPped)
     group gets SIGCONT too, so that it can act on the SIGTERM."""
@@ -137,7 +121,6 @@ def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
-
 
 def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
                  env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate"

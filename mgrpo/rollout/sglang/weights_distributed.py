@@ -14,7 +14,7 @@ What SGLang expects (sglang 0.5.23; files under `sglang/srt/`):
 
 Backend by capability: NCCL where CUDA is, gloo otherwise (the CPU server joins over gloo).
 
-Group lifetime (issue 9): torch.distributed refuses a second group under a name still in use, so
+Group lifetime: torch.distributed refuses a second group under a name still in use, so
 a group is made once per sender and reused for every sync. A sender pickles as its spec and
 resolves, in each process, to the one live sender with that spec: the driver may ship the same
 sender every sync (or even rebuild an identical one) and the Megatron rank keeps its group. After
@@ -42,7 +42,7 @@ import torch
 from mgrpo.rollout.sglang.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format, dtype_name,
                                           flat_layout, flatten_bucket)
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, node_ip, require_cuda
-from mgrpo.rollout.sglang.server import free_port
+from mgrpo.net import free_port
 from mgrpo.rollout.sglang.session import WeightSession
 
 log = logging.getLogger(__name__)
