@@ -26,12 +26,16 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from mgrpo.config import ConfigError, MGRPOConfig
+from mgrpo.config import InputError, MGRPOConfig
+from mgrpo.observe import logs
+from mgrpo_launchers import overrides
 from mgrpo.config.choices import plain
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_STOPPED = 75
-"""Exit status after a requested stop (SIGUSR1) with a checkpoint written: resume continues the run."""
+"""Exit status after a requested stop (SIGTERM, SIGUSR1) with a checkpoint written: resume continues the run."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (with a checkpoint written after the first, nothing more after a second)."""
 
 ConfigStore.instance().store(name="mgrpo_schema", node=MGRPOConfig)
 
@@ -46,22 +50,24 @@ def to_config(cfg: DictConfig) -> MGRPOConfig:
 def _main(cfg: DictConfig) -> None:
     from mgrpo.loop import StopRequested, Trainer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=logs.FORMAT, datefmt=logs.DATEFMT, stream=sys.stderr)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        trainer = Trainer(to_config(cfg))
-    except ConfigError as err:
-        print(f"mgrpo-train: {err}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        trainer.fit()
-    except KeyboardInterrupt:
-        print("mgrpo-train: interrupted; Ray shut down and files flushed", file=sys.stderr)
-        sys.exit(130)
+        Trainer(to_config(cfg)).fit()
+    except InputError as err:  # a config, data file or run folder the run cannot use: named, no traceback
+        fail(err)
     except StopRequested as stop:
         print(f"mgrpo-train: {stop}", file=sys.stderr)
-        sys.exit(EXIT_STOPPED)
+        sys.exit(EXIT_INTERRUPTED if stop.interrupted else EXIT_STOPPED)
+    except KeyboardInterrupt:
+        print("mgrpo-train: aborted; Ray shut down and files flushed (see the line above for what is kept)",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def fail(err: Exception) -> None:
+    print(f"mgrpo-train: {err}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main() -> None:
@@ -69,11 +75,11 @@ def main() -> None:
 
     try:
         translation = translate(sys.argv[1:])
-    except ConfigError as err:
-        print(f"mgrpo-train: {err}", file=sys.stderr)
-        sys.exit(2)
-    if translation.is_verl:
-        print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
+        if translation.is_verl:
+            print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
+        overrides.check(str(CONFIG_DIR), translation.args)
+    except InputError as err:
+        fail(err)
     sys.argv = [sys.argv[0], *translation.args]  # Hydra reads its command line from sys.argv
     _main()
 

@@ -14,10 +14,11 @@ import logging
 import os
 from typing import Optional
 
-from mgrpo.components.assemble import Parts
+from mgrpo.components.assemble import Parts, Prepared, build, prepare
 from mgrpo.components.checkpoint import RunState
 from mgrpo.components.signals import StopSignal
 from mgrpo.config import MGRPOConfig, output_dir, resolve_device
+from mgrpo.observe.logs import default_logging
 from mgrpo.observe.metrics import step_metrics
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.preflight import preflight
@@ -26,7 +27,12 @@ log = logging.getLogger("mgrpo")
 
 
 class StopRequested(Exception):
-    """The run stopped early on request (SIGUSR1/SIGTERM) after writing a checkpoint; resume continues it."""
+    """The run stopped early on request (Ctrl-C, SIGTERM, SIGUSR1) after writing a checkpoint; resume continues it."""
+
+    def __init__(self, message: str, interrupted: bool):
+        super().__init__(message)
+        self.interrupted = interrupted
+        """A person pressed Ctrl-C (else the scheduler asked)."""
 
 
 class Trainer:
@@ -42,24 +48,36 @@ class Trainer:
         self.stop = StopSignal()
 
     def fit(self) -> dict:
-        """Train; return the last step's metrics. Ctrl-C stops cleanly (files flushed, Ray shut down)."""
+        """Train; return the last step's metrics. A first Ctrl-C (or SIGTERM/SIGUSR1) finishes the step, saves a
+        checkpoint and raises StopRequested; a second Ctrl-C aborts (files flushed, Ray shut down)."""
+        default_logging()
+        prepared = prepare(self.cfg, self.run_dir)  # data and the run folder's verdict: still no process
+        if prepared.decision.message:
+            log.info("%s", prepared.decision.message)
+        if prepared.decision.finished:
+            return {}
         try:
-            self._start()
+            self._start(prepared)
             p = self.parts
             self.stop.install()  # after Ray's init, which installs a SIGTERM handler of its own
             if p.evaluator.before_training(self.state.step):
                 p.observer.log(p.evaluator.run(), step=0)
             p.experiences.start(self.state.step, self.state.pending)
             metrics: dict = {}
+            first = self.state.step
             while self.state.step < p.total_steps:
                 metrics = self.train_step()
+                if self.state.step == first:
+                    log.info("start | first step in %.1fs (rollout %.1fs)", metrics["timing_s/step"],
+                             metrics["timing_s/rollout"])
                 self.state.step += 1
                 p.observer.log(metrics, step=self.state.step)
                 p.experiences.step_done()
                 if self.stop.requested:
                     path = self.save_checkpoint()
-                    raise StopRequested(f"stopped at step {self.state.step} on request; checkpoint {path}; "
-                                        "run again with trainer.resume=auto to continue")
+                    how = "interrupted (Ctrl-C)" if self.stop.interrupted else "stopped on request"
+                    raise StopRequested(f"{how} at step {self.state.step}; checkpoint {path}; run again with "
+                                        "trainer.resume=auto to continue", self.stop.interrupted)
                 if p.checkpointer.due(self.state.step, p.total_steps):
                     self.save_checkpoint()
                 if p.evaluator.due(self.state.step, p.total_steps):
@@ -69,7 +87,9 @@ class Trainer:
             self._finish()
             return metrics
         except KeyboardInterrupt:
-            log.warning("interrupted at step %d: flushing files and shutting down", self.state.step)
+            last = self.parts.checkpointer.latest() if self.parts is not None else None
+            log.warning("interrupted at step %d: aborting; nothing after %s is kept", self.state.step,
+                        f"the last checkpoint ({last})" if last else "the start (no checkpoint was written)")
             raise
         finally:
             self._close()
@@ -103,10 +123,8 @@ class Trainer:
         return metrics
 
     # --- around the steps ---------------------------------------------------------------------------
-    def _start(self) -> None:
-        from mgrpo.components.assemble import build
-
-        self.parts = build(self.cfg, self.layout, self.run_dir)
+    def _start(self, prepared: Prepared) -> None:
+        self.parts = build(self.cfg, self.layout, self.run_dir, prepared)
         self.state = self.parts.state
 
     def save_checkpoint(self) -> str:

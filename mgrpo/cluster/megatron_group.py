@@ -30,9 +30,10 @@ class MegatronRank(EngineSlot):
         # first thing: on CPU, megatron-core without torch.compile and Triton (mgrpo.training.cpu_compat),
         # before a hybrid engine's transformers import pulls TorchDynamo and, with it, Triton. Only here,
         # in a rank's own process: a driver or test process that imports mgrpo.training keeps both.
-        from mgrpo.training.cpu_compat import lean_megatron_import
+        from mgrpo.training.cpu_compat import lean_megatron_import, quiet_megatron_warnings
 
         lean_megatron_import()
+        quiet_megatron_warnings()  # the start-up line names the paths megatron's fallbacks warn about
 
         torch.set_num_threads(num_threads)
         self.num_threads = num_threads

@@ -34,6 +34,8 @@ LOCAL_SYSTEM_CONFIG = {
 def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None = None) -> None:
     if ray.is_initialized():
         return
+    # Processes Ray starts inherit this: no per-engine "Loading weights" bar interleaved with the run's lines.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if address:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
         return

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,7 @@ from mgrpo.components.checkpoint import Checkpointer, RunState
 from mgrpo.components.evaluator import Evaluator
 from mgrpo.components.experience_maker import ExperienceMaker
 from mgrpo.components.observer import Observer
+from mgrpo.components.run_folder import Decision, RunFolder, fingerprint
 from mgrpo.components.weight_sync import WeightSync
 from mgrpo.config import Layout, MGRPOConfig
 
@@ -54,35 +57,61 @@ class Parts:
         close(self.observer, self.experiences.judger, self.experiences.rollout, self.actor.group)
 
 
-def build(cfg: MGRPOConfig, layout: Layout, run_dir: str) -> Parts:
-    from mgrpo.cluster.megatron_group import MegatronGroup
-    from mgrpo.cluster.placement import engine_gpu_ids, place
-    from mgrpo.cluster.rollout_group import RolloutGroup
-    from mgrpo.data import PromptDataset, load_tokenizer
-    from mgrpo.rewards import Judger, check_data_sources
-    from mgrpo.rollout.factory import EngineContext
+@dataclass
+class Prepared:
+    """What is known before any process starts: the data, the run's length, and what the run folder says."""
 
-    os.makedirs(run_dir, exist_ok=True)
+    tokenizer: object
+    train_data: object
+    val_data: object
+    total_steps: int
+    checkpointer: Checkpointer
+    decision: Decision
+    """Continue from a checkpoint, start at step 0, or nothing to do (components/run_folder.py)."""
+
+
+def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
+    """Data first (a bad record or an unknown data_source fails here, naming file:line:field), then the run
+    folder's verdict: a folder holding another run is refused here too, before Ray or any worker starts."""
+    from mgrpo.data import PromptDataset, load_tokenizer
+    from mgrpo.rewards import check_data_sources
+
     tokenizer = load_tokenizer(cfg.model)
     train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train")
     val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val")
     check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward)
-    judger = Judger(cfg.reward)
+    os.makedirs(run_dir, exist_ok=True)
     t = cfg.trainer
     total_steps = t.total_training_steps if t.total_training_steps is not None else \
         t.total_epochs * train_data.batches_per_epoch()
+    checkpointer = Checkpointer(run_dir, t, fingerprint=fingerprint(cfg), total_steps=total_steps)
+    latest = checkpointer.resume_dir()
+    saved = checkpointer.read_state(latest) if latest is not None else None  # a broken checkpoint fails here
+    decision = RunFolder(run_dir, cfg).decide(latest, saved, total_steps)
+    return Prepared(tokenizer, train_data, val_data, total_steps, checkpointer, decision)
 
-    checkpointer = Checkpointer(run_dir, t, cfg.model.name)
-    resume_dir = checkpointer.resume_dir()
-    if resume_dir is not None:
-        checkpointer.read_state(resume_dir)  # a broken checkpoint fails before processes start
+
+def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) -> Parts:
+    """Start every process of the run (Ray, Megatron ranks, engines, judges) and restore the checkpoint the
+    run folder's decision names. Each start-up phase logs one line with its time."""
+    from mgrpo.cluster.megatron_group import MegatronGroup
+    from mgrpo.cluster.placement import engine_gpu_ids, place
+    from mgrpo.cluster.rollout_group import RolloutGroup
+    from mgrpo.rewards import Judger
+    from mgrpo.rollout.factory import EngineContext
+
+    p, t = prepared, cfg.trainer
+    tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
     init_dir = initial_weights(cfg, run_dir, tokenizer)
-
+    judger = Judger(cfg.reward)
     group = rollout = None
+    phase = _Phases()
     try:
-        placement = place(cfg, layout)
-        group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
-                              need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        with phase("Ray placement"):
+            placement = place(cfg, layout)
+        with phase(f"{layout.megatron_world} Megatron rank process(es)"):
+            group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
+                                  need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         devices = hosts = None
         if placement.engines_use_actor_gpus:
             devices = [engine_gpu_ids(group.devices, placement.engine_ranks(i), i)
@@ -91,30 +120,47 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str) -> Parts:
             hosts = [group.ranks[placement.engine_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
         eos = [tokenizer.eos_token_id]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
-                               context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
-                                                     log_dir=os.path.join(run_dir, "logs")))
-        group.setup(cfg)
+        with phase(f"{cfg.rollout.num_engines} rollout engine(s) ({cfg.rollout.engine}, {cfg.rollout.mode})"):
+            rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
+                                   context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
+                                                         log_dir=os.path.join(run_dir, "logs")))
+        with phase(f"Megatron stages (tp={cfg.actor.tp} pp={cfg.actor.pp} cp={cfg.actor.cp} dp={layout.dp})"):
+            group.setup(cfg)
+        log.info("start | Megatron ranks use: %s", group.info[0].get("paths", "?"))
         actor = ActorClient(group, cfg, layout.dp)
         weights = WeightSync(cfg.rollout, actor, rollout)
         state = RunState()
         if resume_dir is not None:
-            state = checkpointer.restore(resume_dir, actor, train_data)
-            weights.sync(state.weight_version)  # engines started from the initial weights
-        experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=train_data, judger=judger,
+            with phase(f"resume from {resume_dir}"):
+                state = checkpointer.restore(resume_dir, actor, p.train_data)
+                weights.sync(state.weight_version)  # engines started from the initial weights
+        experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=p.train_data, judger=judger,
                                       rollout=rollout, count=state.count)
         evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
-                              seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=val_data,
+                              seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
                               experiences=experiences)
         observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None)
     except BaseException:
         close(None, judger, rollout, group)
         raise
-    log.info("run dir %s | Megatron ranks %d (tp=%d pp=%d cp=%d dp=%d) | engines %d (%s) | steps %d..%d",
-             run_dir, layout.megatron_world, cfg.actor.tp, cfg.actor.pp, cfg.actor.cp, layout.dp,
-             cfg.rollout.num_engines, cfg.rollout.engine, state.step, total_steps)
+    log.info("start | ready in %.1fs: run dir %s, steps %d..%d", phase.total, run_dir, state.step, total_steps)
     return Parts(experiences, actor, weights, checkpointer, evaluator, observer, placement, state, total_steps)
+
+
+class _Phases:
+    """`with phase(name):` logs 'start | <name> in <seconds>' when the phase is done."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        self.total += dt
+        log.info("start | %s in %.1fs", name, dt)
 
 
 def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:

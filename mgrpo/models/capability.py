@@ -102,3 +102,25 @@ def require_fp8(fp8: str, recipe: str) -> None:
     ok, reason = fp8_support(recipe)
     if not ok:
         raise ValueError(f"fp8={fp8!r} with fp8_recipe={recipe!r} cannot run on this machine: {reason}")
+
+
+def fused_paths(*, use_te: bool, logprob_impl: str, fp8: Optional[str] = None) -> str:
+    """One line naming the accelerated paths a Megatron rank runs (printed at start-up in place of megatron's
+    one-warning-per-module 'Transformer Engine and Apex are not installed'). Asks megatron-core what it
+    picked: its optimizer module falls back from TE's to apex's to torch's Adam at import."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    adam = mcore_optimizer.Adam
+    apex = importlib.util.find_spec("apex") is not None
+    parts = [
+        "Transformer Engine layer spec (fused norms, TE attention)" if use_te else
+        "megatron's local layer spec (torch norms, mgrpo's core attention over torch SDPA)",
+        f"{adam.__module__}.{adam.__name__} optimizer",
+        f"{'apex' if apex else 'torch'} multi-tensor grad utilities",
+        f"log-prob kernel {logprob_impl}",
+    ]
+    if fp8:
+        parts.append(f"FP8 {fp8}")
+    if not use_te and not apex:
+        parts.append("(Transformer Engine and apex not installed here)")
+    return "; ".join(parts)

@@ -43,6 +43,11 @@ def truncate_jsonl(path: str, max_step: int) -> int:
     return len(lines) - len(keep)
 
 
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
 class Tracker:
     def __init__(self, run_dir: str, loggers: Iterable[str], *, total_steps: Optional[int] = None,
                  stream=sys.stdout, resume_step: Optional[int] = None):
@@ -50,6 +55,8 @@ class Tracker:
         self.loggers = set(loggers)
         self.total_steps = total_steps
         self.stream = stream
+        self._t0, self._first_step = time.monotonic(), (resume_step or 0)
+        """Elapsed time and the time left count from this attempt's start and its steps."""
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None:
@@ -78,7 +85,16 @@ class Tracker:
         parts = [f"step {step}{total}"]
         parts += [f"{label} {fmt.format(m[key])}" for label, key, fmt in CONSOLE_FIELDS if key in m]
         val = [f"{k} {v:.3f}" for k, v in m.items() if k.startswith("val/") and k.endswith("/score")]
-        return " | ".join(parts + val)
+        return " | ".join(parts + val + self._progress(step))
+
+    def _progress(self, step: int) -> list[str]:
+        """Elapsed wall time of this attempt and, at its mean pace so far, the time left."""
+        elapsed = time.monotonic() - self._t0
+        out = [f"elapsed {_clock(elapsed)}"]
+        done = step - self._first_step
+        if self.total_steps and done > 0 and step <= self.total_steps:
+            out.append(f"eta {_clock(elapsed / done * (self.total_steps - step))}")
+        return out
 
     def flush(self) -> None:
         self._jsonl.flush()

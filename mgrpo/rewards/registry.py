@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Iterable, Optional
 
+from mgrpo.config import ConfigError
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import RewardConfig
 from mgrpo.rewards import gsm8k, math_reward, synthetic
@@ -37,15 +38,15 @@ def load_function(spec: str, data_source: str = "?") -> RewardFn:
     where = f"reward.custom_functions[{data_source!r}]={spec!r}"
     problem = spec_error(spec, data_source)
     if problem:
-        raise ValueError(problem)
+        raise ConfigError(problem)
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ValueError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from e
+        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{where}: module {module_name!r} has no function {attr!r}")
+        raise ConfigError(f"{where}: module {module_name!r} has no function {attr!r}")
     return fn
 
 
@@ -61,7 +62,7 @@ def get_reward_fn(data_source: str, fns: dict[str, RewardFn]) -> RewardFn:
     try:
         return fns[data_source]
     except KeyError:
-        raise ValueError(f"no reward function for data_source {data_source!r}; known: {sorted(fns)}. "
+        raise ConfigError(f"no reward function for data_source {data_source!r}; known: {sorted(fns)}. "
                          "Add one with reward.custom_functions={data_source: 'module:function'}") from None
 
 
@@ -70,7 +71,7 @@ def check_data_sources(sources: Iterable[str], cfg: RewardConfig) -> None:
     fns = reward_functions(cfg)
     unknown = sorted(set(sources) - set(fns))
     if unknown:
-        raise ValueError(f"no reward function for data_source {', '.join(map(repr, unknown))}; known: "
+        raise ConfigError(f"no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{sorted(fns)}. Add one with reward.custom_functions={{data_source: 'module:function'}}")
 
 

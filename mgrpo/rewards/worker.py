@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 
 def main() -> None:
+    # Ctrl-C at the terminal reaches the whole process group; the driver decides what it means (finish the
+    # step and checkpoint) and closes this worker's stdin when it is done with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # fd 1 (C-level prints too) now goes to stderr
     sys.stdout = sys.stderr

@@ -86,9 +86,13 @@ class MegatronActor:
         return self.actor.module
 
     def info(self) -> dict:
-        c = self.ctx
+        from mgrpo.models.capability import fused_paths, resolve_use_te
+
+        c, a = self.ctx, self.cfg.actor
+        use_te = resolve_use_te(None, use_cpu=c.device.type == "cpu")
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, cp_rank=c.cp_rank, dp_rank=c.dp_rank,
-                    is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source)
+                    is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source,
+                    paths=fused_paths(use_te=use_te, logprob_impl=a.logprob_impl, fp8=a.fp8))
 
     # --- megatron schedule plumbing ---------------------------------------------------------------
     @property

@@ -206,6 +206,26 @@ JIT_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fus
 """What megatron-core's `jit` module defines (and its modules import: `jit_fuser`), checked by the tests."""
 
 
+MEGATRON_NOISE = (
+    r"(Transformer Engine and )?Apex (is|are) not installed",
+    r"Transformer Engine and Apex are not installed",
+    r"full scope is deprecated",
+    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"`load_state_dict` is deprecated",  # torch.distributed.checkpoint, called by megatron's dist-checkpointing
+    r"Please use DTensor instead",
+)
+"""megatron-core warnings that say, once per module, which fallback it took (the rank's start-up line names
+the paths instead: models.capability.fused_paths) or that concern CUDA only."""
+
+
+def quiet_megatron_warnings() -> None:
+    """Silence MEGATRON_NOISE in this process (a Megatron rank: before megatron-core is imported)."""
+    import warnings
+
+    for pattern in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def lean_megatron_import() -> list[str]:
     """Without CUDA, keep GPU-only import weight out of a Megatron rank; returns what it did. Must run
     before anything imports megatron-core, first thing in a rank's process (`cluster.megatron_group.MegatronRank`),

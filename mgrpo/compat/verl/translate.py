@@ -19,11 +19,10 @@ No torch, no Hydra composition here: the keys are parsed with Hydra's own overri
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from mgrpo.config.schema import MGRPOConfig
+from mgrpo.config.schema import schema_keys
 from mgrpo.config.validate import ConfigError
 from mgrpo.compat.verl.rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
                                      VERL_ONLY_PREFIXES, Refuse, rule_for)
@@ -66,18 +65,6 @@ def hydra_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
     return "'" + str(v).replace("'", "\\'") + "'"
-
-
-def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
-    """Every dotted key of mgrpo's schema (groups included)."""
-    keys = set()
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        keys.add(name)
-        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            keys |= schema_keys(sub, name + ".")
-    return keys
 
 
 # --- the translation -----------------------------------------------------------------------------------
