@@ -39,8 +39,8 @@ def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
 class RunsAhead(Trainer):
     """A producer allowed three batches ahead of a bound of one: samples two or three versions old appear."""
 
-    def _start(self):
-        super()._start()
+    def _start(self, prepared):
+        super()._start(prepared)
         self.parts.experiences.lookahead = 3
 
 

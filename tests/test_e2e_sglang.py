@@ -25,8 +25,8 @@ STEPS = 5
 class Recording(Trainer):
     """Keeps what the driver built for weight sync while Ray is up."""
 
-    def _start(self):
-        super()._start()
+    def _start(self, prepared):
+        super()._start(prepared)
         self.receivers = self.parts.experiences.rollout.receivers()
 
 
@@ -135,8 +135,8 @@ def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
                        trainer={"total_training_steps": 4, "n_gpus_per_node": 2})
 
     class Routed(Trainer):
-        def _start(self):
-            super()._start()
+        def _start(self, prepared):
+            super()._start(prepared)
             self.router_workers_at_start = set(self.parts.experiences.rollout.front.router.workers())
 
         def _close(self):

@@ -15,8 +15,8 @@ COMPARED = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "
 
 
 class Recording(Trainer):
-    def _start(self):
-        super()._start()
+    def _start(self, prepared):
+        super()._start(prepared)
         self.hosts = [e._actor_id.hex() for e in self.parts.experiences.rollout.engines]
         self.ranks = [r._actor_id.hex() for r in self.parts.actor.group.ranks]
 
@@ -60,8 +60,8 @@ class Ordered(Trainer):
     """Records, in order, when the driver asks the Megatron ranks for log-probs, starts judging and
     collects the log-probs, and what the reference forward returned."""
 
-    def _start(self):
-        super()._start()
+    def _start(self, prepared):
+        super()._start(prepared)
         self.events: list[tuple[str, str]] = []
         self.kept: list[tuple[str, bool]] = []
         group, judger = self.parts.actor.group, self.parts.experiences.judger

@@ -16,8 +16,8 @@ from tests.test_e2e import read_metrics, small_config
 class Recording(Trainer):
     """Records where the engines' hosts landed while Ray is still up."""
 
-    def _start(self):
-        super()._start()
+    def _start(self, prepared):
+        super()._start(prepared)
         self.engine_addresses = ray.get([e.address.remote() for e in self.parts.experiences.rollout.engines])
         self.rank_actor_ids = [r._actor_id.hex() for r in self.parts.actor.group.ranks]
 
