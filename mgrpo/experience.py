@@ -43,6 +43,8 @@ class Experience:
     ref_logprobs: Optional[list[list[float]]] = None
     entropy: Optional[list[list[float]]] = None
     advantages: Optional[list[list[float]]] = None
+    engines: list = field(default_factory=list)
+    """Which engine produced each sample (`GenerateResult.engine`: an index, or 'router')."""
 
     @classmethod
     def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int) -> "Experience":
@@ -55,6 +57,7 @@ class Experience:
             group_index=[i // n for i in range(len(results))],
             items=[items[i // n] for i in range(len(results))],
             in_loss=[True] * len(results),
+            engines=[r.engine for r in results],
         )
 
     @classmethod
@@ -64,7 +67,7 @@ class Experience:
         out = cls([], [], [], [], [], [])
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
-                         "items", "response_texts", "scores", "rewards", "in_loss"):
+                         "items", "response_texts", "scores", "rewards", "in_loss", "engines"):
                 getattr(out, name).extend(getattr(p, name))
             remap: dict[int, int] = {}
             offset = len(set(out.group_index))

@@ -5,7 +5,8 @@
 `Trainer(config).fit()` is the Python front door; `mgrpo-train` builds the same config from Hydra. The
 Trainer holds parts that each have one job (`mgrpo/components/`, built by `assemble.build`): the experience
 maker (rollout engines and judges), the actor client (the actor and its reference on the Megatron ranks),
-the weight sync, the checkpointer, the evaluator and the observer. The step below only calls them.
+the weight sync, the checkpointer, the evaluator, the observer and the log-prob guard. The step below only
+calls them.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Trainer:
                              metrics["timing_s/rollout"])
                 self.state.step += 1
                 p.observer.log(metrics, step=self.state.step)
+                p.guard.enforce(self.state.step)  # engine and trainer disagree: stop, naming mgrpo-doctor
                 p.experiences.step_done()
                 if self.stop.requested:
                     path = self.save_checkpoint()
@@ -97,6 +99,7 @@ class Trainer:
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict:
         p, state, timer, metrics = self.parts, self.state, PhaseTimer(), {}
+        version = state.weight_version  # the weights the trainer's log-probs of this step are computed with
         with timer("step"):
             with timer("rollout"):  # generation, or waiting for a batch generated (and judged) ahead
                 exp = p.experiences.next(state.step, state.weight_version, metrics)
@@ -119,6 +122,7 @@ class Trainer:
                 metrics.update(synced)
         metrics.update(timer.metrics())
         metrics.update(step_metrics(exp, metrics, self.cfg, self.layout, p.experiences.train_data, state.counters))
+        p.guard.measure(exp, version, metrics)
         p.observer.write_trajectories(state.step + 1, exp)  # the step its metrics are logged under
         return metrics
 

@@ -176,6 +176,8 @@ class RolloutGroup:
                             retry(k, e, attempt, f"{type(err).__name__}: {err}")
                             continue
                         results[k] = out
+                        for x in out:
+                            x.engine = "router" if e is None else e
                         if e is not None:
                             stats.per_engine[e] = stats.per_engine.get(e, 0) + len(out)
                         bar.update(len(out))

@@ -23,7 +23,8 @@ from mgrpo.components.actor_client import ActorClient
 from mgrpo.components.checkpoint import Checkpointer, RunState
 from mgrpo.components.evaluator import Evaluator
 from mgrpo.components.experience_maker import ExperienceMaker
-from mgrpo.components.observer import Observer
+from mgrpo.components.logprob_guard import LogprobGuard
+from mgrpo.components.observer import Observer, log_token_logprobs
 from mgrpo.components.run_folder import Decision, RunFolder, fingerprint
 from mgrpo.components.weight_sync import WeightSync
 from mgrpo.config import Layout, MGRPOConfig
@@ -51,6 +52,8 @@ class Parts:
     state: RunState
     """The driver's progress, restored from the checkpoint it resumed from (fresh otherwise)."""
     total_steps: int
+    guard: LogprobGuard
+    """Stops a run whose engine and trainer log-probs disagree (trainer.max_logprob_diff)."""
 
     def close(self) -> None:
         self.experiences.close()  # the asynchronous producer stops before its engines go
@@ -140,12 +143,14 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                               seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
                               experiences=experiences)
         observer = Observer(run_dir, t, total_steps=total_steps,
-                            resume_step=state.step if resume_dir is not None else None)
+                            resume_step=state.step if resume_dir is not None else None,
+                            token_logprobs=log_token_logprobs(cfg))
     except BaseException:
         close(None, judger, rollout, group)
         raise
     log.info("start | ready in %.1fs: run dir %s, steps %d..%d", phase.total, run_dir, state.step, total_steps)
-    return Parts(experiences, actor, weights, checkpointer, evaluator, observer, placement, state, total_steps)
+    return Parts(experiences, actor, weights, checkpointer, evaluator, observer, placement, state, total_steps,
+                 LogprobGuard(cfg, run_dir))
 
 
 class _Phases:

@@ -17,7 +17,7 @@ import queue
 import threading
 from typing import Callable, Optional
 
-from mgrpo.config import TrainerConfig
+from mgrpo.config import MGRPOConfig, TrainerConfig
 from mgrpo.experience import Experience
 from mgrpo.observe.tracker import Tracker, truncate_jsonl
 from mgrpo.observe.trajectories import TrajectoryWriter
@@ -64,9 +64,29 @@ class _Writer:
             raise RuntimeError(f"writing the run's records failed: {err}") from err
 
 
+LOG_TOKEN_LOGPROBS_AUTO_TOKENS = 16384
+"""trainer.log_token_logprobs=null writes token log-probs when a step has at most this many response tokens."""
+
+
+def log_token_logprobs(cfg: MGRPOConfig) -> bool:
+    """trainer.log_token_logprobs resolved: null = on when a step's response tokens (train_batch_size x n x
+    max_response_length) are at most LOG_TOKEN_LOGPROBS_AUTO_TOKENS. A token costs ~45 bytes of JSON (its id
+    and two log-probs at full precision, which a 1e-7 difference needs), so a small step adds under 1 MB to
+    trajectories.jsonl (the default job, 1024 tokens a step: 7.6 MB over 150 steps); recipe=qwen3-8b-gsm8k-grpo
+    (128 x 5 x 1024 tokens) would add ~30 MB a step, so it is off there unless asked for."""
+    t = cfg.trainer
+    if t.log_token_logprobs is not None:
+        return bool(t.log_token_logprobs)
+    tokens = cfg.data.train_batch_size * cfg.rollout.n * cfg.data.max_response_length
+    return tokens <= LOG_TOKEN_LOGPROBS_AUTO_TOKENS
+
+
 class Observer:
-    def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int]):
+    def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int],
+                 token_logprobs: bool = False):
         self.tracker = Tracker(run_dir, t.logger, total_steps=total_steps, resume_step=resume_step)
+        self.token_logprobs = token_logprobs
+        """Trajectory lines carry token ids and both sides' per-token log-probs (`log_token_logprobs`)."""
         self.trajectories = None
         if t.log_trajectories:
             path = os.path.join(run_dir, "trajectories.jsonl")
@@ -86,14 +106,19 @@ class Observer:
             self._writer.submit(lambda: self._write_trajectories(step, exp))
 
     def _write_trajectories(self, step: int, exp: Experience) -> None:
-        self.trajectories.write(step, [
+        rows = [
             {"prompt": it.prompt_text, "response": text, "reward": rew, "score": sc,
              "advantage": adv[0] if adv else 0.0, "weight_version": ver, "finish_reason": fr,
-             "data_source": it.data_source, "group": g}
-            for it, text, rew, sc, adv, ver, fr, g in zip(exp.items, exp.response_texts, exp.rewards, exp.scores,
-                                                           exp.advantages or [[]] * len(exp), exp.weight_versions,
-                                                           exp.finish_reasons, exp.group_index)
-        ])
+             "data_source": it.data_source, "group": g, "engine": e}
+            for it, text, rew, sc, adv, ver, fr, g, e in zip(
+                exp.items, exp.response_texts, exp.rewards, exp.scores, exp.advantages or [[]] * len(exp),
+                exp.weight_versions, exp.finish_reasons, exp.group_index, exp.engines or [None] * len(exp))
+        ]
+        if self.token_logprobs:  # what mgrpo-doctor reads: both sides of rollout/logprob_abs_diff, token by token
+            for row, p, r, ro, tr in zip(rows, exp.prompt_ids, exp.response_ids, exp.rollout_logprobs,
+                                         exp.old_logprobs or [None] * len(exp)):
+                row.update(prompt_ids=p, response_ids=r, rollout_logprobs=ro, trainer_logprobs=tr)
+        self.trajectories.write(step, rows)
 
     def flush(self) -> None:
         """Everything logged so far is on disk (called before a checkpoint is published)."""

@@ -29,7 +29,9 @@ log = logging.getLogger("mgrpo")
 RESULT_NEUTRAL = (
     # logging and output
     "trainer.logger", "trainer.log_trajectories", "trainer.save_hf", "trainer.output_dir", "trainer.project_name",
-    "trainer.experiment_name", "trainer.resume",
+    "trainer.experiment_name", "trainer.resume", "trainer.log_token_logprobs",
+    # the mismatch guard only decides whether to stop (a user who hit it may resume with another bound)
+    "trainer.max_logprob_diff", "trainer.logprob_diff_patience",
     # when to save and evaluate, and what evaluation does (it never touches the training streams)
     "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq", "trainer.val_before_train", "evaluation.",
     # operations: where to connect, how long to wait, how to batch and ship what is computed anyway

@@ -298,6 +298,19 @@ class TrainerConfig:
     save_hf: bool = True
     """Write an HF-format checkpoint (config, safetensors, tokenizer) at the end."""
     log_trajectories: bool = True
+    log_token_logprobs: Optional[bool] = None
+    """Write each trajectory line's token ids and per-token log-probs, the engine's next to the trainer's, and
+    the engine that produced it (what `mgrpo-doctor run` reads). null = on when a step is small: at most
+    LOG_TOKEN_LOGPROBS_AUTO_TOKENS = 16384 response tokens per step (data.train_batch_size * rollout.n *
+    data.max_response_length), under 1 MB of JSON per step written off the driver's path; off above.
+    (A tri-state bool: Hydra and YAML read `true`/`false` as booleans, so 'auto' is spelled null.)"""
+    max_logprob_diff: Optional[float] = None
+    """Stop the run when `rollout/logprob_abs_diff` (mean per-token |engine - trainer| log-prob over a step's
+    samples made with the trainer's current weights) exceeds this for `trainer.logprob_diff_patience`
+    consecutive steps. null = MAX_LOGPROB_DIFF_DEFAULTS[actor.dtype]: 1e-3 in fp32 (the CPU job measures
+    1e-7 to 2e-7 per step) and 0.1 in bf16 (slime's CI bound; bf16 runs report 0.016-0.03)."""
+    logprob_diff_patience: int = 3
+    """Consecutive steps over trainer.max_logprob_diff before the run stops; 0 turns the guard off."""
     seed: int = 1
     gpu_memory_gb: Optional[float] = None
     """Memory of one accelerator in GiB for the memory check before start (None = 80; on CPU the host's)."""
@@ -305,6 +318,10 @@ class TrainerConfig:
     """Start even when mgrpo-plan's estimate says the run does not fit (the check still prints why)."""
     ray_address: Optional[str] = None
     """Connect to an existing Ray cluster (SLURM); None = start a local one."""
+
+
+MAX_LOGPROB_DIFF_DEFAULTS = {"fp32": 1e-3, "bf16": 0.1}
+"""trainer.max_logprob_diff=null by the (resolved) actor.dtype; why these values: components/logprob_guard.py."""
 
 
 @dataclass

@@ -241,6 +241,10 @@ def _trainer(cfg: MGRPOConfig) -> list[str]:
         _choice(e, "trainer.logger[]", name, Logger)
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         e.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1 (or null to keep all)")
+    if t.max_logprob_diff is not None and not t.max_logprob_diff > 0:
+        e.append(f"trainer.max_logprob_diff={t.max_logprob_diff} must be positive (or null: by the actor's dtype)")
+    if t.logprob_diff_patience < 0:
+        e.append(f"trainer.logprob_diff_patience={t.logprob_diff_patience} must be at least 0 (0: no guard)")
     if t.resume not in RESUME_MODES and not os.path.isdir(t.resume):
         e.append(f"trainer.resume={t.resume!r} is neither one of {list(RESUME_MODES)} nor a checkpoint directory")
     return e

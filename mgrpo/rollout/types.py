@@ -41,6 +41,10 @@ class GenerateResult:
     finish_reason: str
     """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
     weight_version: int
+    engine: int | str | None = None
+    """Which engine produced it, set by the rollout group: the engine's index when the group chose it, or
+    'router' when SGLang's router did (SGLang 0.5.23's meta_info names no server: id, finish_reason,
+    prompt_tokens, weight_version, num_retractions, and dp_rank only between one server's DP ranks)."""
 
 
 @dataclass
