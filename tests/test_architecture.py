@@ -25,6 +25,8 @@ FLOORS = {
     "training": 2, "rollout": 2, "compat": 2,
     # the driver: one step's samples, and the processes (Ray) that run the ranks and engines
     "experience": 3, "cluster": 3,
+    # the mismatch doctor: builds both models and reads run folders, never Ray
+    "doctor": 3,
     # the parts the loop assembles; the checks before anything starts
     "components": 4, "preflight": 4,
     "loop": 5,

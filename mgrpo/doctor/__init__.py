@@ -1,0 +1,21 @@
+"""The mismatch doctor: where do the rollout engine's and the trainer's log-probs of the same tokens part?
+
+`mgrpo-doctor run <run folder>` reads a run's trajectories (token ids and both sides' per-token log-probs,
+written with trainer.log_token_logprobs) and says how the difference is distributed over steps, which
+sequences and tokens are worst, and whether it concentrates by position, token, response length or engine
+(`run_report.py`, reading `trajectories.py`).
+
+`mgrpo-doctor layers ...` runs one sequence through the engine's model (transformers, as the CPU server and the
+in-process engine run it: `engine_side.py`) and the trainer's (megatron-core's GPTModel loaded by the trainer's
+own loaders, on CPU, one rank: `trainer_side.py`), hooks every layer on both, and names the first place where
+they part beyond what the dtypes' rounding explains (`compare.py`; `layers.py` puts it together).
+
+This room builds models (models, training) and reads runs' files; it never starts Ray or a cluster.
+"""
+
+from mgrpo.config import InputError
+
+
+class DoctorError(InputError):
+    """Input the doctor cannot use (a missing folder, trajectories without token log-probs, shapes that do not
+    match): `mgrpo-doctor` prints it in a line or two and exits 2."""
