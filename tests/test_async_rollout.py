@@ -28,6 +28,9 @@ def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
     versions = {(r["step"], r["weight_version"]) for r in trajectories(run_dir)}
     assert versions == {(1, 0), (2, 0), (3, 1), (4, 2), (5, 3)}
     assert all(x["rollout/stale_dropped"] == 0 for x in m)
+    # the mismatch guard judges only samples of the trainer's weights: step 1's, none of the later ones
+    assert m[0]["rollout/logprob_guard_diff"] == m[0]["rollout/logprob_abs_diff"]
+    assert all(x["rollout/logprob_guard_unchecked"] == 1.0 and x["rollout/logprob_guard_streak"] == 0 for x in m[1:])
     # the off-policy gap shows, and truncated importance sampling (on by default when async) measures it
     assert m[0]["rollout/logprob_abs_diff"] < 1e-5 < m[1]["rollout/logprob_abs_diff"]
     # step 1 is on-policy: pi_old is the policy that sampled, ratio 1 everywhere, nothing capped; the later
