@@ -125,7 +125,9 @@ def test_a_run_over_the_bound_stops_with_exit_2_and_the_doctor_reads_it(tmp_path
 @pytest.mark.slow
 def test_each_sample_names_the_engine_that_made_it(tmp_path, monkeypatch):
     """Two engines that the rollout group dispatches to (in-process transformers engines, no router): chunk k of
-    a step's requests goes to engine k % 2, and each trajectory line says which one answered it."""
+    a step's requests goes to engine k % 2, and each trajectory line says which one answered it. Then the
+    doctor's trainer side from the run's checkpoint: equal to its HF export, and an engine left on the initial
+    weights (a missed weight sync) parts at the embeddings."""
     import ray
 
     from mgrpo.loop import Trainer
@@ -133,7 +135,7 @@ def test_each_sample_names_the_engine_that_made_it(tmp_path, monkeypatch):
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     run_dir = str(tmp_path)
-    cfg = small_config(run_dir, trainer={"n_gpus_per_node": 3},
+    cfg = small_config(run_dir, trainer={"n_gpus_per_node": 3, "save_hf": True},
                        rollout={"mode": "disaggregated", "num_engines": 2, "engine": "hf", "generate_chunk": 8})
     ray.init(num_cpus=4, num_gpus=3, include_dashboard=False, configure_logging=False)  # logical GPUs on a CPU
     Trainer(cfg).fit()  # shuts Ray down at the end
@@ -149,3 +151,12 @@ def test_each_sample_names_the_engine_that_made_it(tmp_path, monkeypatch):
     assert [(g["group"], g["tokens"]) for g in groups] == [
         ("0", sum(len(r["response_ids"]) for r in lines if r["engine"] == 0)),
         ("1", sum(len(r["response_ids"]) for r in lines if r["engine"] == 1))]
+
+    from mgrpo.doctor.layers import layers
+
+    ckpt, traj = os.path.join(run_dir, "checkpoints", "step_000002"), os.path.join(run_dir, "trajectories.jsonl")
+    same = layers(os.path.join(run_dir, "hf"), trainer=ckpt, trajectory=traj, line=1)
+    assert same["trainer_kind"] == "run" and same["comparison"]["kind"] == "agree"
+    assert all(x["rel"] == 0.0 for x in same["comparison"]["sites"][:-1])
+    stale = layers(os.path.join(run_dir, "init_hf"), trainer=ckpt, trajectory=traj, line=1)
+    assert stale["comparison"]["parts_at"] == "embeddings"

@@ -22,6 +22,9 @@ from mgrpo.doctor.trajectories import read_line
 from mgrpo.doctor.trainer_side import check_tokens, resolve_trainer, trainer_trace
 
 
+SOURCES = {"hf": "an HF directory", "run": "a run's checkpoint", "megatron": "an mgrpo-convert checkpoint"}
+
+
 def parse_tokens(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -88,7 +91,7 @@ def render(r: dict) -> str:
     out = [f"mgrpo-doctor layers: {len(r['ids'])} tokens ({r['prompt_len']} prompt, "
            f"{len(r['ids']) - r['prompt_len']} response) at temperature {r['temperature']:g}",
            f"  engine  {r['engine']} (transformers, {r['engine_dtype']})",
-           f"  trainer {r['trainer']} (megatron-core GPTModel from {'an HF directory' if r['trainer_kind'] == 'hf' else 'a megatron checkpoint'}, "
+           f"  trainer {r['trainer']} (megatron-core GPTModel from {SOURCES[r['trainer_kind']]}, "
            f"{r['trainer_dtype']}, log-probs through mgrpo_kernels)",
            f"  tolerance {c['tolerance']:g} relative for {c['dtype']} (a site parts at >= {c['jump']:g}x every site "
            f"before it)", "", render_sites(c), "", r["verdict"]]

@@ -1,9 +1,9 @@
 """The trainer's side of `mgrpo-doctor layers`: one sequence through megatron-core's GPTModel, every layer hooked.
 
 The model is the trainer's own: `models/gpt.py` builds it (local spec on CPU, the reference core attention),
-`models/hf_checkpoint.py` fills it from an HF directory, or `models/megatron_ckpt.py` from a run's checkpoint
-(`checkpoints/step_N`, whose model config is the fingerprint it stores) or an `mgrpo-convert` checkpoint
-(`mgrpo_model.json`). The response log-probs come from the final norm's output through the trainer's kernel
+`models/hf_checkpoint.py` fills it from an HF directory, `training/checkpoint.py` from a run's checkpoint
+(`checkpoints/step_N`: its weights only; the model config is the fingerprint it stores), or
+`models/megatron_ckpt.py` from an `mgrpo-convert` checkpoint (`mgrpo_model.json`). The response log-probs come from the final norm's output through the trainer's kernel
 (`mgrpo_kernels.linear_logprobs`, chunked), as `training/forward.py` computes them. It runs on one CPU rank in a
 spawned process (`training/spawn.py`), so megatron's global state and CPU patches never touch the caller's.
 """
@@ -26,7 +26,8 @@ MODEL_JSON = "mgrpo_model.json"
 @dataclass
 class TrainerSource:
     kind: str
-    """'hf' (an HF directory), 'megatron' (a megatron distributed checkpoint of the weights)."""
+    """'hf' (an HF directory), 'run' (a run's checkpoint: weights, optimizer, schedule) or 'megatron' (the
+    weights-only distributed checkpoint mgrpo-convert writes)."""
     path: str
     """The directory loaded."""
     model: ModelConfig
@@ -57,7 +58,7 @@ def resolve_trainer(path: str) -> TrainerSource:
         fields = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
         if not fields:
             raise DoctorError(f"{state} stores no model config (a checkpoint written before fingerprints)")
-        return TrainerSource("megatron", os.path.join(path, "megatron"), _model_from(fields, state))
+        return TrainerSource("run", os.path.join(path, "megatron"), _model_from(fields, state))
     meta = os.path.join(path, MODEL_JSON)
     if os.path.isfile(meta):
         with open(meta) as f:
@@ -81,6 +82,7 @@ def _rank(rank, world_size, port, source: TrainerSource, ids, prompt_len, temper
     import mgrpo_kernels
     from mgrpo.doctor.engine_side import LOGPROB_SUPPORTS, sites, torch_dtype
     from mgrpo.models import build_gpt_model, load_hf_into_megatron, load_megatron_checkpoint, transformer_config
+    from mgrpo.training.checkpoint import load_model_weights
     from mgrpo.training.forward import output_weight
     from mgrpo.training.parallel import destroy_parallel, init_parallel
 
@@ -91,6 +93,8 @@ def _rank(rank, world_size, port, source: TrainerSource, ids, prompt_len, temper
         gpt = build_gpt_model(cfg, tf, pre_process=True, post_process=True, pg_collection=ctx.pg_collection).eval()
         if source.kind == "hf":
             load_hf_into_megatron(gpt, source.path, cfg, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        elif source.kind == "run":
+            load_model_weights(gpt, source.path)
         else:
             load_megatron_checkpoint(gpt, source.path)
         captured: dict = {}

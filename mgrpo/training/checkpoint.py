@@ -41,3 +41,16 @@ def load_checkpoint(actor, ckpt_dir: str) -> None:
     actor.optimizer.load_state_dict(state["optimizer"])
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.skipped_steps = int(state["skipped_steps"])
+
+
+def load_model_weights(gpt, ckpt_dir: str) -> None:
+    """The model weights alone of a checkpoint `save_checkpoint` wrote (its optimizer and schedule are left on
+    disk): what `mgrpo-doctor layers --trainer <run>/checkpoints/step_N` loads."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"no megatron checkpoint at {ckpt_dir}")
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir,
+                                    strict=StrictHandling.RAISE_UNEXPECTED)
+    gpt.load_state_dict(state["model"])
