@@ -36,7 +36,9 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
 
     e: list[str] = []
     al, a, d, r = cfg.algorithm, cfg.actor, cfg.data, cfg.rollout
-    _registered(e, "model.family", cfg.model.family, FAMILIES)
+    family = _registered(e, "model.family", cfg.model.family, FAMILIES)
+    if family is not None:  # what the family cannot build from the model.* fields (e.g. experts of a dense one)
+        e.extend(family.config_errors(cfg.model))
     estimator = _registered(e, "algorithm.adv_estimator", al.adv_estimator, ADVANTAGE_ESTIMATORS)
     loss = _registered(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
     _registered(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)

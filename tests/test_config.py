@@ -130,7 +130,7 @@ def test_unknown_family_and_unregistered_estimator_are_refused():
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='toy_grouped' is not one of"):
         preflight(_algo("toy_grouped", 2), check_memory=False)  # the fixture's entries are gone again
     cfg = MGRPOConfig()
-    with pytest.raises(ConfigError, match=r"model.family='llama' is not one of \['qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"model.family='llama' is not one of \['qwen3', 'qwen3_moe'\]"):
         preflight(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="llama")), check_memory=False)
 
 

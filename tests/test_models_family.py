@@ -32,7 +32,7 @@ def _megatron_config(model) -> dict:
     return {**qwen3.megatron_config(model), "qk_layernorm": False}
 
 
-def _layer_spec(use_te: bool):
+def _layer_spec(use_te: bool, model=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     assert not use_te, "the toy family runs on CPU only"
@@ -96,7 +96,7 @@ def test_validator_accepts_a_family_only_while_it_is_registered(toy):
     assert family_of(toy) is TOY_FAMILY
     FAMILIES.unregister(TOY)
     try:
-        with pytest.raises(ConfigError, match=r"model.family='toy_llama' is not one of \['qwen3'\]"):
+        with pytest.raises(ConfigError, match=r"model.family='toy_llama' is not one of \['qwen3', 'qwen3_moe'\]"):
             preflight(cfg, check_memory=False)
     finally:
         FAMILIES.register(TOY, TOY_FAMILY)

@@ -28,8 +28,8 @@ class ModelConfig:
     name: str = "qwen3-tiny"
     """A label for logs and checkpoints; presets in configs/model/ set it to the HF model name."""
     family: str = "qwen3"
-    """The model family (mgrpo.models.registry): qwen3 (dense Qwen3). It decides how the fields below
-    become a Megatron model and which HF checkpoints match them."""
+    """The model family (mgrpo.models.registry): qwen3 (dense Qwen3) | qwen3_moe (Qwen3-MoE). It decides
+    how the fields below become a Megatron model and which HF checkpoints match them."""
     hf_path: Optional[str] = None
     """HF checkpoint directory of this family (config.json + safetensors) to start from; None = random init."""
     tokenizer: str = "synthetic"
@@ -44,7 +44,8 @@ class ModelConfig:
     head_dim: int = 32
     """Per-head width (HF `head_dim`); independent of hidden_size / num_attention_heads in Qwen3."""
     ffn_hidden_size: int = 256
-    """SwiGLU width (HF `intermediate_size`)."""
+    """SwiGLU width (HF `intermediate_size`). Qwen3-MoE checkpoints carry it for dense MLP layers, which
+    the qwen3_moe family refuses (every layer is a MoE layer there), so it only travels with config.json."""
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
@@ -54,6 +55,23 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times actor.tp; padded rows are masked out of
     every log-softmax and stripped on export to HF."""
+    num_experts: int = 0
+    """Routed experts of every MoE layer (HF `num_experts`); 0 for a dense family."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU width of one expert (HF `moe_intermediate_size`)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF `num_experts_per_tok`)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (HF `norm_topk_prob`; Qwen3-MoE releases set it).
+    True is a softmax over the top-k logits (megatron moe_router_pre_softmax=False); False keeps the
+    softmax over all experts' logits, restricted to the top k (moe_router_pre_softmax=True)."""
+    router_aux_loss_coef: float = 0.001
+    """Coefficient of the load-balancing auxiliary loss (HF `router_aux_loss_coef`; megatron's
+    moe_aux_loss_coeff, summed over layers, each layer's loss over one micro-batch); 0 turns it off.
+    The loss's value (per layer, averaged) is reported as actor/moe_load_balancing_loss."""
+    moe_enable_routing_replay: bool = False
+    """megatron-core's RouterReplay in every router: routing can be recorded and replayed (e.g. the
+    rollout engine's experts). The switch only builds the replay hooks; nothing feeds them yet."""
 
 
 @dataclass
@@ -168,6 +186,11 @@ class ActorConfig:
     packed (benchmarks/results/packing_cpu.json); on the default job's short samples they are even."""
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel size (MoE families): each group of ep ranks splits every layer's experts, the
+    tokens travel to their experts with megatron's alltoall dispatcher. Expert ranks are carved out of
+    tp x cp x dp (ep must divide it; expert tensor parallelism is 1), and expert gradients are reduced
+    over the expert-data-parallel ranks (tp x cp x dp / ep). With tp > 1 MoE runs sequence parallel."""
     cp: int = 1
     """Context-parallel size: every sequence is split over cp ranks (2*cp load-balanced chunks), which
     hold identical weights; activations per rank shrink by cp. Needs a token-level policy loss."""
@@ -279,7 +302,8 @@ class TrainerConfig:
     """auto (cuda when a GPU is visible, else cpu) | cpu | cuda"""
     nnodes: int = 1
     n_gpus_per_node: Optional[int] = None
-    """Accelerators (CPU bundles on CPU) per node; None = exactly actor.tp*pp*cp (DP=1)."""
+    """Accelerators (CPU bundles on CPU) per node; None = exactly actor.tp*pp*cp (DP=1), or with expert
+    parallelism the fewest that actor.ep needs (actor.pp*lcm(actor.tp*actor.cp, actor.ep))."""
     cpus_per_worker: int = 1
     """CPU threads of one Megatron rank (the CPU bundle size)."""
     total_epochs: int = 1

@@ -10,6 +10,7 @@ time where the feature is used.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -66,7 +67,9 @@ def layout(cfg: MGRPOConfig) -> Layout:
     """Megatron world size and data-parallel size. Assumes `field_errors(cfg)` is empty."""
     a, t, r = cfg.actor, cfg.trainer, cfg.rollout
     model_parallel = a.tp * a.pp * a.cp
-    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else model_parallel
+    # default: one model replica, or as many as expert parallelism needs (its ranks come out of tp x cp x dp)
+    fewest = a.pp * math.lcm(a.tp * a.cp, max(a.ep, 1)) if min(a.tp, a.cp, a.pp) > 0 else model_parallel
+    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else fewest
     total = t.nnodes * per_node
     rollout_devices = r.num_engines * r.tp
     world = total - rollout_devices if r.mode == RolloutMode.disaggregated else total
@@ -91,8 +94,15 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
     m, d, a, t = cfg.model, cfg.data, cfg.actor, cfg.trainer
     _divides(e, "actor.tp", a.tp, "model.num_attention_heads", m.num_attention_heads)
     _divides(e, "actor.tp", a.tp, "model.num_query_groups", m.num_query_groups)
-    _divides(e, "actor.tp", a.tp, "model.ffn_hidden_size", m.ffn_hidden_size)
+    if not m.num_experts:  # a MoE model has no dense MLP to split, and TP never splits its experts
+        _divides(e, "actor.tp", a.tp, "model.ffn_hidden_size", m.ffn_hidden_size)
     _divides(e, "actor.pp", a.pp, "model.num_layers", m.num_layers)
+    if a.ep < 1:
+        e.append(f"actor.ep={a.ep} must be positive")
+    elif a.ep > 1 and not m.num_experts:
+        e.append(f"actor.ep={a.ep} splits experts, but model.num_experts=0 (model.family={m.family!r} is dense)")
+    elif m.num_experts:
+        _divides(e, "actor.ep", a.ep, "model.num_experts", m.num_experts)
     if a.cp < 1:
         e.append(f"actor.cp={a.cp} must be positive")
     _choice(e, "actor.cp_comm_type", a.cp_comm_type, CP_COMM_TYPES)
@@ -144,7 +154,7 @@ def _resources(cfg: MGRPOConfig) -> list[str]:
     if r.engine == Engine.sglang and r.mode == RolloutMode.disaggregated and a.pp > 1:
         e.append("rollout.mode=disaggregated with actor.pp>1: the per-stage NCCL weight broadcasts are not "
                  "serialised yet; use actor.pp=1 or rollout.mode=colocated")
-    if e or min(a.tp, a.pp, a.cp) < 1:
+    if e or min(a.tp, a.pp, a.cp, a.ep) < 1:
         return e
     lay = layout(cfg)
     mp = a.tp * a.pp * a.cp
@@ -155,6 +165,10 @@ def _resources(cfg: MGRPOConfig) -> list[str]:
         e.append(f"actor.tp*actor.pp*actor.cp={mp} does not divide the trainer's {lay.megatron_world} accelerators "
                  f"(trainer.nnodes*trainer.n_gpus_per_node"
                  f"{' - rollout.num_engines*rollout.tp' if r.mode == RolloutMode.disaggregated else ''})")
+    elif (lay.megatron_world // a.pp) % a.ep != 0:  # expert ranks are carved out of tp x cp x dp
+        e.append(f"actor.ep={a.ep} does not divide the {lay.megatron_world // a.pp} ranks of a pipeline stage "
+                 f"(actor.tp*actor.cp*data-parallel = {a.tp}*{a.cp}*{lay.dp}); expert-parallel ranks are "
+                 "carved out of them")
     if r.shares_actor_devices and lay.rollout_devices > lay.total:
         e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} exceeds the {lay.total} accelerators"
                  + (" (rollout.mode=hybrid: each engine lives in a Megatron rank)"

@@ -41,14 +41,18 @@ def fp8_kwargs(fp8: Optional[str], fp8_recipe: str = "delayed", *, fp8_param: bo
     return kwargs
 
 
-def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
-                              use_te: bool = False, params_dtype: torch.dtype = torch.float32,
+def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                              use_cpu: bool, use_te: bool = False, params_dtype: torch.dtype = torch.float32,
                               sequence_parallel: bool = False, fp8: Optional[str] = None,
                               fp8_recipe: str = "delayed", fp8_param: bool = False,
                               cp_comm_type: str = "p2p", recompute: Optional[str] = None) -> dict:
     """The TransformerConfig fields for `model` (its family's architecture) at a parallel layout,
     without any capability check. Kept separate from `transformer_config` so the GPU configuration
     can be inspected on a CPU.
+
+    A mixture-of-experts family runs its experts `ep` ways (expert tensor parallelism 1) and, with
+    tp > 1, sequence parallel: megatron's MoE layer refuses TP without it in training, and with every TP
+    rank dispatching the same tokens each expert would see them tp times (gradients tp x too large).
     """
     from megatron.core.transformer.enums import AttnBackend
 
@@ -74,6 +78,12 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
         deallocate_pipeline_outputs=False,
     )
     kwargs.update(family_of(model).megatron_config(model))
+    if kwargs.get("num_moe_experts"):
+        kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                      sequence_parallel=tp > 1, moe_grouped_gemm=use_te and not use_cpu)
+    elif ep != 1:
+        raise ValueError(f"expert parallelism (ep={ep}) needs a mixture-of-experts model; model.family="
+                         f"{model.family!r} has no experts")
     if recompute == "full":  # every layer's activations recomputed in backward, one layer per checkpoint
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":  # core attention only
@@ -103,7 +113,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
     return kwargs
 
 
-def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, use_cpu: bool,
+def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, use_cpu: bool,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                        fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
                        use_te: Optional[bool] = None, cp_comm_type: str = "p2p", recompute: Optional[str] = None):
@@ -124,11 +134,52 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
     use_te = resolve_use_te(use_te, use_cpu=use_cpu)
     if fp8 is not None and not use_te:
         raise ValueError(f"fp8={fp8!r} needs the Transformer Engine layer spec, but use_te=False")
-    kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, use_cpu=use_cpu, use_te=use_te,
+    kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, ep=ep, use_cpu=use_cpu, use_te=use_te,
                                        params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                        fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param,
                                        cp_comm_type=cp_comm_type, recompute=recompute)
     return TransformerConfig(**kwargs)
+
+
+class SequenceParallelTorchNorm:
+    """megatron's WrappedTorchNorm (the local spec's RMSNorm) under sequence parallelism.
+
+    WrappedTorchNorm refuses `sequence_parallel`, but a norm needs nothing from it: it is built from a
+    copy of the config without the flag and its weight is marked `sequence_parallel`, as Transformer
+    Engine's norms mark theirs, so that finalize_model_grads sums its gradient over the TP ranks (each
+    of which saw 1/tp of the tokens). The q/k norms, which see whole sequences but 1/tp of the heads,
+    are summed over TP for that reason as well (megatron does it by name for qk_layernorm)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        import copy
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def with_sequence_parallel_norms(spec, tf_config, pp_rank: int, vp_stage=None):
+    """A local decoder-layer spec whose RMSNorms take sequence parallelism (`SequenceParallelTorchNorm`),
+    as the block spec of one pipeline stage (its final norm too, which megatron would otherwise take
+    from its module-level default, the torch norm)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    for owner, name in ((sub, "input_layernorm"), (sub, "pre_mlp_layernorm"),
+                        (sub.self_attention.submodules, "q_layernorm"), (sub.self_attention.submodules, "k_layernorm")):
+        if getattr(owner, name) is WrappedTorchNorm:
+            setattr(owner, name, SequenceParallelTorchNorm)
+    n = get_num_layers_to_build(tf_config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=SequenceParallelTorchNorm)
 
 
 def with_reference_attention(spec):
@@ -164,9 +215,12 @@ def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_pr
         use_te = (tf_config.fp8 is not None or tf_config.attention_backend != AttnBackend.local) and te_available()
     family = family_of(model)
     tp = tf_config.tensor_model_parallel_size
-    spec = family.layer_spec(use_te=use_te)
+    spec = family.layer_spec(use_te=use_te, model=model)
     if not use_te:
         spec = with_reference_attention(spec)
+        if tf_config.sequence_parallel:
+            pp_rank = pg_collection.pp.rank() if pg_collection is not None else 0
+            spec = with_sequence_parallel_norms(spec, tf_config, pp_rank)
     return GPTModel(
         config=tf_config,
         transformer_layer_spec=spec,
@@ -179,6 +233,23 @@ def build_gpt_model(model: ModelConfig, tf_config, *, pre_process: bool, post_pr
         pg_collection=pg_collection,
         **family.megatron_model(model),
     )
+
+
+def stage_padding_mask(model, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The padding mask [b, s] (True = padding) as one pipeline stage of a mixture-of-experts GPTModel
+    takes it, None for a dense model (which ignores it). GPTModel splits it over the sequence-parallel
+    ranks on the first stage only, where it embeds the tokens; later stages get this rank's slice here."""
+    from mgrpo.models.hf_checkpoint import unwrap
+
+    gpt = unwrap(model)
+    if mask is None or not gpt.config.num_moe_experts:
+        return None
+    if gpt.config.sequence_parallel and not gpt.pre_process:
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        group = gpt.pg_collection.tp if hasattr(gpt, "pg_collection") else None
+        mask = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous(), group=group).transpose(0, 1)
+    return mask.contiguous()
 
 
 def packed_seq_params(seq_lens: Sequence[int] | torch.Tensor, *, pad_to_multiple_of: int = 1,

@@ -36,13 +36,19 @@ class Stage:
     """Global index of each local decoder layer."""
     pre_process: bool
     post_process: bool
+    experts: Optional[list[int]] = None
+    """Global index of each local expert of a mixture-of-experts stage (the same in every layer); None
+    for a dense one."""
 
     @classmethod
     def of(cls, model) -> "Stage":
         model = unwrap(model)
-        layers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
+        decoder_layers = list(model.decoder.layers) if hasattr(model, "decoder") else []
+        layers = [layer.layer_number - 1 for layer in decoder_layers]
         params = {k: p for k, p in model.named_parameters() if p.numel() > 0}
-        return cls(params, layers, bool(model.pre_process), bool(model.post_process))
+        experts = next((list(layer.mlp.local_expert_indices) for layer in decoder_layers
+                        if hasattr(layer.mlp, "local_expert_indices")), None)
+        return cls(params, layers, bool(model.pre_process), bool(model.post_process), experts)
 
     def vocab_padded(self, tp_size: int) -> Optional[int]:
         for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -50,9 +56,13 @@ class Stage:
                 return self.params[name].shape[0] * tp_size
         return None
 
-    def weights(self, cfg: ModelConfig) -> list[Weight]:
+    def weights(self, cfg: ModelConfig, experts: Optional[list[int]] = None) -> list[Weight]:
+        """The stage's weights; `experts` (global indices) names another expert-parallel rank's experts
+        in place of this stage's own (same Megatron names, the other rank's HF names)."""
+        experts = self.experts if experts is None else experts
+        kw = {"experts": experts} if experts is not None else {}
         return family_of(cfg).stage_weights(cfg, layers=self.layers, pre_process=self.pre_process,
-                                            post_process=self.post_process, param_names=set(self.params))
+                                            post_process=self.post_process, param_names=set(self.params), **kw)
 
     def check(self, cfg: ModelConfig, d: Dims, weights: list[Weight]) -> list[str]:
         """Megatron parameters the mapping does not know, misses, or expects in another shape."""

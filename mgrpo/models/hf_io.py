@@ -322,7 +322,7 @@ def init_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, seed: int, tokenize
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = family.hf_model(family.hf_config(model_cfg)).float()
-    state = model.state_dict()
+    state = family.hf_named_tensors(model)  # checkpoint names (transformers 5 fuses MoE experts in memory)
     names = list(family.hf_shapes(model_cfg))
     tok_obj, tok_dir = (None, tokenizer) if isinstance(tokenizer, str) else (tokenizer, None)
     save_hf_checkpoint(out_dir, ((n, state[n]) for n in names), model_cfg, tokenizer=tok_obj, tokenizer_dir=tok_dir)

@@ -12,7 +12,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from mgrpo.models.shapes import FC1, QKV, REPLICATED, ROW_PARALLEL, VOCAB, Dims, Weight, local_shape
+from mgrpo.models.shapes import (EXPERT_FC1, EXPERT_FC2, FC1, QKV, REPLICATED, ROUTER, ROW_PARALLEL, VOCAB, Dims,
+                                 Weight, local_shape)
 
 
 # read(hf_name, dim, start, stop) -> the slice [start, stop) of the HF tensor along dim
@@ -23,8 +24,10 @@ Reader = Callable[[str, Optional[int], int, int], torch.Tensor]
 def shard_from_hf(w: Weight, read: Reader, d: Dims, tp_rank: int) -> torch.Tensor:
     """This TP rank's shard of Megatron weight `w`, read from HF tensors."""
     r, H = tp_rank, d.hidden
-    if w.kind == REPLICATED:
+    if w.kind in (REPLICATED, ROUTER, EXPERT_FC2):  # whole on this rank (an expert on its EP rank)
         return read(w.hf[0], None, 0, 0)
+    if w.kind == EXPERT_FC1:  # one expert's [gate; up], never split by TP
+        return torch.cat([read(w.hf[0], None, 0, 0), read(w.hf[1], None, 0, 0)], dim=0)
     if w.kind == ROW_PARALLEL:
         cols = local_shape(w, d)[1]
         return read(w.hf[0], 1, r * cols, (r + 1) * cols)
@@ -53,13 +56,17 @@ def shard_from_hf(w: Weight, read: Reader, d: Dims, tp_rank: int) -> torch.Tenso
 
 def hf_from_shards(w: Weight, shards, d: Dims) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors of `w` from its TP shards: a tensor [tp, *local_shape] (stacked in rank
-    order, as `all_gather` into one buffer leaves them) or a list of shards. Results are views of
+    order, as `all_gather` into one buffer leaves them) or a list of shards. Replicated weights and
+    experts (which TP does not split) take a single shard [1, *local_shape]. Results are views of
     `shards` where the layout allows (always at TP=1), otherwise one copy."""
     if not isinstance(shards, torch.Tensor):
         shards = torch.stack(list(shards))
     tp, H = shards.shape[0], d.hidden
-    if w.kind == REPLICATED:
+    if w.kind in (REPLICATED, ROUTER, EXPERT_FC2):
         yield w.hf[0], shards[0]
+    elif w.kind == EXPERT_FC1:  # [gate rows; up rows] of one expert
+        yield w.hf[0], shards[0][: d.moe_ffn]
+        yield w.hf[1], shards[0][d.moe_ffn:]
     elif w.kind == ROW_PARALLEL:  # [tp, H, cols/tp] -> [H, cols]
         yield w.hf[0], shards[0] if tp == 1 else shards.permute(1, 0, 2).reshape(H, -1)
     elif w.kind == VOCAB:

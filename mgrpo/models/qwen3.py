@@ -61,7 +61,7 @@ def megatron_config(model) -> dict:
     )
 
 
-def megatron_layer_spec(use_te: bool):
+def megatron_layer_spec(use_te: bool, model=None):
     """The TE spec fuses the pre-attention and pre-MLP RMSNorms into `linear_qkv` / `linear_fc1`
     (`layer_norm_weight`); the local spec keeps them as `input_layernorm` / `pre_mlp_layernorm`.
     `stage_weights` handles both key sets."""
@@ -236,6 +236,14 @@ def default_tokenizer(vocab_size: int) -> str:
     return "qwen3" if vocab_size == QWEN3_VOCAB else "synthetic"
 
 
+def config_errors(model) -> list[str]:
+    """What the dense family cannot build from a ModelConfig."""
+    if model.num_experts:
+        return [f"model.num_experts={model.num_experts} but model.family={model.family!r} is dense "
+                "(mixture-of-experts Qwen3 is model.family=qwen3_moe)"]
+    return []
+
+
 # --- size ------------------------------------------------------------------------------------------
 def layer_params(m) -> LayerParams:
     """Parameters of one Qwen3 decoder layer (no biases), by part."""
@@ -269,4 +277,5 @@ QWEN3 = ModelFamily(
     hf_checked_fields=HF_CHECKED_FIELDS,
     layer_params=layer_params,
     default_tokenizer=default_tokenizer,
+    config_errors=config_errors,
 )

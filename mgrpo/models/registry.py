@@ -9,8 +9,9 @@ from __future__ import annotations
 from mgrpo.config.registry import Registry
 from mgrpo.models.family import ModelFamily
 from mgrpo.models.qwen3 import QWEN3
+from mgrpo.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: Registry[ModelFamily] = Registry("model.family", {QWEN3.name: QWEN3})
+FAMILIES: Registry[ModelFamily] = Registry("model.family", {QWEN3.name: QWEN3, QWEN3_MOE.name: QWEN3_MOE})
 
 
 def family_of(model) -> ModelFamily:
@@ -27,6 +28,16 @@ def family_for_hf(model_type, path: str = "config.json") -> ModelFamily:
     raise ValueError(f"{path}: model_type={model_type!r}, expected {known} (model families: {list(FAMILIES)})")
 
 
-def param_counts(model, tp: int = 1, pp: int = 1) -> dict:
+def param_counts(model, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     """Parameter counts of a ModelConfig by its family (see ModelFamily.param_counts)."""
-    return family_of(model).param_counts(model, tp, pp)
+    return family_of(model).param_counts(model, tp, pp, ep)
+
+
+def hf_named_tensors(hf_model) -> dict:
+    """A transformers model's weights under their checkpoint names (views of its parameters), by the
+    family of its config's model_type; a model of no registered family has its parameters' own names."""
+    model_type = getattr(hf_model.config, "model_type", None)
+    for family in FAMILIES.values():
+        if family.hf_model_type == model_type:
+            return family.hf_named_tensors(hf_model)
+    return dict(hf_model.named_parameters())

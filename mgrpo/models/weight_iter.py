@@ -2,7 +2,10 @@
 
 Weight sync to every rollout engine and every HF export go through `iter_megatron_to_hf` and
 `bucketize`. Tensor-parallel shards are all-gathered one parameter at a time over the TP group the
-caller passes in, so the stream never holds more than one full parameter.
+caller passes in, so the stream never holds more than one full parameter. A mixture-of-experts stage
+holds 1/ep of every layer's experts (whole: TP does not split them); they are all-gathered over the
+expert-parallel group one local expert at a time, so the rank that streams the stage emits every
+expert, under its global index (one sender per stage, as for a dense model; see `iter_megatron_to_hf`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from mgrpo.config import ModelConfig
 from mgrpo.models.hf_checkpoint import Stage, check_stage_layout, raise_problems
 from mgrpo.models.layout import hf_from_shards
-from mgrpo.models.shapes import REPLICATED
+from mgrpo.models.shapes import EXPERT_KINDS, REPLICATED, ROUTER
 
 
 def _dense(p: torch.Tensor) -> torch.Tensor:
@@ -37,7 +40,8 @@ def _gather(t: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
 
 
 def iter_megatron_to_hf(model, model_cfg: ModelConfig, *, tp_group, tp_size: int, pp_rank: int,
-                        pp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+                        pp_size: int, ep_group=None, ep_size: int = 1, dense: bool = True,
+                        experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's weights as (HF name, full HF-layout tensor), global layer indices.
 
     One parameter at a time: TP shards are all-gathered over `tp_group` (every TP rank of the stage
@@ -45,21 +49,40 @@ def iter_megatron_to_hf(model, model_cfg: ModelConfig, *, tp_group, tp_size: int
     nothing else is held. Padded vocabulary rows are stripped. With tied embeddings only the
     embedding is emitted (from the first stage); `lm_head.weight` only when untied (last stage).
     Tensors stay on the parameters' device and may share memory with them.
+
+    Mixture of experts: experts are whole on their expert-parallel rank; with ep_size > 1 each local
+    expert is all-gathered over `ep_group` (all its ranks must iterate) and every rank receives all
+    experts, named by global index (ep_rank * experts/ep + local index). `dense=False` / `experts=False`
+    skip the dense weights / the experts and their collectives, for ranks that take part in only one
+    of the two gathers.
     """
     stage = Stage.of(model)
     d = check_stage_layout(model_cfg, stage, tp_size, pp_rank, pp_size)
-    if tp_size > 1:
-        import torch.distributed as dist
+    for size, group, name in ((tp_size, tp_group, "tp"), (ep_size, ep_group, "ep")):
+        if size > 1:
+            import torch.distributed as dist
 
-        if dist.get_world_size(tp_group) != tp_size:
-            raise ValueError(f"tp_size={tp_size} but tp_group has {dist.get_world_size(tp_group)} ranks")
+            if dist.get_world_size(group) != size:
+                raise ValueError(f"{name}_size={size} but {name}_group has {dist.get_world_size(group)} ranks")
     weights = stage.weights(model_cfg)
     raise_problems(f"cannot export Megatron stage pp_rank={pp_rank}", stage.check(model_cfg, d, weights))
-    for w in weights:
-        if not w.export:
+    # the same weights under the HF names of each EP rank's experts (same order, same Megatron names)
+    per_ep_rank = [weights] if ep_size == 1 else [
+        stage.weights(model_cfg, experts=[r * d.experts // ep_size + i for i in range(d.experts // ep_size)])
+        for r in range(ep_size)]
+    for k, w in enumerate(weights):
+        is_expert = w.kind in EXPERT_KINDS
+        if not w.export or not (experts if is_expert else dense):
             continue
         local = _dense(stage.params[w.megatron])
-        shards = local.unsqueeze(0) if w.kind == REPLICATED or tp_size == 1 else _gather(local, tp_group, tp_size)
+        if is_expert:
+            shards = local.unsqueeze(0) if ep_size == 1 else _gather(local, ep_group, ep_size)
+            for r in range(ep_size):
+                for name, tensor in hf_from_shards(per_ep_rank[r][k], shards[r:r + 1], d):
+                    yield name, tensor.contiguous()
+            continue
+        whole = w.kind in (REPLICATED, ROUTER) or tp_size == 1
+        shards = local.unsqueeze(0) if whole else _gather(local, tp_group, tp_size)
         for name, tensor in hf_from_shards(w, shards, d):
             yield name, tensor.contiguous()
 

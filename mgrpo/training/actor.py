@@ -33,16 +33,17 @@ class MegatronActor:
         self.cfg = cfg
         a = cfg.actor
         self.ctx = init_parallel(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                                 tp=a.tp, pp=a.pp, cp=a.cp, seed=a.seed)
+                                 tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, seed=a.seed)
         use_cpu = self.ctx.device.type == "cpu"
         bf16 = a.dtype == "bf16"
-        self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, use_cpu=use_cpu,
+        self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, use_cpu=use_cpu,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                             fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param,
                                             cp_comm_type=a.cp_comm_type, recompute=a.recompute)
         # micro-batch layout: padded rows or THD-packed, this rank's CP share, FP8 slot multiples
         self.layout = batch_layout(packed=a.pack_sequences, cp=a.cp, cp_rank=self.ctx.cp_rank,
-                                   fp8_recipe=a.fp8_recipe if a.fp8 is not None else None)
+                                   fp8_recipe=a.fp8_recipe if a.fp8 is not None else None,
+                                   sp=a.tp if self.tf_config.sequence_parallel else 1)
         self.head = LogProbHead(cfg, self.ctx)
 
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -91,7 +92,7 @@ class MegatronActor:
         c, a = self.ctx, self.cfg.actor
         use_te = resolve_use_te(None, use_cpu=c.device.type == "cpu")
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, cp_rank=c.cp_rank, dp_rank=c.dp_rank,
-                    is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source,
+                    ep_rank=c.ep_rank, is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source,
                     paths=fused_paths(use_te=use_te, logprob_impl=a.logprob_impl, fp8=a.fp8))
 
     # --- megatron schedule plumbing ---------------------------------------------------------------
@@ -186,6 +187,7 @@ class MegatronActor:
         t0 = time.perf_counter()
         step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token)
         metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
+        metrics.update(moe_metrics(self.cfg.model, self.ctx, len(mbs)))
         finite = torch.tensor([float(all(map(math.isfinite, metrics.values())))])
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to step or to skip
         ok, grad_norm = False, float("nan")
@@ -229,20 +231,35 @@ class MegatronActor:
         return metrics
 
     # --- weight sync ----------------------------------------------------------------------------
+    def _export_stream(self):
+        """This rank's part in streaming its pipeline stage out in HF layout, or None if it takes none.
+
+        The weight source (TP rank 0 of data-parallel replica 0, CP rank 0) emits the whole stage: its TP
+        group gathers the dense weights and, in a mixture-of-experts model, its expert-parallel group
+        (expert-data-parallel rank 0) gathers the experts to it. One sender per stage, as for a dense
+        model: the engines' transports, buckets and update protocol do not change with EP (every EP
+        rank a sender would multiply the senders each engine must wait for and split the update's close)."""
+        c = self.ctx
+        experts = bool(self.tf_config.num_moe_experts) and c.exports_experts
+        if not (c.exports_weights or experts):
+            return None
+        return iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp, pp_rank=c.pp_rank,
+                                   pp_size=c.pp, ep_group=c.ep_group, ep_size=c.ep, dense=c.exports_weights,
+                                   experts=experts)
+
     @torch.no_grad()
     def sync_weights(self, receivers: Sequence, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
         """Stream this stage's weights in HF layout to every rollout engine.
 
-        All TP ranks of data-parallel replica 0 iterate (the TP gather is a collective); the TP-rank-0
+        The ranks of `_export_stream` iterate (the TP and EP gathers are collectives); the weight-source
         ranks (one per pipeline stage) send. Other replicas hold identical weights and do nothing.
         `finish_version`: this rank is the only sender (one pipeline stage), so once its buckets are in
         it closes the update on every engine itself ('finished' in the result), sparing the driver a
         round trip."""
         c = self.ctx
         sent, tensors, t0 = 0, 0, time.perf_counter()
-        if c.exports_weights:
-            named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
-                                        pp_rank=c.pp_rank, pp_size=c.pp)
+        named = self._export_stream()
+        if named is not None:
             for bucket in bucketize(named, bucket_bytes):
                 if c.is_weight_source:
                     for r in receivers:
@@ -256,15 +273,14 @@ class MegatronActor:
         return {"bytes": sent, "tensors": tensors, "seconds": time.perf_counter() - t0, "finished": finished}
 
     def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
-        """Write the actor as an HF checkpoint: TP rank 0 of each pipeline stage (of replica 0) streams
-        its stage's shards to disk; no rank ever holds the whole model."""
+        """Write the actor as an HF checkpoint: the weight source of each pipeline stage (TP rank 0 of
+        replica 0) streams its stage's shards to disk; no rank ever holds the whole model."""
         from mgrpo.models.weight_iter import save_hf_checkpoint_distributed
 
         c = self.ctx
-        named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp,
-                                    pp_rank=c.pp_rank, pp_size=c.pp) if c.exports_weights else iter(())
-        save_hf_checkpoint_distributed(out_dir, named, self.cfg.model, writer=c.is_weight_source,
-                                       stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
+        named = self._export_stream()
+        save_hf_checkpoint_distributed(out_dir, named if named is not None else iter(()), self.cfg.model,
+                                       writer=c.is_weight_source, stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         from mgrpo.training.checkpoint import save_checkpoint
@@ -280,6 +296,25 @@ class MegatronActor:
         from mgrpo.training.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def moe_metrics(model_cfg, ctx, num_microbatches: int) -> dict:
+    """The step's load-balancing loss (without its coefficient, averaged over layers) from megatron's
+    aux-loss tracker: every layer's loss per micro-batch, summed over the TP and CP ranks that share a
+    sequence, averaged over this rank's micro-batches and then over DP ranks, as the gradient weighs it
+    (megatron scales each micro-batch's aux-loss gradient by 1/micro-batches; DDP averages over DP)."""
+    if not (model_cfg.num_experts and model_cfg.router_aux_loss_coef > 0):
+        return {}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+
+    name = "load_balancing_loss"
+    tracked = get_moe_layer_wise_logging_tracker().get(name)
+    if tracked is not None:  # micro-batch counts differ between DP ranks: average them locally first
+        tracked["values"] /= max(num_microbatches, 1)
+    totals: dict = {}
+    track_moe_metrics(loss_scale=1.0, iteration=0, total_loss_dict=totals, force_initialize=True, track_names=[name],
+                      num_layers=model_cfg.num_layers, pg_collection=ctx.pg_collection)
+    return {"actor/moe_load_balancing_loss": float(totals[name])}
 
 
 def _batch_key(batch: RankBatch) -> tuple:

@@ -93,13 +93,15 @@ def fp8_token_multiple(recipe: str) -> int:
     return {"mxfp8": 32, "blockwise": 128}.get(recipe, 16)
 
 
-def batch_layout(*, packed: bool, cp: int = 1, cp_rank: int = 0, fp8_recipe: Optional[str] = None) -> BatchLayout:
+def batch_layout(*, packed: bool, cp: int = 1, cp_rank: int = 0, fp8_recipe: Optional[str] = None,
+                 sp: int = 1) -> BatchLayout:
     """The layout for a parallel setup: CP needs sequences in 2*cp equal chunks; FP8 (fp8_recipe set
-    when actor.fp8 is) wants 16 slots per sequence and per micro-batch (32 / 128, see fp8_token_multiple)."""
+    when actor.fp8 is) wants 16 slots per sequence and per micro-batch (32 / 128, see fp8_token_multiple);
+    sequence parallelism over `sp` TP ranks splits each rank's tokens sp ways."""
     seq = 2 * cp if cp > 1 else 1
-    tokens = 1
+    tokens = sp
     if fp8_recipe is not None:
-        tokens = fp8_token_multiple(fp8_recipe)
+        tokens = math.lcm(tokens, fp8_token_multiple(fp8_recipe))
         seq = math.lcm(seq, 16 if fp8_recipe != "mxfp8" else 32)
     return BatchLayout(packed=packed, cp=cp, cp_rank=cp_rank, seq_multiple=seq, token_multiple=tokens)
 
@@ -133,6 +135,8 @@ class MicroBatch:
     tokens in sample order (`sum(response_lens)`); None when this rank holds them all, in that order."""
     slots: int = 0
     """Token slots this micro-batch occupies on this rank (padding included)."""
+    padding_mask: Optional[torch.Tensor] = None
+    """Same shape as `tokens`: True at padding slots (MoE routers leave them out of the load-balancing loss)."""
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +155,7 @@ class MicroBatch:
                           labels=move(self.labels), sample_of_token=move(self.sample_of_token),
                           response_lens=self.response_lens, fields={k: move(v) for k, v in self.fields.items()},
                           metric_weight=self.metric_weight, packed_seq_params=psp,
-                          token_order=move(self.token_order), slots=self.slots)
+                          token_order=move(self.token_order), slots=self.slots, padding_mask=move(self.padding_mask))
 
 
 def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad_id: int = 0) -> MicroBatch:
@@ -211,6 +215,7 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
         packed_seq_params=packed_seq_params(lens, padded_lens=slots) if layout.packed else None,
         token_order=order_t if cp > 1 else None,
         slots=local,
+        padding_mask=(g >= n).view(shape),
     )
 
 

@@ -182,9 +182,71 @@ def _apply_rope_cp_index() -> None:
     rope_utils.torch = proxy
 
 
+# --- mixture of experts ------------------------------------------------------------------------------
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _dtoh_on_host(self, point: str, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without CUDA streams.
+
+    On a GPU the dispatcher copies its routing counts to the host on a side stream at `cuda_dtoh_point`
+    and waits for that copy at `cuda_sync_point`. On CPU they are host tensors already: the same
+    attributes get the same types (the split sizes as numpy arrays, as the GPU path leaves them) at the
+    same point, with nothing to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _apply_moe_dtoh_stream() -> None:
+    module = importlib.import_module(_DISPATCHER)
+    cls = module.MoEAlltoAllTokenDispatcher
+    # __init__ creates the shared side stream only while the class attribute is None
+    cls.cuda_dtoh_stream = _NoStream()
+    cls._maybe_dtoh_and_synchronize = _dtoh_on_host
+
+
+def _apply_moe_router_gemm() -> None:
+    # RouterGatingLinearFunction asks `te_general_gemm is not None`, but without Transformer Engine the
+    # name is never bound (it is imported inside the TE-only try block): the fallback torch.mm path is
+    # what the check means to select.
+    importlib.import_module(_MOE_UTILS).te_general_gemm = None
+
+
+def _apply_moe_tracker() -> None:
+    # track_moe_metrics(force_initialize=True) allocates the per-layer loss tracker with device="cuda".
+    proxy = _CpuTorch("torch_cpu_factories_moe")
+    for fn in _FACTORIES:
+        setattr(proxy, fn, _cpu_factory(getattr(torch, fn)))
+    importlib.import_module(_MOE_UTILS).torch = proxy
+
+
+MOE_PATCHES: tuple[Patch, ...] = (
+    Patch("moe_dtoh_stream", "the alltoall token dispatcher creates torch.cuda.Stream() and moves its routing "
+          "counts to the host on it", lambda: (
+              _source_has(_DISPATCHER, "MoEAlltoAllTokenDispatcher", "torch.cuda.Stream()")
+              and "torch.cuda.stream(self.cuda_dtoh_stream)" in inspect.getsource(
+                  importlib.import_module(_DISPATCHER).MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)),
+          _apply_moe_dtoh_stream),
+    Patch("moe_router_gemm", "moe_utils.te_general_gemm is unbound without Transformer Engine (megatron-core "
+          "0.16.1; 0.19.2 binds it to None), so the router's backward raises NameError",
+          lambda: (not hasattr(importlib.import_module(_MOE_UTILS), "te_general_gemm")
+                   and _source_has(_MOE_UTILS, "RouterGatingLinearFunction", "te_general_gemm is not None")),
+          _apply_moe_router_gemm),
+    Patch("moe_tracker", "track_moe_metrics allocates the aux-loss tracker with device='cuda'",
+          lambda: _source_has(_MOE_UTILS, "track_moe_metrics", 'device="cuda"'), _apply_moe_tracker),
+)
+"""Needed by mixture-of-experts models only; optional like the next ones (applied where the premise holds),
+so a dense model does not depend on megatron's MoE code staying as it is. tests/test_cpu_compat.py asserts
+every premise on the installed megatron-core."""
+
 # Patches for code that only some megatron-core releases contain. Each is applied exactly where its
 # premise holds (a capability check, not a version pin), so one tree runs on 0.16.1 and on newer releases.
-OPTIONAL_PATCHES: tuple[Patch, ...] = (
+OPTIONAL_PATCHES: tuple[Patch, ...] = MOE_PATCHES + (
     Patch("current_stream", "newer megatron-core (0.19.2; not 0.16.1): DDP's start_grad_sync waits on "
           "torch.cuda.current_stream() for CUDA-graph gradient events, even without CUDA graphs",
           lambda: _source_has("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",

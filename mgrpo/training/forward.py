@@ -22,6 +22,12 @@ from mgrpo.training.parallel import ParallelContext
 
 
 def _return_hidden(self, hidden_states, weight=None, runtime_gather_output=None):
+    if self.sequence_parallel:  # each TP rank holds 1/tp of the tokens; the kernel takes them all, and the
+        # gradient it returns is already summed over TP, so backward keeps this rank's slice of it
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                             group=self.tp_group)
     return hidden_states, None
 
 
@@ -125,8 +131,13 @@ def _on_policy(token_loss, old_logprob: torch.Tensor):
 
 
 def run_model(model, mb: MicroBatch):
-    """The stage's forward on one micro-batch: padded rows, or THD-packed with its PackedSeqParams."""
-    return model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
+    """The stage's forward on one micro-batch: padded rows, or THD-packed with its PackedSeqParams.
+    Mixture-of-experts stages also get the padding mask (padding stays out of the load-balancing loss)."""
+    from mgrpo.models.gpt import stage_padding_mask
+
+    mask = stage_padding_mask(model, mb.padding_mask)
+    extra = {} if mask is None else {"padding_mask": mask}
+    return model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params, **extra)
 
 
 def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Tensor:

@@ -31,6 +31,11 @@ class ParallelContext:
     dp_rank: int
     device: torch.device
     pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    ep: int = 1
+    """Expert-parallel size: each group of ep ranks (within tp x cp x dp) splits every MoE layer's experts."""
+    ep_rank: int = 0
+    expt_dp_rank: int = 0
+    """Rank among the ranks holding the same experts (tp x cp x dp / ep of them)."""
 
     @property
     def tp_group(self):
@@ -55,6 +60,15 @@ class ParallelContext:
         return self.pg_collection.dp_cp
 
     @property
+    def ep_group(self):
+        return self.pg_collection.ep
+
+    @property
+    def expt_dp_group(self):
+        """Ranks holding the same experts: expert gradients are reduced over it."""
+        return self.pg_collection.expt_dp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -72,7 +86,8 @@ class ParallelContext:
     @property
     def exports_weights(self) -> bool:
         """Takes part in exporting its stage's weights (weight sync, HF export): replica 0's TP ranks, since
-        gathering a TP-sharded tensor is a collective. Other replicas and CP ranks hold the same weights."""
+        gathering a TP-sharded tensor is a collective. Other replicas and CP ranks hold the same weights.
+        (A mixture-of-experts stage's experts: `exports_experts`.)"""
         return self.dp_rank == 0 and self.cp_rank == 0
 
     @property
@@ -80,10 +95,17 @@ class ParallelContext:
         """Sends (or writes) its pipeline stage's gathered weights: one exporting rank per stage."""
         return self.exports_weights and self.tp_rank == 0
 
+    @property
+    def exports_experts(self) -> bool:
+        """Takes part in streaming the stage's experts out: the weight source's expert-parallel group,
+        which holds every expert once, gathers them to it (its expert-data-parallel replicas do not)."""
+        return self.expt_dp_rank == 0
+
 
 def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: int, tp: int, pp: int,
-                  cp: int = 1, seed: int = 1, timeout_s: float = 600.0) -> ParallelContext:
-    """Join the trainer's process group (NCCL on GPU, gloo on CPU) and build megatron's groups."""
+                  cp: int = 1, ep: int = 1, seed: int = 1, timeout_s: float = 600.0) -> ParallelContext:
+    """Join the trainer's process group (NCCL on GPU, gloo on CPU) and build megatron's groups
+    (`ep`: expert-parallel size, expert tensor parallelism 1)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -110,6 +132,8 @@ def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: 
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1,
         )
     # Same seed on every rank for replicated parameters; megatron offsets the TP-rank streams.
     torch.manual_seed(seed)
@@ -128,6 +152,9 @@ def init_parallel(*, rank: int, world_size: int, master_addr: str, master_port: 
         dp_rank=ps.get_data_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
         pg_collection=pgs,
+        ep=ep,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        expt_dp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 
