@@ -64,7 +64,9 @@ class MegatronActor:
 
         self.ref = None
         if need_ref:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
-            self.ref = self._build_stage(replace(self.tf_config), init_hf_dir)
+            # (nor the actor's DDP hooks: megatron's expert MLP deep-copies its config, and a DDP does not copy)
+            self.ref = self._build_stage(replace(self.tf_config, no_sync_func=None, finalize_model_grads_func=None),
+                                         init_hf_dir)
             self.ref.requires_grad_(False)
             self.ref.eval()
         self.skipped_steps = 0
