@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from mgrpo.models.registry import hf_named_tensors
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -30,7 +31,9 @@ class HFRolloutEngine:
         self.pad_token_id = pad_token_id
         self.chunk_size = chunk_size
         self.weight_version = weight_version
-        self._params = dict(self.model.named_parameters())
+        # under the names weight sync sends (checkpoint names: per expert for Qwen3-MoE, whose experts
+        # transformers 5 fuses in memory), as views that share the parameters' memory
+        self._params = hf_named_tensors(self.model)
         self._received: set[str] = set()
         self._generated = 0
         # one model, one global random generator: calls from several host threads take turns
