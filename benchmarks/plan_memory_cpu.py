@@ -1,9 +1,10 @@
 """The planner's CPU memory estimate against the measured peak of the real Megatron actor.
 
     python benchmarks/plan_memory_cpu.py                 # every case that fits this machine
-    python benchmarks/plan_memory_cpu.py --cases tiny-tp1 tiny-pp2
+    python benchmarks/plan_memory_cpu.py --cases tiny-tp1pp1 tiny-moe-ep2
 
-Each case runs MegatronActor (mgrpo/training/actor.py) on tp x pp gloo ranks spawned by
+Each case runs MegatronActor (mgrpo/training/actor.py) on its gloo ranks (tp x pp, x 2 data-parallel
+ranks for the mixture-of-experts case at expert-parallel size 2) spawned by
 mgrpo/training/spawn.py (no Ray), fp32 on CPU, through one step's phases: build (weights, fp32 gradient
 buffer, reference), old-policy and reference log-probs, one optimizer step on a mini-batch of
 max-length sequences, and the weight-sync iteration (buckets built, sent nowhere). Per rank the peak
@@ -30,12 +31,15 @@ MIB = 1024**2
 PHASES = ("build", "logprobs", "train", "sync")
 
 # name -> (model preset, overrides). Sequences are all max-length; the token budget sets the micro-batch.
+TINY_LONG = ["data.max_prompt_length=192", "data.max_response_length=64", "actor.max_tokens_per_gpu=4096",
+             "data.train_batch_size=8", "rollout.n=4", "model.max_position_embeddings=256"]
 CASES = {
     # tiny: the default job's model with long sequences, so activations (not the process) dominate
-    **{f"tiny-tp{tp}pp{pp}": ("tiny", [f"actor.tp={tp}", f"actor.pp={pp}", "data.max_prompt_length=192",
-                                       "data.max_response_length=64", "actor.max_tokens_per_gpu=4096",
-                                       "data.train_batch_size=8", "rollout.n=4", "model.max_position_embeddings=256"])
+    **{f"tiny-tp{tp}pp{pp}": ("tiny", [f"actor.tp={tp}", f"actor.pp={pp}", *TINY_LONG])
        for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))},
+    # the tiny MoE (8 experts, top-2) on the same batch: at EP 2 two data-parallel ranks split the batch and
+    # every layer's experts
+    **{f"tiny-moe-ep{ep}": ("tiny-moe", [f"actor.ep={ep}", *TINY_LONG]) for ep in (1, 2)},
     # Qwen3-0.6B: 0.6B parameters, 151,936-token vocabulary (weights and Adam states dominate); no
     # reference model (algorithm.use_kl_loss=false) so that two pipeline stages fit this 24 GiB machine
     **{f"qwen3-0.6b-tp{tp}pp{pp}": ("qwen3-0.6b", [f"actor.tp={tp}", f"actor.pp={pp}", "data.max_prompt_length=192",
@@ -47,12 +51,11 @@ CASES = {
 
 
 def case_config(name: str, extra: tuple = ()):
+    """The case's config on the fewest ranks its layout needs (tp x pp, or what actor.ep needs)."""
     from mgrpo_launchers.plan import compose_config
 
     preset, overrides = CASES[name]
-    world = eval(name.split("-tp")[1].replace("pp", "*"))  # tp*pp
-    return compose_config([f"model={preset}", "trainer.device=cpu", f"trainer.n_gpus_per_node={world}",
-                           "trainer.logger=[console]", *overrides, *extra])
+    return compose_config([f"model={preset}", "trainer.device=cpu", "trainer.logger=[console]", *overrides, *extra])
 
 
 def _rss() -> tuple[int, int]:
@@ -72,10 +75,11 @@ def _reset_peak() -> None:
 
 def rank_batch(cfg):
     """This rank's share of a mini-batch: every sample at the maximum prompt and response length."""
+    from mgrpo.config import layout
     from mgrpo.training.batch import RankBatch
 
     d, a = cfg.data, cfg.actor
-    n = (a.ppo_mini_batch_size or d.train_batch_size) * cfg.rollout.n  # DP = 1 in every case
+    n = (a.ppo_mini_batch_size or d.train_batch_size) * cfg.rollout.n // layout(cfg).dp
     p, r = d.max_prompt_length, d.max_response_length
     ids = [[(i * 7 + j) % cfg.model.vocab_size for j in range(p + r)] for i in range(n)]
     tokens = n * r
@@ -118,7 +122,8 @@ def _measure_rank(rank, world, port, cfg, hf_dir):
     phase("logprobs", lambda: [actor.compute_logprobs(batch, which, 1.0) for which in ("actor", "ref")[:1 + bool(actor.ref)]])
     phase("train", lambda: actor.train_mini_batch(batch, 1.0))
     phase("sync", lambda: actor.sync_weights([], cfg.rollout.update_weights_bucket_mb << 20))
-    info = {"pp_rank": actor.ctx.pp_rank, "tp_rank": actor.ctx.tp_rank, "baseline": baseline}
+    info = {"pp_rank": actor.ctx.pp_rank, "tp_rank": actor.ctx.tp_rank, "ep_rank": actor.ctx.ep_rank,
+            "baseline": baseline}
     actor.shutdown()
     return {**info, "peaks": peaks, "seconds": times}
 
@@ -134,6 +139,7 @@ def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> li
     """Run one case; per rank the peak above baseline after each phase, and the planner's estimate.
     `malloc`: 'mmap' (RSS follows live tensors) or 'default' (glibc's defaults, what a run gets)."""
     from mgrpo.cluster.memory_plan import estimate_stages
+    from mgrpo.config import layout
     from mgrpo.models import init_hf_checkpoint
     from mgrpo.training.spawn import spawn_ranks
 
@@ -145,7 +151,7 @@ def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> li
     saved = {k: os.environ.get(k) for k in MALLOC_ENV["mmap"]}
     os.environ.update(MALLOC_ENV[malloc])  # read by glibc when each spawned rank starts
     try:
-        results = spawn_ranks(_measure_rank, a.tp * a.pp, cfg, hf_dir, timeout_s=1800, threads=1)
+        results = spawn_ranks(_measure_rank, layout(cfg).trainer_world, cfg, hf_dir, timeout_s=1800, threads=1)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -160,7 +166,7 @@ def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> li
 def row(name, cfg, rank, pp_rank, tp_rank, baseline, peaks, seconds, stages, malloc) -> dict:
     a = cfg.actor
     measured = max(peaks.values())
-    return {"case": name, "malloc": malloc, "model": cfg.model.name, "tp": a.tp, "pp": a.pp, "rank": rank,
+    return {"case": name, "malloc": malloc, "model": cfg.model.name, "tp": a.tp, "pp": a.pp, "ep": a.ep, "rank": rank,
             "pp_rank": pp_rank, "tp_rank": tp_rank, "micro_batch_tokens": stages[pp_rank].shape.tokens,
             "baseline_mib": round(baseline / MIB, 1),
             **{f"measured_{p}_mib": round(peaks[p] / MIB, 1) for p in PHASES},
@@ -176,6 +182,12 @@ def estimate_columns(est, measured_mib: float) -> dict:
             "estimate_over_measured": round(est.peak / MIB / measured_mib, 3)}
 
 
+def row_fields(r: dict) -> list:
+    """A row's columns with ep after pp (older rows got it appended)."""
+    keys = [k for k in r if k != "ep"]
+    return keys[:keys.index("pp") + 1] + ["ep"] + keys[keys.index("pp") + 1:]
+
+
 def available_memory() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -186,6 +198,7 @@ def main() -> None:
     from proctree import machine
 
     from mgrpo.cluster.memory_plan import estimate_stages
+    from mgrpo.config import layout
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
@@ -206,8 +219,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for name in args.cases:
             cfg = case_config(name)
-            # every rank of the case (tp per stage) + 2 GiB for the parent and the shared machine
-            need = cfg.actor.tp * sum(st.peak for st in estimate_stages(cfg)) + 2 * 1024**3
+            # every rank of the case + 2 GiB for the parent and the shared machine
+            need = layout(cfg).trainer_world // cfg.actor.pp * sum(st.peak for st in estimate_stages(cfg)) + 2 * 1024**3
             for malloc in args.malloc:
                 if need > available_memory():
                     reason = (f"needs ~{need / 1024**3:.1f} GiB (planner, all ranks + 2 GiB), "
@@ -223,8 +236,11 @@ def main() -> None:
                       f"{max(r['estimated_peak_mib'] for r in got):.1f} MiB, worst rank ratio "
                       f"{worst['estimate_over_measured']} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows.sort(key=lambda r: (list(CASES).index(r["case"]), r["malloc"], r["rank"]))
+    for r in rows:  # rows measured before expert parallelism existed
+        r.setdefault("ep", 1)
+    fields = list(dict.fromkeys(k for r in rows for k in row_fields(r)))
     with open(args.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
     run = {"command": "python benchmarks/plan_memory_cpu.py " + " ".join(sys.argv[1:]),

@@ -1,12 +1,15 @@
-"""The planner's verdict for Qwen3-8B and Qwen3-32B on 1, 2 and 8 nodes of 8 x 80 GiB GPUs.
+"""The planner's verdict for Qwen3-8B and Qwen3-32B on 1, 2 and 8 nodes, and for Qwen3-30B-A3B (MoE) on
+1, 2 and 4 nodes, of 8 x 80 GiB GPUs.
 
     python benchmarks/plan_table.py
 
-Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=qwen3-32b] trainer.nnodes=N` (the recipe's batch,
-sequence lengths, token budget, colocated SGLang at gpu_memory_utilization 0.6, actor.tp=2, no distributed
-optimizer, no recompute) and the change the planner finds that fits. These are the planner's estimates
-(mgrpo/cluster/memory_plan.py), not measurements: no GPU was used. Writes
-benchmarks/results/plan_qwen3_8x80gb.{csv,json} and prints the README table.
+Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe's batch,
+sequence lengths, token budget, colocated SGLang at gpu_memory_utilization 0.6, no distributed
+optimizer, no recompute; Qwen3-30B-A3B at actor.tp=4, the most its 4 key/value heads allow, and
+expert-parallel size 1) and the change the planner finds that fits (its knobs include actor.ep for a
+MoE model). These are the planner's estimates (mgrpo/cluster/memory_plan.py), not measurements: no GPU
+was used. Writes benchmarks/results/plan_qwen3_8x80gb.{csv,json} and plan_qwen3_moe_8x80gb.{csv,json}
+and prints the README tables.
 """
 
 from __future__ import annotations
@@ -21,22 +24,24 @@ sys.path.insert(0, REPO)
 GIB = 1024**3
 
 
-def rows() -> list[dict]:
+DENSE = [(model, nodes, []) for model in ("qwen3-8b", "qwen3-32b") for nodes in (1, 2, 8)]
+MOE = [("qwen3-30b-a3b", nodes, ["actor.tp=4"]) for nodes in (1, 2, 4)]
+
+
+def rows(cases=DENSE) -> list[dict]:
     from mgrpo.cluster.memory_plan import LABELS
     from mgrpo_launchers.plan import build_plan, compose_config
 
     out = []
-    for model in ("qwen3-8b", "qwen3-32b"):
-        for nodes in (1, 2, 8):
-            overrides = ["recipe=qwen3-8b-gsm8k-grpo", f"model={model}", f"trainer.nnodes={nodes}"]
-            mem = build_plan(compose_config(overrides))["memory_per_accelerator"]
-            row = {"model": model, "nodes": nodes, "gpus": 8 * nodes, "overrides": " ".join(overrides),
-                   "peak_gib": round(mem["peak"] / GIB, 1), "peak_phase": mem["peak_phase"], "fits": mem["fits"],
-                   "largest_term": LABELS[mem["largest_term"][0]],
-                   "largest_term_gib": round(mem["largest_term"][1] / GIB, 1),
-                   "suggestion": " ".join(mem["suggestion"] or []),
-                   "suggested_peak_gib": round(mem["suggested_peak"] / GIB, 1) if mem["suggested_peak"] else None}
-            out.append(row)
+    for model, nodes, extra in cases:
+        overrides = ["recipe=qwen3-8b-gsm8k-grpo", f"model={model}", *extra, f"trainer.nnodes={nodes}"]
+        mem = build_plan(compose_config(overrides))["memory_per_accelerator"]
+        out.append({"model": model, "nodes": nodes, "gpus": 8 * nodes, "overrides": " ".join(overrides),
+                    "peak_gib": round(mem["peak"] / GIB, 1), "peak_phase": mem["peak_phase"], "fits": mem["fits"],
+                    "largest_term": LABELS[mem["largest_term"][0]],
+                    "largest_term_gib": round(mem["largest_term"][1] / GIB, 1),
+                    "suggestion": " ".join(mem["suggestion"] or []),
+                    "suggested_peak_gib": round(mem["suggested_peak"] / GIB, 1) if mem["suggested_peak"] else None})
     return out
 
 
@@ -53,17 +58,18 @@ def markdown(table: list[dict]) -> str:
 
 
 def main() -> None:
-    table = rows()
-    out = os.path.join(REPO, "benchmarks", "results", "plan_qwen3_8x80gb")
-    with open(out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
-    with open(out + ".json", "w") as f:
-        json.dump({"command": "python benchmarks/plan_table.py", "gpu_memory_gib": 80,
-                   "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements", "rows": table},
-                  f, indent=1)
-    print(markdown(table))
+    for cases, name in ((DENSE, "plan_qwen3_8x80gb"), (MOE, "plan_qwen3_moe_8x80gb")):
+        table = rows(cases)
+        out = os.path.join(REPO, "benchmarks", "results", name)
+        with open(out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+        with open(out + ".json", "w") as f:
+            json.dump({"command": "python benchmarks/plan_table.py", "gpu_memory_gib": 80,
+                       "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements", "rows": table},
+                      f, indent=1)
+        print(markdown(table) + "\n")
 
 
 if __name__ == "__main__":

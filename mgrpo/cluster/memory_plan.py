@@ -31,6 +31,8 @@ RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens
   Transformer Engine spec (cuda: fused RMSNorm in LayerNormLinear, flash attention, fused SwiGLU):
     e T (4h + 3f/t + 3 dq/t + 3 dkv/t)
   full recompute (uniform, one layer per checkpoint): e T h per layer + one layer's full set.
+Mixture-of-experts models (experts split over actor.ep, their MoE blocks, dispatcher buffers, the EP
+gather of the weight sync, the routing-replay payload): moe_memory.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from mgrpo.cluster.moe_memory import (dispatch_buffers, ep_gather, is_moe, largest_exported, largest_layer_param,
+                                      moe_backward_working_set, moe_block_activations, optimizer_states,
+                                      routing_payload)
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
 from mgrpo.config.validate import default_dtype, resolved_device
 
@@ -79,10 +84,10 @@ def dtype_of(cfg: MGRPOConfig, device: str) -> str:
     return default_dtype(cfg.actor.dtype, device)
 
 
-def param_counts(model, tp: int, pp: int) -> dict:
+def param_counts(model, tp: int, pp: int, ep: int = 1) -> dict:
     from mgrpo.models.registry import param_counts as counts  # the model family's count; imports no torch
 
-    return counts(model, tp, pp)
+    return counts(model, tp, pp, ep)
 
 
 def micro_batch_shape(cfg: MGRPOConfig, lay: Layout, device: str) -> Shape:
@@ -105,26 +110,35 @@ def micro_batch_shape(cfg: MGRPOConfig, lay: Layout, device: str) -> Shape:
 
 
 def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
-    """Bytes autograd keeps for one decoder layer of one micro-batch (formulas in the module doc)."""
-    h, f, nq, nkv, hd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    """Bytes autograd keeps for one decoder layer of one micro-batch (formulas in the module doc; a
+    mixture-of-experts layer: its attention as a dense layer's without the MLP, sequence parallel at
+    TP > 1, plus its MoE block, see moe_memory.py)."""
+    h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    moe = is_moe(m)
+    f = 0 if moe else m.ffn_hidden_size
+    sp = tp if moe else 1  # sequence parallelism splits the norms' and residuals' tokens
     dq, dkv, T = nq * hd, nkv * hd, shape.tokens
+    extra = moe_block_activations(m, T, tp, e, spec, aux=m.router_aux_loss_coef > 0) if moe else 0
     if spec == "te":
-        return e * T * (4 * h + (3 * f + 3 * dq + 3 * dkv) // tp)
+        return e * (T * 4 * h // sp + T * ((3 * f + 3 * dq + 3 * dkv) // tp)) + extra
     # torch's fused attention (mgrpo/models/attention.py) keeps q, k, v and its output in its own
     # [b, h, s, d] layout, a log-sum-exp per query head, and under GQA with more than one key/value head
     # per rank one more query-sized buffer; no s x s scores (measured: tests/test_plan_memory.py)
     gqa = 1 if nq != nkv and nkv // tp > 1 else 0
-    per_token = 6 * h + (5 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp + 2
-    return e * T * per_token + 4 * e * shape.seq_len * hd
+    per_token = (5 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp
+    return e * (T * (6 * h + 2) // sp + T * per_token) + 4 * e * shape.seq_len * hd + extra
 
 
 def backward_working_set(m, shape: Shape, tp: int, e: int, spec: str) -> int:
     """Gradients alive at once while one layer runs backward (besides the saved activations): in the
     attention, those of q, k, v and the residual (fused attention's backward needs no s x s tensor, on
-    either spec); in the MLP, those of the SwiGLU input and output."""
-    h, f, nq, nkv, hd = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    either spec); in the MLP, those of the SwiGLU input and output (of the routed rows in a MoE block)."""
+    h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     T = shape.tokens
-    mlp = T * (4 * f // tp + h)
+    if is_moe(m):
+        mlp = moe_backward_working_set(m, T, tp, e) // e
+    else:
+        mlp = T * (4 * m.ffn_hidden_size // tp + h)
     if spec == "te":
         attn = T * ((3 * nq * hd + 2 * nkv * hd) // tp + h)
     else:
@@ -179,6 +193,8 @@ LABELS = {
     "tp_gather": "weight sync: TP gather of the largest tensor",
     "sglang_share": "SGLang share (rollout.gpu_memory_utilization)", "sglang_released": "SGLang released (assumed)",
     "sglang_weights": "SGLang weights (resumed for sync)", "allocator_slack": "allocator slack (5%)",
+    "moe_dispatch": "MoE dispatcher buffers (one layer)", "routing_payload": "routing-replay payload",
+    "ep_gather": "weight sync: EP gather of one expert",
 }
 
 
@@ -229,11 +245,16 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
     w = 2 if dtype == "bf16" else 4
     spec = "te" if device == "cuda" else "local"
     recompute = cfg.actor.recompute
-    counts = param_counts(m, a.tp, a.pp)
+    counts = param_counts(m, a.tp, a.pp, a.ep)
     v_local = counts["padded_vocab"] // a.tp
     shape = micro_batch_shape(cfg, lay, device)
     engines_share_gpu = device == "cuda" and r.shares_actor_devices
-    layer_largest = max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
+    moe = is_moe(m)
+    layer_largest = largest_layer_param(m, a.tp) if moe else \
+        max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
+    # the distributed optimizer shards dense states over DP, experts' over their expert-data-parallel ranks
+    dp_shard = lay.dp if a.use_distributed_optimizer else 1
+    edp_shard = a.tp * a.cp * lay.dp // a.ep if a.use_distributed_optimizer else 1
     stages = []
     for stage in range(a.pp):
         n = counts["per_rank_by_stage"][stage]
@@ -243,11 +264,13 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         # last stage, which HF does not have), or gate/up/q of a layer
         exported_vocab = stage == 0 or (stage == a.pp - 1 and not m.tie_word_embeddings)
         largest_full = max(counts["padded_vocab"] * m.hidden_size if exported_vocab else 0,
-                           m.ffn_hidden_size * m.hidden_size, m.num_attention_heads * m.head_dim * m.hidden_size)
+                           largest_exported(m) if moe else m.ffn_hidden_size * m.hidden_size,
+                           m.num_attention_heads * m.head_dim * m.hidden_size)
         persistent = {
             "actor_weights": n * w,
             "actor_grads": n * 4,
-            "optimizer_states": n * (8 + (4 if w == 2 else 0)) // (lay.dp if a.use_distributed_optimizer else 1),
+            "optimizer_states": optimizer_states(n, counts["expert_per_rank_by_stage"][stage], 8 + (4 if w == 2 else 0),
+                                                 dp_shard, edp_shard),
             "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
         }
         if device == "cuda":
@@ -260,11 +283,20 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                  "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0}
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
+        if moe:
+            payload = routing_payload(m, math.ceil((a.ppo_mini_batch_size or cfg.data.train_batch_size) * r.n / lay.dp),
+                                      shape.seq_len, m.num_layers // a.pp)
+            for p in (train, fwd):
+                p["moe_dispatch"] = dispatch_buffers(m, shape.tokens, a.tp, w)
+                if payload:
+                    p["routing_payload"] = payload
         # A bucket never holds more than the stage's weights. At TP > 1 every tensor is gathered whole
         # (measured: twice the largest one at the peak, benchmarks/plan_memory_cpu.py); at TP = 1 the
         # iteration hands out views of the parameters.
         sync = {"weight_sync_buckets": min(r.update_weights_bucket_mb * MIB, n * w),
                 "tp_gather": 2 * largest_full * w if a.tp > 1 else 0}
+        if moe:
+            sync["ep_gather"] = ep_gather(m, a.ep, w)
         # the embedding's dense gradient comes last in the backward, after the activations are freed
         phases = {"training": train, "end of backward": {"gradient_transient": largest_param * w},
                   "log-probs": fwd, "weight sync": sync}
@@ -301,7 +333,7 @@ def _host_memory() -> int:
 # Knobs the search may turn, cheapest first: (name, cost of one step). Recompute only once the schema
 # has actor.recompute (the trainer must honour what the planner suggests).
 KNOB_COST = {"actor.use_distributed_optimizer": 1, "actor.recompute": 2, "actor.max_tokens_per_gpu": 3,
-             "rollout.gpu_memory_utilization": 3, "actor.tp": 5, "actor.pp": 6}
+             "rollout.gpu_memory_utilization": 3, "actor.ep": 4, "actor.tp": 5, "actor.pp": 6}
 
 
 @dataclass
@@ -349,6 +381,8 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
         options["rollout.gpu_memory_utilization"] = [
             (round(u, 2), round((r.gpu_memory_utilization - u) * 10)) for u in (0.6, 0.5, 0.4, 0.3)
             if u < r.gpu_memory_utilization - 1e-9]
+    if is_moe(cfg.model):  # experts split over more ranks (validation keeps the layouts that divide)
+        options["actor.ep"] = [(a.ep * 2 ** k, k) for k in (1, 2, 3, 4) if cfg.model.num_experts % (a.ep * 2 ** k) == 0]
     options["actor.tp"] = [(a.tp * 2 ** k, k) for k in (1, 2, 3) if a.tp * 2 ** k * a.cp <= per_node]
     options["actor.pp"] = [(a.pp * 2 ** k, k) for k in (1, 2, 3) if a.pp * 2 ** k <= cfg.model.num_layers]
     knobs = [k for k in options if options[k]]
