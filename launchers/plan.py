@@ -166,7 +166,7 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
         cfg = hf_planning_config(cfg, warnings)
     a, r, t, m = cfg.actor, cfg.rollout, cfg.trainer, cfg.model
     ranks, engines = placement(cfg, lay)
-    counts = param_counts(m, a.tp, a.pp)
+    counts = param_counts(m, a.tp, a.pp, a.ep)
     return {
         "output_dir": output_dir(cfg),
         "device": t.device,
@@ -175,14 +175,16 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
                     # every Megatron rank and every engine is a Ray bundle of cpus_per_worker CPUs
                     "ray_cpus_needed": (lay.megatron_world + (0 if r.mode == "hybrid" else r.num_engines))
                                        * t.cpus_per_worker},
-        "trainer": {"world": lay.megatron_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp,
+        "trainer": {"world": lay.megatron_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp, "ep": a.ep,
                     "layers_per_stage": m.num_layers // a.pp, "ranks": ranks},
         "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": r.num_engines, "tp": r.tp,
                     "accelerators": lay.rollout_devices, "engines": engines},
         "batch": (batch := batch_plan(cfg, lay)) | {"warnings": warnings + batch["warnings"]},
         "model": {"name": m.name, "params_hf": counts["hf_total"], "params_megatron": counts["megatron_total"],
                   "padded_vocab": counts["padded_vocab"], "params_per_layer": counts["layer"],
-                  "params_per_rank_by_stage": counts["per_rank_by_stage"]},
+                  "params_per_rank_by_stage": counts["per_rank_by_stage"],
+                  "expert_params": counts["expert_total"],
+                  "expert_params_per_rank_by_stage": counts["expert_per_rank_by_stage"]},
         "memory_per_accelerator": memory_plan(cfg, lay, dtype=dtype, gpu_mem_gb=gpu_mem_gb),
     }
 
@@ -232,7 +234,9 @@ def render(p: dict) -> str:
            f"(trainer.device={p['device']}; Ray needs {c['ray_cpus_needed']} CPUs: "
            f"{tr['world']} rank(s) + {ro['num_engines']} engine(s) x {c['cpus_per_worker']})",
            f"trainer   world {tr['world']} = tp {tr['tp']} x pp {tr['pp']} x cp {tr['cp']} x dp {tr['dp']}  "
-           f"({tr['layers_per_stage']} layer(s) per pipeline stage)"]
+           f"({tr['layers_per_stage']} layer(s) per pipeline stage)"
+           + (f"; experts split over ep {tr['ep']} (expert data parallel {tr['world'] // tr['pp'] // tr['ep']})"
+              if mo["expert_params"] else "")]
     if ro["mode"] == "colocated":
         where = "colocated: shares the actor's accelerators (memory released while training)"
     elif ro["mode"] == "hybrid":

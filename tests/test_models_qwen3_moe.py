@@ -299,3 +299,59 @@ def test_convert_refuses_layouts_by_name(tmp_path, capsys):
 
 def test_family_is_registered():
     assert FAMILIES["qwen3_moe"].hf_architecture == "Qwen3MoeForCausalLM" and FAMILIES["qwen3_moe"].has_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# the routing-replay seam (model.moe_enable_routing_replay)
+
+
+def _rank_replay(rank, world, port, cfg, hf_dir):
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from mgrpo.models import load_hf_into_megatron
+    from mgrpo.models.gpt import build_gpt_model, transformer_config
+    from mgrpo.training.parallel import init_parallel
+
+    ctx = init_rank(rank, world, port, tp=1, pp=1)
+    RouterReplay.clear_global_router_replay_instances()
+    model = build_gpt_model(cfg, transformer_config(cfg, use_cpu=True), pre_process=True, post_process=True,
+                            pg_collection=ctx.pg_collection).eval()
+    load_hf_into_megatron(model, hf_dir, cfg, **layout_kwargs(ctx))
+    ids = token_ids(cfg)
+    plain = megatron_logits(model, ctx, cfg, ids)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    recorded = megatron_logits(model, ctx, cfg, ids)
+    experts = [x.clone() for x in RouterReplay.get_recorded_data()]
+    RouterReplay.set_replay_data(experts)  # replaying what was recorded changes nothing
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    replayed = megatron_logits(model, ctx, cfg, ids)
+    RouterReplay.set_replay_data([(x + 1) % cfg.num_experts for x in experts])  # other experts: other logits
+    moved = megatron_logits(model, ctx, cfg, ids)
+    return dict(instances=len(RouterReplay.global_router_replay_instances), shapes=[tuple(x.shape) for x in experts],
+                recorded=(recorded - plain).abs().max().item(), replayed=(replayed - plain).abs().max().item(),
+                moved=(moved - plain).abs().max().item())
+
+
+@pytest.mark.dist
+def test_routing_replay_can_be_switched_on(tmp_path):
+    """model.moe_enable_routing_replay builds megatron's RouterReplay in every router: the experts each token
+    was routed to can be recorded, and replaying them reproduces the logits (what routing replay of the
+    rollout engine's experts will build on); replaying other experts changes them."""
+    cfg = odd_cfg(moe_enable_routing_replay=True)
+    hf_dir = make_moe_checkpoint(str(tmp_path / "hf"), cfg, seed=2)
+    (res,) = run_ranks(_rank_replay, 1, cfg, hf_dir)
+    assert res["instances"] == cfg.num_layers
+    assert res["shapes"] == [(2 * 12, cfg.moe_router_topk)] * cfg.num_layers  # every token's k experts, per layer
+    assert res["recorded"] == 0.0 and res["replayed"] < 1e-6 and res["moved"] > 1e-2, res
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_released_presets_list_every_field(preset):
+    import yaml
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "model", preset + ".yaml")
+    values = yaml.safe_load(open(path))
+    assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}
+    m = ModelConfig(**values)
+    assert (m.family, m.num_experts, m.moe_router_topk, m.norm_topk_prob, m.num_query_groups, m.head_dim) == (
+        "qwen3_moe", 128, 8, True, 4, 128)
