@@ -5,14 +5,35 @@ run over gloo. When a megatron-core upgrade breaks one, the failing test names t
 import pytest
 import torch
 
-from mgrpo.training.cpu_compat import PATCHES
+from mgrpo.training.cpu_compat import MOE_PATCHES, PATCHES
 from tests.distributed import run_ranks
 
 
-@pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
+@pytest.mark.parametrize("patch", PATCHES + MOE_PATCHES, ids=[p.name for p in PATCHES + MOE_PATCHES])
 def test_patch_premise_still_holds(patch):
+    """The mixture-of-experts patches are applied only where their premise holds (optional), but on the
+    installed megatron-core they must hold: a MoE model needs each of them here."""
     assert patch.premise(), (f"cpu_compat patch {patch.name!r} no longer matches megatron-core ({patch.why}); "
                              "re-check it in mgrpo/training/cpu_compat.py")
+
+
+def test_torch_norm_refuses_sequence_parallelism_and_the_wrapper_marks_its_weight():
+    """The premise of models/gpt.py::SequenceParallelTorchNorm (MoE with TP runs sequence parallel on the
+    local spec): megatron's torch norm still refuses the flag, the wrapper builds the same norm without it
+    and marks its weight for megatron's sum of sequence-parallel gradients over TP."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mgrpo.models.gpt import SequenceParallelTorchNorm
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, normalization="RMSNorm",
+                            use_cpu_initialization=True)
+    cfg.sequence_parallel = True  # as megatron's config has it at TP > 1 (its checks want TP > 1 to set it)
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
+        WrappedTorchNorm(cfg, 8, 1e-6)
+    norm = SequenceParallelTorchNorm(cfg, 8, 1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    assert cfg.sequence_parallel is True  # the caller's config is left as it was
 
 
 def _train_two_steps(rank, world, port, tp, pp):

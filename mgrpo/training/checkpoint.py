@@ -18,6 +18,12 @@ def _sharded(actor, *, is_loading: bool) -> dict:
     return {"model": model_sd, "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
+def _expert_parallel(actor) -> bool:
+    """megatron gives experts an optimizer of their own (a ChainedOptimizer) only when ep > 1: the optimizer
+    state of an EP > 1 run and of an EP = 1 run do not load into each other (other EP sizes do)."""
+    return actor.ctx.ep > 1
+
+
 def save_checkpoint(actor, ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -25,6 +31,8 @@ def save_checkpoint(actor, ckpt_dir: str) -> None:
     state = _sharded(actor, is_loading=False)
     state["scheduler"] = actor.scheduler.state_dict()
     state["skipped_steps"] = actor.skipped_steps
+    if actor.cfg.model.num_experts:
+        state["expert_parallel"] = _expert_parallel(actor)
     dist_checkpointing.save(state, ckpt_dir)
 
 
@@ -33,6 +41,12 @@ def load_checkpoint(actor, ckpt_dir: str) -> None:
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"no megatron checkpoint at {ckpt_dir}")
+    if actor.cfg.model.num_experts:
+        saved = dist_checkpointing.load_common_state_dict(ckpt_dir).get("expert_parallel")
+        if saved is not None and saved != _expert_parallel(actor):
+            raise ValueError(f"{ckpt_dir} was written with actor.ep {'> 1' if saved else '= 1'} and cannot resume at "
+                             f"actor.ep={actor.ctx.ep}: megatron keeps experts in an optimizer of their own only "
+                             "when ep > 1 (resume with an actor.ep on the same side of 1)")
     template = _sharded(actor, is_loading=True)
     template["scheduler"] = actor.scheduler.state_dict()
     template["skipped_steps"] = 0
