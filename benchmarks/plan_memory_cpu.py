@@ -151,7 +151,7 @@ def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> li
     saved = {k: os.environ.get(k) for k in MALLOC_ENV["mmap"]}
     os.environ.update(MALLOC_ENV[malloc])  # read by glibc when each spawned rank starts
     try:
-        results = spawn_ranks(_measure_rank, layout(cfg).trainer_world, cfg, hf_dir, timeout_s=1800, threads=1)
+        results = spawn_ranks(_measure_rank, layout(cfg).megatron_world, cfg, hf_dir, timeout_s=1800, threads=1)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -220,7 +220,7 @@ def main() -> None:
         for name in args.cases:
             cfg = case_config(name)
             # every rank of the case + 2 GiB for the parent and the shared machine
-            need = layout(cfg).trainer_world // cfg.actor.pp * sum(st.peak for st in estimate_stages(cfg)) + 2 * 1024**3
+            need = layout(cfg).megatron_world // cfg.actor.pp * sum(st.peak for st in estimate_stages(cfg)) + 2 * 1024**3
             for malloc in args.malloc:
                 if need > available_memory():
                     reason = (f"needs ~{need / 1024**3:.1f} GiB (planner, all ranks + 2 GiB), "

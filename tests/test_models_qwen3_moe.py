@@ -136,7 +136,12 @@ def test_config_json_both_ways_and_refusals(tmp_path):
 
 
 def test_validation_names_bad_moe_configs():
-    from mgrpo.config import ActorConfig, ConfigError, MGRPOConfig, TrainerConfig, validate
+    """Field-local checks (mgrpo.config.validate) and the family's own (mgrpo.preflight asks it)."""
+    from mgrpo.config import ActorConfig, ConfigError, MGRPOConfig, TrainerConfig
+    from mgrpo.preflight import preflight
+
+    def validate(cfg, check_files=False):
+        return preflight(cfg, check_files=check_files, check_memory=False).layout
 
     def errors(model=None, **actor) -> str:
         cfg = MGRPOConfig(model=model or odd_cfg(), actor=ActorConfig(**actor), trainer=TrainerConfig(device="cpu"))
@@ -155,10 +160,10 @@ def test_validation_names_bad_moe_configs():
         validate(cfg, check_files=False)
     # the default world is the fewest ranks the layout needs: EP=2 at TP=1 is two data-parallel ranks
     ok = MGRPOConfig(model=odd_cfg(), actor=ActorConfig(ep=2, pp=2), trainer=TrainerConfig(device="cpu"))
-    assert validate(ok, check_files=False).trainer_world == 4
+    assert validate(ok, check_files=False).megatron_world == 4
     # the MoE model's dense intermediate_size (config.json only) is not split by TP
     assert validate(MGRPOConfig(model=odd_cfg(), actor=ActorConfig(tp=2), trainer=TrainerConfig(device="cpu")),
-                    check_files=False).trainer_world == 2
+                    check_files=False).megatron_world == 2
 
 
 def test_checkpoint_names_of_transformers_experts():
