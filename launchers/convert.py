@@ -103,8 +103,8 @@ def _rank_megatron_to_hf(rank, world_size, port, cfg, ckpt, out, tp, pp, ep, dty
     with _progress(ctx, n, f"write stage {ctx.pp_rank}", show=writer) as bar:
         # the writer's TP group gathers the dense weights, its expert-parallel group every expert to it
         named = (iter_megatron_to_hf(model, cfg, tp_group=ctx.tp_group, tp_size=tp, pp_rank=ctx.pp_rank, pp_size=pp,
-                                     ep_group=ctx.ep_group, ep_size=ep, dense=ctx.exports_dense, experts=experts)
-                 if ctx.exports_dense or experts else iter(()))
+                                     ep_group=ctx.ep_group, ep_size=ep, dense=ctx.exports_weights, experts=experts)
+                 if ctx.exports_weights or experts else iter(()))
         save_hf_checkpoint_distributed(out, named, cfg, writer=writer, stage=ctx.pp_rank, tokenizer_dir=tokenizer_dir,
                                        max_shard_bytes=max_shard_bytes, on_tensor=lambda *_: bar.update())
     destroy_parallel()
