@@ -210,7 +210,7 @@ def test_reward_cli(tmp_path, capsys, user_module):
 
     inp.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"data_source": "openai/gsm8k", "response": "x"}) + "\n")
     assert main(["--in", str(inp), "--out", str(out)]) == 2
-    assert "responses.jsonl:2: field 'ground_truth' missing" in capsys.readouterr().err
+    assert "responses.jsonl:2: field 'ground_truth' (or 'reward_model.ground_truth') missing" in capsys.readouterr().err
     inp.write_text(json.dumps({**rows[0], "data_source": "who/knows"}) + "\n")
     assert main(["--in", str(inp), "--out", str(out)]) == 2
     assert "'who/knows'" in capsys.readouterr().err
