@@ -1,19 +1,21 @@
 """The planner's verdict for Qwen3-8B and Qwen3-32B on 1, 2 and 8 nodes, and for Qwen3-30B-A3B (MoE) on
 1, 2 and 4 nodes, of 8 x 80 GiB GPUs.
 
-    python benchmarks/plan_table.py
+    python benchmarks/plan_table.py                     # prints the tables; writes outputs/benchmarks/
+    python benchmarks/plan_table.py --update-results    # also replaces benchmarks/results/plan_qwen3_*8x80gb.*
 
-Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe's batch,
-sequence lengths, token budget, colocated SGLang at gpu_memory_utilization 0.6, no distributed
-optimizer, no recompute; Qwen3-30B-A3B at actor.tp=4, the most its 4 key/value heads allow, and
-expert-parallel size 1) and the change the planner finds that fits (its knobs include actor.ep for a
-MoE model). These are the planner's estimates (mgrpo/cluster/memory_plan.py), not measurements: no GPU
-was used. Writes benchmarks/results/plan_qwen3_8x80gb.{csv,json} and plan_qwen3_moe_8x80gb.{csv,json}
-and prints the README tables.
+Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe as it ships: its
+batch, sequence lengths, token budget, parallel layout, colocated SGLang share; Qwen3-30B-A3B at actor.tp=4,
+the most its 4 key/value heads allow, and expert-parallel size 1) and the change the planner finds that fits
+(its knobs include actor.ep for a MoE model). These are the planner's estimates (mgrpo/cluster/memory_plan.py),
+not measurements: no GPU was used. Writes plan_qwen3_8x80gb.{csv,json} and plan_qwen3_moe_8x80gb.{csv,json}
+to --out (default outputs/benchmarks/, untracked); the committed copies under benchmarks/results/ (what the
+README's tables are rendered from, benchmarks/readme_table.py) change only with --update-results.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -57,19 +59,38 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def recipe_settings() -> dict:
+    """What the recipe ships with that decides its memory (the README says it beside the table)."""
+    from mgrpo_launchers.plan import compose_config
+
+    cfg = compose_config(["recipe=qwen3-8b-gsm8k-grpo"])
+    a, r = cfg.actor, cfg.rollout
+    return {"actor.tp": a.tp, "actor.pp": a.pp, "actor.max_tokens_per_gpu": a.max_tokens_per_gpu,
+            "actor.recompute": a.recompute, "actor.use_distributed_optimizer": a.use_distributed_optimizer,
+            "rollout.mode": r.mode, "rollout.gpu_memory_utilization": r.gpu_memory_utilization}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(REPO, "outputs", "benchmarks"), help="folder to write to")
+    ap.add_argument("--update-results", action="store_true",
+                    help="write to benchmarks/results/ (tracked; the README's table is rendered from it)")
+    args = ap.parse_args(argv)
+    folder = os.path.join(REPO, "benchmarks", "results") if args.update_results else args.out
+    os.makedirs(folder, exist_ok=True)
     for cases, name in ((DENSE, "plan_qwen3_8x80gb"), (MOE, "plan_qwen3_moe_8x80gb")):
         table = rows(cases)
-        out = os.path.join(REPO, "benchmarks", "results", name)
+        out = os.path.join(folder, name)
         with open(out + ".csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
         with open(out + ".json", "w") as f:
-            json.dump({"command": "python benchmarks/plan_table.py", "gpu_memory_gib": 80,
-                       "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements", "rows": table},
-                      f, indent=1)
+            json.dump({"command": "python benchmarks/plan_table.py --update-results", "gpu_memory_gib": 80,
+                       "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements",
+                       "recipe": recipe_settings(), "rows": table}, f, indent=1)
         print(markdown(table) + "\n")
+        print(f"wrote {out}.csv and .json", file=sys.stderr)
 
 
 if __name__ == "__main__":

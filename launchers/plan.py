@@ -7,6 +7,7 @@
     mgrpo-plan ... --gpu-mem-gb 141                       # another card (default 80 GiB)
     mgrpo-plan ... --json                                 # machine-readable
     mgrpo-plan <a veRL command line>                      # veRL keys are translated as mgrpo-train does
+    mgrpo-plan --config-path=config --config-name=ppo_megatron_trainer.yaml <veRL keys>   # as veRL scripts pass them
 
 It composes and validates the config as mgrpo-train does (an invalid config exits with status 2 and
 the validator's message), except that data files need not exist yet. It prints: nodes x accelerators;
@@ -287,13 +288,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "bf16 on cuda and fp32 on cpu unless actor.dtype says otherwise)")
     parser.add_argument("--gpu-mem-gb", type=float, default=None,
                         help="memory of one GPU in GiB (default trainer.gpu_memory_gb if set, else 80)")
+    # veRL scripts pass these to veRL's trainer; mgrpo-train and mgrpo-plan read them the same way (the
+    # translation table says what they are taken to mean).
+    parser.add_argument("--config-path", "-cp", default=None, help="veRL's --config-path (accepted with "
+                        "--config-name of one of veRL's trainer configs; mgrpo composes configs/config.yaml)")
+    parser.add_argument("--config-name", "-cn", default=None, help="veRL's --config-name: ppo_trainer, "
+                        "ppo_megatron_trainer, dapo_trainer or dapo_megatron_trainer")
     args = parser.parse_intermixed_args(argv)
+    flags = [f"--config-path={args.config_path}"] * (args.config_path is not None) + \
+        [f"--config-name={args.config_name}"] * (args.config_name is not None)
     try:
         from mgrpo.compat.verl import translate
 
-        translation = translate(args.overrides)
+        translation = translate(flags + args.overrides)
         if translation.is_verl:
             print(f"mgrpo-plan: {translation.render()}", file=sys.stderr)
+        left = [a for a in translation.args if a.startswith("-")]
+        if left:
+            raise ConfigError(f"{' '.join(left)}: mgrpo-plan composes mgrpo's configs/config.yaml; --config-name is "
+                              "understood only as one of veRL's trainer configs (ppo_trainer, ppo_megatron_trainer, "
+                              "dapo_trainer, dapo_megatron_trainer)")
         cfg = compose_config(translation.args)
         plan = build_plan(cfg, dtype=args.dtype, gpu_mem_gb=args.gpu_mem_gb)
     except ConfigError as err:

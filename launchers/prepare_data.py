@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecordError, FileNotFoundError) as e:
         print(f"mgrpo-prepare: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the output folder cannot be written
+        print(f"mgrpo-prepare: error: {e.filename or args.out_dir}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Exact resume after SIGKILL: the whole run (driver and every Ray process) is killed after it logged a
-step past its last checkpoint; `trainer.resume=auto` continues it, and every later step equals the
+"""Exact resume after SIGKILL: the whole run (driver and every Ray process) is killed as soon as it has
+published its step-2 checkpoint (`checkpoints/latest`), in the middle of step 3; `trainer.resume=auto`
+continues it from the checkpoint `latest` names, and every later step equals the
 uninterrupted run's, while metrics.jsonl, trajectories.jsonl and TensorBoard hold each step exactly once."""
 
 from __future__ import annotations
@@ -38,16 +39,27 @@ def kill_everything(proc: subprocess.Popen, marker: str) -> int:
     return killed
 
 
-def wait_for_step(run_dir: str, step: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def published(run_dir: str) -> str:
+    """The checkpoint `checkpoints/latest` names (written once the checkpoint is complete), or ''."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def wait_for_checkpoint(run_dir: str, name: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
+    """Wait until `latest` names checkpoint `name` (or a later one): the kill must land past it. Timed off
+    the published checkpoint, not off metrics lines, so however the machine is loaded it waits for the
+    right thing."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
+        if published(run_dir) >= name:
+            return
         if proc.poll() is not None:
             raise AssertionError(f"run ended early (rc={proc.returncode}):\n{proc.stdout.read()[-3000:]}")
-        if os.path.isfile(path) and any(json.loads(line)["step"] >= step for line in open(path) if line.strip()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not logged within {timeout_s}s")
+        time.sleep(0.05)
+    raise AssertionError(f"checkpoint {name} not published within {timeout_s}s (latest: {published(run_dir)!r})")
 
 
 @pytest.mark.slow
@@ -59,16 +71,19 @@ def test_sigkill_mid_run_resumes_exactly(tmp_path):
     assert p.returncode == 0, out[-3000:]
 
     p = train(killed, ray_tmp + "/b")
-    wait_for_step(killed, 3, p)  # checkpoint at step 2, step 3 logged: the kill lands past the checkpoint
+    wait_for_checkpoint(killed, "step_000002", p)  # save_freq=2: the run is now in step 3 (or past it)
     assert kill_everything(p, ray_tmp + "/b") > 3  # driver, GCS, raylet, Megatron rank, engine, ...
+    resume = published(killed)  # what the killed run published last (step 2, or 4 if it raced ahead)
+    assert resume in ("step_000002", "step_000004"), resume
+    k = int(resume.split("_")[1])
     p = train(killed, ray_tmp + "/c", "trainer.resume=auto")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
-    assert "resumed from" in out and "step_000002" in out
+    assert "resumed from" in out and f"checkpoints/{resume}" in out, out[-3000:]
 
     a, b = read_metrics(straight), read_metrics(killed)
     assert [m["step"] for m in b] == list(range(1, STEPS + 1))  # every step exactly once
-    for step in range(3, STEPS + 1):
+    for step in range(k + 1, STEPS + 1):
         for key in LOSS_KEYS + ("critic/score/mean", "rollout/weight_version", "actor/lr"):
             assert b[step - 1][key] == pytest.approx(a[step - 1][key], abs=1e-6), (step, key)
     with open(os.path.join(killed, "trajectories.jsonl")) as f:

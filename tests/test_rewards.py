@@ -11,27 +11,13 @@ import pytest
 
 from mgrpo.config import RewardConfig
 from mgrpo.rewards import BUILTIN_REWARDS, Judger, ScoreRequest, check_data_sources, eval_metrics, to_score
-from mgrpo.rewards.gsm8k import compute_score as gsm8k
 from mgrpo.rewards.math_reward import compute_score as math_score
 from mgrpo.rewards.synthetic import sum_score
 
 
 # --- built-in reward functions -------------------------------------------------------------------
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("... so she makes 18 dollars.\n#### 18", "18", 1.0),
-    ("#### $1,234.", "1234", 1.0),                       # '$', thousands commas, sentence '.'
-    ("#### 1234.00", "1234", 1.0),                       # compared as numbers
-    ("#### -3", "-3", 1.0),
-    ("The answer is 72.", "72", 1.0),                    # no '####': the last number
-    ("I get 5 then 7", "5", 0.0),                        # ... which is the last one, not any one
-    ("#### 18 (because 3 * 6 = 18, not 20)", "18", 1.0), # after '####', the first number
-    ("#### 19", "18", 0.0),
-    ("no number at all", "18", 0.0),
-    ("", "18", 0.0),
-])
-def test_gsm8k_reward(response, truth, score):
-    assert gsm8k("openai/gsm8k", response, truth, None) == score
+# GSM8K (veRL's strict and flexible judges, format credit): tests/test_rewards_gsm8k.py
 
 
 @pytest.mark.parametrize("response, truth, score", [
@@ -224,7 +210,7 @@ def test_reward_cli(tmp_path, capsys, user_module):
 
     inp.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"data_source": "openai/gsm8k", "response": "x"}) + "\n")
     assert main(["--in", str(inp), "--out", str(out)]) == 2
-    assert "responses.jsonl:2: field 'ground_truth' missing" in capsys.readouterr().err
+    assert "responses.jsonl:2: field 'ground_truth' (or 'reward_model.ground_truth') missing" in capsys.readouterr().err
     inp.write_text(json.dumps({**rows[0], "data_source": "who/knows"}) + "\n")
     assert main(["--in", str(inp), "--out", str(out)]) == 2
     assert "'who/knows'" in capsys.readouterr().err

@@ -89,6 +89,15 @@ class Logger(StrEnum):
     tensorboard = "tensorboard"
 
 
+class Gsm8kMethod(StrEnum):
+    """Where the GSM8K judge finds the answer (veRL's verl/utils/reward_score/gsm8k.py)."""
+
+    strict = "strict"
+    """after the last '#### ' (veRL's default): the answer format is part of the score"""
+    flexible = "flexible"
+    """the last number in the response"""
+
+
 def values(choice: type[StrEnum]) -> list[str]:
     """The accepted strings of a choice, in declaration order (for messages)."""
     return [m.value for m in choice]

@@ -226,17 +226,26 @@ def write_safetensors_shards(out_dir: str, named_tensors: Iterable[tuple[str, to
     return files
 
 
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def _tokenizer_ids(tokenizer, tokenizer_dir: Optional[str]) -> dict:
-    ids = {}
-    if tokenizer is not None:
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(tokenizer, key, None)
-            if value is not None:
-                ids[key] = value
-    elif tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, CONFIG)):
+    """The special token ids the exported config.json and generation_config.json carry, so that transformers'
+    generate() stops at EOS: from the tokenizer, or from a checkpoint's config.json in `tokenizer_dir`, or from
+    the tokenizer saved there (a run directory's tokenizer/ has no config.json)."""
+    if tokenizer is None and tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, CONFIG)):
         src = read_hf_config(tokenizer_dir)
-        ids = {k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if src.get(k) is not None}
-    return ids
+        ids = {k: src[k] for k in SPECIAL_IDS if src.get(k) is not None}
+        if ids.get("eos_token_id") is not None:
+            return ids
+    if tokenizer is None and tokenizer_dir and any(os.path.exists(os.path.join(tokenizer_dir, f))
+                                                   for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer is None:
+        return {}
+    return {k: getattr(tokenizer, k) for k in SPECIAL_IDS if getattr(tokenizer, k, None) is not None}
 
 
 def finalize_hf_checkpoint(out_dir: str, files: list[ShardFile], model_cfg: ModelConfig, *, tokenizer=None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mgrpo.config.schema import RewardConfig
-from mgrpo.rewards.registry import get_reward_fn, reward_functions, to_score
+from mgrpo.rewards.registry import get_reward_fn, gsm8k_options, reward_functions, to_score
 
 log = logging.getLogger("mgrpo.rewards")
 
@@ -62,12 +62,13 @@ class ScoreResult:
 class _Worker:
     """One reward worker subprocess, its line buffer and the requests it owes answers for."""
 
-    def __init__(self, custom_functions: dict[str, str]):
+    def __init__(self, cfg: RewardConfig):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rewards.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
-        self.proc.stdin.write((json.dumps({"custom_functions": custom_functions}) + "\n").encode())
+        config = {"custom_functions": dict(cfg.custom_functions), "gsm8k": gsm8k_options(cfg)}
+        self.proc.stdin.write((json.dumps(config) + "\n").encode())
         self.proc.stdin.flush()
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.buf = b""
@@ -186,7 +187,7 @@ class Judger:
         # Workers persist between calls; dead ones are replaced.
         self._workers = [w for w in self._workers if w.proc.poll() is None]
         while len(self._workers) < self.cfg.num_workers:
-            self._workers.append(_Worker(self.cfg.custom_functions))
+            self._workers.append(_Worker(self.cfg))
         for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
             w.todo, w.sent = deque(range(k, len(requests), len(self._workers))), deque()
         sel = selectors.DefaultSelector()
@@ -243,7 +244,7 @@ class Judger:
         if w.sent:
             i = w.sent.popleft()
             self._record(result, i, status, error, requests[i])
-        fresh = _Worker(self.cfg.custom_functions)
+        fresh = _Worker(self.cfg)
         fresh.todo = w.sent + w.todo
         self._workers[self._workers.index(w)] = fresh
         sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)

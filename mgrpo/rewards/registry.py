@@ -11,6 +11,7 @@ process starts; `mgrpo.preflight` asks `BUILTIN_REWARDS` about the config.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable, Iterable, Optional
 
@@ -26,6 +27,21 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{src: math_reward.compute_score for src in math_reward.SOURCES},
     "mgrpo/sum": synthetic.sum_score,
 }
+"""The built-in judges with their default options (reward.gsm8k: strict, format_score 0)."""
+
+
+def builtin_rewards(gsm8k_options: Optional[dict] = None) -> dict[str, RewardFn]:
+    """The built-in judges, GSM8K's with reward.gsm8k's options ({"method", "format_score"})."""
+    fns = dict(BUILTIN_REWARDS)
+    if gsm8k_options:
+        fns["openai/gsm8k"] = functools.partial(gsm8k.compute_score, method=str(gsm8k_options["method"]),
+                                                format_score=float(gsm8k_options["format_score"]))
+    return fns
+
+
+def gsm8k_options(cfg: RewardConfig) -> dict:
+    """reward.gsm8k as plain JSON values (what the reward workers are sent)."""
+    return {"method": str(cfg.gsm8k.method), "format_score": float(cfg.gsm8k.format_score)}
 
 
 def spec_error(spec: str, data_source: str = "?") -> Optional[str]:
@@ -51,8 +67,9 @@ def load_function(spec: str, data_source: str = "?") -> RewardFn:
 
 
 def reward_functions(cfg: RewardConfig) -> dict[str, RewardFn]:
-    """Built-ins overlaid with the user's functions (a custom function replaces a built-in)."""
-    fns = dict(BUILTIN_REWARDS)
+    """Built-ins (with reward.gsm8k's options) overlaid with the user's functions (a custom function replaces a
+    built-in)."""
+    fns = builtin_rewards(gsm8k_options(cfg))
     for src, spec in cfg.custom_functions.items():
         fns[src] = load_function(spec, src)
     return fns

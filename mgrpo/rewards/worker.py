@@ -1,6 +1,7 @@
 """A reward worker process: `python -m mgrpo.rewards.worker`, driven by the Judger over pipes.
 
-Protocol, one JSON object per line: the first stdin line is the config {"custom_functions": {...}};
+Protocol, one JSON object per line: the first stdin line is the config {"custom_functions": {...},
+"gsm8k": {"method", "format_score"}};
 the worker answers {"ready": true}; then each batch {"requests": [{"id", "data_source", "response",
 "ground_truth", "extra_info"}, ...]} (one message per worker per step) is scored in order, each
 request answered by its own line {"id", "score", "error"} as soon as it is done: the Judger times
@@ -27,11 +28,11 @@ def main() -> None:
     os.dup2(2, 1)  # fd 1 (C-level prints too) now goes to stderr
     sys.stdout = sys.stderr
 
-    from mgrpo.rewards.registry import BUILTIN_REWARDS, get_reward_fn, load_function, to_score
+    from mgrpo.rewards.registry import builtin_rewards, get_reward_fn, load_function, to_score
 
     config = json.loads(sys.stdin.readline())
     custom: dict[str, str] = config.get("custom_functions", {})
-    fns = {**BUILTIN_REWARDS, **{src: None for src in custom}}  # custom functions are imported on first use
+    fns = {**builtin_rewards(config.get("gsm8k")), **{src: None for src in custom}}  # custom: imported on first use
 
     def resolve(src: str):
         if fns.get(src) is None and src in custom:

@@ -5,7 +5,11 @@
 #
 #   bash slurm/testing/local_cluster.sh          # = up: install if missing, configure, start, wait for idle
 #   bash slurm/testing/local_cluster.sh status   # the node and the daemons
-#   bash slurm/testing/local_cluster.sh down     # stop the daemons this script started
+#   bash slurm/testing/local_cluster.sh down     # stop the daemons this script started, remove its slurm.conf
+#
+# Nothing else starts it: `python -m pytest` only uses a cluster that is up (tests/test_slurm_real.py skips
+# without one, and fails instead when MGRPO_REQUIRE_SLURM is set); .ci/run runs `up` before the tests and
+# `down` after them.
 #
 # `up` is idempotent: with the packages installed, the config unchanged and the daemons answering it
 # does nothing (about a second). It needs root and Debian's package repository only for the first
@@ -183,6 +187,11 @@ down() {
     if munge_ok; then
         log "stopping munged"
         runuser -u munge -- /usr/sbin/munged --stop >/dev/null || true
+    fi
+    # The configuration `up` wrote goes too (a slurm.conf of someone else's stays); logs stay in $state.
+    if [[ -f "$conf" ]] && grep -qF "$marker" "$conf"; then
+        rm -f "$conf"
+        log "removed $conf"
     fi
 }
 

@@ -4,30 +4,34 @@ Each rule takes the key's value and every value on the command line (some transl
 e.g. min_lr_ratio x lr) and returns [(mgrpo key, value), ...], or [("", reason)] for a key accepted and
 ignored, or raises Refuse(reason). Exact keys first (RULES), then whole subtrees (PREFIX_RULES);
 VALUE_RULES translate the values of keys both projects spell the same.
-Sources: veRL's verl/trainer/config/_generated_ppo_{,megatron_}trainer.yaml and examples/grpo_trainer/.
+Layout keys (parallel sizes for the actor and the reference, offloading, Megatron engine settings) are in
+layout.py. Sources: veRL's verl/trainer/config/_generated_ppo_{,megatron_}trainer.yaml, examples/ and the DAPO
+recipe (verl-recipe dapo/).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
+from mgrpo.compat.verl.kit import A, F, M, MICRO, PROFILE, R, TUNING, Refuse, Rule, falsy, ignore, only, refuse, to
+from mgrpo.compat.verl.layout import LAYOUT_PREFIX_RULES, LAYOUT_RULES
 from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
 
-A, R, F, M = ("actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref.",
-              "actor_rollout_ref.model.")
 VERL_ONLY_PREFIXES = ("actor_rollout_ref.", "critic.", "reward_model.", "reward_manager.", "custom_reward_function.",
-                      "ray_kwargs.", "ray_init.", "global_profiler.", "transfer_queue.")
-VERL_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
+                      "ray_kwargs.", "ray_init.", "global_profiler.", "transfer_queue.", "reward.reward_kwargs.",
+                      "reward.reward_manager.")
+# veRL's trainer configs (verl/trainer/config/, and the DAPO recipe's): what --config-name=<name> is taken to mean.
+VERL_CONFIG_NAMES = {
+    "ppo_trainer": "veRL's FSDP trainer config",
+    "ppo_megatron_trainer": "veRL's Megatron trainer config",
+    "dapo_trainer": "veRL's DAPO recipe config (FSDP)",
+    "dapo_megatron_trainer": "veRL's DAPO recipe config (Megatron)",
+}
 # Hydra flags that take the next argument as their value when written without '='.
 VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                "--config-dir", "-cd", "--experimental-rerun")
 INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 KL_NAMES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl"}
-MICRO = ("mgrpo packs micro-batches by tokens (actor.max_tokens_per_gpu); the loss is normalised over the "
-         "mini-batch, so the result is the same")
-TUNING = "rollout engine tuning (speed/memory only, sampling unchanged); mgrpo's SGLang launch uses its own settings"
-FSDP = "FSDP engine setting (memory/speed only); mgrpo trains with Megatron"
-PROFILE = "profiling/observability only"
 # veRL defaults that differ from mgrpo's, shown when a veRL command line leaves them unset.
 DEFAULT_DIFFS = (
     (A + "clip_ratio_c", "3.0 (dual-clip on)", "algorithm.clip_ratio_c", "null (off)"),
@@ -35,43 +39,9 @@ DEFAULT_DIFFS = (
     (A + "optim.betas", "[0.9, 0.999]", "actor.adam_beta1/adam_beta2", "0.9/0.99"),
     (A + "megatron.use_distributed_optimizer", "true", "actor.use_distributed_optimizer", "false"),
     ("trainer.val_before_train", "true", "trainer.val_before_train", "false"),
+    ("trainer.total_epochs", "30 (trainer.total_training_steps null: epochs x batches)",
+     "trainer.total_training_steps", "150"),
 )
-
-
-class Refuse(Exception):
-    """A key mgrpo cannot honour; the message is the reason."""
-
-
-Rule = Callable[[Any, dict], list]
-"""value, all veRL values of the line -> [(mgrpo key, value), ...] or [("", reason)] for accepted-and-ignored;
-raises Refuse(reason)."""
-
-
-def to(key: str, convert: Callable[[Any], Any] = lambda v: v) -> Rule:
-    return lambda v, ctx: [(key, convert(v))]
-
-
-def ignore(reason: str) -> Rule:
-    return lambda v, ctx: [("", reason)]
-
-
-def refuse(reason: str) -> Rule:
-    def rule(v, ctx):
-        raise Refuse(reason)
-    return rule
-
-
-def only(ok: Callable[[Any], bool], reason_ok: str, reason_refused: str) -> Rule:
-    """Accepted (ignored) for values that are what mgrpo does anyway; refused otherwise."""
-    def rule(v, ctx):
-        if ok(v):
-            return [("", reason_ok)]
-        raise Refuse(reason_refused)
-    return rule
-
-
-def falsy(v) -> bool:
-    return v in (False, None, 0, "", "none", "None", "null") or v == [] or v == {}
 
 
 def _kl_name(v):
@@ -129,12 +99,10 @@ def _recompute(v, ctx):
     return [("actor.recompute", "full")] if v else [("", "off, as in mgrpo")]
 
 
-def _megatron_recompute(v, ctx):
-    return [("", "off, as in mgrpo")] if v is None else [("actor.recompute", v)]
-
-
 def _model_path(v, ctx):
     hf_dir = resolve_hf_dir(str(v))
+    if hf_dir is None and str(v).startswith(("/", ".", "~")):
+        raise Refuse(f"{v!r} has no config.json (a Hugging Face checkpoint directory is needed)")
     if hf_dir is None:
         raise Refuse(f"{v!r} is neither a directory with config.json nor in the local Hugging Face cache; mgrpo "
                       f"does not download: `huggingface-cli download {v} --local-dir DIR`, then {M}path=DIR")
@@ -170,13 +138,22 @@ def _resume_mode(v, ctx):
     raise Refuse(f"resume_mode {v!r}: mgrpo has auto | disable | a checkpoint directory")
 
 
-def _ref_layout(name: str) -> Rule:
-    def rule(v, ctx):
-        actor = ctx.get(A + "megatron." + name, 1)
-        if v == actor:
-            return [("", "the reference shares the actor's layout in mgrpo")]
-        raise Refuse(f"mgrpo's reference model shares the actor's layout ({A}megatron.{name}={actor})")
-    return rule
+def _max_resp_len(v, ctx):
+    limit = ctx.get("data.max_response_length")
+    if limit is not None and int(v) == int(limit):
+        return [("", "= data.max_response_length, where mgrpo's overlong buffer ends")]
+    where = "not on this line" if limit is None else limit
+    raise Refuse(f"mgrpo's overlong buffer ends at data.max_response_length ({where}); DAPO's max_resp_len must "
+                 "equal it")
+
+
+def _total_epochs(v, ctx):
+    """veRL derives the step count from epochs x batches unless total_training_steps is given: mgrpo's own
+    default step count must not win over the line's epochs."""
+    out = [("trainer.total_epochs", int(v))]
+    if "trainer.total_training_steps" not in ctx:
+        out.append(("trainer.total_training_steps", None))
+    return out
 
 
 def _max_ckpt(v, ctx):
@@ -250,53 +227,9 @@ RULES: dict[str, Rule] = {
     A + "use_torch_compile": ignore("speed only"),
     A + "use_fused_kernels": ignore("mgrpo's log-prob path never materialises full logits (actor.logprob_impl)"),
     A + "strategy": ignore("mgrpo trains with Megatron whatever the strategy"),
-    A + "ulysses_sequence_parallel_size": lambda v, ctx: [] if v == 1 else [("actor.cp", int(v))],
     A + "entropy_from_logits_with_chunking": ignore("mgrpo's log-prob path is always chunked"),
     A + "entropy_checkpointing": ignore("memory only"),
-    # megatron layout
-    A + "megatron.tensor_model_parallel_size": to("actor.tp", int),
-    A + "megatron.pipeline_model_parallel_size": to("actor.pp", int),
-    A + "megatron.context_parallel_size": to("actor.cp", int),
-    A + "megatron.virtual_pipeline_model_parallel_size": only(lambda v: v is None, "null",
-                                                              "mgrpo runs the non-interleaved 1F1B pipeline"),
-    A + "megatron.expert_model_parallel_size": only(lambda v: v == 1, "1 (dense model)", "mgrpo trains dense Qwen3"),
-    A + "megatron.expert_tensor_parallel_size": only(lambda v: v in (None, 1), "dense model", "mgrpo trains dense Qwen3"),
-    A + "megatron.sequence_parallel": ignore("mgrpo runs TP without sequence parallelism (same math; mgrpo-plan "
-                                             "counts the unsharded norm/residual activations)"),
-    A + "megatron.use_distributed_optimizer": to("actor.use_distributed_optimizer", bool),
-    A + "megatron.seed": to("actor.seed", int),
-    A + "megatron.dtype": to("actor.dtype", lambda v: {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32",
-                                                       "fp32": "fp32"}.get(v, v)),
-    A + "megatron.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                       "mgrpo keeps parameters on the GPU (no offload); drop the key and check the "
-                                       "fit with mgrpo-plan"),
-    A + "megatron.grad_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload gradients"),
-    A + "megatron.optimizer_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload optimizer states"),
-    A + "megatron.use_mbridge": ignore("mgrpo converts HF <-> Megatron weights itself"),
-    A + "megatron.vanilla_mbridge": ignore("mgrpo converts HF <-> Megatron weights itself"),
-    A + "megatron.use_dist_checkpointing": only(falsy, "false: weights load from model.path",
-                                                "mgrpo starts from the HF checkpoint in model.path"),
-    A + "megatron.dist_checkpointing_path": only(falsy, "null", "mgrpo starts from the HF checkpoint in model.path"),
-    A + "megatron.use_remove_padding": ignore("mgrpo packs sequences itself"),
-    A + "megatron.override_transformer_config.recompute_granularity": _megatron_recompute,
-    A + "megatron.override_transformer_config.recompute_method": ignore("part of recompute_granularity"),
-    A + "megatron.override_transformer_config.recompute_num_layers": ignore("part of recompute_granularity"),
-    A + "megatron.override_transformer_config.recompute_modules": ignore("part of recompute_granularity"),
-    A + "megatron.override_transformer_config.attention_backend": ignore("mgrpo picks Transformer Engine attention "
-                                                                         "on GPU"),
-    A + "fsdp_config.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                          "mgrpo trains with Megatron and keeps parameters on the GPU (no offload); "
-                                          "drop the key and check the fit with mgrpo-plan"),
-    A + "fsdp_config.optimizer_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                              "mgrpo trains with Megatron and keeps optimizer states on the GPU"),
-    # reference model
-    F + "fsdp_config.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                          "mgrpo keeps the reference model on the GPU, sharded like the actor (no "
-                                          "offload); drop the key and check the fit with mgrpo-plan"),
-    F + "megatron.param_offload": only(falsy, "false, as in mgrpo", "mgrpo keeps the reference model on the GPU"),
-    F + "megatron.tensor_model_parallel_size": _ref_layout("tensor_model_parallel_size"),
-    F + "megatron.pipeline_model_parallel_size": _ref_layout("pipeline_model_parallel_size"),
-    F + "megatron.context_parallel_size": _ref_layout("context_parallel_size"),
+    # reference model (its layout keys: layout.py)
     F + "log_prob_micro_batch_size": ignore(MICRO),
     F + "log_prob_micro_batch_size_per_gpu": ignore(MICRO),
     F + "log_prob_use_dynamic_bsz": ignore(MICRO),
@@ -396,25 +329,35 @@ RULES: dict[str, Rule] = {
     **{f"trainer.{k}": ignore("operations only") for k in ("del_local_ckpt_after_load", "esi_redundant_time",
                                                             "ray_wait_register_center_timeout", "default_hdfs_dir",
                                                             "use_legacy_worker_impl")},
-    "reward_model.overlong_buffer.enable": to("algorithm.overlong_buffer.enable", bool),
-    "reward_model.overlong_buffer.len": to("algorithm.overlong_buffer.len", int),
-    "reward_model.overlong_buffer.penalty_factor": to("algorithm.overlong_buffer.penalty_factor", float),
-    "reward_model.overlong_buffer.log": ignore("logging only"),
+    # DAPO's overlong reward shaping: the recipe's old keys, veRL's reward_kwargs (examples/) and the recipe's
+    # newer reward.reward_kwargs (dapo_trainer.yaml)
+    **{f"{prefix}{k}": rule
+       for prefix in ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
+                      "reward.reward_kwargs.overlong_buffer_cfg.")
+       for k, rule in (("enable", to("algorithm.overlong_buffer.enable", bool)),
+                       ("len", to("algorithm.overlong_buffer.len", int)),
+                       ("penalty_factor", to("algorithm.overlong_buffer.penalty_factor", float)),
+                       ("log", ignore("logging only: mgrpo counts reward/overlong_penalised")))},
+    "reward_model.reward_kwargs.max_resp_len": _max_resp_len,
+    "reward.reward_kwargs.max_resp_len": _max_resp_len,
     "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
     "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo", "mgrpo has no reward model"),
-    "reward_model.reward_manager": only(lambda v: v in ("naive", "dapo", None),
-                                        "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping "
-                                        "is algorithm.overlong_buffer)",
-                                        "mgrpo scores each sample with the function of its data_source"),
+    **{k: only(lambda v: v in ("naive", "dapo", None),
+               "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
+               "algorithm.overlong_buffer)",
+               "mgrpo scores each sample with the function of its data_source")
+       for k in ("reward_model.reward_manager", "reward.reward_manager.name")},
     "custom_reward_function.path": only(falsy, "null",
                                         "mgrpo takes reward functions by import path per data_source: "
                                         "reward.custom_functions={<data_source>: 'module:function'}"),
     "custom_reward_function.name": ignore("used with custom_reward_function.path"),
+    **LAYOUT_RULES,
 }
 # Whole subtrees with one outcome (longest prefix wins after the exact keys above).
 PREFIX_RULES: dict[str, Rule] = {
-    A + "fsdp_config.": ignore(FSDP), F + "fsdp_config.": ignore(FSDP), "critic.": ignore("GRPO-family: no critic"),
+    **LAYOUT_PREFIX_RULES, "critic.": ignore("GRPO-family: no critic"),
+    M + "override_config.": refuse("mgrpo reads the architecture from config.json: change it there"),
     A + "profiler.": ignore(PROFILE), F + "profiler.": ignore(PROFILE), R + "profiler.": ignore(PROFILE),
     "global_profiler.": ignore(PROFILE), A + "checkpoint.": ignore("mgrpo checkpoints model, optimizer and state"),
     "ray_init.": ignore("mgrpo starts Ray itself (trainer.ray_address to join one)"),
@@ -431,6 +374,7 @@ VALUE_RULES: dict[str, Rule] = {
     "algorithm.adv_estimator": _adv_estimator,
     "trainer.logger": _logger,
     "data.seed": lambda v, ctx: [] if v is None else [("data.seed", int(v))],
+    "trainer.total_epochs": _total_epochs,
 }
 
 

@@ -24,8 +24,10 @@ from typing import Any, Optional, Sequence
 
 from mgrpo.config.schema import schema_keys
 from mgrpo.config.validate import ConfigError
+from mgrpo.compat.verl.kit import Refuse
+from mgrpo.compat.verl.layout import rollout_engines
 from mgrpo.compat.verl.rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
-                                     VERL_ONLY_PREFIXES, Refuse, rule_for)
+                                     VERL_ONLY_PREFIXES, rule_for)
 
 
 class VerlKeyError(ConfigError):
@@ -107,12 +109,15 @@ def translate(argv: Sequence[str]) -> Translation:
     out = Translation(args=[])
     errors: list[str] = []
     names = {_flag_value(g)[0]: _flag_value(g)[1] for g in flags}
-    config_name = names.get("--config-name") or names.get("-cn")
-    verl_config = config_name is not None and config_name.removesuffix(".yaml") in VERL_CONFIG_NAMES
+    config_name = (names.get("--config-name") or names.get("-cn") or "").removesuffix(".yaml")
+    verl_config = config_name in VERL_CONFIG_NAMES
     for g in flags:
         name, value = _flag_value(g)
-        if verl_config and name in ("--config-name", "-cn", "--config-path", "-cp"):
-            out.rows.append((" ".join(g), "ignored: mgrpo composes its own config (configs/config.yaml)"))
+        if verl_config and name in ("--config-name", "-cn"):
+            out.rows.append((" ".join(g), f"{VERL_CONFIG_NAMES[config_name]}: mgrpo trains with Megatron from its "
+                                          "own configs/config.yaml; veRL defaults that differ are noted below"))
+        elif verl_config and name in ("--config-path", "-cp"):
+            out.rows.append((" ".join(g), f"the folder of veRL's {config_name}.yaml: not read"))
         else:
             out.args += g
 
@@ -175,6 +180,18 @@ def translate(argv: Sequence[str]) -> Translation:
                 shown.append(f"ignored: {v}")
         if verl_only or shown != [f"{key}={hydra_value(o.value())}"]:  # shared keys: only when the value changed
             out.rows.append((tok, "; ".join(shown) if shown else "nothing (superseded by other keys of the line)"))
+    if out.rows and verl_line:
+        try:
+            engines = rollout_engines(ctx, set(ctx) | set(groups))
+        except Refuse as r:
+            errors.append(f"rollout engines: {r}")
+            engines = None
+        if engines is not None:
+            text, keys = engines
+            for k, v in keys:
+                emit(k, v, f"({text})")
+            out.rows.append(("(veRL's rollout engines)", " ".join(f"{k}={hydra_value(v)}" for k, v in keys)
+                             + f": {text}"))
     if errors:
         raise VerlKeyError("cannot honour these veRL keys (remove or change them):\n  - " + "\n  - ".join(errors))
     if out.rows:

@@ -1,0 +1,344 @@
+"""The README's measured numbers, rendered from the committed results files (benchmarks/results/), so the
+README says what the files say and nothing else.
+
+    python benchmarks/readme_table.py            # show what would change
+    python benchmarks/readme_table.py --write    # rewrite the README's rendered blocks
+    python benchmarks/readme_table.py --check    # exit 1 when the README and the files disagree
+
+Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in README.md:
+  main-job  the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
+  plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/plan_table.py)
+  results   the Results table; a row whose results file is missing is left out (its command makes the file)
+tests/test_readme_results.py fails when README.md is not what this renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import difflib
+import json
+import os
+import re
+import sys
+from typing import Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+README = os.path.join(REPO, "README.md")
+
+
+def _json(name: str) -> Optional[dict]:
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _csv(name: str) -> Optional[list[dict]]:
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _load(machine: dict) -> str:
+    """The 1-minute load average a run started at, as the results file recorded it."""
+    for key in ("loadavg_at_start", "load_avg_1m_at_start"):
+        if key in machine:
+            value = machine[key]
+            return f"{value[0] if isinstance(value, list) else value:.0f}"
+    return "?"
+
+
+# --- main job ------------------------------------------------------------------------------------------
+def main_job_block() -> str:
+    m, hf = _json("main_job_cpu.json"), _json("rollout_hf_inprocess_cpu.json")
+    text = (f"mean reward {m['reward_first10']:.3f} over the first 10 steps and {m['reward_last10']:.3f} over the last "
+            f"10 (`rollout=sglang_cpu`, the default; {m['wall_s']:.0f} s of wall time at load "
+            f"~{_load(m['machine'])}, `python benchmarks/main_job.py`).")
+    if hf:
+        r = hf["rows"][0]
+        text += (f" With the in-process engine (`mgrpo-train rollout=hf_cpu`) the same job reaches "
+                 f"{r['reward_last10']:.3f} over the last 10 steps in {r['wall_s']:.0f} s at load "
+                 f"~{_load(hf['machine'])}.")
+    return text
+
+
+# --- the planner's table ---------------------------------------------------------------------------------
+def plan_block() -> str:
+    p = _json("plan_qwen3_8x80gb.json")
+    r = p.get("recipe")
+    shipped = ""
+    if r:
+        colocated = f"colocated SGLang at {r['rollout.gpu_memory_utilization']}" if r["rollout.mode"] == "colocated" \
+            else f"{r['rollout.mode']} SGLang"
+        shipped = (f"; the recipe as shipped uses actor.tp={r['actor.tp']}"
+                   + (f", actor.pp={r['actor.pp']}" if r["actor.pp"] != 1 else "")
+                   + f", a {r['actor.max_tokens_per_gpu']:,}-token budget, {colocated}, "
+                   + ("no recompute" if not r["actor.recompute"] else f"recompute {r['actor.recompute']}") + " and "
+                   + ("the" if r["actor.use_distributed_optimizer"] else "no") + " distributed optimizer")
+    lines = [f"(`{p['command']}`{shipped}):", "",
+             "| model | nodes x 8 GPUs | peak per GPU (recipe) | verdict | largest term | change that fits (peak) |",
+             "|---|---|---|---|---|---|"]
+    for row in p["rows"]:
+        fix = f"`{row['suggestion']}` ({row['suggested_peak_gib']} GiB)" if row["suggestion"] else \
+            ("none needed" if row["fits"] else "none within 4 knob changes: more GPUs needed")
+        lines.append(f"| {row['model']} | {row['nodes']} | {row['peak_gib']} GiB ({row['peak_phase']}) | "
+                     f"{'FITS' if row['fits'] else 'DOES NOT FIT'} | {row['largest_term']} "
+                     f"{row['largest_term_gib']} GiB | {fix} |")
+    return "\n".join(lines)
+
+
+# --- the Results table -----------------------------------------------------------------------------------
+Row = Callable[[], Optional[tuple[str, str, str]]]
+"""-> (what, command, result), or None when its results file is missing."""
+
+
+def _rollout_row(name: str, what: str, command: str, extra: Callable[[dict], str] = lambda r: "") -> Row:
+    def row():
+        d = _json(name)
+        if d is None:
+            return None
+        r = d["rows"][0]
+        return (what, f"`{command}`",
+                f"{r['steps']} steps; first-10 {r['reward_first10']:.3f}, last-10 {r['reward_last10']:.3f}; median step "
+                f"{r['median_step_s']:.3f} s{extra(r)}, {r['wall_s']:.0f} s wall at load ~{_load(d['machine'])}")
+    return row
+
+
+def row_main_job():
+    m = _json("main_job_cpu.json")
+    if m is None:
+        return None
+    return ("main job learns (production rollout path, the default)", "`python benchmarks/main_job.py`",
+            f"{m['steps']} steps; mean reward {m['reward_first10']:.3f} over the first 10, {m['reward_last10']:.3f} "
+            f"over the last 10; step-1 `rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e}, `actor/ppo_kl` "
+            f"{m['ppo_kl_step1']}; median step {m['median_step_s']:.2f} s, {m['wall_s']:.0f} s wall, peak "
+            f"process-tree memory {m['peak_pss_tree_mib']:,.0f} MiB PSS ({m['max_processes']} processes) at load "
+            f"~{_load(m['machine'])}")
+
+
+def row_async():
+    d = _json("async_vs_sync_cpu.json")
+    if d is None:
+        return None
+    sync, one = (next(r for r in d["rows"] if r["variant"] == v) for v in ("sync-disaggregated", "async-one-step-off"))
+    pinned = ", trainer and engine pinned to a core each" if one["pinned"] else ""
+    return ("asynchronous rollout", "`python benchmarks/rollout_paths.py --only sync --pin`",
+            f"one-step-off vs synchronous, disaggregated SGLang-protocol engine{pinned}: "
+            f"**{one['response_tokens_per_s']:,.0f} vs {sync['response_tokens_per_s']:,.0f} response tokens/s "
+            f"({d['async_over_sync_response_tokens_per_s']:.2f}x)**, median step {one['median_step_s']:.2f} vs "
+            f"{sync['median_step_s']:.2f} s; both learn (last-10 {one['reward_last10']:.2f} / "
+            f"{sync['reward_last10']:.2f}); at load ~{_load(d['machine'])}")
+
+
+def row_weight_sync():
+    d = _json("weight_sync_cpu.json")
+    if d is None:
+        return None
+    rows = {r["transport"]: r for r in d["rows"] if r["preset"] == "qwen3-0.6b"}
+    t, g, c = rows["tensor"], rows["distributed"], rows["memcpy"]
+    return (f"weight sync into the server (Qwen3-0.6B shape, fp32, {t['bytes'] / 1e9:.2f} GB)", f"`{d['command']}`",
+            f"shared-memory tensors {t['seconds_median']:.1f} s ({t['gb_s']:.2f} GB/s), gloo broadcast "
+            f"{g['seconds_median']:.1f} s ({g['gb_s']:.2f} GB/s), plain memory copy {c['seconds_median']:.1f} s "
+            f"({c['gb_s']:.2f} GB/s); at load {d['machine']['load_avg_1m_at_start']:.0f}-"
+            f"{d['machine']['load_avg_1m_at_end']:.0f}")
+
+
+def row_ops():
+    d = _json("ops_cpu.json")
+    if d is None:
+        return None
+    two = next(r for r in d["runs"] if "reward_last10" in r)
+    return ("resume, nodes, SLURM", "`python -m pytest tests/test_resume_kill.py tests/test_ray_two_nodes.py "
+            "tests/test_slurm_real.py tests/test_async_rollout.py`",
+            "after SIGKILL of everything, later steps equal the uninterrupted run within 1e-6, each step once in "
+            f"metrics, trajectories and TensorBoard; two `ray start` nodes learn (first-10 {two['reward_first10']:.3f}, "
+            f"last-10 {two['reward_last10']:.3f}) and a dead worker node is named; a real one-node SLURM runs, "
+            "requeues (scontrol, USR1, TERM) and resumes the sbatch job (`benchmarks/results/ops_cpu.json`; the SLURM "
+            "tests need `slurm/testing/local_cluster.sh up`, which `.ci/run` does)")
+
+
+def row_doctor():
+    d = _json("doctor_main_job_cpu.json")
+    if d is None:
+        return None
+    run, layers = d["run"], d["layers_worst_sequence"]
+    t = run["tokens"]
+    steps = [s["mean"] for s in run["per_step"]]
+    fp32, bf16 = layers["float32"]["sites"], layers.get("bfloat16", {}).get("sites")
+    exact = [k for k, v in fp32.items() if v == 0.0]
+    text = (f"`mgrpo-doctor run`: {t['count']:,} response tokens over {run['steps']} steps, mean |diff| "
+            f"{t['mean']:.1e} (p99 {t['p99']:.1e}, max {t['max']:.1e}), per step {min(steps):.1e}..{max(steps):.1e}; "
+            f"`layers` on the worst sequence: {len(exact)} of {len(fp32)} sites bitwise equal in fp32, "
+            f"{max(fp32.values()):.0e} at most")
+    if bf16:
+        text += f"; the engine in bf16 within {max(bf16.values()):.0e} on this 2-layer model"
+    return ("engine vs trainer, token by token (the default job)", "`python benchmarks/doctor_main_job.py`",
+            text + " (`benchmarks/results/doctor_main_job_cpu.{json,txt}`; numbers, not timings)")
+
+
+def row_step0():
+    m = _json("main_job_cpu.json")
+    if m is None:
+        return None
+    return ("step-0 invariants", "same run, and `tests/test_e2e.py`",
+            f"`rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e} (engine vs Megatron, same tokens and "
+            f"weights); `actor/ppo_kl` {m['ppo_kl_step1']}")
+
+
+def row_seeds():
+    d = _json("seeds_cpu.json")
+    if d is None:
+        return None
+    rows = d["rows"]
+    return ("learning across seeds", f"`{d['command']}`",
+            "last-10 mean reward " + " / ".join(f"{r['reward_last10']:.2f}" for r in rows) + " for seeds "
+            + " / ".join(str(r["seed"]) for r in rows) + f" at {rows[0]['steps']} steps (first-10 "
+            + " / ".join(f"{r['reward_first10']:.3f}" for r in rows) + f"); at load ~"
+            + "-".join(sorted({f"{r['load_1m_at_start']:.0f}" for r in rows}, key=float)))
+
+
+def row_kernel():
+    rows = _csv("kernel_cpu.csv")
+    d = _json("kernel_cpu.json")
+    if rows is None or d is None:
+        return None
+    by = {r["impl"]: r for r in rows}
+    a = d["args"]
+    naive, chunked, liger = by["naive"], by["chunked"], by.get("liger")
+    text = (f"reference {float(naive['median_s']):.1f} s / {float(naive['peak_extra_mib']):,.0f} MiB extra; "
+            f"**chunked {float(chunked['median_s']):.1f} s ({float(chunked['time_vs_naive']):.2f}x) / "
+            f"{float(chunked['peak_extra_mib']):,.0f} MiB ({100 * float(chunked['mem_vs_naive']):.1f}%)**")
+    if liger:
+        text += (f"; Liger {d['machine'].get('liger-kernel', '')} {float(liger['median_s']):.1f} s "
+                 f"({float(liger['time_vs_naive']):.2f}x) / {float(liger['peak_extra_mib']):,.0f} MiB "
+                 f"({100 * float(liger['mem_vs_naive']):.1f}%)")
+    return (f"fused kernel vs full logits and Liger (T={a['T']}, H={a['H']}, V={a['V']:,}, {a['dtype']}, fwd+bwd)",
+            f"`python -m mgrpo_kernels.bench --T {a['T']} --H {a['H']} --V {a['V']} --dtype {a['dtype']} --repeats "
+            f"{a['repeats']}`", text + f"; at load ~{d['loadavg_at_end'][0]:.0f}")
+
+
+def row_trl():
+    d, rows = _json("grpo_vs_trl.json"), _csv("grpo_vs_trl.csv")
+    if d is None or rows is None:
+        return None
+    by = {r["framework"]: r for r in rows}
+    t, m, ratio = by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
+    f = float
+    return ("mgrpo vs TRL GRPOTrainer, same tiny workload", f"`{d['command']}`",
+            f"median step {f(m['median_step_s']):.3f} s vs {f(t['median_step_s']):.3f} s "
+            f"(**{f(ratio['median_step_s']):.2f}x**), CPU per step {f(ratio['cpu_s_per_step']):.2f}x; response "
+            f"tokens/s {f(m['response_tokens_per_s']):,.0f} vs {f(t['response_tokens_per_s']):,.0f}; peak tree PSS "
+            f"{f(m['peak_pss_tree_mib']):,.0f} vs {f(t['peak_pss_tree_mib']):,.0f} MiB "
+            f"(**{f(ratio['peak_pss_tree_mib']):.2f}x**; RSS {f(m['peak_rss_tree_mib']):,.0f} vs "
+            f"{f(t['peak_rss_tree_mib']):,.0f}), {int(f(m['max_processes']))} processes vs "
+            f"{int(f(t['max_processes']))}; mean reward over the last steps {f(m['final_reward']):.3f} vs "
+            f"{f(t['final_reward']):.3f}; at load ~{_load(d['machine'])}. See `benchmarks/README.md`")
+
+
+def row_convert():
+    d = _json("convert_cpu.json")
+    if d is None:
+        return None
+    by = {int(r["tp"]): r for r in d["rows"]}
+    one, two = by[1], by.get(2)
+    text = (f"bucketed HF iterator at TP=1 {one['iter_gb_s']:.1f} GB/s (hands out views) vs {one['memcpy_gb_s']:.1f} "
+            f"GB/s plain memory copy")
+    if two:
+        text += (f"; at TP=2 {two['iter_gb_s']:.2f} GB/s, bounded by gloo's all-gather on CPU "
+                 f"({float(two['gloo_gather_floor_s']):.1f} s for the bare gather)")
+    return (f"weight streaming (Qwen3-0.6B shape, {one['bytes'] / 1e9:.1f} GB {one['dtype'].replace('float', 'fp')})",
+            f"`{d['command']}`", text + f"; at load ~{d['machine']['load_avg_1m_at_start']:.0f}")
+
+
+def row_test_suite():
+    d = _json("test_suite_cpu.json")
+    if d is None:
+        return None
+    return ("test suite, as CI runs it", f"`{d['command']}`",
+            f"{d['passed']} passed, {d['skipped']} skipped, {d['failed']} failed in {d['wall_s'] / 60:.0f} min at "
+            f"commit {d['commit'][:10]}, load ~{d['load_1m_at_start']:.0f}")
+
+
+def _static(what: str, command: str, result: str) -> Row:
+    """A row that reports what tests assert (no measurement file)."""
+    return lambda: (what, command, result)
+
+
+ROWS: list[Row] = [
+    row_main_job,
+    _rollout_row("rollout_hf_inprocess_cpu.json", "same job, in-process engine",
+                 "python benchmarks/rollout_paths.py --only hf-inprocess",
+                 lambda r: f" (generation {r['median_gen_s']:.3f} s)"),
+    _rollout_row("rollout_router_cpu.json", "two engines behind SGLang's router",
+                 "python benchmarks/rollout_paths.py --only router", lambda r: " (one request per POST through the router)"),
+    row_async,
+    _static("SGLang path, every mode", "`python -m pytest tests/test_e2e_sglang.py`",
+            "colocated and disaggregated at trainer TP 1 and 2: 5 syncs per run, rollout vs trainer log-probs within "
+            "1e-5 at every step; 2 engines behind `sglang-router`; SIGKILLed and SIGSTOPped engines recovered with "
+            "every sample exactly once"),
+    row_weight_sync,
+    row_ops,
+    row_doctor,
+    row_step0,
+    row_seeds,
+    _static("layouts agree", "`python -m pytest tests/test_e2e.py -k layouts`",
+            "TP=2, PP=2 (with several micro-batches per step) and DP=2 reproduce TP=1's losses and gradient norms "
+            "within 1e-5, and their HF exports within 1e-4"),
+    row_kernel,
+    row_trl,
+    row_convert,
+    row_test_suite,
+]
+
+
+def results_block() -> str:
+    lines = ["| what | command | result |", "|---|---|---|"]
+    for row in ROWS:
+        cells = row()
+        if cells is not None:
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block}
+
+
+def render(readme: str) -> str:
+    """`readme` with every block replaced by what the results files say; each block must be there once."""
+    for name, block in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- readme_table:{name} -->\n)(.*?)(\n<!-- /readme_table:{name} -->)", re.S)
+        if len(pattern.findall(readme)) != 1:
+            raise ValueError(f"README.md must hold the block <!-- readme_table:{name} --> ... "
+                             f"<!-- /readme_table:{name} --> exactly once")
+        readme = pattern.sub(lambda m: m.group(1) + block() + m.group(3), readme)
+    return readme
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite README.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when README.md differs")
+    args = ap.parse_args(argv)
+    with open(README) as f:
+        old = f.read()
+    new = render(old)
+    if new == old:
+        print("README.md agrees with benchmarks/results/")
+        return 0
+    if args.write:
+        with open(README, "w") as f:
+            f.write(new)
+        print("README.md rewritten from benchmarks/results/")
+        return 0
+    sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README.md",
+                                               "README.md (rendered)"))
+    return 1 if args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
