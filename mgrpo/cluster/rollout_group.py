@@ -8,6 +8,10 @@ waits it health-checks the engines that hold chunks every `rollout.health_check_
 that died or stopped answering (`rollout.health_check_timeout_s`) is restarted, brought to the current
 weights, and its chunks are sent again. Every retry and restart is counted in the step's metrics; a
 chunk's results are taken once, from the attempt that finished, so nothing is lost or duplicated.
+
+Every engine server and the router require the run's secret (`rollout.api_key`, resolved here once per
+run and handed to the engines and weight senders); requests they refused for a missing or wrong key are
+counted in `rollout/auth_refused`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from mgrpo.cluster.engine_host import EngineHost, HostDelivery
 from mgrpo.cluster.placement import Placement
 from mgrpo.cluster.megatron_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
-from mgrpo.rollout.factory import EngineContext, engine_spec
+from mgrpo.rollout.factory import EngineContext, engine_spec, resolve_api_key
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,10 +39,12 @@ class NodeLocalDelivery:
     """A node-local transport (CUDA IPC, shared memory) for the engines on the sending rank's node,
     host delivery for the others. Resolved on the Megatron rank at its first bucket, then reused."""
 
-    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
+    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int,
+                 api_key: Optional[str] = None):
         self.cfg = cfg
         self.engines = engines  # (host handle, EngineSlot.address())
         self.generation = generation
+        self.api_key = api_key
         self._split = None
 
     def update_weights(self, bucket) -> None:
@@ -46,7 +52,7 @@ class NodeLocalDelivery:
             here = ray.util.get_node_ip_address()
             local = [a for _, a in self.engines if a["node_ip"] == here]
             spec = engine_spec(self.cfg.rollout.engine)
-            sender = spec.direct_sender(self.cfg, local, self.generation) if local else None
+            sender = spec.direct_sender(self.cfg, local, self.generation, self.api_key) if local else None
             remote = [(h, a) for h, a in self.engines if a["node_ip"] != here]
             self._split = (sender, HostDelivery([h for h, _ in remote], [a["actor_id"] for _, a in remote]))
         sender, remote = self._split
@@ -59,6 +65,8 @@ class NodeLocalDelivery:
 class RolloutStats:
     retries: int = 0
     restarts: int = 0
+    auth_refused: int = 0
+    """Requests the engines' servers and the router refused for a missing or wrong key since the last call."""
     seconds: float = 0.0
     per_engine: dict = field(default_factory=dict)
 
@@ -73,7 +81,11 @@ class RolloutGroup:
         self.placement = placement
         self.spec = engine_spec(cfg.rollout.engine)
         self.devices = devices
-        self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__,
+        self.api_key = resolve_api_key(cfg)
+        if self.api_key is None:
+            log.warning("rollout.api_key=none: the rollout servers and the router accept requests without a key; "
+                        "anyone who can reach their ports can replace the model or its memory")
+        self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__, "api_key": self.api_key,
                                                                 "visible_devices": devices[i] if devices else None}))
                         for i in range(cfg.rollout.num_engines)]
         self.hf_dir = hf_dir
@@ -84,13 +96,15 @@ class RolloutGroup:
         self.front = None
         """A router in front of several engines (when the engine has one): generation goes through it."""
         if self.spec.front is not None and len(self.engines) > 1:
-            self.front = self.spec.front(cfg, [a["url"] for a in self.addresses], context)
+            self.front = self.spec.front(cfg, [a["url"] for a in self.addresses],
+                                         EngineContext(**{**context.__dict__, "api_key": self.api_key}))
         self.weight_version = 0
         self.generation = 0
         """Bumped when an engine restarts: direct senders built for the old engines are stale."""
         self.on_restart: Optional[Callable[[list], None]] = None
         """Set by the weight sync: pushes the current weights to the given engine handles."""
         self._engine_retries = 0
+        self._refused = 0
         self._receivers: Optional[tuple[int, list]] = None
 
     @property
@@ -122,8 +136,8 @@ class RolloutGroup:
         if self.spec.direct_sender is None:
             return [HostDelivery(handles, [a["actor_id"] for a in addresses])]
         if self.spec.node_local(self.cfg):
-            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation)]
-        return [self.spec.direct_sender(self.cfg, addresses, self.generation)]
+            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation, self.api_key)]
+        return [self.spec.direct_sender(self.cfg, addresses, self.generation, self.api_key)]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
@@ -188,6 +202,13 @@ class RolloutGroup:
             route.close()
         return self._finish_generate(results, stats, t0)
 
+    def refused_requests(self) -> int:
+        """Requests refused for a missing or wrong key, summed over the engines' servers and the router
+        (servers that do not count them, like SGLang's own, add nothing)."""
+        refs = [e.refused_requests.remote() for e, a in zip(self.engines, self.addresses) if a["url"]]
+        counts = ray.get(refs) + ([self.front.refused_requests()] if self.front is not None else [])
+        return sum(c for c in counts if c)
+
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
         # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
         engine_retries = sum(ray.get([e.retries.remote() for e, a in zip(self.engines, self.addresses)
@@ -196,6 +217,9 @@ class RolloutGroup:
             engine_retries += self.front.retries
         stats.retries += max(engine_retries - self._engine_retries, 0)
         self._engine_retries = engine_retries
+        refused = self.refused_requests()
+        stats.auth_refused = max(refused - self._refused, 0)  # a restarted server starts counting again
+        self._refused = refused
         stats.seconds = time.perf_counter() - t0
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
 
