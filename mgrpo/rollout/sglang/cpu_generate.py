@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mgrpo.rollout.sglang import schema
 from mgrpo.rollout.sglang.schema import SAMPLING_FIELDS, RequestError
 
 SAMPLING_EPS = 1e-6  # srt/sampling/sampling_params.py _SAMPLING_EPS
@@ -240,9 +241,25 @@ def answer(r, weight_version: str, return_logprob: bool, t0: float) -> dict:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
         meta["output_token_logprobs_length"] = len(r.out)
     if r.mask_mode is not None:
-        meta["output_token_sampling_mask"] = [list(m) for m in r.masks]
-        meta["output_token_sampling_logprobs"] = list(r.mask_logprobs)
-        meta["output_token_sampling_mask_length"] = len(r.masks)
+        masks, values = mask_lists(r.masks, r.mask_logprobs, r.mask_mode == "support")
+        meta["output_token_sampling_mask"] = masks
+        meta["output_token_sampling_logprobs"] = values
+        meta["output_token_sampling_mask_length"] = len(masks)
     if r.routes is not None:
         meta["routed_experts"] = base64.b64encode(r.routes.numpy().tobytes()).decode("utf-8")
     return {"text": "", "output_ids": list(r.out), "meta_info": meta}
+
+
+def mask_lists(masks: list, logprobs: list, support: bool) -> tuple[list, list]:
+    """A request's sampling masks as SGLang answers them: its rows packed into SGLang's SamplingMaskChunk
+    (int32 ids, float32 log-probs) and read back with `to_lists`, where the wheel is installed."""
+    import numpy as np
+
+    mod = schema.sampling_mask()
+    if mod is None:
+        return [list(m) for m in masks], list(logprobs)
+    flat = [v for row in logprobs for v in row] if support else list(logprobs)
+    chunk = mod.SamplingMaskChunk(lengths=np.array([len(m) for m in masks], dtype=np.int32),
+                                  token_ids=np.array([t for m in masks for t in m], dtype=np.int32),
+                                  logprobs=np.array(flat, dtype=np.float32))
+    return chunk.to_lists(support_logprobs=support)

@@ -46,7 +46,8 @@ IGNORED_FLAGS = ("--enable-deterministic-inference", "--disable-cuda-graph", "--
                  "--enable-torch-compile", "--disable-custom-all-reduce", "--enable-return-hidden-states")
 IGNORED_OPTIONS = ("--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
                    "--attention-backend", "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes",
-                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs", "--schedule-policy",
+                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs-decode",
+                   "--cuda-graph-max-bs-prefill", "--schedule-policy",
                    "--log-level-http", "--quantization", "--kv-cache-dtype", "--watchdog-timeout",
                    "--dist-timeout", "--device")
 
@@ -88,7 +89,7 @@ def _merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
     return extra + argv[:i] + argv[i + 2:]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu_server", allow_abbrev=False,
                 description="CPU rollout server speaking SGLang's HTTP protocol (transformers underneath).")
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
@@ -119,6 +120,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for opt in IGNORED_OPTIONS:
         p.add_argument(opt, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(_merge_config(p, list(sys.argv[1:] if argv is None else argv)))
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")

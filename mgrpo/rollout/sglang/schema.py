@@ -139,6 +139,16 @@ def request_classes() -> Optional[dict[str, type]]:
 
 
 @functools.lru_cache(None)
+def sampling_mask() -> Optional[types.ModuleType]:
+    """sglang/srt/sampling/sampling_mask.py (SamplingMaskChunk: how a request's sampling masks travel and
+    become the answer's lists; needs msgspec and numpy), or None."""
+    path = _wheel_file("srt", "sampling", "sampling_mask.py")
+    if path is None or importlib.util.find_spec("msgspec") is None:
+        return None
+    return _load_file("_mgrpo_sglang_sampling_mask", path)
+
+
+@functools.lru_cache(None)
 def config_merger() -> Optional[types.ModuleType]:
     """sglang/srt/utils/server_args_config_parser.py (SGLang's --config YAML merger; needs PyYAML), or None."""
     path = _wheel_file("srt", "utils", "server_args_config_parser.py")
