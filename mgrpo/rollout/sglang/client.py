@@ -190,12 +190,14 @@ class SGLangEngine:
             except SGLangRequestError as e:
                 dead = self._dead_message()
                 bad = isinstance(e, SGLangBadResponseError)
-                if dead or not (e.transient or bad) or attempt >= self.max_retries:
-                    raise type(e)(f"/generate of {len(pending)} requests failed after {attempt + 1} attempts (retry "
-                              f"budget {self.max_retries}): {e}" + (f"\n{dead}" if dead else ""),
-                              status=e.status) from e
-                if e.timeout or bad:  # the server may still hold them: do not let two copies run
+                if (e.timeout or bad) and not dead:  # the server may still hold them: do not let two copies run
                     self._abort(rids)
+                if dead or not (e.transient or bad) or attempt >= self.max_retries:
+                    err = type(e)(f"/generate of {len(pending)} requests failed after {attempt + 1} attempts (retry "
+                                  f"budget {self.max_retries}): {e}" + (f"\n{dead}" if dead else ""),
+                                  status=e.status, transient=e.transient)
+                    err.timeout = e.timeout
+                    raise err from e
                 attempt += 1
                 self._count("bad_answer_retries" if bad else "generate_retries", 1)
                 log.warning("SGLang /generate failed (%s); retry %d of %d", e, attempt, self.max_retries)

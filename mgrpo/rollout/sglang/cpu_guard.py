@@ -21,7 +21,7 @@ from mgrpo.rollout.sglang.auth import decide
 
 log = logging.getLogger("mgrpo.cpu_server")
 
-MAX_BODY_BYTES = 256 * 2 ** 20
+MAX_BODY_BYTES = 64 * 2 ** 20
 """The largest body the CPU server reads: far above any rollout batch or weight-update request (tensors
 travel by handle or broadcast, never in the body)."""
 

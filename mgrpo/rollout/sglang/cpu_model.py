@@ -232,8 +232,12 @@ class CPUModel:
         """Copy HF-named tensors into the model (cast to its dtype); returns the bytes loaded."""
         if "weights" in self.released:
             raise ModelError("cannot load weights into released memory: resume_memory_occupation(['weights']) first")
-        nbytes = 0
-        for name, t in named:
+        checked = []  # every tensor is checked before any is copied: a bad bucket changes nothing
+        for item in named:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise ModelError(f"weight update: expected (name, tensor) pairs, got {type(item).__name__}")
+            name, t = item
             target = self.targets.get(name)
             if target is None:
                 if name == "lm_head.weight" and self.tied:
@@ -243,6 +247,11 @@ class CPUModel:
             if tuple(dst.shape) != tuple(t.shape):
                 raise ModelError(f"weight update: {name} has shape {tuple(t.shape)}, "
                                  f"the model expects {tuple(dst.shape)}")
+            if t.is_complex() or t.device.type != "cpu":
+                raise ModelError(f"weight update: {name} is a {t.dtype} tensor on {t.device}")
+            checked.append((name, dst, t))
+        nbytes = 0
+        for name, dst, t in checked:
             dst.copy_(t)
             self.stale.discard(name)
             nbytes += t.numel() * t.element_size()
