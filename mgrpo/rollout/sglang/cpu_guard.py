@@ -78,6 +78,9 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         allowed, status = decide(method, path, headers.get("authorization"), self.api_key, self.admin_api_key)
         if not allowed:
+            if method == "PRI":  # an HTTP/2 connection preface (sglang-router tries h2 first): not a request
+                await _send_json(send, status, {"error": "Unauthorized" if status == 401 else "Forbidden"})
+                return
             self.refusals.add(path, status)
             client = scope.get("client") or ("?", 0)
             log.warning("refused %s %s from %s:%s: HTTP %d (%s API key)", method, path, client[0], client[1], status,

@@ -67,6 +67,7 @@ class Router:
         self.process = start_server(cmd, self.url, self.log_path, startup_timeout_s=startup_timeout_s,
                                     ready_path="/health", env=env)
         self.client = HTTPClient(self.url, timeout_s=30.0, max_retries=2, api_key=api_key)
+        self.api_key = api_key
         self.metrics = HTTPClient(url_of(host, self.metrics_port), timeout_s=10.0, max_retries=0)
         self.startup_timeout_s = startup_timeout_s
         self.wait_for(set(urls))
@@ -97,7 +98,10 @@ class Router:
                 self.client.request("DELETE", f"/workers/{ids[old_url]}", ok_statuses=(200, 202, 204))
             except SGLangRequestError as e:
                 log.warning("router: removing %s failed: %s", old_url, e)
-        self.client.post("/workers", {"url": new_url}, ok_statuses=(200, 201, 202))
+        # a worker added through the control plane carries its own key (WorkerConfigRequest.api_key); without
+        # it the router would ask the new server unauthenticated
+        self.client.post("/workers", {"url": new_url, **({"api_key": self.api_key} if self.api_key else {})},
+                         ok_statuses=(200, 201, 202))
         self.wait_for({new_url}, gone={old_url} if old_url != new_url else set())
 
     def refused_requests(self) -> Optional[int]:
