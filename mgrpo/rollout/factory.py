@@ -84,8 +84,6 @@ def _build_sglang(hf_dir: str, kw: dict):
 
 def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
     r = cfg.rollout
-    if r.ep != 1 and r.ep != r.tp:  # SGLang: ep_size * moe_dp_size == tp_size (moe_dp_size 1)
-        raise ValueError(f"rollout.ep={r.ep}: SGLang's expert-parallel size must be 1 or rollout.tp ({r.tp})")
     return dict(tp=r.tp, ep=r.ep, mem_fraction_static=r.gpu_memory_utilization,
                 stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
                 request_timeout_s=r.request_timeout_s, health_timeout_s=r.health_check_timeout_s,
