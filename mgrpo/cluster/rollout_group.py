@@ -17,6 +17,7 @@ counted in `rollout/auth_refused`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -104,7 +105,10 @@ class RolloutGroup:
         self.on_restart: Optional[Callable[[list], None]] = None
         """Set by the weight sync: pushes the current weights to the given engine handles."""
         self._engine_retries = 0
-        self._refused = 0
+        self._refused: dict[str, int] = {}
+        self._refusal_asks: Optional[tuple] = None
+        self._refusal_lock = threading.Lock()
+        self._front_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgrpo-refusals")
         self._receivers: Optional[tuple[int, list]] = None
 
     @property
@@ -202,12 +206,31 @@ class RolloutGroup:
             route.close()
         return self._finish_generate(results, stats, t0)
 
-    def refused_requests(self) -> int:
-        """Requests refused for a missing or wrong key, summed over the engines' servers and the router
-        (servers that do not count them, like SGLang's own, add nothing)."""
-        refs = [e.refused_requests.remote() for e, a in zip(self.engines, self.addresses) if a["url"]]
-        counts = ray.get(refs) + ([self.front.refused_requests()] if self.front is not None else [])
-        return sum(c for c in counts if c)
+    def _refusals_since_last(self) -> int:
+        """Requests refused for a missing or wrong key since the last call, summed over the engines' servers
+        and the router (servers that do not count them, like SGLang's own, add nothing). The counts are
+        asked for now and read at the next call, so no generation waits on them: a call reports what was
+        refused up to the end of the previous one."""
+        with self._refusal_lock:  # the asynchronous pipeline generates from a thread of its own
+            return self._refusals_locked()
+
+    def _refusals_locked(self) -> int:
+        asked, self._refusal_asks = self._refusal_asks, (
+            [(a["url"], e.refused_requests.remote()) for e, a in zip(self.engines, self.addresses) if a["url"]],
+            self._front_pool.submit(self.front.refused_requests) if self.front is not None else None)
+        if asked is None:
+            return 0
+        counts = {}  # by server URL (a restarted engine has a new one and counts from 0) and the router
+        for url, ref in asked[0]:
+            try:
+                counts[url] = ray.get(ref)
+            except ray.exceptions.RayError:  # the engine died meanwhile: its replacement reports next time
+                pass
+        if asked[1] is not None:
+            counts["router"] = asked[1].result()
+        fresh = sum(max((c or 0) - self._refused.get(k, 0), 0) for k, c in counts.items())
+        self._refused.update({k: c or 0 for k, c in counts.items()})
+        return fresh
 
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
         # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
@@ -217,9 +240,7 @@ class RolloutGroup:
             engine_retries += self.front.retries
         stats.retries += max(engine_retries - self._engine_retries, 0)
         self._engine_retries = engine_retries
-        refused = self.refused_requests()
-        stats.auth_refused = max(refused - self._refused, 0)  # a restarted server starts counting again
-        self._refused = refused
+        stats.auth_refused = self._refusals_since_last()
         stats.seconds = time.perf_counter() - t0
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
 
@@ -321,6 +342,7 @@ class RolloutGroup:
             pass
 
     def shutdown(self) -> None:
+        self._front_pool.shutdown(wait=False, cancel_futures=True)
         if self.front is not None:
             self.front.shutdown()
         for e in self.engines:
