@@ -39,7 +39,8 @@ def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp, caplog):
     trainer's weights: rollout and trainer log-probs of the same tokens agree at every step. Every server
     requires the run's key (the hybrid run turns it off, and says so), and no request was refused."""
     keyless = mode == "hybrid"
-    cfg = small_config(str(tmp_path), rollout={"engine": "sglang", "mode": mode, **({"api_key": "none"} if keyless else {})},
+    rollout = {"engine": "sglang", "mode": mode, **({"api_key": "none"} if keyless else {})}
+    cfg = small_config(str(tmp_path), rollout=rollout,
                        actor={"tp": tp}, trainer={"total_training_steps": STEPS,
                                                   "n_gpus_per_node": tp + (1 if mode == "disaggregated" else 0)})
     t = Recording(cfg)

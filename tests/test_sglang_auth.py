@@ -68,7 +68,8 @@ def test_admin_table_is_sglangs_for_every_route_the_cpu_server_serves():
         for p in paths:
             sglang[p] = admin
     assert len(ROUTES) >= 17 and {"/generate", "/update_weights_from_tensor", "/health_generate"} <= set(ROUTES)
-    missing = sorted(p for p in ROUTES if p not in sglang and p != "/metrics")  # SGLang serves /metrics via its exporter
+    # SGLang serves /metrics through its Prometheus exporter, not as a route of its own
+    missing = sorted(p for p in ROUTES if p not in sglang and p != "/metrics")
     assert not missing, f"routes SGLang does not have: {missing}"
     assert {p for p in ROUTES if sglang.get(p)} == set(ADMIN_OPTIONAL)
 
@@ -276,3 +277,33 @@ def test_cpu_server_reads_keys_from_config_like_sglang(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mgrpo.rollout.sglang.cpu_server", *base, "--config", str(cfg)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--no-such-option" in r.stderr
+
+
+def test_key_file_goes_when_the_launcher_dies_mid_start(tmp_path):
+    """A launcher SIGKILLed while its server starts (a Ray actor killed during a restart) runs no cleanup:
+    the server's watchdog removes the key file with the server."""
+    import signal
+    import time
+
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import sys\n"
+        "from mgrpo.rollout.sglang.auth import key_config_file\n"
+        "from mgrpo.rollout.sglang.server import start_server\n"
+        "path = key_config_file('k' * 40)\n"
+        "print(path, flush=True)\n"
+        "start_server([sys.executable, '-c', 'import time; time.sleep(120)'], 'http://127.0.0.1:9', "
+        f"{str(tmp_path / 'server.log')!r}, startup_timeout_s=120, key_file=path)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    path = proc.stdout.readline().strip()
+    assert os.path.exists(path)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "server.log").exists() and time.monotonic() < deadline:  # the server is starting
+        time.sleep(0.1)
+    time.sleep(1.0)  # and its watchdog with it
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60  # the watchdog polls every 2 s, then gives the server 15 s to stop
+    while os.path.exists(os.path.dirname(path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not os.path.exists(os.path.dirname(path))

@@ -149,7 +149,8 @@ def _tensor_payloads() -> list:
     or a good tensor next to a bad one (nothing may be loaded)."""
     empty = serialize([("model.norm.weight", torch.ones(0))])  # no shared-memory segment behind it
     b64 = lambda obj: base64.b64encode(pickle.dumps(obj)).decode()  # noqa: E731
-    return [empty[: len(empty) // 2], empty[:-3] + "!!!", "not base64 at all", base64.b64encode(b"\x80\x04junk").decode(),
+    return [empty[: len(empty) // 2], empty[:-3] + "!!!", "not base64 at all",
+            base64.b64encode(b"\x80\x04junk").decode(),
             b64([1, 2, 3]), b64({"a": 1}), b64([("model.norm.weight", 5)]), b64(_Evil()), b64(torch.ones(3)), empty,
             serialize([("model.norm.weight", torch.ones(7))]), serialize([("no.such.weight", torch.ones(128))]),
             serialize([("model.norm.weight", torch.zeros(128)), ("no.such.weight", torch.ones(1))]),

@@ -45,7 +45,8 @@ def recomputed_routes(ckpt: str, ids: list[int]) -> np.ndarray:
     a plain full-sequence transformers forward."""
     from transformers import AutoModelForCausalLM
 
-    gates = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.endswith("mlp.gate.weight")}
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    gates = {k: v for k, v in tensors.items() if k.endswith("mlp.gate.weight")}
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     inputs: dict[int, torch.Tensor] = {}
     hooks = [layer.post_attention_layernorm.register_forward_hook(

@@ -134,8 +134,9 @@ def decide(method: str, path: str, authorization: Optional[str], api_key: Option
 # --- delivery --------------------------------------------------------------------------------------------
 def key_config_file(api_key: str) -> str:
     """A YAML file, readable by this user only, that gives the key as SGLang's `--api-key` and
-    `--admin-api-key` (its `--config` turns each YAML key into the flag of that spelling). The caller deletes it once the server has started
-    (`remove_key_config`): SGLang reads it once, at launch."""
+    `--admin-api-key` (its `--config` turns each YAML key into the flag of that spelling). The caller
+    deletes it once the server has started (`remove_key_config`; the server's watchdog, should the caller
+    die first): SGLang reads it once, at launch."""
     d = tempfile.mkdtemp(prefix="mgrpo-key-")  # mode 0700
     path = os.path.join(d, "server-key.yaml")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

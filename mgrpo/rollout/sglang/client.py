@@ -134,7 +134,7 @@ class SGLangEngine:
             log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
             url = url_of(host, port)
             log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
-            proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env)
+            proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env, key_file=key_file)
         finally:
             remove_key_config(key_file)  # read once at startup; a restart writes a new one
         engine_kwargs.setdefault("moe_shape", checkpoint_moe_shape(hf_dir))

@@ -155,9 +155,9 @@ def decode_routed_experts(meta: dict, uid: int, prompt_len: Optional[int], out_l
     """meta_info["routed_experts"] -> int32 [prompt + output - 1, num_layers, top_k]."""
     raw = meta.get("routed_experts")
     if raw is None:
-        raise SGLangRequestError(f"request {uid}: return_routed_experts was asked but the answer has no routed_experts: "
-                                 "the server was started without --enable-return-routed-experts (SGLang then drops "
-                                 "the field silently)")
+        raise SGLangRequestError(f"request {uid}: return_routed_experts was asked but the answer has no "
+                                 "routed_experts: the server was started without --enable-return-routed-experts "
+                                 "(SGLang then drops the field silently)")
     if moe_shape is None:
         raise ValueError("routed experts need the model's (num_hidden_layers, num_experts_per_tok): launch or "
                          "connect the engine with hf_dir of an MoE checkpoint")

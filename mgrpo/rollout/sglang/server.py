@@ -87,10 +87,13 @@ def log_tail(path: Optional[str], lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 # Kills the server's process group once the process that launched it is gone (a Ray actor killed
-# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
+# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs), and removes the key file the
+# launcher would have removed (argv[3], if given) when it goes itself.
 _WATCHDOG = """
-import os, signal, sys, time
+import atexit, os, shutil, signal, sys, time
 parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+if len(sys.argv) > 3:
+    atexit.register(shutil.rmtree, os.path.dirname(sys.argv[3]), True)
 def alive(pid):
     try:
         os.kill(pid, 0); return True
@@ -132,10 +135,12 @@ def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
-                 env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate"
-                 ) -> subprocess.Popen:
+                 env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate",
+                 key_file: Optional[str] = None) -> subprocess.Popen:
     """Start `cmd` in its own process group with its output in `log_path`; return once
-    GET {url}{ready_path} answers 200. On death or timeout: kill it and raise with the log tail."""
+    GET {url}{ready_path} answers 200. On death or timeout: kill it and raise with the log tail.
+    `key_file` (auth.key_config_file): removed by the watchdog at the latest, should this process die
+    before removing it."""
     import requests
 
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
@@ -143,7 +148,8 @@ def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout
     with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
         proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
-    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)], start_new_session=True,
+    watch = [str(os.getpid()), str(proc.pid), *([key_file] if key_file else [])]
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, *watch], start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + startup_timeout_s
     while True:
