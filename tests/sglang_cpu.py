@@ -76,13 +76,15 @@ def torch_shm_segments() -> set[str]:
 
 class FaultProxy:
     """Forwards to a real server, answering the first requests of a path with injected statuses
-    (a 5xx from a load balancer, say) - the faults the real server cannot be asked to make.
+    (a 5xx from a load balancer, say) or with garbage bodies under 200 - the faults the real server
+    cannot be asked to make.
     Bounded: stops by itself after `lifetime_s`."""
 
     def __init__(self, upstream: str, lifetime_s: float = 60.0):
         self.upstream = upstream.rstrip("/")
         self.inject: dict[str, list[int]] = {}
         self.delay: dict[str, list[float]] = {}  # seconds to hold a request before forwarding it
+        self.garbage: dict[str, list[bytes]] = {}  # bodies answered with 200 instead of the server's answer
         self.seen: list[str] = []
         proxy = self
 
@@ -96,15 +98,23 @@ class FaultProxy:
                 if delays:
                     time.sleep(delays.pop(0))
                 queue = proxy.inject.get(self.path)
+                junk = proxy.garbage.get(self.path)
                 if queue:
                     status = queue.pop(0)
                     data = b'{"error": "injected by FaultProxy"}'
+                elif junk:
+                    n = int(self.headers.get("Content-Length", 0))
+                    self.rfile.read(n)
+                    status, data = 200, junk.pop(0)
                 else:
                     n = int(self.headers.get("Content-Length", 0))
                     body = self.rfile.read(n) if n else None
-                    r = requests.request(method, proxy.upstream + self.path, data=body,
-                                         headers={"Content-Type": "application/json"}, timeout=120)
-                    status, data = r.status_code, r.content
+                    try:
+                        r = requests.request(method, proxy.upstream + self.path, data=body,
+                                             headers={"Content-Type": "application/json"}, timeout=120)
+                        status, data = r.status_code, r.content
+                    except requests.RequestException:  # the upstream went away (a held request outlived it)
+                        status, data = 502, b'{"error": "upstream unreachable"}'
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))

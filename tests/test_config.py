@@ -63,6 +63,9 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"actor": {"ppo_mini_batch_size": 5}}, "actor.ppo_mini_batch_size=5 does not divide data.train_batch_size=32"),
     ({"rollout": {"mode": "hybrid", "async_mode": "one_step_off"}},
      "rollout.async_mode='one_step_off' overlaps generation with training, which rollout.mode=hybrid engines cannot"),
+    ({"rollout": {"ep": 2}}, "rollout.ep=2: SGLang's expert-parallel size must be 1 or rollout.tp (1)"),
+    ({"rollout": {"api_key": "env:MGRPO_TEST_NO_SUCH_VARIABLE"}},
+     "rollout.api_key='env:MGRPO_TEST_NO_SUCH_VARIABLE': auto | none | env:<VARIABLE> (set and non-empty) | a key"),
     ({"rollout": {"mode": "hybrid", "num_engines": 2}},
      "rollout.num_engines*rollout.tp=2 exceeds the 1 accelerators (rollout.mode=hybrid: each engine lives in a Megatron rank)"),
 ])

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from mgrpo.cluster.rollout_group import NodeLocalDelivery
 from mgrpo.loop import Trainer
@@ -33,14 +34,22 @@ class Recording(Trainer):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, tp", [("colocated", 1), ("disaggregated", 1), ("colocated", 2),
                                       ("disaggregated", 2), ("hybrid", 1)])
-def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp):
+def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp, caplog):
     """>= 5 consecutive weight syncs in one run; after every sync the engine samples from exactly the
-    trainer's weights: rollout and trainer log-probs of the same tokens agree at every step."""
-    cfg = small_config(str(tmp_path), rollout={"engine": "sglang", "mode": mode},
+    trainer's weights: rollout and trainer log-probs of the same tokens agree at every step. Every server
+    requires the run's key (the hybrid run turns it off, and says so), and no request was refused."""
+    keyless = mode == "hybrid"
+    rollout = {"engine": "sglang", "mode": mode, **({"api_key": "none"} if keyless else {})}
+    cfg = small_config(str(tmp_path), rollout=rollout,
                        actor={"tp": tp}, trainer={"total_training_steps": STEPS,
                                                   "n_gpus_per_node": tp + (1 if mode == "disaggregated" else 0)})
     t = Recording(cfg)
     t.fit()
+    logs = [open(os.path.join(tmp_path, "logs", "sglang", f)).read()
+            for f in os.listdir(os.path.join(tmp_path, "logs", "sglang"))]
+    assert logs and all(("API key: NONE" if keyless else "API key: required") in text for text in logs)
+    assert ("rollout.api_key=none: the rollout servers and the router accept requests without a key"
+            in caplog.text) == keyless
     (receiver,) = t.receivers
     assert isinstance(receiver, NodeLocalDelivery if mode in ("colocated", "hybrid") else DistributedWeightSender)
     m = read_metrics(str(tmp_path))
@@ -49,6 +58,7 @@ def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp):
     for x in m:
         assert x["rollout/logprob_abs_diff"] <= 1e-5, (x["step"], x["rollout/logprob_abs_diff"])
         assert x["perf/update_weights_bytes"] > 0 and x["perf/update_weights_s"] > 0
+        assert x["rollout/auth_refused"] == 0
     assert m[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     with open(os.path.join(str(tmp_path), "trajectories.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -137,7 +147,12 @@ def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
     class Routed(Trainer):
         def _start(self, prepared):
             super()._start(prepared)
-            self.router_workers_at_start = set(self.parts.experiences.rollout.front.router.workers())
+            rollout = self.parts.experiences.rollout
+            self.router_workers_at_start = set(rollout.front.router.workers())
+            # the run's key guards both engines and the router: a request without it is refused and counted
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            self.probes = [requests.post(u + "/generate", json=body, timeout=30).status_code
+                           for u in [*rollout.urls, rollout.front.router.url]]
 
         def _close(self):
             if self.parts is not None and self.parts.experiences.rollout.front is not None:
@@ -157,3 +172,6 @@ def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
     assert [x["step"] for x in m] == [1, 2, 3, 4]
     assert m[-1]["rollout/restarts_total"] >= 1
     assert all(x["rollout/logprob_abs_diff"] <= 1e-5 for x in m)
+    assert t.probes == [401, 401, 401] and all(u.startswith("http://127.0.0.1:") for u in t.urls_at_end)
+    # counted once; reported at step 2 (a step reports what was refused up to the previous generation)
+    assert [x["rollout/auth_refused"] for x in m[:2]] == [0, 3] and sum(x["rollout/auth_refused"] for x in m) == 3

@@ -44,7 +44,7 @@ def test_sglangs_classes_check_types_and_required_fields():
                                                  "world_size": 2, "group_name": "g", "backend": "gloo"})
     with pytest.raises(RequestError, match=r"master_port: Field required") as e:
         check_request("/init_weights_update_group", {"master_address": "x", "rank_offset": 1, "world_size": 2})
-    assert e.value.status == 422
+    assert e.value.status == 400 and e.value.validation  # SGLang answers FastAPI's validation error 400
     with pytest.raises(RequestError, match=r"new_version: Input should be a valid string"):
         check_request("/update_weight_version", {"new_version": 3})
     with pytest.raises(RequestError, match=r"serialized_named_tensors.*base64"):
@@ -74,3 +74,76 @@ def test_fallbacks_without_the_wheel(monkeypatch):
 def test_unknown_fields_are_refused_even_where_sglang_would_ignore_them():
     with pytest.raises(RequestError, match=r"unknown fields \['flush_cahce'\].*ignore them silently"):
         check_request("/update_weights_from_tensor", {"serialized_named_tensors": [], "flush_cahce": False})
+
+
+# --- launch arguments and /generate fields against the wheel's ServerArgs and GenerateReqInput -----------
+def _sglang_cli_flags() -> set[str]:
+    """Every option string `python -m sglang.launch_server` accepts (0.5.23): the dataclass fields of
+    srt/arg_groups/fields/*.py (`A[type, "help"]` or `A[type, Arg(...)]`: --field-name, its aliases, or its
+    cli_name; no_cli fields have none) and the options server_args.py adds by hand (--config, ...)."""
+    import ast
+    import glob
+    import os
+
+    root = schema.sglang_dir()
+    if root is None:
+        pytest.skip("sglang wheel not installed")
+    flags: set[str] = set()
+    for path in glob.glob(os.path.join(root, "srt", "arg_groups", "fields", "*.py")):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(node.annotation, ast.Subscript) and isinstance(node.annotation.slice, ast.Tuple)):
+                continue
+            meta = node.annotation.slice.elts[1]
+            names = [f"--{node.target.id.replace('_', '-')}"]
+            if isinstance(meta, ast.Call) and getattr(meta.func, "id", None) == "Arg":
+                kw = {k.arg: k.value for k in meta.keywords}
+                if "no_cli" in kw and ast.literal_eval(kw["no_cli"]):
+                    continue
+                if "cli_name" in kw:
+                    names = [ast.literal_eval(kw["cli_name"])]
+                names += ast.literal_eval(kw["aliases"]) if "aliases" in kw else []
+            elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
+                continue
+            flags.update(names)
+    for node in ast.walk(ast.parse(open(os.path.join(root, "srt", "server_args.py")).read())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
+    assert {"--tp-size", "--api-key", "--admin-api-key", "--config", "--ep-size"} <= flags  # the reader works
+    return flags
+
+
+def test_launch_command_and_cpu_server_flags_are_sglangs():
+    """What SGLangEngine.launch runs (every option on) and every flag the CPU server takes exist in
+    SGLang's ServerArgs, under the same spelling."""
+    from mgrpo.rollout.sglang.cpu_server import build_parser
+    from mgrpo.rollout.sglang.server import SGLANG_MODULE, launch_command
+
+    flags = _sglang_cli_flags()
+    cmd = launch_command(SGLANG_MODULE, "/ckpt", tp=2, host="10.0.0.1", port=1, mem_fraction_static=0.7,
+                         weight_version=0, enable_memory_saver=True, ep=2, return_routed_experts=True,
+                         key_file="/tmp/k.yaml")
+    used = {a for a in cmd if a.startswith("--")}
+    assert {"--ep-size", "--enable-return-routed-experts", "--config", "--enable-memory-saver"} <= used
+    assert used <= flags, sorted(used - flags)
+    theirs = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    assert theirs <= flags, sorted(theirs - flags)  # its ignored GPU-only options included
+
+
+def test_generate_fields_are_sglangs():
+    """The /generate fields the CPU server implements are GenerateReqInput's (io_struct.py)."""
+    import ast
+    import os
+
+    from mgrpo.rollout.sglang.cpu_generate import GENERATE_FIELDS, SAMPLING_DEFAULTS, SAMPLING_IMPLEMENTED, \
+        SAMPLING_TEXT_ONLY
+
+    root = schema.sglang_dir()
+    if root is None:
+        pytest.skip("sglang wheel not installed")
+    tree = ast.parse(open(os.path.join(root, "srt", "managers", "io_struct.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput")
+    fields = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
+    assert GENERATE_FIELDS <= fields, sorted(GENERATE_FIELDS - fields)
+    # every sampling parameter of SGLang's contract is implemented, text-only, or refused unless at its default
+    assert SAMPLING_IMPLEMENTED | SAMPLING_TEXT_ONLY | set(SAMPLING_DEFAULTS) == schema.SAMPLING_FIELDS

@@ -157,3 +157,29 @@ def test_names_the_node_that_never_joined(tmp_path):
         assert processes_mentioning(job.ray_tmp) == [], "Ray outlived the failed job"
     finally:
         job.cleanup(proc)
+
+
+@pytest.mark.slow
+def test_every_job_gets_its_own_rollout_key(tmp_path):
+    """A one-node job: the script makes a fresh rollout key (not one from the submitting shell), hands it to
+    the Ray processes of its srun steps (so to every node) and to the training command through the
+    environment, and no command line carries it."""
+    job = FakeJob(tmp_path, socket.gethostname(), 1)
+    seen = tmp_path / "seen"
+    fake_train = tmp_path / "fake-train"
+    fake_train.write_text("#!/usr/bin/env bash\n"
+                          f"printf '%s' \"$MGRPO_ROLLOUT_API_KEY\" > {seen}\n"
+                          f"for p in $(pgrep -f -- '--temp-dir={job.ray_tmp}'); do "
+                          f"tr '\\0' '\\n' < /proc/$p/environ | grep '^MGRPO_ROLLOUT_API_KEY=' >> {seen}.ray; done\n"
+                          f"ps -eo args > {seen}.ps\n")
+    fake_train.chmod(0o755)
+    proc, log = job.start(MGRPO_TRAIN=str(fake_train), MGRPO_ROLLOUT_API_KEY="from-the-submitting-shell")
+    try:
+        assert _wait(proc, 180) == 0, log.read_text()
+        key = seen.read_text()
+        assert len(key) >= 40 and key != "from-the-submitting-shell"
+        assert set((tmp_path / "seen.ray").read_text().split()) == {f"MGRPO_ROLLOUT_API_KEY={key}"}
+        assert key not in (tmp_path / "seen.ps").read_text() and key not in job.shim_log.read_text()
+        assert key not in log.read_text()
+    finally:
+        job.cleanup(proc)

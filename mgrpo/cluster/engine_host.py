@@ -64,6 +64,12 @@ class EngineSlot:
         """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
         return int(getattr(self.engine, "retries", 0))
 
+    @ray.method(concurrency_group="health")
+    def refused_requests(self):
+        """Requests the engine's server refused for a missing or wrong key (None: it does not count them)."""
+        count = getattr(self.engine, "refused_requests", None)
+        return count() if count is not None else None
+
     @ray.method(concurrency_group="engine")
     def release_memory(self, tags=None):
         self.engine.release_memory(tags)

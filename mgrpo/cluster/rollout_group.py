@@ -8,11 +8,16 @@ waits it health-checks the engines that hold chunks every `rollout.health_check_
 that died or stopped answering (`rollout.health_check_timeout_s`) is restarted, brought to the current
 weights, and its chunks are sent again. Every retry and restart is counted in the step's metrics; a
 chunk's results are taken once, from the attempt that finished, so nothing is lost or duplicated.
+
+Every engine server and the router require the run's secret (`rollout.api_key`, resolved here once per
+run and handed to the engines and weight senders); requests they refused for a missing or wrong key are
+counted in `rollout/auth_refused`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -25,7 +30,7 @@ from mgrpo.cluster.engine_host import EngineHost, HostDelivery
 from mgrpo.cluster.placement import Placement
 from mgrpo.cluster.megatron_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
-from mgrpo.rollout.factory import EngineContext, engine_spec
+from mgrpo.rollout.factory import EngineContext, engine_spec, resolve_api_key
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,10 +40,12 @@ class NodeLocalDelivery:
     """A node-local transport (CUDA IPC, shared memory) for the engines on the sending rank's node,
     host delivery for the others. Resolved on the Megatron rank at its first bucket, then reused."""
 
-    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int):
+    def __init__(self, cfg: MGRPOConfig, engines: list[tuple[object, dict]], generation: int,
+                 api_key: Optional[str] = None):
         self.cfg = cfg
         self.engines = engines  # (host handle, EngineSlot.address())
         self.generation = generation
+        self.api_key = api_key
         self._split = None
 
     def update_weights(self, bucket) -> None:
@@ -46,7 +53,7 @@ class NodeLocalDelivery:
             here = ray.util.get_node_ip_address()
             local = [a for _, a in self.engines if a["node_ip"] == here]
             spec = engine_spec(self.cfg.rollout.engine)
-            sender = spec.direct_sender(self.cfg, local, self.generation) if local else None
+            sender = spec.direct_sender(self.cfg, local, self.generation, self.api_key) if local else None
             remote = [(h, a) for h, a in self.engines if a["node_ip"] != here]
             self._split = (sender, HostDelivery([h for h, _ in remote], [a["actor_id"] for _, a in remote]))
         sender, remote = self._split
@@ -59,6 +66,8 @@ class NodeLocalDelivery:
 class RolloutStats:
     retries: int = 0
     restarts: int = 0
+    auth_refused: int = 0
+    """Requests the engines' servers and the router refused for a missing or wrong key since the last call."""
     seconds: float = 0.0
     per_engine: dict = field(default_factory=dict)
 
@@ -73,7 +82,11 @@ class RolloutGroup:
         self.placement = placement
         self.spec = engine_spec(cfg.rollout.engine)
         self.devices = devices
-        self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__,
+        self.api_key = resolve_api_key(cfg)
+        if self.api_key is None:
+            log.warning("rollout.api_key=none: the rollout servers and the router accept requests without a key; "
+                        "anyone who can reach their ports can replace the model or its memory")
+        self._kwargs = [self.spec.kwargs(cfg, EngineContext(**{**context.__dict__, "api_key": self.api_key,
                                                                 "visible_devices": devices[i] if devices else None}))
                         for i in range(cfg.rollout.num_engines)]
         self.hf_dir = hf_dir
@@ -84,13 +97,18 @@ class RolloutGroup:
         self.front = None
         """A router in front of several engines (when the engine has one): generation goes through it."""
         if self.spec.front is not None and len(self.engines) > 1:
-            self.front = self.spec.front(cfg, [a["url"] for a in self.addresses], context)
+            self.front = self.spec.front(cfg, [a["url"] for a in self.addresses],
+                                         EngineContext(**{**context.__dict__, "api_key": self.api_key}))
         self.weight_version = 0
         self.generation = 0
         """Bumped when an engine restarts: direct senders built for the old engines are stale."""
         self.on_restart: Optional[Callable[[list], None]] = None
         """Set by the weight sync: pushes the current weights to the given engine handles."""
         self._engine_retries = 0
+        self._refused: dict[str, int] = {}
+        self._refusal_asks: Optional[tuple] = None
+        self._refusal_lock = threading.Lock()
+        self._front_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgrpo-refusals")
         self._receivers: Optional[tuple[int, list]] = None
 
     @property
@@ -122,8 +140,8 @@ class RolloutGroup:
         if self.spec.direct_sender is None:
             return [HostDelivery(handles, [a["actor_id"] for a in addresses])]
         if self.spec.node_local(self.cfg):
-            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation)]
-        return [self.spec.direct_sender(self.cfg, addresses, self.generation)]
+            return [NodeLocalDelivery(self.cfg, list(zip(handles, addresses)), self.generation, self.api_key)]
+        return [self.spec.direct_sender(self.cfg, addresses, self.generation, self.api_key)]
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
@@ -188,6 +206,32 @@ class RolloutGroup:
             route.close()
         return self._finish_generate(results, stats, t0)
 
+    def _refusals_since_last(self) -> int:
+        """Requests refused for a missing or wrong key since the last call, summed over the engines' servers
+        and the router (servers that do not count them, like SGLang's own, add nothing). The counts are
+        asked for now and read at the next call, so no generation waits on them: a call reports what was
+        refused up to the end of the previous one."""
+        with self._refusal_lock:  # the asynchronous pipeline generates from a thread of its own
+            return self._refusals_locked()
+
+    def _refusals_locked(self) -> int:
+        asked, self._refusal_asks = self._refusal_asks, (
+            [(a["url"], e.refused_requests.remote()) for e, a in zip(self.engines, self.addresses) if a["url"]],
+            self._front_pool.submit(self.front.refused_requests) if self.front is not None else None)
+        if asked is None:
+            return 0
+        counts = {}  # by server URL (a restarted engine has a new one and counts from 0) and the router
+        for url, ref in asked[0]:
+            try:
+                counts[url] = ray.get(ref)
+            except ray.exceptions.RayError:  # the engine died meanwhile: its replacement reports next time
+                pass
+        if asked[1] is not None:
+            counts["router"] = asked[1].result()
+        fresh = sum(max((c or 0) - self._refused.get(k, 0), 0) for k, c in counts.items())
+        self._refused.update({k: c or 0 for k, c in counts.items()})
+        return fresh
+
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
         # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
         engine_retries = sum(ray.get([e.retries.remote() for e, a in zip(self.engines, self.addresses)
@@ -196,6 +240,7 @@ class RolloutGroup:
             engine_retries += self.front.retries
         stats.retries += max(engine_retries - self._engine_retries, 0)
         self._engine_retries = engine_retries
+        stats.auth_refused = self._refusals_since_last()
         stats.seconds = time.perf_counter() - t0
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
 
@@ -297,6 +342,7 @@ class RolloutGroup:
             pass
 
     def shutdown(self) -> None:
+        self._front_pool.shutdown(wait=False, cancel_futures=True)
         if self.front is not None:
             self.front.shutdown()
         for e in self.engines:

@@ -87,7 +87,8 @@ class ExperienceMaker:
 
     def generate(self, items, n: int, sampling: SamplingParams, metrics: dict, desc: str = "rollout") -> Experience:
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
-        self.count({"rollout/retries": stats.retries, "rollout/restarts": stats.restarts}, metrics)
+        self.count({"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
+                    "rollout/auth_refused": stats.auth_refused}, metrics)
         metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
         return Experience.from_rollout(items, results, n)
 

@@ -232,6 +232,8 @@ class RolloutConfig:
     top_k: int = -1
     tp: int = 1
     """Tensor-parallel size of one engine."""
+    ep: int = 1
+    """Expert-parallel size inside one engine (SGLang's --ep-size, MoE models): 1 or rollout.tp."""
     num_engines: int = 1
     mode: RolloutMode = "colocated"
     """colocated (engines share the actor's accelerators, each in a process of its own) | hybrid (veRL's
@@ -259,6 +261,12 @@ class RolloutConfig:
     trains it; older ones are dropped and counted (rollout/stale_dropped), never trained."""
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
+    api_key: str = "auto"
+    """The key every rollout server and router requires (SGLang's --api-key and --admin-api-key, the router's
+    worker and control-plane keys): auto (a fresh random key per run, or per SLURM job from
+    $MGRPO_ROLLOUT_API_KEY, which slurm/train.sbatch sets) | env:<VARIABLE> (your own, read from the
+    environment) | <a key> (your own; it is then written with the config) | none (no key: anyone who can
+    reach a server's port can replace the model; said at start)."""
 
     @property
     def shares_actor_devices(self) -> bool:

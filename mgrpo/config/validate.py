@@ -220,6 +220,10 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
                  "(use evaluation.temperature=0 for greedy validation)")
     if not 0 < r.top_p <= 1:
         e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.ep < 1 or (r.ep > 1 and r.ep != r.tp):  # SGLang: ep_size * moe_dp_size == tp_size (moe_dp_size 1)
+        e.append(f"rollout.ep={r.ep}: SGLang's expert-parallel size must be 1 or rollout.tp ({r.tp})")
+    if not r.api_key or (r.api_key.startswith("env:") and not os.environ.get(r.api_key[4:])):
+        e.append(f"rollout.api_key={r.api_key!r}: auto | none | env:<VARIABLE> (set and non-empty) | a key")
     if r.health_check_interval_s <= 0 or r.health_check_timeout_s <= 0:
         e.append(f"rollout.health_check_interval_s={r.health_check_interval_s} and rollout.health_check_timeout_s="
                  f"{r.health_check_timeout_s} must be positive")

@@ -29,6 +29,13 @@ class EngineContext:
     log_dir: Optional[str] = None
     visible_devices: Optional[list[str]] = None
     """Accelerator ids the engine's server must use (colocated: those of its Megatron ranks)."""
+    api_key: Optional[str] = None
+    """The run's secret (`resolve_api_key(rollout.api_key)`): every server and router requires it."""
+
+    def __repr__(self) -> str:  # a context may be logged; its key never is
+        return (f"EngineContext(eos_token_ids={self.eos_token_ids}, pad_token_id={self.pad_token_id}, "
+                f"log_dir={self.log_dir!r}, visible_devices={self.visible_devices}, "
+                f"api_key={'<set>' if self.api_key else None})")
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,10 @@ class EngineSpec:
     """(hf_dir, kwargs) -> a `RolloutEngine`; runs inside the engine's host process."""
     kwargs: Callable[[MGRPOConfig, EngineContext], dict]
     """The engine's construction arguments for this run."""
-    direct_sender: Optional[Callable[[MGRPOConfig, list[dict], int], object]] = None
-    """(config, engine addresses, engine generation) -> a sender Megatron ranks call `update_weights(bucket)`
-    on. The generation changes when an engine restarts, so a sender holding per-engine state (a process
-    group) is made anew."""
+    direct_sender: Optional[Callable[[MGRPOConfig, list[dict], int, Optional[str]], object]] = None
+    """(config, engine addresses, engine generation, API key) -> a sender Megatron ranks call
+    `update_weights(bucket)` on. The generation changes when an engine restarts, so a sender holding
+    per-engine state (a process group) is made anew."""
     node_local: Callable[[MGRPOConfig], bool] = lambda cfg: False
     """Whether the direct sender only reaches engines on the sending rank's node."""
     front: Optional[Callable[[MGRPOConfig, list[str], EngineContext], object]] = None
@@ -77,22 +84,23 @@ def _build_sglang(hf_dir: str, kw: dict):
 
 def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
     r = cfg.rollout
-    return dict(tp=r.tp, mem_fraction_static=r.gpu_memory_utilization, stop_token_ids=list(ctx.eos_token_ids),
-                max_retries=r.max_retries, request_timeout_s=r.request_timeout_s,
-                health_timeout_s=r.health_check_timeout_s,
+    return dict(tp=r.tp, ep=r.ep, mem_fraction_static=r.gpu_memory_utilization,
+                stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
+                request_timeout_s=r.request_timeout_s, health_timeout_s=r.health_check_timeout_s,
                 log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
-                enable_memory_saver=r.shares_actor_devices, visible_devices=ctx.visible_devices)
+                enable_memory_saver=r.shares_actor_devices, visible_devices=ctx.visible_devices,
+                api_key=ctx.api_key)
 
 
-def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int):
+def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int, api_key: Optional[str]):
     urls, tps = [a["url"] for a in addresses], [a["tp"] for a in addresses]
     if cfg.rollout.shares_actor_devices:  # the engine's server is on the sending rank's GPUs
         from mgrpo.rollout.sglang.weights_tensor import TensorWeightSender
 
-        return TensorWeightSender(urls, tps)
+        return TensorWeightSender(urls, tps, api_key=api_key)
     from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
 
-    return DistributedWeightSender(urls, tps, generation=generation)
+    return DistributedWeightSender(urls, tps, generation=generation, api_key=api_key)
 
 
 def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
@@ -102,7 +110,7 @@ def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
     r = cfg.rollout
     return RoutedClient(urls, host=node_ip(), log_dir=os.path.join(ctx.log_dir, "router") if ctx.log_dir else None,
                         stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
-                        request_timeout_s=r.request_timeout_s)
+                        request_timeout_s=r.request_timeout_s, api_key=ctx.api_key)
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -121,3 +129,10 @@ def engine_spec(name: str) -> EngineSpec:
 
 def build_engine(name: str, hf_dir: str, kwargs: dict):
     return engine_spec(name).build(hf_dir, kwargs)
+
+
+def resolve_api_key(cfg: MGRPOConfig) -> Optional[str]:
+    """The run's secret for the rollout fleet (rollout.api_key; see rollout/sglang/auth.py), None when off."""
+    from mgrpo.rollout.sglang.auth import resolve_api_key as resolve
+
+    return resolve(cfg.rollout.api_key)

@@ -4,8 +4,9 @@ in-process transformers engine on CPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -17,6 +18,11 @@ class SamplingParams:
     max_new_tokens: int = 16
     seed: int | None = None
     """Seeds the engine's sampler for this call (reproducible rollouts on CPU; best effort on GPU)."""
+    return_support: bool = False
+    """Ask the engine for each output token's sampling support."""
+    return_routed_experts: bool = False
+    """Ask the engine for the experts each token was routed to (MoE models; an SGLang server must run with
+    --enable-return-routed-experts)."""
 
     @property
     def greedy(self) -> bool:
@@ -45,12 +51,26 @@ class GenerateResult:
     """Which engine produced it, set by the rollout group: the engine's index when the group chose it, or
     'router' when SGLang's router did (SGLang 0.5.23's meta_info names no server: id, finish_reason,
     prompt_tokens, weight_version, num_retractions, and dp_rank only between one server's DP ranks)."""
+    support: Optional[list[Optional[list[int]]]] = None
+    """Per response token: the ascending vocabulary ids the token was sampled from (top-k then top-p of the
+    tempered distribution); None for a token sampled from the whole vocabulary; the field is None when not
+    asked. When asked, `logprobs` are the behaviour log-probs over that support."""
+    routed_experts: Optional[np.ndarray] = None
+    """int32 [prompt + response - 1, num_layers, top_k]: the logical experts each token was routed to, one row
+    per position up to the last response token (which was never fed back); None when not asked."""
 
 
 @dataclass
 class EngineHealth:
     ok: bool
     weight_version: int
+    support: Optional[list[Optional[list[int]]]] = None
+    """Per response token: the ascending vocabulary ids the token was sampled from (top-k then top-p of the
+    tempered distribution); None for a token sampled from the whole vocabulary; the field is None when not
+    asked. When asked, `logprobs` are the behaviour log-probs over that support."""
+    routed_experts: Optional[np.ndarray] = None
+    """int32 [prompt + response - 1, num_layers, top_k]: the logical experts each token was routed to, one row
+    per position up to the last response token (which was never fed back); None when not asked."""
     detail: dict = field(default_factory=dict)
 
 

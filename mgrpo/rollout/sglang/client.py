@@ -15,9 +15,9 @@ prompts (the trainer owns tokenisation).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -28,10 +28,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.config.seeds import request_seed
 from mgrpo.net import free_port
+from mgrpo.rollout.sglang.auth import key_config_file, remove_key_config
 from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
-from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, node_ip
+from mgrpo.rollout.sglang.generate_io import (build_generate_payload, checkpoint_moe_shape, checkpoint_tensor_names,
+                                              parse_generate_item)
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError, node_ip
 from mgrpo.rollout.sglang.schema import MEMORY_TAGS
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
@@ -40,98 +42,6 @@ from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, stagi
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-# --- request / response (pure functions, tested against SGLang's shapes) ------------------------------
-def build_generate_payload(requests: Sequence[GenerateRequest], sampling: SamplingParams, *, rids: Sequence[str],
-                           stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True,
-                           single: bool = False) -> dict:
-    """The JSON body of one batched `POST /generate` (io_struct.GenerateReqInput); with `single`, of one
-    request in the unbatched form (scalar rid, flat input_ids), which is what SGLang's router accepts."""
-    params: dict[str, Any] = {
-        "temperature": float(sampling.temperature),  # 0 -> SGLang samples greedily (top_k=1)
-        "top_p": float(sampling.top_p),
-        "top_k": int(sampling.top_k),  # -1 = whole vocabulary
-        "max_new_tokens": int(sampling.max_new_tokens),
-        "skip_special_tokens": False,  # only the text is affected; ids are what we use
-        "no_stop_trim": True,  # keep the matched stop (EOS) token: the trainer scores it
-    }
-    if stop_token_ids:
-        params["stop_token_ids"] = [int(t) for t in stop_token_ids]
-    if sampling.seed is not None and send_seed:
-        # Honoured by SGLang's deterministic sampler (--enable-deterministic-inference), ignored otherwise.
-        sampling_params: Any = [{**params, "sampling_seed": request_seed(sampling.seed, r.uid)} for r in requests]
-    else:
-        sampling_params = params
-    if single:
-        if len(requests) != 1:
-            raise ValueError(f"single=True takes one request, got {len(requests)}")
-        return {"rid": rids[0], "input_ids": list(map(int, requests[0].prompt_ids)),
-                "sampling_params": sampling_params[0] if isinstance(sampling_params, list) else sampling_params,
-                "return_logprob": True}
-    return {
-        "rid": list(rids),
-        "input_ids": [list(map(int, r.prompt_ids)) for r in requests],
-        "sampling_params": sampling_params,
-        "return_logprob": True,
-    }
-
-
-def parse_weight_version(value: Any, default: int) -> int:
-    """SGLang reports weight_version as a string ('default' until set); ours are integers."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def parse_generate_item(item: dict, uid: int, default_version: int) -> Optional[GenerateResult]:
-    """One element of the /generate answer -> GenerateResult; None when SGLang aborted the request
-    (finish_reason type 'abort'), which the caller retries."""
-    meta = item.get("meta_info") or {}
-    finish = meta.get("finish_reason")
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind == "abort":
-        return None
-    if kind not in ("stop", "length"):
-        raise SGLangRequestError(f"request {uid}: unexpected finish_reason {finish!r}")
-    lp = meta.get("output_token_logprobs")
-    if lp is None:
-        raise SGLangRequestError(f"request {uid}: meta_info has no output_token_logprobs (return_logprob ignored?)")
-    # Entries are (logprob, token_id, text-or-None), one per generated token, EOS included.
-    token_ids = [int(e[1]) for e in lp]
-    logprobs = [float(e[0]) if e[0] is not None else float("nan") for e in lp]
-    out_ids = item.get("output_ids")
-    if out_ids is not None and list(out_ids) != token_ids:
-        raise SGLangRequestError(f"request {uid}: output_ids ({len(out_ids)}) and output_token_logprobs "
-                                 f"({len(token_ids)}) disagree")
-    return GenerateResult(uid=uid, token_ids=token_ids, logprobs=logprobs, finish_reason=kind,
-                          weight_version=parse_weight_version(meta.get("weight_version"), default_version))
-
-
-def checkpoint_tensor_names(hf_dir: str) -> Optional[set[str]]:
-    """Names of the tensors an HF checkpoint holds (what a complete weight sync must deliver),
-    read from the safetensors index or headers; lm_head.weight is dropped for tied embeddings
-    (the trainer sends only the embedding then). None when the folder has no safetensors."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    names: set[str] = set()
-    if os.path.exists(index):
-        with open(index) as f:
-            names = set(json.load(f)["weight_map"])
-    else:
-        files = [f for f in sorted(os.listdir(hf_dir)) if f.endswith(".safetensors")] if os.path.isdir(hf_dir) else []
-        if not files:
-            return None
-        for fn in files:
-            with open(os.path.join(hf_dir, fn), "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                names |= {k for k in json.loads(f.read(n)) if k != "__metadata__"}
-    cfg = os.path.join(hf_dir, "config.json")
-    if os.path.exists(cfg):
-        with open(cfg) as f:
-            if json.load(f).get("tie_word_embeddings", False):
-                names.discard("lm_head.weight")
-    return names
 
 
 # --- the engine ----------------------------------------------------------------------------------------
@@ -144,8 +54,11 @@ class SGLangEngine:
                  stop_token_ids: Optional[Sequence[int]] = None, max_retries: int = 3, retry_backoff_s: float = 0.5,
                  request_timeout_s: float = 600.0, health_timeout_s: float = 25.0, batch_size: int = 256,
                  concurrency: int = 4, send_seed: bool = True, load_format: Optional[str] = FLATTENED,
-                 weight_version: int = 0, unbatched: bool = False):
+                 weight_version: int = 0, unbatched: bool = False, api_key: Optional[str] = None,
+                 moe_shape: Optional[tuple[int, int]] = None):
         self.url = url.rstrip("/")
+        self.moe_shape = moe_shape
+        """(num_layers, top_k) of the model's routed experts (MoE), to decode `routed_experts`."""
         self.tp = tp
         self.process = process
         self.log_path = log_path
@@ -161,7 +74,7 @@ class SGLangEngine:
         self.load_format = load_format
         self.weight_version = weight_version
         self.client = HTTPClient(self.url, timeout_s=request_timeout_s, max_retries=max_retries,
-                                 backoff_s=retry_backoff_s, alive=self._dead_message)
+                                 backoff_s=retry_backoff_s, alive=self._dead_message, api_key=api_key)
         self.session = WeightSession(self.client)
         self._lock = threading.Lock()
         self._received: set[str] = set()
@@ -169,39 +82,64 @@ class SGLangEngine:
         self._staging: Optional[torch.Tensor] = None  # shared memory the CPU buckets are flattened into
         self.server_module: Optional[str] = None
         """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
-        self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "weight_buckets": 0,
-                      "weight_bytes": 0}
+        self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "bad_answer_retries": 0,
+                      "weight_buckets": 0, "weight_bytes": 0}
 
     @property
     def retries(self) -> int:
-        """Every retry: resent /generate batches, requests SGLang aborted, other HTTP calls retried."""
-        return self.client.retries + self.stats["generate_retries"] + self.stats["aborted_retries"]
+        """Every retry: resent /generate batches, requests SGLang aborted, answers that were not SGLang's,
+        other HTTP calls retried."""
+        return (self.client.retries + self.stats["generate_retries"] + self.stats["aborted_retries"]
+                + self.stats["bad_answer_retries"])
+
+    def refused_requests(self) -> Optional[int]:
+        """Requests the server refused for a missing or wrong key, from its /metrics (the CPU server counts
+        them; SGLang's server does not export such a count: None)."""
+        try:
+            text = self.client.get("/metrics", timeout_s=self.health_timeout_s, max_retries=0).text
+        except SGLangRequestError:
+            return None
+        counts = re.findall(r'^mgrpo_cpu_server_refused_total\{[^}]*status="40[13]"\} (\d+)', text, re.M)
+        return sum(map(int, counts)) if counts or "mgrpo_cpu_server_refused_total" in text else None
 
     # --- construction -------------------------------------------------------------------------------
     @classmethod
     def launch(cls, hf_dir: str, *, tp: int = 1, host: Optional[str] = None, port: Optional[int] = None,
                mem_fraction_static: float = 0.7, extra_args: Sequence[str] = (), startup_timeout_s: float = 900.0,
                enable_memory_saver: bool = True, log_dir: Optional[str] = None, env: Optional[dict] = None,
-               server: Optional[str] = None, **engine_kwargs) -> "SGLangEngine":
+               server: Optional[str] = None, api_key: Optional[str] = None, ep: int = 1,
+               return_routed_experts: bool = False, **engine_kwargs) -> "SGLangEngine":
         """Start a rollout server on this node's cluster address and wait until /health_generate
         answers: `python -m sglang.launch_server` where SGLang can run (its package and kernels, a
         CUDA device), else `python -m mgrpo.rollout.sglang.cpu_server`, with the same arguments.
-        `server` forces one ('sglang' | 'cpu'). `engine_kwargs` go to the constructor."""
+        `server` forces one ('sglang' | 'cpu'). `api_key`: the server's API and admin key, handed over in
+        a private file its `--config` reads (never on the command line), and sent by this client.
+        `ep`: SGLang's --ep-size. `return_routed_experts`: --enable-return-routed-experts.
+        `engine_kwargs` go to the constructor."""
         host = check_host(host if host is not None else node_ip())
         if "--host" in extra_args or "--port" in extra_args:
             raise ValueError("pass host=/port= to SGLangEngine.launch, not --host/--port in extra_args")
+        if any(a.startswith(("--api-key", "--admin-api-key")) for a in extra_args):
+            raise ValueError("pass api_key= to SGLangEngine.launch: a key in extra_args would be on the command line")
         module = choose_server(server)
         port = port or free_port(host)
-        cmd = launch_command(module, hf_dir, tp=tp, host=host, port=port, mem_fraction_static=mem_fraction_static,
-                             weight_version=engine_kwargs.get("weight_version", 0),
-                             enable_memory_saver=enable_memory_saver, extra_args=extra_args)
-        log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
-        log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
-        url = url_of(host, port)
-        log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
-        proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env)
+        key_file = key_config_file(api_key) if api_key else None
+        try:
+            cmd = launch_command(module, hf_dir, tp=tp, host=host, port=port,
+                                 mem_fraction_static=mem_fraction_static,
+                                 weight_version=engine_kwargs.get("weight_version", 0),
+                                 enable_memory_saver=enable_memory_saver, extra_args=extra_args, ep=ep,
+                                 return_routed_experts=return_routed_experts, key_file=key_file)
+            log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
+            log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
+            url = url_of(host, port)
+            log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
+            proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env, key_file=key_file)
+        finally:
+            remove_key_config(key_file)  # read once at startup; a restart writes a new one
+        engine_kwargs.setdefault("moe_shape", checkpoint_moe_shape(hf_dir))
         engine = cls(url, tp=tp, process=proc, log_path=log_path, expected_names=checkpoint_tensor_names(hf_dir),
-                     **engine_kwargs)
+                     api_key=api_key, **engine_kwargs)
         engine.server_module = module
         return engine
 
@@ -211,6 +149,7 @@ class SGLangEngine:
         check of weight syncs)."""
         if hf_dir:
             engine_kwargs.setdefault("expected_names", checkpoint_tensor_names(hf_dir))
+            engine_kwargs.setdefault("moe_shape", checkpoint_moe_shape(hf_dir))
         return cls(url, tp=tp, **engine_kwargs)
 
     def _dead_message(self) -> Optional[str]:
@@ -246,27 +185,26 @@ class SGLangEngine:
                                           single=self.unbatched,
                                           send_seed=self.send_seed)
             try:
-                items = self.client.post("/generate", body, max_retries=0).json()
+                resp = self.client.post("/generate", body, max_retries=0)
+                items, parsed = self._parse(resp, pending, sampling)
             except SGLangRequestError as e:
                 dead = self._dead_message()
-                if dead or not e.transient or attempt >= self.max_retries:
-                    raise SGLangRequestError(f"/generate of {len(pending)} requests failed after {attempt + 1} "
-                                             f"attempts (retry budget {self.max_retries}): {e}"
-                                             + (f"\n{dead}" if dead else ""), status=e.status) from e
-                if e.timeout:  # the server may still be generating them: do not let two copies run
+                bad = isinstance(e, SGLangBadResponseError)
+                if (e.timeout or bad) and not dead:  # the server may still hold them: do not let two copies run
                     self._abort(rids)
+                if dead or not (e.transient or bad) or attempt >= self.max_retries:
+                    err = type(e)(f"/generate of {len(pending)} requests failed after {attempt + 1} attempts (retry "
+                                  f"budget {self.max_retries}): {e}" + (f"\n{dead}" if dead else ""),
+                                  status=e.status, transient=e.transient)
+                    err.timeout = e.timeout
+                    raise err from e
                 attempt += 1
-                self._count("generate_retries", 1)
+                self._count("bad_answer_retries" if bad else "generate_retries", 1)
                 log.warning("SGLang /generate failed (%s); retry %d of %d", e, attempt, self.max_retries)
                 time.sleep(min(self.client.backoff_s * 2 ** (attempt - 1), self.client.max_backoff_s))
                 continue
-            if isinstance(items, dict):
-                items = [items]
-            if len(items) != len(pending):
-                raise SGLangRequestError(f"/generate answered {len(items)} results for {len(pending)} requests")
             aborted = []
-            for r, item in zip(pending, items):
-                res = parse_generate_item(item, r.uid, self.weight_version)
+            for r, res in zip(pending, parsed):
                 if res is None:
                     aborted.append(r)
                 else:
@@ -283,6 +221,22 @@ class SGLangEngine:
                             len(pending), attempt)
             pending = aborted
         return done
+
+    def _parse(self, resp, pending: list[GenerateRequest], sampling: SamplingParams) -> tuple[list, list]:
+        """The answer to one POST: its items and one result (None: aborted) per request, or
+        SGLangBadResponseError."""
+        try:
+            items = resp.json()
+        except ValueError as e:
+            raise SGLangBadResponseError(f"the answer is not JSON ({e}): {resp.text[:200]!r}") from e
+        if isinstance(items, dict) and self.unbatched:
+            items = [items]
+        if not isinstance(items, list) or len(items) != len(pending):
+            got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
+            raise SGLangBadResponseError(f"/generate answered {got} for {len(pending)} requests")
+        return items, [parse_generate_item(item, r.uid, self.weight_version, sampling=sampling,
+                                           prompt_len=len(r.prompt_ids), moe_shape=self.moe_shape)
+                       for r, item in zip(pending, items)]
 
     def _count(self, key: str, n: int) -> None:
         with self._lock:

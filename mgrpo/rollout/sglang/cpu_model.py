@@ -6,7 +6,10 @@ Sampling follows SGLang's per-request semantics: each request has its own sampli
 `sampling_seed` is given, its own random stream (so a request's tokens do not depend on what else
 is in the batch). Log-probs are those of the full tempered distribution, log_softmax(logits / T),
 before top-p/top-k truncation (T=0: greedy, log-probs at T=1), as `hf_engine.py` and the trainer
-compute them.
+compute them. On request (`mask_mode`) also each token's sampling support and behaviour log-prob, as
+SGLang's sampler captures them (srt/layers/sampler.py::_build_sampling_mask_output: the tokens the
+filtered distribution keeps, by decreasing probability, and log(p / mass kept)), and the experts each
+position was routed to (cpu_moe.py).
 """
 
 from __future__ import annotations
@@ -32,8 +35,16 @@ class Req:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: Optional[int] = None
+    mask_mode: Optional[str] = None
+    """'selected' | 'support': return each token's sampling support (SGLang's return_sampling_mask)."""
+    routes_from: Optional[int] = None
+    """Return the routed experts of positions [routes_from, prompt + output - 1)."""
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    mask_logprobs: list = field(default_factory=list)
+    route_rows: list = field(default_factory=list)
+    routes: Optional[torch.Tensor] = None
     finish: Optional[dict] = None
 
 
@@ -43,8 +54,10 @@ class ModelError(ValueError):
 
 class CPUModel:
     def __init__(self, model_path: str, *, dtype: str = "auto", seed: int = 0, enable_memory_saver: bool = False,
-                 enable_weights_cpu_backup: bool = False):
+                 enable_weights_cpu_backup: bool = False, return_routed_experts: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from mgrpo.rollout.sglang.cpu_moe import RouteCapture, weight_targets
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32", "float") else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
@@ -54,6 +67,9 @@ class CPUModel:
         self.pad_id = getattr(cfg, "pad_token_id", None) or 0
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.params = dict(self.model.named_parameters())  # tied: lm_head shares embed_tokens' Parameter
+        self.targets = weight_targets(self.model)
+        """SGLang's weight names (one per expert for MoE) -> (parameter, the slice they fill)."""
+        self.routes = RouteCapture(self.model) if return_routed_experts else None
         self._shapes = {n: p.shape for n, p in self.params.items()}
         self.rng = torch.Generator().manual_seed(seed)
         self.memory_saver = enable_memory_saver
@@ -103,10 +119,22 @@ class CPUModel:
             bad = [t for t in r.input_ids if not 0 <= t < vocab]
             if bad:
                 raise ModelError(f"request {r.rid}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        active = [r for r in reqs if not self._abort_if(r, started, "Abort before prefill")]
+        for r in reqs:
+            if r.max_new_tokens == 0:  # SGLang answers at once: nothing generated, finished by length
+                r.finish = {"type": "length", "length": 0}
+        active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, "Abort before prefill")]
         if active:
             self._decode(active, started)
+        for r in reqs:
+            if r.routes_from is not None and r.finish.get("type") != "abort":
+                rows = torch.cat(r.route_rows) if r.route_rows else torch.empty(0, *self.routes_shape)
+                r.routes = rows[min(r.routes_from, len(rows)):]  # SGLang: [start, seqlen - 1)
+            r.route_rows = []
         return list(reqs)
+
+    @property
+    def routes_shape(self) -> tuple[int, int]:
+        return (len(self.routes.modules), self.routes.top_k)
 
     def _abort_if(self, r: Req, started: float, message: str) -> bool:
         if r.finish is None and self._is_aborted(r, started):
@@ -126,6 +154,7 @@ class CPUModel:
                 for r in reqs]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        self._keep_routes(reqs, [True] * n, ids.shape[1], lambda i, r: slice(width - len(r.input_ids), width))
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         last_pos = positions[:, -1]
         for step in range(max(r.max_new_tokens for r in reqs)):
@@ -144,11 +173,22 @@ class CPUModel:
             self.last_progress = time.monotonic()
             if all(r.finish is not None for r in reqs):
                 return
+            fed = [r.finish is None for r in reqs]  # a finished request's last token is never fed back
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              past_key_values=cache, use_cache=True)
+            self._keep_routes(reqs, fed, 1, lambda i, r: slice(0, 1))
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+
+    def _keep_routes(self, reqs: list[Req], fed: list[bool], seq: int, rows) -> None:
+        """After a forward: each request that asked keeps the routes of the positions it fed."""
+        if self.routes is None:
+            return
+        got = self.routes.take(len(reqs), seq)
+        for i, r in enumerate(reqs):
+            if r.routes_from is not None and fed[i]:
+                r.route_rows.append(got[i, rows(i, r)].clone())
 
     @staticmethod
     def _sample(logits: torch.Tensor, r: Req, gen: torch.Generator) -> tuple[int, float]:
@@ -157,6 +197,9 @@ class CPUModel:
         logp = torch.log_softmax(scaled, dim=-1)
         if greedy:
             tok = int(torch.argmax(logits))
+            if r.mask_mode is not None:  # sampler.py::_build_greedy_sampling_mask_output
+                r.masks.append([tok])
+                r.mask_logprobs.append([0.0] if r.mask_mode == "support" else 0.0)
             return tok, float(logp[tok])
         # SGLang's torch sampler (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch):
         # sort once, zero ranks >= top_k and tokens whose preceding mass already exceeds top_p.
@@ -165,8 +208,23 @@ class CPUModel:
         if r.top_k > 0:
             probs_sort[r.top_k:] = 0.0
         probs_sort[(probs_sum - probs_sort) > r.top_p] = 0.0
-        tok = int(probs_idx[torch.multinomial(probs_sort, 1, generator=gen)])
+        pick = int(torch.multinomial(probs_sort, 1, generator=gen))
+        tok = int(probs_idx[pick])
+        if r.mask_mode is not None:
+            CPUModel._keep_support(r, probs_sort, probs_idx, pick)
         return tok, float(logp[tok])
+
+    @staticmethod
+    def _keep_support(r: Req, probs_sort: torch.Tensor, probs_idx: torch.Tensor, pick: int) -> None:
+        """sampler.py::_build_sampling_mask_output for the torch sampler: the kept tokens (weights > 0) by
+        decreasing weight; the behaviour log-prob log(weight / mass kept) of the sampled one, or of each."""
+        kept = int((probs_sort > 0).sum())  # sorted descending: the kept tokens lead
+        mass = probs_sort[:kept].sum(dtype=torch.float32)
+        r.masks.append(probs_idx[:kept].tolist())
+        if r.mask_mode == "support":
+            r.mask_logprobs.append(torch.log(probs_sort[:kept].float() / mass).tolist())
+        else:
+            r.mask_logprobs.append(float(torch.log(probs_sort[pick].float() / mass)))
 
     # --- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,17 +232,27 @@ class CPUModel:
         """Copy HF-named tensors into the model (cast to its dtype); returns the bytes loaded."""
         if "weights" in self.released:
             raise ModelError("cannot load weights into released memory: resume_memory_occupation(['weights']) first")
-        nbytes = 0
-        for name, t in named:
-            p = self.params.get(name)
-            if p is None:
+        checked = []  # every tensor is checked before any is copied: a bad bucket changes nothing
+        for item in named:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise ModelError(f"weight update: expected (name, tensor) pairs, got {type(item).__name__}")
+            name, t = item
+            target = self.targets.get(name)
+            if target is None:
                 if name == "lm_head.weight" and self.tied:
                     continue  # tied to the embedding (SGLang's Qwen3 loader skips it too)
                 raise ModelError(f"weight update: the model has no parameter {name!r}")
-            if tuple(p.shape) != tuple(t.shape):
+            dst = target[1](self.params[target[0]].data)
+            if tuple(dst.shape) != tuple(t.shape):
                 raise ModelError(f"weight update: {name} has shape {tuple(t.shape)}, "
-                                 f"the model expects {tuple(p.shape)}")
-            p.copy_(t)
+                                 f"the model expects {tuple(dst.shape)}")
+            if t.is_complex() or t.device.type != "cpu":
+                raise ModelError(f"weight update: {name} is a {t.dtype} tensor on {t.device}")
+            checked.append((name, dst, t))
+        nbytes = 0
+        for name, dst, t in checked:
+            dst.copy_(t)
             self.stale.discard(name)
             nbytes += t.numel() * t.element_size()
         return nbytes
@@ -212,7 +280,7 @@ class CPUModel:
             for name, p in self.params.items():
                 p.data = self._backup.pop(name) if self.cpu_backup else torch.empty(self._shapes[name], dtype=p.dtype)
             if not self.cpu_backup:
-                self.stale = set(self.params)
+                self.stale = set(self.targets)
         self.released.difference_update(tags)
 
     def info(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A CPU rollout server speaking SGLang's HTTP protocol over transformers.
 
     python -m mgrpo.rollout.sglang.cpu_server --model-path D --tp-size 1 --host H --port P \\
-        --mem-fraction-static F --weight-version V [--enable-memory-saver] ...
+        --mem-fraction-static F --weight-version V [--enable-memory-saver] [--config KEYS.yaml] ...
 
 It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either with the same
 arguments) and serves the native endpoints the rollout path uses, with SGLang 0.5.23's request
@@ -9,7 +9,10 @@ and answer shapes (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`
 `tokenizer_manager.py`, `scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang.
 Requests are checked with SGLang's own classes where the wheel is installed (schema.py). It is
 stricter than SGLang where SGLang would silently do the wrong thing: unknown fields, generating
-with released or not-yet-reloaded weights, releasing memory with requests in flight.
+with released or not-yet-reloaded weights, releasing memory with requests in flight. API keys
+(`--api-key`, `--admin-api-key`, or both from a `--config` YAML file, SGLang's way of keeping them off
+the command line) are enforced by SGLang's rules before any route runs (cpu_guard.py); `/generate`
+is checked and answered as SGLang does (cpu_generate.py), with sampling masks and routed experts.
 
 Not served: text prompts (the trainer tokenises), streaming, the OpenAI routes, `--tp-size` > 1 for
 the distributed transport (the tensor transport accepts one payload per TP rank, as SGLang does).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -28,7 +32,8 @@ from typing import Any, Optional
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
-from mgrpo.rollout.sglang import schema
+from mgrpo.rollout.sglang import cpu_generate, schema
+from mgrpo.rollout.sglang.cpu_guard import BodyTooLarge, Guard, Refusals
 from mgrpo.rollout.sglang.schema import RequestError
 
 log = logging.getLogger("mgrpo.cpu_server")
@@ -39,9 +44,10 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # sglang/srt/entrypoints/http_server.py HEALTH_CH
 IGNORED_FLAGS = ("--enable-deterministic-inference", "--disable-cuda-graph", "--trust-remote-code",
                  "--skip-tokenizer-init", "--disable-radix-cache", "--enable-metrics", "--disable-overlap-schedule",
                  "--enable-torch-compile", "--disable-custom-all-reduce", "--enable-return-hidden-states")
-IGNORED_OPTIONS = ("--context-length", "--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
+IGNORED_OPTIONS = ("--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
                    "--attention-backend", "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes",
-                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs", "--schedule-policy",
+                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs-decode",
+                   "--cuda-graph-max-bs-prefill", "--schedule-policy",
                    "--log-level-http", "--quantization", "--kv-cache-dtype", "--watchdog-timeout",
                    "--dist-timeout", "--device")
 
@@ -54,7 +60,36 @@ class _Parser(argparse.ArgumentParser):
                      f"{' '.join(IGNORED_OPTIONS)} (each with its value); anything else is refused.\n")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def _merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """SGLang's `--config FILE.yaml` (server_args.py::prepare_server_args): the file's keys become
+    arguments placed before the command line's (which win). SGLang's own merger where the wheel is
+    installed, the same conversion (scalars and store_true flags) otherwise."""
+    if "--config" not in argv:
+        return argv
+    merger = schema.config_merger()
+    if merger is not None:
+        try:
+            return merger.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        except ValueError as e:
+            parser.error(f"--config: {e}")
+    import yaml
+
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        parser.error("--config: no config file specified after --config flag")
+    with open(argv[i + 1]) as f:
+        data = yaml.safe_load(f) or {}
+    flags = {a.dest for a in parser._actions if isinstance(a, argparse._StoreTrueAction)}
+    extra: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool) and key.replace("-", "_") in flags:
+            extra += [f"--{key}"] if value else []
+        else:
+            extra += [f"--{key}", str(value)]
+    return extra + argv[:i] + argv[i + 2:]
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu_server", allow_abbrev=False,
                 description="CPU rollout server speaking SGLang's HTTP protocol (transformers underneath).")
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
@@ -73,13 +108,30 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16"])
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None, help="every endpoint but health and metrics requires it")
+    p.add_argument("--admin-api-key", default=None, help="the weight, memory and control endpoints require it")
+    p.add_argument("--context-length", type=int, default=None, help="default: the model config's")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=4096)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--ep-size", "--expert-parallel-size", "--ep", type=int, default=1, dest="ep_size",
+                   help="accepted (one process holds every expert); 1 or --tp-size, as SGLang checks")
+    p.add_argument("--config", default=None, help="YAML file of arguments (SGLang's --config)")
     for flag in IGNORED_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for opt in IGNORED_OPTIONS:
         p.add_argument(opt, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(_merge_config(p, list(sys.argv[1:] if argv is None else argv)))
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.ep_size < 1 or (args.ep_size > 1 and args.ep_size != args.tp_size):
+        p.error(f"--ep-size {args.ep_size}: ep_size * moe_dp_size must be equal to tp_size ({args.tp_size})")
+    if args.sampling_mask_max_tokens <= 0:
+        p.error(f"--sampling-mask-max-tokens must be positive (got {args.sampling_mask_max_tokens}).")
     return args
 
 
@@ -95,6 +147,11 @@ class State:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.queue: list = []  # (reqs, submitted, future) of /generate calls waiting for the model
         self.draining = False
+        self.refusals = Refusals()
+        cfg = model.model.config
+        self.limits = cpu_generate.Limits(
+            vocab_size=cfg.vocab_size, context_len=args.context_length or cfg.max_position_embeddings,
+            mask_max_tokens=args.sampling_mask_max_tokens, routes=args.enable_return_routed_experts)
 
     async def generate(self, reqs, submitted: float):
         """Continuous batching, as SGLang's scheduler does: calls that arrive while the model is busy wait
@@ -151,41 +208,6 @@ class State:
                 self.pending -= 1
 
 
-def _reqs_from(body: dict):
-    from mgrpo.rollout.sglang.cpu_model import Req
-
-    if body.get("input_ids") is None:
-        raise RequestError("/generate: the CPU server takes input_ids only (no tokenizer: send token ids)")
-    ids = body["input_ids"]
-    single = not ids or not isinstance(ids[0], list)
-    prompts = [ids] if single else ids
-    rids = body.get("rid")
-    rids = [rids] if isinstance(rids, str) else rids or [uuid.uuid4().hex for _ in prompts]
-    sps = body.get("sampling_params") or {}
-    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
-    if not len(rids) == len(sps) == len(prompts):
-        raise RequestError(f"/generate: {len(prompts)} prompts, {len(rids)} rids, {len(sps)} sampling_params")
-    reqs = []
-    for rid, prompt, sp in zip(rids, prompts, sps):
-        temperature = float(sp.get("temperature", 1.0))
-        reqs.append(Req(rid=str(rid), input_ids=[int(t) for t in prompt], temperature=temperature,
-                        top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)),
-                        max_new_tokens=int(sp.get("max_new_tokens", 128)),
-                        stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
-                        ignore_eos=bool(sp.get("ignore_eos", False)), seed=sp.get("sampling_seed")))
-    return reqs, single
-
-
-def _item(r, state: State, return_logprob: bool, t0: float) -> dict:
-    meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
-            "weight_version": state.weight_version, "num_retractions": 0, "completion_tokens": len(r.out),
-            "cached_tokens": 0, "reasoning_tokens": 0, "e2e_latency": time.monotonic() - t0}
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
-        meta["output_token_logprobs_length"] = len(r.out)
-    return {"text": "", "output_ids": list(r.out), "meta_info": meta}
-
-
 def build_app(state: State):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -193,6 +215,8 @@ def build_app(state: State):
     from mgrpo.rollout.sglang.cpu_model import ModelError
 
     app = FastAPI(title="mgrpo CPU rollout server (SGLang protocol)")
+    app.add_middleware(Guard, api_key=state.args.api_key, admin_api_key=state.args.admin_api_key,
+                       refusals=state.refusals)
     model = state.model
 
     def result(success: bool, message: str, **extra) -> JSONResponse:
@@ -200,35 +224,43 @@ def build_app(state: State):
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
-        return JSONResponse({"error": {"message": str(e)}}, status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ModelError)
     async def _model_error(request, e: ModelError):
         return JSONResponse({"error": {"message": str(e)}}, status_code=400)
 
-    async def body_of(request: Request, path: str) -> dict:
-        raw = await request.body()
-        import json
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, e: BodyTooLarge):
+        return JSONResponse({"error": {"message": str(e)}}, status_code=413)
 
+    async def json_body(request: Request, path: str):
+        raw = await request.body()
         try:
-            body = json.loads(raw) if raw else {}
-        except ValueError as e:
-            raise RequestError(f"{path}: body is not JSON: {e}", 422) from e
-        return schema.check_request(path, body)
+            return json.loads(raw) if raw else None
+        except ValueError as e:  # FastAPI's json_invalid, answered by SGLang's handler as a 400
+            raise RequestError(f"{path}: the body is not JSON: {e}", validation=True) from e
+
+    async def body_of(request: Request, path: str) -> dict:
+        return schema.check_request(path, await json_body(request, path))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         t0 = time.monotonic()
-        body = await request.json()
+        body = await json_body(request, "/generate")
         try:
             schema.check_generate(body)
-        except RequestError as e:
+        except RequestError as e:  # SGLang's contract error: {"error": "<message>"}
             return JSONResponse({"error": str(e)}, status_code=400)
-        reqs, single = _reqs_from(body)
+        reqs, single, logprob = cpu_generate.parse(body, state.limits)
         model.check_servable()
         done = await state.generate(reqs, t0)
-        items = [_item(r, state, bool(body.get("return_logprob")), t0) for r in done]
+        items = [cpu_generate.answer(r, state.weight_version, lp, t0) for r, lp in zip(done, logprob)]
         return items[0] if single else items
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.refusals.prometheus(), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health():
@@ -333,13 +365,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     from mgrpo.rollout.sglang.cpu_model import CPUModel
 
     t0 = time.monotonic()
-    model = CPUModel(args.model_path, dtype=args.dtype, seed=args.random_seed,
-                     enable_memory_saver=args.enable_memory_saver,
-                     enable_weights_cpu_backup=args.enable_weights_cpu_backup)
+    try:
+        model = CPUModel(args.model_path, dtype=args.dtype, seed=args.random_seed,
+                         enable_memory_saver=args.enable_memory_saver,
+                         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+                         return_routed_experts=args.enable_return_routed_experts)
+    except ValueError as e:
+        sys.exit(f"python -m mgrpo.rollout.sglang.cpu_server: {e}")
     state = State(args, model)
-    log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s", args.model_path,
+    log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s; API key: %s", args.model_path,
              model.info()["parameters"], time.monotonic() - t0,
-             "checked with the installed wheel" if schema.request_classes() else "field tables only (no sglang wheel)")
+             "checked with the installed wheel" if schema.request_classes() else "field tables only (no sglang wheel)",
+             "required" if args.api_key or args.admin_api_key else "NONE (anyone who reaches the port may use it)")
     uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
 
 

@@ -47,6 +47,20 @@ def receive_tensor(state, body: dict) -> int:
     return state.model.load(named)
 
 
+def check_distributed(body: dict) -> None:
+    """What must hold before the server waits on a broadcast: a request that lists names, dtypes and
+    shapes that do not line up would receive fewer or other bytes than the trainer sends."""
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes")
+    for d in dtypes:
+        if not isinstance(getattr(torch, str(d), None), torch.dtype):
+            raise ValueError(f"dtype {d!r} is not a torch dtype name")
+    for shape in shapes:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+
+
 def receive_distributed(state, body: dict, group) -> int:
     dtypes = [getattr(torch, d) for d in body["dtypes"]]
     if body.get("load_format") == FLATTENED:
@@ -101,6 +115,11 @@ def add_routes(app, state, body_of, result) -> None:
                                  "(DistributedWeightSender(backend=None) picks gloo where there is no CUDA)")
         if name in state.groups:
             return result(False, f"Failed to init custom process group: group {name!r} already exists")
+        world, rank, port = body["world_size"], body["rank_offset"], body["master_port"]
+        if not (world >= 2 and 1 <= rank < world and 0 < port < 65536):
+            # torch would fail on these only after a rendezvous timeout
+            return result(False, f"Failed to init custom process group: rank_offset {rank}, world_size {world}, "
+                                 f"master_port {port} (the engine joins as a rank in [1, world_size))")
         try:  # blocks until the trainer joins: off the model thread, so generation goes on meanwhile
             state.groups[name] = await asyncio.to_thread(
                 schema.join_group, body["master_address"], body["master_port"], body["rank_offset"],
@@ -122,6 +141,10 @@ def add_routes(app, state, body_of, result) -> None:
         if group is None:
             return result(False, f"Failed to receive weights: no weight-update group {body.get('group_name')!r} "
                                  f"(have {sorted(state.groups)})")
+        try:
+            check_distributed(body)
+        except ValueError as e:
+            return result(False, f"Failed to receive weights: {e}")
         t0 = time.perf_counter()
         try:
             nbytes = await state.on_model(receive_distributed, state, body, group)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 import requests
 
+from mgrpo.rollout.sglang.auth import bearer
+
 ENGINE_HINT = ("SGLang's own server (rollout.engine=sglang on GPU) needs the `sglang` package with its kernels and "
                "a CUDA device on the rollout workers; without them SGLangEngine.launch runs the CPU server "
                "(mgrpo.rollout.sglang.cpu_server), which speaks the same protocol")
@@ -34,6 +36,16 @@ class SGLangRequestError(RuntimeError):
         self.transient = transient
         """The last failure was of the retryable kind (connection, timeout, 5xx)."""
         self.timeout = False
+
+
+class SGLangAuthError(SGLangRequestError):
+    """The server refused the request's key (401: missing or wrong; 403: an admin key is needed and the
+    server has none)."""
+
+
+class SGLangBadResponseError(SGLangRequestError):
+    """The server answered 200 with something that is not SGLang's answer (not JSON, cut short, the
+    wrong shape), every time the retry budget allowed."""
 
 
 def require_sglang(what: str = "launching an SGLang server") -> None:
@@ -76,8 +88,11 @@ class HTTPClient:
     died, with its log tail) retrying stops at once with that message."""
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_backoff_s: float = 8.0, alive: Optional[Callable[[], Optional[str]]] = None):
+                 max_backoff_s: float = 8.0, alive: Optional[Callable[[], Optional[str]]] = None,
+                 api_key: Optional[str] = None):
         self.url = url.rstrip("/")
+        self.api_key = api_key
+        """Sent as `Authorization: Bearer <key>` (SGLang's --api-key / --admin-api-key, the router's keys)."""
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -102,7 +117,11 @@ class HTTPClient:
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
+            s.headers.update(bearer(self.api_key))
         return s
+
+    def __repr__(self) -> str:  # never the key
+        return f"HTTPClient({self.url!r}, key={'yes' if self.api_key else 'no'})"
 
     def _count_retry(self) -> None:
         with self._lock:
@@ -121,6 +140,10 @@ class HTTPClient:
                 resp = self._session().request(method, url, json=payload, timeout=timeout)
                 if resp.status_code in ok_statuses:
                     return resp
+                if resp.status_code in (401, 403):
+                    why = ("no API key was sent" if not self.api_key else "the API key is not the server's")
+                    raise SGLangAuthError(f"{method} {url} refused: HTTP {resp.status_code} {_body(resp)} ({why}; "
+                                          "the run's key is rollout.api_key)", status=resp.status_code)
                 if not _transient_status(resp.status_code):
                     raise SGLangRequestError(f"{method} {url} answered HTTP {resp.status_code}: {_body(resp)}",
                                              status=resp.status_code)
@@ -148,6 +171,22 @@ class HTTPClient:
 
     def get(self, path: str, **kw) -> requests.Response:
         return self.request("GET", path, None, **kw)
+
+    def json(self, method: str, path: str, payload: Any = None, **kw) -> Any:
+        """A request whose 200 answer must be JSON; an answer that is not (garbage, cut short) is retried
+        like a transient failure and, out of retries, raises SGLangBadResponseError."""
+        budget = self.max_retries if kw.get("max_retries") is None else kw["max_retries"]
+        for attempt in range(budget + 1):
+            resp = self.request(method, path, payload, **kw)
+            try:
+                return resp.json()
+            except ValueError as e:
+                error = f"{type(e).__name__}: {e}; body: {_body(resp, 200)!r}"
+            if attempt < budget:
+                self._count_retry()
+                time.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+        raise SGLangBadResponseError(f"{method} {self.url}{path} answered 200 with a body that is not JSON, "
+                                     f"{budget + 1} times (retry budget {budget}); last: {error}")
 
     def post_result(self, path: str, payload: Any = None, **kw) -> dict:
         """POST to a control endpoint answering {"success": bool, "message": str} (200, or 400 on

@@ -6,12 +6,21 @@ servers on GPUs and the CPU server in tests. Its control API (sglang-router 0.3.
 the workers it has registered (registration runs in the background after `POST /workers {"url"}` and
 checks the worker's health and model info first), `DELETE /workers/{worker_id}` removes one, `GET /health`
 answers once the router is up. Requests sent to the router's `/generate` take SGLang's own payload.
+
+Keys (checked against sglang-router 0.3.2): `--api-key K` is the key the router sends its workers AND the
+key it requires from its own clients on the data plane (401 otherwise); `--control-plane-api-keys
+'id:name:admin:K'` guards `/workers` (401 without it; the data-plane key is not accepted there); `/health`
+stays open. The run's one secret serves as both, and reaches the router through the environment of
+`python -m mgrpo.rollout.sglang.router` (this module's `main`), which hands it to sglang-router's own
+argument parser inside the process: it is never on a command line. Refusals are read from the router's
+Prometheus counter `smg_http_responses_total{status_code="401"}`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -23,7 +32,8 @@ from mgrpo.rollout.sglang.server import check_host, log_tail, start_server, term
 
 log = logging.getLogger(__name__)
 
-ROUTER_MODULE = "sglang_router.launch_router"
+KEY_ENV = "MGRPO_ROUTER_API_KEY"
+"""How `main` receives the key (removed from its environment once read)."""
 
 
 def require_router() -> None:
@@ -39,21 +49,26 @@ class Router:
 
     def __init__(self, urls: Sequence[str], *, host: str, port: Optional[int] = None, policy: str = "round_robin",
                  log_dir: Optional[str] = None, startup_timeout_s: float = 120.0, request_timeout_s: float = 600.0,
-                 max_retries: int = 2):
+                 max_retries: int = 2, api_key: Optional[str] = None):
         require_router()
         host = check_host(host)
         port = port or free_port(host)
         self.url = url_of(host, port)
+        self.metrics_port = free_port(host)  # its Prometheus endpoint (default 29000 would clash across runs)
         # Our client retries what fails; the router's own retries would resend a request we also resend.
-        cmd = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port), "--policy", policy,
+        cmd = [sys.executable, "-m", __name__, "--host", host, "--port", str(port), "--policy", policy,
                "--worker-urls", *urls, "--request-timeout-secs", str(int(request_timeout_s)),
-               "--retry-max-retries", str(max_retries), "--log-level", "warn"]
+               "--retry-max-retries", str(max_retries), "--log-level", "warn", "--prometheus-host", host,
+               "--prometheus-port", str(self.metrics_port)]
+        env = {**os.environ, KEY_ENV: api_key} if api_key else {k: v for k, v in os.environ.items() if k != KEY_ENV}
         log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-router-")
         self.log_path = os.path.join(log_dir, f"router-{port}.log")
-        log.info("starting SGLang router: %s", " ".join(cmd))
+        log.info("starting SGLang router (%s): %s", "key required" if api_key else "NO key", " ".join(cmd))
         self.process = start_server(cmd, self.url, self.log_path, startup_timeout_s=startup_timeout_s,
-                                    ready_path="/health")
-        self.client = HTTPClient(self.url, timeout_s=30.0, max_retries=2)
+                                    ready_path="/health", env=env)
+        self.client = HTTPClient(self.url, timeout_s=30.0, max_retries=2, api_key=api_key)
+        self.api_key = api_key
+        self.metrics = HTTPClient(url_of(host, self.metrics_port), timeout_s=10.0, max_retries=0)
         self.startup_timeout_s = startup_timeout_s
         self.wait_for(set(urls))
 
@@ -83,8 +98,20 @@ class Router:
                 self.client.request("DELETE", f"/workers/{ids[old_url]}", ok_statuses=(200, 202, 204))
             except SGLangRequestError as e:
                 log.warning("router: removing %s failed: %s", old_url, e)
-        self.client.post("/workers", {"url": new_url}, ok_statuses=(200, 201, 202))
+        # a worker added through the control plane carries its own key (WorkerConfigRequest.api_key); without
+        # it the router would ask the new server unauthenticated
+        self.client.post("/workers", {"url": new_url, **({"api_key": self.api_key} if self.api_key else {})},
+                         ok_statuses=(200, 201, 202))
         self.wait_for({new_url}, gone={old_url} if old_url != new_url else set())
+
+    def refused_requests(self) -> Optional[int]:
+        """Requests the router answered 401/403 (missing or wrong key), from its Prometheus counter."""
+        try:
+            text = self.metrics.get("/metrics").text
+        except SGLangRequestError:
+            return None
+        found = re.findall(r'^smg_http_responses_total\{[^}]*status_code="40[13]"[^}]*\} (\d+)', text, re.M)
+        return sum(map(int, found))
 
     def shutdown(self) -> None:
         terminate_group(self.process)
@@ -97,7 +124,7 @@ class RoutedClient:
     def __init__(self, urls: Sequence[str], *, host: str, log_dir: Optional[str] = None, **client_kwargs):
         from mgrpo.rollout.sglang.client import SGLangEngine
 
-        self.router = Router(urls, host=host, log_dir=log_dir,
+        self.router = Router(urls, host=host, log_dir=log_dir, api_key=client_kwargs.get("api_key"),
                              request_timeout_s=client_kwargs.get("request_timeout_s", 600.0))
         # One request per POST, many in flight: the router places each one on an engine.
         self.client = SGLangEngine.connect(self.router.url, unbatched=True, concurrency=32, **client_kwargs)
@@ -105,6 +132,9 @@ class RoutedClient:
     @property
     def retries(self) -> int:
         return self.client.retries
+
+    def refused_requests(self) -> Optional[int]:
+        return self.router.refused_requests()
 
     def generate(self, requests, sampling):
         return self.client.generate(requests, sampling)
@@ -114,3 +144,21 @@ class RoutedClient:
 
     def shutdown(self) -> None:
         self.router.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """sglang-router's launcher with the key taken from $MGRPO_ROUTER_API_KEY: it becomes the worker key and
+    the admin control-plane key inside this process, so no command line shows it."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith(("--api-key", "--control-plane-api-keys")) for a in args):
+        sys.exit("mgrpo router: pass the key in $MGRPO_ROUTER_API_KEY, not on the command line")
+    key = os.environ.pop(KEY_ENV, None)
+    if key:
+        args += ["--api-key", key, "--control-plane-api-keys", f"mgrpo:mgrpo:admin:{key}"]
+    launch_router(parse_router_args(args))
+
+
+if __name__ == "__main__":
+    main()

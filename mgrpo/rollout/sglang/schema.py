@@ -139,6 +139,25 @@ def request_classes() -> Optional[dict[str, type]]:
 
 
 @functools.lru_cache(None)
+def sampling_mask() -> Optional[types.ModuleType]:
+    """sglang/srt/sampling/sampling_mask.py (SamplingMaskChunk: how a request's sampling masks travel and
+    become the answer's lists; needs msgspec and numpy), or None."""
+    path = _wheel_file("srt", "sampling", "sampling_mask.py")
+    if path is None or importlib.util.find_spec("msgspec") is None:
+        return None
+    return _load_file("_mgrpo_sglang_sampling_mask", path)
+
+
+@functools.lru_cache(None)
+def config_merger() -> Optional[types.ModuleType]:
+    """sglang/srt/utils/server_args_config_parser.py (SGLang's --config YAML merger; needs PyYAML), or None."""
+    path = _wheel_file("srt", "utils", "server_args_config_parser.py")
+    if path is None or importlib.util.find_spec("yaml") is None:
+        return None
+    return _load_file("_mgrpo_sglang_config_parser", path)
+
+
+@functools.lru_cache(None)
 def common() -> Optional[types.SimpleNamespace]:
     """SafeUnpickler, MultiprocessingSerializer and init_custom_process_group from the wheel's
     sglang/srt/utils/common.py, or None."""
@@ -165,11 +184,20 @@ def common() -> Optional[types.SimpleNamespace]:
 
 # --- what the CPU server uses -------------------------------------------------------------------------
 class RequestError(ValueError):
-    """A request SGLang would refuse (or, for unknown fields, silently misread)."""
+    """A request SGLang would refuse (or, for unknown fields, silently misread).
 
-    def __init__(self, message: str, status: int = 400):
+    `validation`: a body FastAPI itself rejects (not JSON, wrong field types), which SGLang's handler
+    answers 400 with its ErrorResponse; otherwise SGLang's `{"error": {"message": ...}}`."""
+
+    def __init__(self, message: str, status: int = 400, *, validation: bool = False):
         super().__init__(message)
         self.status = status
+        self.validation = validation
+
+    def body(self) -> dict:
+        if self.validation:  # http_server.py::validation_exception_handler -> ErrorResponse
+            return {"object": "error", "message": str(self), "type": "Bad Request", "param": None, "code": self.status}
+        return {"error": {"message": str(self)}}
 
 
 @functools.lru_cache(None)
@@ -185,12 +213,12 @@ def _adapter(path: str):
 
 def check_request(path: str, body: Any) -> dict:
     """Validate the JSON body of a control endpoint: SGLang's own struct where the wheel is
-    installed (422 like FastAPI's validation error), our field table otherwise; unknown fields
-    are refused in both cases. Returns the body."""
+    installed (a validation error: 400, as SGLang's handler answers FastAPI's), our field table
+    otherwise; unknown fields are refused in both cases. Returns the body."""
     if body is None:
         body = {}
     if not isinstance(body, dict):
-        raise RequestError(f"{path}: the body must be a JSON object, got {type(body).__name__}", 422)
+        raise RequestError(f"{path}: the body must be a JSON object, got {type(body).__name__}", validation=True)
     cls_name, fields = REQUESTS[path]
     unknown = set(body) - fields - BASE_FIELDS
     if unknown:
@@ -206,9 +234,9 @@ def check_request(path: str, body: Any) -> dict:
             # the union's "is an instance already" branch always fails for a dict: not informative
             why = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or '(body)'}: {err['msg']}" for err in e.errors()
                             if err["type"] != "is_instance_of")
-            raise RequestError(f"{path}: SGLang's {cls_name} refuses this body: {why}", 422) from e
+            raise RequestError(f"{path}: SGLang's {cls_name} refuses this body: {why}", validation=True) from e
         except (TypeError, ValueError) as e:
-            raise RequestError(f"{path}: SGLang's {cls_name} refuses this body: {e}", 422) from e
+            raise RequestError(f"{path}: SGLang's {cls_name} refuses this body: {e}", validation=True) from e
     return body
 
 

@@ -50,12 +50,21 @@ def choose_server(server: Optional[str] = None) -> str:
     return SERVERS[server]
 
 def launch_command(module: str, hf_dir: str, *, tp: int, host: str, port: int, mem_fraction_static: float,
-                   weight_version: int, enable_memory_saver: bool, extra_args: Sequence[str] = ()) -> list[str]:
-    """`python -m <module> ...` with SGLang's launch arguments (the CPU server accepts the same)."""
+                   weight_version: int, enable_memory_saver: bool, extra_args: Sequence[str] = (), ep: int = 1,
+                   return_routed_experts: bool = False, key_file: Optional[str] = None) -> list[str]:
+    """`python -m <module> ...` with SGLang's launch arguments (the CPU server accepts the same).
+    `key_file`: the YAML file holding the API keys (auth.key_config_file), read through `--config` so
+    that the keys never appear on the command line."""
     cmd = [sys.executable, "-m", module, "--model-path", hf_dir, "--tp-size", str(tp), "--host", host, "--port",
            str(port), "--mem-fraction-static", str(mem_fraction_static), "--weight-version", str(weight_version)]
+    if ep != 1:
+        cmd += ["--ep-size", str(ep)]  # expert parallelism inside the engine's TP group (MoE models)
     if enable_memory_saver:
         cmd.append("--enable-memory-saver")  # lets colocated mode release and resume GPU memory
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")  # otherwise SGLang silently drops the request field
+    if key_file:
+        cmd += ["--config", key_file]
     return cmd + list(extra_args)
 
 def check_host(host: str) -> str:
@@ -78,10 +87,13 @@ def log_tail(path: Optional[str], lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 # Kills the server's process group once the process that launched it is gone (a Ray actor killed
-# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs).
+# with SIGKILL runs no cleanup, and an orphaned server would keep its GPUs), and removes the key file the
+# launcher would have removed (argv[3], if given) when it goes itself.
 _WATCHDOG = """
-import os, signal, sys, time
+import atexit, os, shutil, signal, sys, time
 parent, pgid = int(sys.argv[1]), int(sys.argv[2])
+if len(sys.argv) > 3:
+    atexit.register(shutil.rmtree, os.path.dirname(sys.argv[3]), True)
 def alive(pid):
     try:
         os.kill(pid, 0); return True
@@ -123,17 +135,21 @@ def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
-                 env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate"
-                 ) -> subprocess.Popen:
+                 env: Optional[dict] = None, poll_s: float = 1.0, ready_path: str = "/health_generate",
+                 key_file: Optional[str] = None) -> subprocess.Popen:
     """Start `cmd` in its own process group with its output in `log_path`; return once
-    GET {url}{ready_path} answers 200. On death or timeout: kill it and raise with the log tail."""
+    GET {url}{ready_path} answers 200. On death or timeout: kill it and raise with the log tail.
+    `key_file` (auth.key_config_file): removed by the watchdog at the latest, should this process die
+    before removing it."""
     import requests
 
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    with open(log_path, "ab") as logf:
+    # This user only: SGLang logs its server arguments, API keys included.
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
         proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
-    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)], start_new_session=True,
+    watch = [str(os.getpid()), str(proc.pid), *([key_file] if key_file else [])]
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, *watch], start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + startup_timeout_s
     while True:

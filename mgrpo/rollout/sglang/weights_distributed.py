@@ -109,7 +109,7 @@ class DistributedWeightSender:
     def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int, *, master_address: Optional[str] = None,
                  master_port: Optional[int] = None, group_name: Optional[str] = None, backend: Optional[str] = None,
                  load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, device: Optional[str] = None,
-                 lock=None, generation: int = 0):
+                 lock=None, generation: int = 0, api_key: Optional[str] = None):
         if master_address is not None and master_address.strip() in ("", "0.0.0.0", "::", "[::]"):
             raise ValueError(f"master_address must be this node's cluster address, got {master_address!r}")
         if backend is not None and backend not in BACKENDS:
@@ -119,11 +119,11 @@ class DistributedWeightSender:
             raise ValueError(f"{len(urls)} engine URLs but {len(tps)} TP sizes")
         self._spec = dict(urls=list(urls), tp_sizes=tps, master_address=master_address, master_port=master_port,
                           group_name=group_name, backend=backend, load_format=check_load_format(load_format),
-                          timeout_s=timeout_s, device=device, lock=lock, generation=generation)
+                          timeout_s=timeout_s, device=device, lock=lock, generation=generation, api_key=api_key)
         self._key = _spec_key(self._spec)
         _LIVE_SENDERS.setdefault(self._key, self)
         self.urls = list(urls)
-        self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=0) for u in urls]
+        self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=0, api_key=api_key) for u in urls]
         self.tp_sizes = tps
         self.sessions = [WeightSession(c) for c in self.clients]
         self.master_address = master_address

@@ -166,8 +166,9 @@ class TensorWeightSender:
     closes the session, sets the version and flushes the cache."""
 
     def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int] | int = 1, *,
-                 load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, max_retries: int = 2):
-        self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=max_retries) for u in urls]
+                 load_format: Optional[str] = FLATTENED, timeout_s: float = 600.0, max_retries: int = 2,
+                 api_key: Optional[str] = None):
+        self.clients = [HTTPClient(u, timeout_s=timeout_s, max_retries=max_retries, api_key=api_key) for u in urls]
         self.tp_sizes = [tp_sizes] * len(urls) if isinstance(tp_sizes, int) else list(tp_sizes)
         if len(self.tp_sizes) != len(self.clients):
             raise ValueError(f"{len(urls)} engine URLs but {len(self.tp_sizes)} TP sizes")
