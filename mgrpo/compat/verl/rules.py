@@ -273,7 +273,7 @@ RULES: dict[str, Rule] = {
     R + "val_kwargs.top_k": only(lambda v: v in (-1, 0, None), "no top-k", "mgrpo's evaluation has no top_k"),
     R + "data_parallel_size": only(lambda v: v == 1, "1", "set rollout.num_engines instead"),
     R + "pipeline_model_parallel_size": only(lambda v: v == 1, "1", "mgrpo's engines use tensor parallelism only"),
-    R + "expert_parallel_size": only(lambda v: v == 1, "1 (dense model)", "mgrpo trains dense Qwen3"),
+    R + "expert_parallel_size": to("rollout.ep", int),
     R + "free_cache_engine": ignore("colocated engines release their memory while the trainer trains"),
     R + "prompt_length": ignore("follows data.max_prompt_length"),
     R + "response_length": ignore("follows data.max_response_length"),
