@@ -166,7 +166,10 @@ def test_aggregation_modes_by_hand():
     assert metric_weights(mask, global_tokens=tok).sum().item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="loss_agg_mode='sum'"):
         token_weights(mask, "sum", global_tokens=tok, global_seqs=seq, max_response_length=4)
-    assert effective_loss_agg_mode(AlgorithmConfig(policy_loss="gspo")) == "seq-mean-token-mean"
+    # veRL 0.9.1's GSPO aggregates with the actor's loss_agg_mode (default token-mean) like every loss.
+    assert effective_loss_agg_mode(AlgorithmConfig(policy_loss="gspo")) == "token-mean"
+    assert effective_loss_agg_mode(AlgorithmConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-sum-norm")) \
+        == "seq-mean-token-sum-norm"
 
 
 # --- policy losses -------------------------------------------------------------------------------
@@ -255,6 +258,59 @@ def test_gspo_by_hand():
     assert lp.grad.tolist() == pytest.approx([0, 0, 0.245, 0.245])
     with pytest.raises(ValueError, match="needs whole sequences"):
         make_token_loss_fn(inputs, cfg)
+
+
+# Three responses (lengths 2, 1, 3; L_max = 4), each with equal token ratios so that its sequence ratio
+# s_i is that ratio; eps 0.2 both sides:
+#   A: ratios [1.1, 1.1], A=+1 -> s=1.1 in range:  -1.1 per token  (token sum -2.2, token mean -1.1)
+#   B: ratio 1.5,         A=+1 -> s=1.5 clipped:   -1.2            (sum -1.2, mean -1.2)
+#   C: ratios [.9 .9 .9], A=-1 -> s=0.9 in range:   0.9 per token  (sum 2.7, mean 0.9)
+# plus one padding slot after B (weight 0).
+GSPO_BY_MODE = {
+    "token-mean": (-2.2 - 1.2 + 2.7) / 6,                 # -0.11667
+    "seq-mean-token-sum": (-2.2 - 1.2 + 2.7) / 3,         # -0.23333
+    "seq-mean-token-mean": (-1.1 - 1.2 + 0.9) / 3,        # -0.46667
+    "seq-mean-token-sum-norm": (-2.2 - 1.2 + 2.7) / (3 * 4),  # -0.05833
+}
+
+
+@pytest.mark.parametrize("mode", list(GSPO_BY_MODE))
+def test_gspo_honours_loss_agg_mode_by_hand(mode):
+    """veRL 0.9.1's compute_policy_loss_gspo aggregates with the actor's loss_agg_mode (agg_loss), not a
+    fixed seq-mean-token-mean: the weights the trainer computes for GSPO follow algorithm.loss_agg_mode."""
+    cfg = AlgorithmConfig(policy_loss="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2, use_kl_loss=False,
+                          loss_agg_mode=mode)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    tok, seq = global_counts(mask)
+    w = token_weights(mask, effective_loss_agg_mode(cfg), global_tokens=tok, global_seqs=seq, max_response_length=4)
+    ratios = torch.tensor([[1.1, 1.1, 1.0], [1.5, 1.0, 1.0], [0.9, 0.9, 0.9]])
+    adv = torch.tensor([[1.0] * 3, [1.0] * 3, [-1.0] * 3])
+    old = torch.full((3, 3), L(0.5))
+    lp = (old + ratios.log()).flatten().requires_grad_()
+    inputs = TokenLossInputs(old_logprob=old.flatten(), advantages=adv.flatten(), token_weight=w.flatten(),
+                             metric_weight=metric_weights(mask, global_tokens=tok).flatten(),
+                             seq_index=torch.arange(3).repeat_interleave(3))
+    loss, m = policy_loss(lp, None, inputs, cfg)
+    assert loss.item() == pytest.approx(GSPO_BY_MODE[mode], abs=1e-6)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(1 / 6)  # B's token, a token mean in every mode
+    loss.backward()
+    # unclipped tokens: d/dlogprob of -A * s_it * w_t = -A * s_i * w_t; B (clipped) and padding: 0
+    want = [-1.1 * w[0, 0], -1.1 * w[0, 1], 0, 0, 0, 0, 0.9 * w[2, 0], 0.9 * w[2, 1], 0.9 * w[2, 2]]
+    assert lp.grad.tolist() == pytest.approx([float(x) for x in want], abs=1e-7)
+
+
+def test_ppo_kl_clamps_the_log_ratio_like_verl():
+    """veRL 0.9.1 reports actor/ppo_kl from the log-ratio its loss uses: vanilla clamps it to [-20, 20]
+    (compute_policy_loss_vanilla), gspo does not (compute_policy_loss_gspo)."""
+    old = torch.tensor([L(0.5) - 30.0, L(0.5)])
+    lp = torch.tensor([L(0.5), L(0.5) - 0.5])  # log-ratios +30 and -0.5
+    w = torch.full((2,), 0.5)
+    inputs = TokenLossInputs(old_logprob=old, advantages=torch.tensor([1.0, -1.0]), token_weight=w, metric_weight=w,
+                             seq_index=torch.tensor([0, 1]))
+    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(use_kl_loss=False))
+    assert m["actor/ppo_kl"].item() == pytest.approx((-20.0 + 0.5) / 2)
+    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(policy_loss="gspo", use_kl_loss=False))
+    assert m["actor/ppo_kl"].item() == pytest.approx((-30.0 + 0.5) / 2)
 
 
 @pytest.mark.parametrize("variant", [

@@ -16,11 +16,10 @@ have at least one token in the loss, |y_i| the length of response i and L_max th
   seq-mean-token-sum       w = 1 / N_seq                          (sum over a response, mean over responses)
   seq-mean-token-mean      w = 1 / (N_seq * |y_i|)                (original GRPO)
   seq-mean-token-sum-norm  w = 1 / (N_seq * L_max)                (Dr. GRPO: a constant length divisor)
-For seq-mean-token-sum-norm veRL divides the per-response token sums by a constant,
-`actor.loss_scale_factor`, which defaults to the (padded) max response length; this is that
-constant. veRL's `agg_loss` then leaves out the 1/N_seq and relies on its engine's micro-batch
-scaling; we keep Dr. GRPO's written objective, (1/G) sum_i sum_t l_it / L_max, so the loss scale does
-not grow with the batch size. (Our value = veRL's sum / N_seq.)
+For seq-mean-token-sum-norm veRL 0.9.1's `agg_loss` takes the mean over responses of the token sums
+(1/N_seq included, N_seq the global number of responses with a token in the loss) and divides it by a
+constant, `actor.loss_scale_factor`, which defaults to the (padded) max response length; L_max is that
+constant. This is Dr. GRPO's written objective, (1/G) sum_i sum_t l_it / L_max.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def global_counts(response_mask: Tensor) -> tuple[int, int]:
 
 
 def effective_loss_agg_mode(cfg: AlgorithmConfig) -> str:
-    """The mode the weights must be computed with: the policy loss's own (GSPO's sequence-level
-    objective always aggregates seq-mean-token-mean, as in veRL), else algorithm.loss_agg_mode."""
+    """The mode the weights must be computed with: the policy loss's own when its registry entry
+    defines one, else algorithm.loss_agg_mode (every registered loss, GSPO included as in veRL 0.9.1)."""
     return POLICY_LOSSES.lookup(cfg.policy_loss).loss_agg_mode or cfg.loss_agg_mode
 
 

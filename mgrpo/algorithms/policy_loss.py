@@ -17,9 +17,14 @@ Per-token objective of `vanilla` (r = pi/pi_old, A = advantage, eps_l/eps_h = cl
 `gspo` (Zheng et al. 2025) replaces r with the sequence-level ratio s_i = exp(mean_t log(pi/pi_old))
 (the geometric mean of the token ratios), clipped per sequence; per token it uses veRL's
 s_it = sg[s_i] * pi_t / sg[pi_t], whose value is s_i and whose gradient flows through every token.
-s_i needs all of a sequence's log-probs at once, so gspo runs only through `policy_loss`, never the
-chunked `make_token_loss_fn`: its registry entry says token_level=False, which the trainer asks.
-The losses are registered in registry.py.
+Like veRL 0.9.1's `compute_policy_loss_gspo`, the per-token losses are then aggregated with
+algorithm.loss_agg_mode (token-mean unless set; the GSPO paper's objective is seq-mean-token-mean,
+which configs/algorithm/gspo.yaml sets). s_i needs all of a sequence's log-probs at once, so gspo runs
+only through `policy_loss`, never the chunked `make_token_loss_fn`: its registry entry says
+token_level=False, which the trainer asks. The losses are registered in registry.py.
+
+actor/ppo_kl is the token mean of log(pi_old/pi) as each veRL 0.9.1 loss reports it: vanilla from the
+log-ratio clamped to [-20, 20] (the same clamp its ratio uses), gspo from the raw log-ratio.
 """
 
 from __future__ import annotations
@@ -107,8 +112,9 @@ def _ppo_clip(log_ratio: Tensor, adv: Tensor, low: float, high: float,
 def vanilla_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
     """Token-level PPO-clip; token-local, so any chunk `sl` of the tokens can be done alone."""
     log_ratio = (logprob - inputs.old_logprob[sl]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return _ppo_clip(log_ratio, inputs.advantages[sl], cfg.clip_ratio_low, cfg.clip_ratio_high,
-                     cfg.clip_ratio_c)
+    pg, clipped, lower = _ppo_clip(log_ratio, inputs.advantages[sl], cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                   cfg.clip_ratio_c)
+    return pg, clipped, lower, log_ratio
 
 
 def gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig):
@@ -125,13 +131,14 @@ def gspo_pg(logprob: Tensor, inputs: TokenLossInputs, sl: slice, cfg: AlgorithmC
     log_s = (logprob - logprob.detach() + seq_log_ratio).clamp(max=10.0)
     # GSPO's paper and veRL clip the sequence ratio plainly: no dual-clip.
     pg, clipped, lower = _ppo_clip(log_s, inputs.advantages[sl], cfg.clip_ratio_low, cfg.clip_ratio_high, None)
-    return pg, clipped, lower
+    return pg, clipped, lower, log_ratio
 
 
-def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entropy: Optional[Tensor],
-             inputs: TokenLossInputs, sl: slice, cfg: AlgorithmConfig,
-             entry: PolicyLoss) -> tuple[Tensor, dict[str, Tensor]]:
-    """Add IS weights, KL and entropy; reduce to (weighted loss sum, weighted metric sums)."""
+def _combine(pg_out: tuple, logprob: Tensor, entropy: Optional[Tensor], inputs: TokenLossInputs, sl: slice,
+             cfg: AlgorithmConfig, entry: PolicyLoss) -> tuple[Tensor, dict[str, Tensor]]:
+    """Add IS weights, KL and entropy to a policy loss's (pg, clipped, dual-clipped, log-ratio) and
+    reduce to (weighted loss sum, weighted metric sums)."""
+    pg, clipped, lower, log_ratio = pg_out
     w = inputs.token_weight[sl]
     # A token with no loss weight (padding, an overlong-filtered response) is out of the metrics too,
     # even if the caller filled metric_weight uniformly.
@@ -148,7 +155,7 @@ def _combine(pg: Tensor, clipped: Tensor, lower: Tensor, logprob: Tensor, entrop
     metrics.update({
         "actor/pg_loss": (w * pg).sum(),
         "actor/pg_clipfrac": (mw * clipped.to(mw.dtype)).sum(),
-        "actor/ppo_kl": (mw * (inputs.old_logprob[sl] - logprob)).sum(),
+        "actor/ppo_kl": (mw * -log_ratio.detach()).sum(),
     })
     if cfg.clip_ratio_c is not None and entry.dual_clip:
         metrics["actor/pg_clipfrac_lower"] = (mw * lower.to(mw.dtype)).sum()
@@ -175,8 +182,7 @@ def make_token_loss_fn(inputs: TokenLossInputs, cfg: AlgorithmConfig) -> TokenLo
     pg_fn = entry.load()
 
     def token_loss_fn(logprob: Tensor, entropy: Optional[Tensor], sl: slice):
-        pg, clipped, lower = pg_fn(logprob, inputs, sl, cfg)
-        return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg, entry)
+        return _combine(pg_fn(logprob, inputs, sl, cfg), logprob, entropy, inputs, sl, cfg, entry)
 
     return token_loss_fn
 
@@ -187,6 +193,5 @@ def policy_loss(logprob: Tensor, entropy: Optional[Tensor], inputs: TokenLossInp
     token-level losses, and the only path for gspo."""
     entry = _check(inputs, cfg)
     sl = slice(0, len(inputs))
-    pg, clipped, lower = entry.load()(logprob, inputs, sl, cfg)
-    return _combine(pg, clipped, lower, logprob, entropy, inputs, sl, cfg, entry)
+    return _combine(entry.load()(logprob, inputs, sl, cfg), logprob, entropy, inputs, sl, cfg, entry)
 

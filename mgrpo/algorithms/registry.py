@@ -37,7 +37,8 @@ class AdvantageEstimator(_Target):
 
 @dataclass(frozen=True)
 class PolicyLoss(_Target):
-    """fn(logprob, inputs, sl, cfg) -> (per-token pg loss, clipped, dual-clipped) over tokens `sl`."""
+    """fn(logprob, inputs, sl, cfg) -> (per-token pg loss, clipped, dual-clipped, log-ratio) over tokens
+    `sl`; the log-ratio log(pi/pi_old) is the one actor/ppo_kl reports (as the loss's veRL function does)."""
 
     token_level: bool = True
     """A token's loss depends on that token only, so the fused kernel may compute it chunk by chunk;
@@ -69,8 +70,9 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("algorithm.adv_est
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("algorithm.policy_loss", {
     "vanilla": PolicyLoss(_A + "policy_loss:vanilla_pg", token_level=True, dual_clip=True),
-    # GSPO optimises a sequence-level objective; like veRL it always aggregates seq-mean-token-mean.
-    "gspo": PolicyLoss(_A + "policy_loss:gspo_pg", token_level=False, loss_agg_mode="seq-mean-token-mean"),
+    # A sequence-level ratio; aggregated with algorithm.loss_agg_mode like veRL 0.9.1's GSPO (the paper's
+    # seq-mean-token-mean is what configs/algorithm/gspo.yaml sets).
+    "gspo": PolicyLoss(_A + "policy_loss:gspo_pg", token_level=False),
 })
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("algorithm.kl_loss_type", {
