@@ -20,13 +20,13 @@ from mgrpo.config.choices import LogprobImpl, values
 
 from . import chunked, reference
 from .chunked import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, num_valid_rows
-from .reference import full_linear_loss, full_logprobs, grpo_token_loss, kl_penalty, make_grpo_token_loss
+from .reference import full_linear_loss, full_logprobs
 
 IMPLS = tuple(values(LogprobImpl))  # actor.logprob_impl
 
 __all__ = [
-    "IMPLS", "capabilities", "linear_logprobs", "fused_linear_loss", "num_valid_rows", "grpo_token_loss",
-    "kl_penalty", "make_grpo_token_loss", "full_logprobs", "full_linear_loss",
+    "IMPLS", "capabilities", "linear_logprobs", "fused_linear_loss", "num_valid_rows", "full_logprobs",
+    "full_linear_loss",
     "DEFAULT_CHUNK_SIZE", "DEFAULT_VOCAB_CHUNK",
 ]
 

@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from . import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
-from .reference import make_grpo_token_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by substring of the device name.
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0, "A100": 312.0,
@@ -105,10 +104,18 @@ def make_inputs(T, H, V, dtype, device, seq_len, seed=0):
 
 def make_runners(x, args, impls):
     """impl name -> callable returning the loss after forward+backward (grads land in .grad)."""
+    # The loss production trains with (the kernel itself is loss-agnostic). This script, unlike the
+    # kernel modules, may reach up into mgrpo: it measures the kernel as the trainer calls it.
+    from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
+    from mgrpo.config import AlgorithmConfig
+
     T = x["hidden"].shape[0]
     weights = torch.full((T,), 1.0 / T, device=x["hidden"].device)
-    fn = make_grpo_token_loss(x["old_lp"], x["adv"], weights, ref_logprob=x["ref_lp"], clip_ratio_low=CLIP,
-                              clip_ratio_high=CLIP, kl_loss_type="k3", kl_coef=KL_COEF)
+    fn = make_token_loss_fn(
+        TokenLossInputs(old_logprob=x["old_lp"], advantages=x["adv"], token_weight=weights, metric_weight=weights,
+                        ref_logprob=x["ref_lp"]),
+        AlgorithmConfig(clip_ratio_low=CLIP, clip_ratio_high=CLIP, use_kl_loss=True, kl_loss_type="k3",
+                        kl_coef=KL_COEF))
     ours = dict(chunk_size=args.chunk_size, vocab_chunk_size=args.vocab_chunk_size,
                 compute_entropy=not args.no_entropy)
     runners = {}

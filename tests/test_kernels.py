@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import mgrpo_kernels as K
-from mgrpo_kernels.reference import full_linear_loss, full_logprobs, make_grpo_token_loss
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
+from mgrpo.config import AlgorithmConfig
+from mgrpo_kernels.reference import full_linear_loss, full_logprobs
 
 SMALL_CHUNKS = dict(chunk_size=16, vocab_chunk_size=24)
 
@@ -52,7 +54,12 @@ def leaves(p):
 
 
 def grpo_fn(p, **cfg):
-    return make_grpo_token_loss(p["old_lp"], p["adv"], p["weights"], ref_logprob=p["ref_lp"], **cfg)
+    """The production GRPO token loss (what training/forward.py hands the kernel) on this problem's
+    tensors; a KL term when kl_coef is non-zero."""
+    algo = AlgorithmConfig(use_kl_loss=cfg.get("kl_coef", 0.0) != 0.0, **cfg)
+    inputs = TokenLossInputs(old_logprob=p["old_lp"], advantages=p["adv"], token_weight=p["weights"],
+                             metric_weight=p["weights"], ref_logprob=p["ref_lp"])
+    return make_token_loss_fn(inputs, algo)
 
 
 def run_logprobs(p, impl, **kw):
@@ -119,9 +126,9 @@ def test_fused_linear_loss_matches_reference(kl_loss_type, clip_ratio_c, tempera
     loss, m, lp, ent, gh, gw = run_loss(p, "chunked", fn, **kw, **SMALL_CHUNKS)
     assert abs(loss.item() - loss0.item()) < 1e-5
     assert set(m) == set(m0) and all(abs(m[k].item() - m0[k].item()) < 1e-5 for k in m0)
-    assert m0["pg_clipfrac"].item() > 0  # the test really exercises clipping...
+    assert m0["actor/pg_clipfrac"].item() > 0  # the test really exercises clipping...
     if clip_ratio_c is not None:
-        assert m0["pg_clipfrac_lower"].item() > 0  # ... and the dual clip
+        assert m0["actor/pg_clipfrac_lower"].item() > 0  # ... and the dual clip
     assert not lp.requires_grad and not ent.requires_grad
     assert_close_outputs((lp, ent, gh, gw), (lp0, ent0, gh0, gw0))
 
@@ -142,7 +149,7 @@ def test_fused_without_entropy_and_with_frozen_weight():
     loss, metrics, lp, ent = K.fused_linear_loss(h, p["weight"], p["labels"], fn, compute_entropy=False,
                                                  **SMALL_CHUNKS)
     loss.backward()
-    assert ent is None and "entropy" not in metrics
+    assert ent is None and "actor/entropy" not in metrics
     h0 = p["hidden"].clone().requires_grad_()
     full_linear_loss(h0, p["weight"], p["labels"], fn, compute_entropy=False)[0].backward()
     assert rel_err(h.grad, h0.grad) < 1e-4

@@ -28,7 +28,8 @@ bootstrap()
 import torch  # noqa: E402
 
 import mgrpo_kernels as K  # noqa: E402
-from mgrpo_kernels.reference import make_grpo_token_loss  # noqa: E402
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn  # noqa: E402
+from mgrpo.config import AlgorithmConfig  # noqa: E402
 
 # Tolerances by input dtype. fp32: the kernel's contract (tests/test_kernels.py), loosened 10x for
 # H=4096 sums. bf16: GEMM inputs are bf16 but statistics fp32; the chunked path also rounds each logit
@@ -150,9 +151,11 @@ def main(argv=None):
                 old[:4] = lp0[:4] - 2.0  # ratio e^2 > clip_ratio_c with A < 0: dual-clip territory
                 adv = p["adv"].clone()
                 adv[:4] = -1.0
-                fn = make_grpo_token_loss(old, adv, weights, ref_logprob=lp0 + p["noise_ref"], clip_ratio_low=0.2,
-                                          clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3", kl_coef=0.1,
-                                          entropy_coeff=0.01)
+                fn = make_token_loss_fn(  # the production loss
+                    TokenLossInputs(old_logprob=old, advantages=adv, token_weight=weights, metric_weight=weights,
+                                    ref_logprob=lp0 + p["noise_ref"]),
+                    AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+                                    kl_loss_type="k3", kl_coef=0.1, entropy_coeff=0.01))
                 want_loss = run_loss(h32, w32, p["labels"], "naive", fn, **kw)
                 del h32, w32
                 for impl in impls:
