@@ -4,8 +4,10 @@ Three implementations behind one interface, picked by `impl` (config: actor.logp
   "chunked"  torch, never more than one chunk of logits (reference.py's fast twin; CPU default)
   "fused"    Triton kernels, logits only as register tiles (GPU; CPU under TRITON_INTERPRET=1)
   "naive"    reference.py, full [T, V] logits (the oracle; small vocabularies only)
-All three take `weight` as this rank's vocabulary shard and return the same fp32 results.
-Triton is imported only when "fused" is asked for and usable, so this package imports without it.
+All three take `weight` as this rank's vocabulary shard and return the same fp32 results, optionally
+renormalised over each token's sampling support (top-k / top-p; `support_offsets`, `support_ids`, see
+support.py). Triton is imported only when "fused" is asked for and usable, so this package imports
+without it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mgrpo.config.choices import LogprobImpl, values
 from . import chunked, reference
 from .chunked import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, num_valid_rows
 from .reference import full_linear_loss, full_logprobs
+from .support import check_support
 
 IMPLS = tuple(values(LogprobImpl))  # actor.logprob_impl
 
@@ -93,7 +96,8 @@ def _naive_weight(weight, tp_group, vocab_start):
     return _GatherVocabShards.apply(weight, tp_group)
 
 
-def _check(impl, hidden, weight, labels):
+def _check(impl, hidden, weight, labels, support_offsets, support_ids, tp_group, vocab_start, vocab_size):
+    """Validate the arguments; the support as (offsets, ids) int64 tensors, or None."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} (actor.logprob_impl)")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -101,54 +105,71 @@ def _check(impl, hidden, weight, labels):
                          f"{tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [T]={hidden.shape[0]}, got {tuple(labels.shape)}")
+    if (support_offsets is None) != (support_ids is None):
+        raise ValueError("support_offsets and support_ids go together (both or neither)")
+    if support_offsets is None:
+        return None
+    if vocab_size is None:  # the whole (unpadded) vocabulary: every rank's rows
+        world = 1 if tp_group is None else dist.get_world_size(tp_group)
+        vocab_size = vocab_start + weight.shape[0] if world == 1 else world * weight.shape[0]
+    check_support(support_offsets, support_ids, labels, vocab_size)
+    return support_offsets.long(), support_ids.long()
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                     chunk_size: int = DEFAULT_CHUNK_SIZE, vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK,
                     tp_group: Optional[dist.ProcessGroup] = None, vocab_start: int = 0,
-                    vocab_size: Optional[int] = None, compute_entropy: bool = True, impl: str = "chunked"):
+                    vocab_size: Optional[int] = None, compute_entropy: bool = True, impl: str = "chunked",
+                    support_offsets: Optional[torch.Tensor] = None, support_ids: Optional[torch.Tensor] = None):
     """(logprob [T] fp32, entropy [T] fp32 or None) of `labels` (global ids) under
     softmax(hidden @ weight.T / temperature) over the real vocabulary, differentiable w.r.t. hidden
     and weight. With `tp_group`, `weight` holds rows [vocab_start, vocab_start + V_local) of the
     padded vocabulary, `hidden` is replicated over the group and its grad comes back all-reduced.
+    With a support (CSR: `support_offsets` [T+1], `support_ids` [nnz] global ids, an empty row = the
+    whole vocabulary) each token's softmax, log-prob and entropy are over its own support only.
     """
-    _check(impl, hidden, weight, labels)
+    support = _check(impl, hidden, weight, labels, support_offsets, support_ids, tp_group, vocab_start, vocab_size)
     if impl == "naive":
         w = _naive_weight(weight, tp_group, vocab_start)
         return full_logprobs(hidden, w, labels, temperature=temperature, vocab_size=vocab_size,
-                             compute_entropy=compute_entropy)
+                             compute_entropy=compute_entropy, support_offsets=support_offsets,
+                             support_ids=support_ids)
     if impl == "fused":
         cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
-                              compute_entropy)
+                                  compute_entropy, support)
         return _triton_impl(hidden).TritonLinearLogprobs.apply(hidden, weight, labels, cfg)
     return chunked.linear_logprobs(hidden, weight, labels, temperature=temperature, chunk_size=chunk_size,
                                    vocab_chunk_size=vocab_chunk_size, tp_group=tp_group, vocab_start=vocab_start,
-                                   vocab_size=vocab_size, compute_entropy=compute_entropy)
+                                   vocab_size=vocab_size, compute_entropy=compute_entropy, support=support)
 
 
 def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_loss_fn, *,
                       temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                       vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK, tp_group: Optional[dist.ProcessGroup] = None,
                       vocab_start: int = 0, vocab_size: Optional[int] = None, compute_entropy: bool = True,
-                      impl: str = "chunked"):
+                      impl: str = "chunked", support_offsets: Optional[torch.Tensor] = None,
+                      support_ids: Optional[torch.Tensor] = None):
     """(loss scalar, metrics {name: scalar}, logprob [T] detached, entropy [T] detached or None).
 
     token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) is any
     token-local loss (its per-token weights carry mask and normalisation); loss and metrics are sums
     over chunks. "chunked" and "fused" compute dHidden/dWeight during this call; backward scales them.
+    The support arguments are those of `linear_logprobs`.
     """
-    _check(impl, hidden, weight, labels)
+    support = _check(impl, hidden, weight, labels, support_offsets, support_ids, tp_group, vocab_start, vocab_size)
     if impl == "naive":
         w = _naive_weight(weight, tp_group, vocab_start)
         return full_linear_loss(hidden, w, labels, token_loss_fn, temperature=temperature, vocab_size=vocab_size,
-                                compute_entropy=compute_entropy)
+                                compute_entropy=compute_entropy, support_offsets=support_offsets,
+                                support_ids=support_ids)
     if impl == "fused":
         cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
-                              compute_entropy)
+                                  compute_entropy, support)
         metrics: dict = {}
         loss, logprob, entropy = _triton_impl(hidden).TritonFusedLinearLoss.apply(
             hidden, weight, labels, token_loss_fn, cfg, metrics)
         return loss, metrics, logprob, entropy
     return chunked.fused_linear_loss(hidden, weight, labels, token_loss_fn, temperature=temperature,
                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, tp_group=tp_group,
-                                     vocab_start=vocab_start, vocab_size=vocab_size, compute_entropy=compute_entropy)
+                                     vocab_start=vocab_start, vocab_size=vocab_size, compute_entropy=compute_entropy,
+                                     support=support)

@@ -11,6 +11,11 @@ Statistics are fp32 whatever the input dtype: a bf16 sum over 150k exp-terms rou
 them (8-bit mantissa), and an lse off by a few hundredths of a nat moves every importance ratio by
 a few percent, a sizeable fraction of the PPO clip range of 0.2. The GEMMs are fine in bf16.
 
+Sampling supports (top-k / top-p, see support.py): with a per-token support each chunk runs over the
+union of its tokens' supports on this shard (gathered weight rows, or every row when the union is large)
+and columns outside a token's own support take the logit NEG, so the same three statistics, the same
+merge and the same gradient algebra give the support-renormalised log-prob and entropy.
+
 Two entry points:
 - `linear_logprobs` is a normal autograd Function (forward: 1 GEMM, backward: 3 GEMMs).
 - `fused_linear_loss` also runs the caller's token loss chunk by chunk and computes dHidden and
@@ -25,6 +30,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .support import NEG, ChunkColumns, all_columns, chunk_columns
 
 # Tuned with kernels/bench.py on 2 CPU cores, H=1024, V=151936: the fused path keeps chunk x V_local
 # fp32 logits alive (311 MB here, ~0.9 GB peak with dWeight vs ~11.9 GB for full logits); 512 tokens
@@ -53,20 +60,20 @@ def _tiles(n_valid: int, vocab_chunk: int):
     return [(lo, min(lo + vocab_chunk, n_valid)) for lo in range(0, n_valid, vocab_chunk)]
 
 
-def chunk_stats(h, w, labels_local, n_valid, inv_temp, vocab_chunk, entropy, zbuf, scratch, keep=False):
-    """Online log-sum-exp of one token chunk over this shard's valid vocabulary.
+def chunk_stats(h, w, plan: ChunkColumns, inv_temp, vocab_chunk, entropy, zbuf, scratch, keep=False):
+    """Online log-sum-exp of one token chunk over the columns `plan` gives it on this shard.
 
     Returns fp32 partial stats (m, s, t, target) per token (target: the label's logit when this
     shard owns the label, else 0) and the logit tiles. With keep=True every tile gets its own slice
-    of `zbuf` (chunk x V_valid) so the fused gradient can reuse them; else one slice is recycled.
+    of `zbuf` (chunk x columns) so the fused gradient can reuse them; else one slice is recycled.
     """
     n = h.shape[0]
     f32 = dict(device=h.device, dtype=torch.float32)
     m = torch.full((n,), -math.inf, **f32)
     s, t, target = (torch.zeros(n, **f32) for _ in range(3))
     tiles, offset = [], 0
-    for lo, hi in _tiles(n_valid, vocab_chunk):
-        z = _tile_logits(zbuf[offset : offset + n * (hi - lo)].view(n, hi - lo), h, w[lo:hi], inv_temp)
+    for lo, hi in _tiles(plan.n_cols, vocab_chunk):
+        z = _masked_tile(zbuf[offset : offset + n * (hi - lo)].view(n, hi - lo), h, w, plan, lo, hi, inv_temp)
         if keep:
             tiles.append(((lo, hi), z))
             offset += z.numel()
@@ -77,10 +84,17 @@ def chunk_stats(h, w, labels_local, n_valid, inv_temp, vocab_chunk, entropy, zbu
         if entropy:
             t = t * rescale + e.mul_(z).sum(-1)  # in place: e is scratch and no longer needed
         m = m_new
-        owned = (labels_local >= lo) & (labels_local < hi)
-        col = (labels_local - lo).clamp(0, hi - lo - 1)
+        owned = (plan.label_col >= lo) & (plan.label_col < hi)
+        col = (plan.label_col - lo).clamp(0, hi - lo - 1)
         target += torch.where(owned, z.gather(1, col[:, None]).squeeze(1), 0.0)
     return (m, s, t, target), tiles
+
+
+def _masked_tile(out, h, w, plan: ChunkColumns, lo, hi, inv_temp):
+    """Logits of column positions lo..hi-1; NEG where a column is outside the token's support."""
+    z = _tile_logits(out, h, plan.weight_rows(w, lo, hi), inv_temp)
+    member = plan.member(lo, hi)
+    return z if member is None else z.masked_fill_(~member, NEG)
 
 
 def merge_stats(m, s, t, target, group=None):
@@ -96,21 +110,22 @@ def merge_stats(m, s, t, target, group=None):
     return lse, t / s, target
 
 
-def tile_dlogits(z, lse, a, b, g_tgt, labels_local, lo, scratch):
+def tile_dlogits(z, lse, a, b, g_tgt, label_col, lo, scratch):
     """In place on z: dL/dlogits = p * (a + b * z) + g_tgt * onehot(label), p = exp(z - lse).
 
     With z = logits / T, p the softmax, logprob = z_y - lse and entropy = lse - E_p[z]:
       dlogprob/dz_k = 1[k=y] - p_k,   dentropy/dz_k = -p_k * (z_k - E_p[z]),
     so dL/dz_k = p_k * (-g_lp + g_ent * E_p[z] - g_ent * z_k) + g_lp * 1[k=y]; `coefficients`
-    folds these per-token numbers and the 1/T of dz/dlogits into a, b and g_tgt.
+    folds these per-token numbers and the 1/T of dz/dlogits into a, b and g_tgt. A column outside the
+    token's support holds NEG: p_k = exp(NEG - lse) = 0 exactly, so its dz is 0.
     """
     p = torch.sub(z, lse[:, None], out=scratch[: z.numel()].view_as(z)).exp_()
     if b is None:  # the loss does not use the entropy: one pass fewer
         dz = torch.mul(p, a[:, None], out=z)
     else:
         dz = torch.addcmul(a[:, None], z, b[:, None], out=z).mul_(p)
-    owned = (labels_local >= lo) & (labels_local < lo + z.shape[1])
-    col = (labels_local - lo).clamp(0, z.shape[1] - 1)
+    owned = (label_col >= lo) & (label_col < lo + z.shape[1])
+    col = (label_col - lo).clamp(0, z.shape[1] - 1)
     dz.scatter_add_(1, col[:, None], torch.where(owned, g_tgt, 0.0)[:, None])
     return dz
 
@@ -129,21 +144,24 @@ def _addmm(out, a, b):
     return out.add_(a @ b)
 
 
-def grad_tiles(tiles, h, w, labels_local, lse, coeffs, dh, dw, scratch):
+def grad_tiles(tiles, h, w, plan: ChunkColumns, lse, coeffs, dh, dw, scratch):
     """Accumulate one token chunk's dHidden (into dh) and dWeight (into dw) from its logit tiles."""
     a, b, g_tgt = coeffs
     for (lo, hi), z in tiles:
-        dz = tile_dlogits(z, lse, a, b, g_tgt, labels_local, lo, scratch).to(w.dtype)
+        dz = tile_dlogits(z, lse, a, b, g_tgt, plan.label_col, lo, scratch).to(w.dtype)
         if dh is not None:
-            _addmm(dh, dz, w[lo:hi])
+            _addmm(dh, dz, plan.weight_rows(w, lo, hi))
         if dw is not None:
-            _addmm(dw[lo:hi], dz.T, h)
+            if plan.cols is None:
+                _addmm(dw[lo:hi], dz.T, h)
+            else:
+                plan.add_weight_grad(dw, lo, hi, dz.T @ h)
 
 
-def _recomputed_tiles(h, w, n_valid, inv_temp, vocab_chunk, zbuf):
+def _recomputed_tiles(h, w, plan: ChunkColumns, inv_temp, vocab_chunk, zbuf):
     n = h.shape[0]
-    for lo, hi in _tiles(n_valid, vocab_chunk):
-        yield (lo, hi), _tile_logits(zbuf[: n * (hi - lo)].view(n, hi - lo), h, w[lo:hi], inv_temp)
+    for lo, hi in _tiles(plan.n_cols, vocab_chunk):
+        yield (lo, hi), _masked_tile(zbuf[: n * (hi - lo)].view(n, hi - lo), h, w, plan, lo, hi, inv_temp)
 
 
 class _Setup:
@@ -155,6 +173,7 @@ class _Setup:
         self.chunk = max(1, min(cfg["chunk_size"], hidden.shape[0]))
         self.vocab_chunk = max(1, min(cfg["vocab_chunk_size"], max(self.n_valid, 1)))
         self.labels_local = labels.long() - cfg["vocab_start"]
+        self.support, self.vocab_start = cfg["support"], cfg["vocab_start"]
         zsize = self.chunk * (max(self.n_valid, 1) if keep else self.vocab_chunk)
         f32 = dict(device=hidden.device, dtype=torch.float32)
         self.zbuf = torch.empty(zsize, **f32)
@@ -162,6 +181,12 @@ class _Setup:
 
     def chunks(self, n_tokens):
         return [slice(a, min(a + self.chunk, n_tokens)) for a in range(0, n_tokens, self.chunk)]
+
+    def columns(self, sl: slice) -> ChunkColumns:
+        """The columns chunk `sl` needs on this shard (all valid rows without supports)."""
+        if self.support is None:
+            return all_columns(self.n_valid, self.labels_local[sl])
+        return chunk_columns(*self.support, sl, self.labels_local[sl], self.vocab_start, self.n_valid)
 
 
 def _grad_buffers(hidden, weight, need_h, need_w):
@@ -184,8 +209,8 @@ class _LinearLogprobs(torch.autograd.Function):
         n_tok = hidden.shape[0]
         lse, e_z, logprob = (torch.empty(n_tok, device=hidden.device, dtype=torch.float32) for _ in range(3))
         for sl in ws.chunks(n_tok):
-            stats, _ = chunk_stats(hidden[sl], weight, ws.labels_local[sl], ws.n_valid, ws.inv_temp,
-                                   ws.vocab_chunk, cfg["compute_entropy"], ws.zbuf, ws.scratch)
+            stats, _ = chunk_stats(hidden[sl], weight, ws.columns(sl), ws.inv_temp, ws.vocab_chunk,
+                                   cfg["compute_entropy"], ws.zbuf, ws.scratch)
             lse[sl], e_z[sl], target = merge_stats(*stats, group=cfg["tp_group"])
             logprob[sl] = target - lse[sl]
         # Saved: the inputs and 2 fp32 numbers per token; the backward recomputes logit tiles.
@@ -206,10 +231,9 @@ class _LinearLogprobs(torch.autograd.Function):
         for sl in ws.chunks(hidden.shape[0]):
             coeffs = coefficients(None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl],
                                   e_z[sl], ws.inv_temp)
-            h = hidden[sl]
-            tiles = _recomputed_tiles(h, weight, ws.n_valid, ws.inv_temp, ws.vocab_chunk, ws.zbuf)
-            grad_tiles(tiles, h, weight, ws.labels_local[sl], lse[sl], coeffs,
-                       None if dh is None else dh[sl], dw, ws.scratch)
+            h, plan = hidden[sl], ws.columns(sl)
+            tiles = _recomputed_tiles(h, weight, plan, ws.inv_temp, ws.vocab_chunk, ws.zbuf)
+            grad_tiles(tiles, h, weight, plan, lse[sl], coeffs, None if dh is None else dh[sl], dw, ws.scratch)
         if dh is not None:
             dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
         return dh, None if dw is None else dw.to(weight.dtype), None, None
@@ -226,9 +250,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         entropy = torch.empty_like(logprob) if entropy_on else None
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         for sl in ws.chunks(n_tok):
-            h = hidden[sl]
-            stats, tiles = chunk_stats(h, weight, ws.labels_local[sl], ws.n_valid, ws.inv_temp,
-                                       ws.vocab_chunk, entropy_on, ws.zbuf, ws.scratch, keep=True)
+            h, plan = hidden[sl], ws.columns(sl)
+            stats, tiles = chunk_stats(h, weight, plan, ws.inv_temp, ws.vocab_chunk, entropy_on, ws.zbuf,
+                                       ws.scratch, keep=True)
             lse, e_z, target = merge_stats(*stats, group=cfg["tp_group"])
             logprob[sl] = target - lse
             if entropy_on:
@@ -248,8 +272,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             if (need_h or need_w) and (g_lp is not None or g_ent is not None):
                 # The chunk's logits are still in ws.zbuf: use them now instead of recomputing
                 # them in a backward pass (3 GEMMs in all instead of 4).
-                grad_tiles(tiles, h, weight, ws.labels_local[sl], lse,
-                           coefficients(g_lp, g_ent, e_z, ws.inv_temp),
+                grad_tiles(tiles, h, weight, plan, lse, coefficients(g_lp, g_ent, e_z, ws.inv_temp),
                            None if dh is None else dh[sl], dw, ws.scratch)
         if dh is not None:
             dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
@@ -268,38 +291,43 @@ class _FusedLinearLoss(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
-def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy):
+def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
+                support=None):
+    """The kernels' per-call settings; `support` is (support_offsets, support_ids) or None (see support.py)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk_size and vocab_chunk_size must be >= 1, got {chunk_size}, {vocab_chunk_size}")
     return dict(temperature=float(temperature), chunk_size=int(chunk_size), vocab_chunk_size=int(vocab_chunk_size),
                 tp_group=tp_group, vocab_start=int(vocab_start), vocab_size=vocab_size,
-                compute_entropy=bool(compute_entropy))
+                compute_entropy=bool(compute_entropy), support=support)
 
 
 def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
                     vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
-                    compute_entropy=True):
+                    compute_entropy=True, support=None):
     """(logprob [T] fp32, entropy [T] fp32 or None) of labels under softmax(hidden @ weight.T / T).
 
     `weight` is this rank's rows [vocab_start, vocab_start + V_local) of the padded vocabulary; rows
-    with global id >= vocab_size are padding. Differentiable w.r.t. hidden and weight.
+    with global id >= vocab_size are padding. With `support` = (offsets, ids) each token's softmax is
+    over its own support (support.py). Differentiable w.r.t. hidden and weight.
     """
-    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
+                      support)
     return _LinearLogprobs.apply(hidden, weight, labels, cfg)
 
 
 def fused_linear_loss(hidden, weight, labels, token_loss_fn, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
                       vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
-                      compute_entropy=True):
+                      compute_entropy=True, support=None):
     """(loss, metrics, logprob, entropy) of a token-local loss, grads computed during the forward.
 
     token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) must be a
     sum over the chunk's tokens (weights carry mask and normalisation); losses and metrics are summed
-    over chunks. logprob and entropy come back detached.
+    over chunks. logprob and entropy come back detached. `support` as in `linear_logprobs`.
     """
-    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy)
+    cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
+                      support)
     metrics: dict = {}
     loss, logprob, entropy = _FusedLinearLoss.apply(hidden, weight, labels, token_loss_fn, cfg, metrics)
     return loss, metrics, logprob, entropy

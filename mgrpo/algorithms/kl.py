@@ -12,8 +12,8 @@ r = log pi_ref(y_t) - log pi(y_t) and y_t ~ pi:
 As in veRL (whose `k3` and `low_var_kl` are the same function), k3 is made safe for training: r is
 clamped to [-20, 20] before exp and the estimate to [-10, 10], so one far-off-policy token cannot
 dominate the batch. The clamps engage only where pi_ref/pi on a token exceeds ~13 (r > 2.6) or
-pi/pi_ref exceeds e^11 (r < -11). The kernels' reference twin (kernels/reference.py) uses the same
-definitions.
+pi/pi_ref exceeds e^11 (r < -11). These are the only definitions: the fused kernels take the token
+loss (`policy_loss.make_token_loss_fn`) that calls them.
 """
 
 from __future__ import annotations
