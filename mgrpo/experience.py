@@ -17,6 +17,7 @@ import torch
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
 from mgrpo.algorithms.filtering import apply_overlong_buffer, overlong_filter
 from mgrpo.algorithms.kl import apply_kl_in_reward
+from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
 
@@ -39,6 +40,9 @@ class Experience:
     """Reward used for advantages: score plus shaping (overlong buffer)."""
     in_loss: list[bool] = field(default_factory=list)
     """False for responses masked out of the loss (overlong filtering)."""
+    support: Optional[list[SampleSupport]] = None
+    """Each response's per-token sampling supports (algorithm.logprob_support=sampled; CSR, compact), or
+    None: the rollout and trainer log-probs are over the whole tempered vocabulary."""
     old_logprobs: Optional[list[list[float]]] = None
     ref_logprobs: Optional[list[list[float]]] = None
     entropy: Optional[list[list[float]]] = None
@@ -47,7 +51,22 @@ class Experience:
     """Which engine produced each sample (`GenerateResult.engine`: an index, or 'router')."""
 
     @classmethod
-    def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int) -> "Experience":
+    def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int,
+                     want_support: bool = False) -> "Experience":
+        """`want_support`: the engine was asked for sampling supports (SamplingParams.return_support)."""
+        support = None
+        if want_support:
+            missing = [r.uid for r in results if r.support is None]
+            if missing:
+                raise RuntimeError(f"algorithm.logprob_support=sampled asked the rollout engine for sampling supports "
+                                   f"but {len(missing)} of {len(results)} results came without one (uid "
+                                   f"{missing[0]}): this rollout.engine does not implement return_support")
+            support = []
+            for r in results:
+                if len(r.support) != len(r.token_ids):
+                    raise RuntimeError(f"rollout result uid {r.uid}: {len(r.support)} supports for "
+                                       f"{len(r.token_ids)} tokens")
+                support.append(SampleSupport.from_tokens(r.support))
         return cls(
             prompt_ids=[items[i // n].prompt_ids for i in range(len(results))],
             response_ids=[r.token_ids for r in results],
@@ -58,6 +77,7 @@ class Experience:
             items=[items[i // n] for i in range(len(results))],
             in_loss=[True] * len(results),
             engines=[r.engine for r in results],
+            support=support,
         )
 
     @classmethod
@@ -65,10 +85,13 @@ class Experience:
         """Join experiences (dynamic sampling joins kept groups of several rounds); group ids are
         renumbered so that groups of different parts never merge."""
         out = cls([], [], [], [], [], [])
+        out.support = [] if parts and all(p.support is not None for p in parts) else None
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
                          "items", "response_texts", "scores", "rewards", "in_loss", "engines"):
                 getattr(out, name).extend(getattr(p, name))
+            if out.support is not None:
+                out.support.extend(p.support)
             remap: dict[int, int] = {}
             offset = len(set(out.group_index))
             out.group_index.extend(offset + remap.setdefault(g, len(remap)) for g in p.group_index)

@@ -145,6 +145,7 @@ class ActorClient:
                 rollout_logprobs=pick(sub.rollout_logprobs) if for_training else None,
                 token_weight=pick(token_weight),
                 metric_weight=metric_weight,
+                support=pick(sub.support),  # every forward of a sample renormalises over its supports
             ))
         return batches
 

@@ -12,6 +12,7 @@ The evaluator (components/evaluator.py) uses the same `generate` and `judge` on 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Optional
 
 from mgrpo.components.rollout_pipeline import RolloutPipeline
@@ -20,6 +21,8 @@ from mgrpo.config.choices import AsyncMode
 from mgrpo.experience import Experience
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.rollout.types import SamplingParams
+
+log = logging.getLogger("mgrpo")
 
 Count = Callable[[dict, dict], None]
 """RunState.count: add counts to the run-long counters and to a step's metrics."""
@@ -36,6 +39,10 @@ class ExperienceMaker:
         """The asynchronous producer (rollout.async_mode != off), from `start`."""
         self.lookahead: Optional[int] = None
         """Batches the producer may run ahead of training; None = rollout's staleness bound (tests raise it)."""
+        r = cfg.rollout
+        if cfg.algorithm.logprob_support == "sampled" and not (0 < r.top_k < cfg.model.vocab_size or r.top_p < 1):
+            log.info("algorithm.logprob_support=sampled changes nothing here: without rollout.top_k or rollout.top_p "
+                     "every token is sampled from the whole vocabulary")
 
     # --- training batches ---------------------------------------------------------------------------
     def start(self, first_batch: int, pending: Optional[dict]) -> None:
@@ -83,14 +90,15 @@ class ExperienceMaker:
         r = self.cfg.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.cfg.data.max_response_length,
-                              seed=seeds.sampling_seed(self.cfg.trainer.seed, step, round_))
+                              seed=seeds.sampling_seed(self.cfg.trainer.seed, step, round_),
+                              return_support=self.cfg.algorithm.logprob_support == "sampled")
 
     def generate(self, items, n: int, sampling: SamplingParams, metrics: dict, desc: str = "rollout") -> Experience:
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
         self.count({"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                     "rollout/auth_refused": stats.auth_refused}, metrics)
         metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
-        return Experience.from_rollout(items, results, n)
+        return Experience.from_rollout(items, results, n, want_support=sampling.return_support)
 
     def judge(self, exp: Experience, metrics: dict) -> None:
         """Score every sample with the judge of its data_source (failures and timeouts are counted)."""

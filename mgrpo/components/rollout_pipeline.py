@@ -25,6 +25,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from mgrpo.algorithms.support import SampleSupport
 from mgrpo.experience import Experience
 
 log = logging.getLogger("mgrpo")
@@ -146,10 +147,13 @@ class RolloutPipeline:
 
 
 def experience_to_json(exp: Experience) -> dict:
-    out = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp) if f.name != "items"}
+    out = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp) if f.name not in ("items", "support")}
     out["items"] = [it.index for it in exp.items]
+    out["support"] = None if exp.support is None else [s.to_json() for s in exp.support]
     return out
 
 
 def experience_from_json(data: dict, items: list) -> Experience:
-    return Experience(**{**data, "items": [items[i] for i in data["items"]]})
+    support = data.get("support")
+    return Experience(**{**data, "items": [items[i] for i in data["items"]],
+                         "support": None if support is None else [SampleSupport.from_json(s) for s in support]})

@@ -39,6 +39,15 @@ class LogprobImpl(StrEnum):
     """full [tokens x vocab] logits: the oracle, small vocabularies only."""
 
 
+class LogprobSupport(StrEnum):
+    """The distribution the trainer's log-probs are taken over (algorithm.logprob_support)."""
+
+    full = "full"
+    """the whole tempered vocabulary"""
+    sampled = "sampled"
+    """each token's sampling support under rollout.top_k / rollout.top_p, renormalised"""
+
+
 class Recompute(StrEnum):
     full = "full"
     selective = "selective"

@@ -18,7 +18,7 @@ from typing import Optional
 # Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
 # converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
-                                  LogprobImpl, LrDecayStyle, Recompute, RolloutMode)
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode)
 
 
 @dataclass
@@ -144,6 +144,11 @@ class AlgorithmConfig:
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    logprob_support: LogprobSupport = "full"
+    """full | sampled. The distribution the trainer's log-probs (old, reference, current) and entropy are
+    taken over: the whole tempered vocabulary (full), or each token's sampling support under
+    rollout.top_k / rollout.top_p, renormalised (sampled: the engine returns the supports; the ratio is
+    then that of the policies that really sampled). Without top-k/top-p the two are the same."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False

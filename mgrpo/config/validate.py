@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
-                                  LogprobImpl, LrDecayStyle, Recompute, RolloutMode, is_choice, plain, values)
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, is_choice, plain,
+                                  values)
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
@@ -195,6 +196,7 @@ def _data(cfg: MGRPOConfig, check_files: bool) -> list[str]:
 def _algorithm(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     al, d = cfg.algorithm, cfg.data
+    _choice(e, "algorithm.logprob_support", al.logprob_support, LogprobSupport)
     if al.clip_ratio_low < 0 or al.clip_ratio_high < 0:
         e.append(f"algorithm.clip_ratio_low={al.clip_ratio_low} and clip_ratio_high={al.clip_ratio_high} "
                  "must be non-negative")

@@ -1,14 +1,15 @@
 """In-process rollout engine on Hugging Face transformers (the CPU backend; see docs/architecture.md).
 
 It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
-log-probs, receive HF-named weight buckets from the trainer, report health. It is what the default
-CPU job and the tests use; on GPUs SGLang takes its place.
+log-probs (and, when asked, each token's sampling support under top-k / top-p), receive HF-named
+weight buckets from the trainer, report health. It is what the default CPU job and the tests use; on
+GPUs SGLang takes its place.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -66,6 +67,7 @@ class HFRolloutEngine:
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
                             dtype=torch.long)
         sample = not sampling.greedy
+        supports = sampling.return_support and sample
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -76,26 +78,39 @@ class HFRolloutEngine:
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            output_logits=True,
+            output_logits=not supports,
+            output_scores=supports,
             return_dict_in_generate=True,
         )
         new_tokens = out.sequences[:, width:]
-        # Raw logits (before temperature / top-p / top-k processors) -> log-probs of the tempered
-        # distribution, exactly what the trainer recomputes for the same tokens.
-        logits = torch.stack(out.logits, dim=1).float()
-        temperature = sampling.temperature if sample else 1.0
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        if supports:
+            # The processed scores are what transformers sampled from: logits / temperature, then its
+            # top-k and top-p warpers (in that order) set every token outside the support to -inf. Their
+            # log-softmax is the behaviour log-prob over the support; the finite entries are the support.
+            scores = torch.stack(out.scores, dim=1).float()
+            logprobs = torch.log_softmax(scores, dim=-1)
+            token_supports = _supports(torch.isfinite(scores))
+        else:
+            # Raw logits (before temperature / top-p / top-k processors) -> log-probs of the tempered
+            # distribution, exactly what the trainer recomputes for the same tokens.
+            logits = torch.stack(out.logits, dim=1).float()
+            temperature = sampling.temperature if sample else 1.0
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            token_supports = None
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
         eos = set(self.eos_token_ids)
-        for r, toks, lps in zip(chunk, new_tokens.tolist(), token_logprobs.tolist()):
+        for i, (r, toks, lps) in enumerate(zip(chunk, new_tokens.tolist(), token_logprobs.tolist())):
             n, finish = len(toks), "length"
             for j, t in enumerate(toks):
                 if t in eos:
                     n, finish = j + 1, "stop"
                     break
-            results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n],
-                                          finish_reason=finish, weight_version=self.weight_version))
+            support = None
+            if sampling.return_support:  # greedy: no sampling distribution, every token 'whole vocabulary'
+                support = token_supports[i][:n] if token_supports is not None else [None] * n
+            results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n], finish_reason=finish,
+                                          weight_version=self.weight_version, support=support))
         return results
 
     # --- weight sync ----------------------------------------------------------------------------
@@ -135,3 +150,23 @@ class HFRolloutEngine:
 
     def resume_memory(self, tags=None) -> None:
         pass
+
+
+def _supports(kept: torch.Tensor) -> list[list[Optional[list[int]]]]:
+    """Per sequence, per step: the ascending ids where `kept` [B, S, V] is True, or None where all are
+    (nothing was cut). Only the truncated steps are expanded into ids."""
+    b, s, v = kept.shape
+    counts = kept.sum(-1).flatten().tolist()
+    cut = ~kept.all(-1)
+    ids = kept[cut].nonzero()[:, 1].tolist()  # row-major: ascending within each truncated step
+    out: list[list[Optional[list[int]]]] = []
+    at = 0
+    for k, c in enumerate(counts):
+        if k % s == 0:
+            out.append([])
+        if c == v:
+            out[-1].append(None)
+        else:
+            out[-1].append(ids[at:at + c])
+            at += c
+    return out

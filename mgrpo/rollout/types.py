@@ -43,7 +43,8 @@ class GenerateResult:
     """Response tokens, including the EOS token when the response stopped on it."""
     logprobs: list[float]
     """Log-prob of each response token under the engine's weights at the sampling temperature
-    (the full tempered distribution, before top-p/top-k truncation), as the trainer computes it."""
+    (the full tempered distribution, before top-p/top-k truncation), as the trainer computes it; with
+    SamplingParams.return_support, the behaviour log-probs over that token's support (`support`)."""
     finish_reason: str
     """'stop' (EOS sampled) or 'length' (max_new_tokens reached)."""
     weight_version: int

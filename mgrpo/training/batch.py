@@ -12,9 +12,10 @@ samples into micro-batches under its token budget and turns each into a `MicroBa
     the global position ids of those tokens;
   - FP8: slot counts rounded up to what Transformer Engine's FP8 GEMMs take (`fp8_token_multiple`).
 For the loss it keeps the flat positions of the hidden states that predict this rank's response
-tokens, their labels and their per-token fields. Only those positions ever reach the log-prob
-kernel, so padding and prompt tokens cost no vocabulary work, and a token's weight travels with it
-whichever rank holds it.
+tokens, their labels and their per-token fields, and (algorithm.logprob_support=sampled) their
+sampling supports as CSR in the same token order. Only those positions ever reach the log-prob
+kernel, so padding and prompt tokens cost no vocabulary work, and a token's weight and support travel
+with it whichever rank holds it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from mgrpo.algorithms.support import SampleSupport, gather_tokens
 from mgrpo.models.attention_layout import cp_positions
 
 # Per-response-token fields a RankBatch may carry (each a list of per-sample lists of floats).
@@ -46,6 +48,9 @@ class RankBatch:
     """Loss-aggregation weight of each response token, normalised over the global mini-batch."""
     metric_weight: float = 0.0
     """1 / (response tokens in the global mini-batch): turns token sums into global token means."""
+    support: Optional[list[SampleSupport]] = None
+    """Each sample's per-response-token sampling supports (algorithm.logprob_support=sampled), or None:
+    every token normalised over the whole vocabulary."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -58,7 +63,8 @@ class RankBatch:
         return RankBatch(
             input_ids=pick(self.input_ids), prompt_lens=pick(self.prompt_lens),
             seq_index=pick(self.seq_index) if self.seq_index else [],
-            **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight)
+            **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight,
+            support=pick(self.support))
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,11 @@ class MicroBatch:
     """Token slots this micro-batch occupies on this rank (padding included)."""
     padding_mask: Optional[torch.Tensor] = None
     """Same shape as `tokens`: True at padding slots (MoE routers leave them out of the load-balancing loss)."""
+    support_offsets: Optional[torch.Tensor] = None
+    """[T+1] CSR offsets of the response tokens' sampling supports, in the order of `labels`; None = no
+    supports (every token over the whole vocabulary). An empty row is a token sampled from all of it."""
+    support_ids: Optional[torch.Tensor] = None
+    """[nnz] their global vocabulary ids."""
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +166,8 @@ class MicroBatch:
                           labels=move(self.labels), sample_of_token=move(self.sample_of_token),
                           response_lens=self.response_lens, fields={k: move(v) for k, v in self.fields.items()},
                           metric_weight=self.metric_weight, packed_seq_params=psp,
-                          token_order=move(self.token_order), slots=self.slots, padding_mask=move(self.padding_mask))
+                          token_order=move(self.token_order), slots=self.slots, padding_mask=move(self.padding_mask),
+                          support_offsets=move(self.support_offsets), support_ids=move(self.support_ids))
 
 
 def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad_id: int = 0) -> MicroBatch:
@@ -201,6 +213,12 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
             fields[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)[order_t]
     if batch.seq_index:
         fields["seq_index"] = torch.tensor(batch.seq_index, dtype=torch.long)[rows_t]
+    support = None
+    if batch.support is not None:
+        for s, r in zip(batch.support, resp_lens):
+            if s.num_tokens != r:
+                raise ValueError(f"support has {s.num_tokens} tokens for a response of {r} tokens")
+        support = gather_tokens(batch.support, order_t)
     local = int(g.numel())
     shape = (1, local) if layout.packed else (len(lens), local // len(lens))
     return MicroBatch(
@@ -216,6 +234,8 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
         token_order=order_t if cp > 1 else None,
         slots=local,
         padding_mask=(g >= n).view(shape),
+        support_offsets=None if support is None else support[0],
+        support_ids=None if support is None else support[1],
     )
 
 

@@ -3,7 +3,9 @@
 The last pipeline stage never computes the `[tokens x vocab]` logits through megatron's output
 layer. Its output layer is switched to hand back the final hidden states; the response positions
 are gathered and passed, with the output weight (this rank's vocabulary shard), to the fused
-chunked kernel in `mgrpo_kernels`, which combines statistics across the tensor-parallel group.
+chunked kernel in `mgrpo_kernels`, which combines statistics across the tensor-parallel group. With
+sampling supports in the micro-batch (algorithm.logprob_support=sampled) every forward here, old-policy,
+reference and training alike, renormalises each token over its own support.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class LogProbHead:
         self.cfg = cfg
         self.ctx = ctx
 
-    def _kernel_kwargs(self, weight: torch.Tensor, temperature: float) -> dict:
+    def _kernel_kwargs(self, weight: torch.Tensor, temperature: float, mb: MicroBatch) -> dict:
         v_local = weight.shape[0]
         return dict(
             temperature=temperature,
@@ -63,6 +65,8 @@ class LogProbHead:
             tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None,
             vocab_start=self.ctx.tp_rank * v_local,
             vocab_size=self.cfg.model.vocab_size,
+            support_offsets=mb.support_offsets,
+            support_ids=mb.support_ids,
         )
 
     @staticmethod
@@ -73,7 +77,7 @@ class LogProbHead:
         """Per-token log-probs and entropy (None unless `entropy`: the reference needs none, and at a
         real vocabulary the entropy is a second pass over every chunk's logits)."""
         return mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels, compute_entropy=entropy,
-                                             **self._kernel_kwargs(weight, temperature))
+                                             **self._kernel_kwargs(weight, temperature, mb))
 
     def loss(self, hidden, weight, mb: MicroBatch, temperature: float, per_token: Optional[dict] = None):
         """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
@@ -107,10 +111,10 @@ class LogProbHead:
             if on_policy:
                 token_loss = _on_policy(token_loss, inputs.old_logprob)
             loss, metrics, lp, ent = mgrpo_kernels.fused_linear_loss(
-                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, temperature))
+                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, temperature, mb))
         else:
             lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
-                                                    **self._kernel_kwargs(weight, temperature))
+                                                    **self._kernel_kwargs(weight, temperature, mb))
             if on_policy:
                 inputs.old_logprob = lp.detach()
             loss, metrics = policy_loss(lp, ent, inputs, algo)
