@@ -1,6 +1,7 @@
 """Benchmark forward+backward of the GRPO loss over an output layer: naive vs chunked vs Triton vs Liger.
 
     python -m mgrpo_kernels.bench --T 4096 --H 1024 --V 151936 --dtype fp32
+    python -m mgrpo_kernels.bench --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
 
 `gemm` is the floor, not a loss: the three bare GEMMs of the same shapes (logits = h @ W^T,
 dHidden = dz @ W, dWeight = dz^T @ h, with the logits standing in for dz), no softmax, no loss.
@@ -102,6 +103,25 @@ def make_inputs(T, H, V, dtype, device, seq_len, seed=0):
     return dict(hidden=hidden, weight=weight, labels=labels, old_lp=old_lp, ref_lp=ref_lp, adv=adv)
 
 
+def make_support(labels, V, spec: str, seed=0):
+    """CSR supports for --support: 'topk:K' (K ids per token) or 'nucleus:F' (a fraction F of the
+    vocabulary), random ids that include the token's label. Random ids are the worst case for the
+    kernel's per-chunk union (a real model's neighbouring tokens share candidates)."""
+    kind, _, val = spec.partition(":")
+    if kind not in ("topk", "nucleus") or not val:
+        raise SystemExit(f"--support {spec!r}: expected topk:K or nucleus:F")
+    k = int(val) if kind == "topk" else max(1, int(float(val) * V))
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lab in labels.tolist():
+        ids = torch.randperm(V, generator=g)[:k]
+        if not bool((ids == lab).any()):
+            ids[0] = lab
+        rows.append(ids.sort().values)
+    offsets = torch.arange(len(rows) + 1, dtype=torch.long) * k
+    return offsets.to(labels.device), torch.cat(rows).to(labels.device)
+
+
 def make_runners(x, args, impls):
     """impl name -> callable returning the loss after forward+backward (grads land in .grad)."""
     # The loss production trains with (the kernel itself is loss-agnostic). This script, unlike the
@@ -118,14 +138,20 @@ def make_runners(x, args, impls):
                         kl_coef=KL_COEF))
     ours = dict(chunk_size=args.chunk_size, vocab_chunk_size=args.vocab_chunk_size,
                 compute_entropy=not args.no_entropy)
+    supports = x.get("supports", {None: None})  # --support spec -> CSR (offsets, ids); None: full vocabulary
     runners = {}
     for impl in impls:
         if impl in ("naive", "chunked", "fused"):
-            def run(h, w, impl=impl):
-                loss = fused_linear_loss(h, w, x["labels"], fn, impl=impl, **ours)[0]
-                loss.backward()
-                return loss
-            runners[impl] = run
+            for spec, sup in supports.items():
+                kw = ours if sup is None else dict(ours, support_offsets=sup[0], support_ids=sup[1])
+
+                def run(h, w, impl=impl, kw=kw):
+                    loss = fused_linear_loss(h, w, x["labels"], fn, impl=impl, **kw)[0]
+                    loss.backward()
+                    return loss
+                runners[impl if spec is None else f"{impl}@{spec}"] = run
+        elif None not in supports:
+            raise ImportError(f"{impl} runs over the full vocabulary only: add 'none' to --support")
         elif impl == "gemm":
             def run(h, w):
                 z = h.detach() @ w.detach().T  # [T, V] logits, reused as dLogits
@@ -202,6 +228,9 @@ def parse_args(argv=None):
     ap.add_argument("--liger-chunk", type=int, default=1, help="Liger chunk_size (sequences per chunk)")
     ap.add_argument("--liger-compile", action="store_true",
                     help="let Liger torch.compile its loss math (impl liger; liger_eager never compiles)")
+    ap.add_argument("--support", default=None,
+                    help="comma list of per-token sampling supports to run our impls with: none (the full "
+                         "vocabulary), topk:K, nucleus:F (random ids with the label); default none")
     ap.add_argument("--out", default="benchmarks/results/kernel_cpu.csv")
     return ap.parse_args(argv)
 
@@ -225,6 +254,9 @@ def measure(args) -> tuple[list[dict], dict]:
         raise SystemExit(f"--T {args.T} must be a multiple of --liger-seq {args.liger_seq}")
     load_at_start = os.getloadavg()  # other users of the machine skew CPU timings: recorded in the JSON
     x = make_inputs(args.T, args.H, args.V, dtype, device, args.liger_seq)
+    if args.support:
+        x["supports"] = {None if spec == "none" else spec: None if spec == "none" else
+                         make_support(x["labels"], args.V, spec) for spec in args.support.split(",")}
     h = x["hidden"].clone().requires_grad_()
     w = x["weight"].clone().requires_grad_()
     runners, errors = {}, {}
@@ -233,6 +265,7 @@ def measure(args) -> tuple[list[dict], dict]:
             runners.update(make_runners(x, args, [impl]))
         except ImportError as e:  # e.g. Liger not installed
             errors[impl] = f"not available: {type(e).__name__}: {e}"
+    impls = list(runners) + [impl for impl in impls if impl in errors]  # one name per (impl, support)
     times = {k: [] for k in impls}
     peaks = {k: [] for k in impls}
     spent = {k: 0.0 for k in impls}
@@ -280,6 +313,7 @@ def measure(args) -> tuple[list[dict], dict]:
                "threads": torch.get_num_threads(), "chunk_size": args.chunk_size,
                "vocab_chunk_size": args.vocab_chunk_size,
                "entropy": impl not in ("liger", "liger_eager", "gemm") and not args.no_entropy,
+               "support": impl.partition("@")[2] or "none",
                "repeats": len(times[impl])}
         if not times[impl]:
             rows.append({**row, "error": errors.get(impl, "no timed call")})
@@ -306,14 +340,14 @@ def main(argv=None):
     args = parse_args(argv)
     rows, meta = measure(args)
     print(f"\nT={args.T} H={args.H} V={args.V} {args.dtype} on {args.device}, median of {args.repeats}")
-    print(f"{'impl':8s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} "
+    print(f"{'impl':20s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} "
           f"{'loss':>12s}")
     nan = float("nan")
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:8s} {r['error']}")
+            print(f"{r['impl']:20s} {r['error']}")
             continue
-        print(f"{r['impl']:8s} {r['median_s']:9.3f} {nan if r['time_vs_naive'] is None else r['time_vs_naive']:8.3f} "
+        print(f"{r['impl']:20s} {r['median_s']:9.3f} {nan if r['time_vs_naive'] is None else r['time_vs_naive']:8.3f} "
               f"{r['peak_extra_mib']:10.1f} {nan if r['mem_vs_naive'] is None else r['mem_vs_naive']:8.4f} "
               f"{r['model_tflops']:8.3f} {nan if r['loss'] is None else r['loss']:12.6f}")
     out = Path(args.out)

@@ -21,8 +21,9 @@ not per-token gathers or a vocabulary-wide mask:
     approaches the whole shard, and when it covers more than half of it (or any token of the chunk is
     'full') the chunk simply runs over every row, contiguous and ungathered: the cost is bounded by the
     full-vocabulary path's, plus O(nnz) bookkeeping.
-  - Nothing is [T x V]: the membership of a tile is built from the chunk's entries when the tile is
-    computed ([chunk x tile] booleans); the Triton path takes one chunk's membership at a time.
+  - Nothing is [T x V]: a chunk's membership is one [chunk x columns] boolean matrix (at most
+    chunk x V_local bytes, a quarter of the fp32 logits the fused path keeps for the same chunk), built
+    by one scatter of the chunk's ids, no sort; tiles read slices of it.
 Under tensor parallelism each rank takes the ids inside its shard; a token may have none there (its
 statistics are then empty and merge to nothing), and the partial statistics merge across the TP group
 exactly as the full path's (`chunked.merge_stats`).
@@ -45,9 +46,14 @@ NEG = -1e20
 """The logit a column outside a token's support takes (see the module doc)."""
 
 
+CHECK_BLOCK = 256
+"""Tokens per block of `check_support` (bounds its memory with large nuclei: 256 x 45k ids ~ 90 MB)."""
+
+
 def check_support(offsets: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> None:
     """Raise ValueError unless (offsets, ids) is a well-formed support of the T tokens of `labels` whose
-    ids lie in [0, vocab_size) and whose every token with a valid label holds that label (or is 'full')."""
+    ids lie in [0, vocab_size) and whose every token with a valid label holds that label (or is 'full').
+    Every rank of a TP group checks the same tokens, so all of them raise or none does."""
     n = labels.shape[0]
     if offsets.dim() != 1 or offsets.shape[0] != n + 1:
         raise ValueError(f"support_offsets must be [T+1]={n + 1}, got {tuple(offsets.shape)}")
@@ -60,13 +66,16 @@ def check_support(offsets: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"support_ids must lie in [0, vocab_size={vocab_size}), got {int(ids.min())}.."
                          f"{int(ids.max())}")
-    row = torch.repeat_interleave(torch.arange(n, device=ids.device), lens.long())
-    hit = torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, row, (ids == labels[row]).long())
-    bad = (lens > 0) & (labels >= 0) & (labels < vocab_size) & (hit == 0)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0])
-        raise ValueError(f"{int(bad.sum())} tokens are not in their own sampling support, e.g. token {t}: label "
-                         f"{int(labels[t])} not among support_ids[{int(offsets[t])}:{int(offsets[t + 1])}]")
+    for a in range(0, n, CHECK_BLOCK):
+        b = min(a + CHECK_BLOCK, n)
+        hits = (ids[offsets[a]:offsets[b]] == torch.repeat_interleave(labels[a:b], lens[a:b])).to(torch.int32)
+        found = torch.zeros(b - a, dtype=torch.int32, device=ids.device).index_add_(
+            0, torch.repeat_interleave(torch.arange(b - a, device=ids.device), lens[a:b]), hits)
+        bad = (lens[a:b] > 0) & (labels[a:b] >= 0) & (labels[a:b] < vocab_size) & (found == 0)
+        if bool(bad.any()):
+            t = a + int(bad.nonzero()[0])
+            raise ValueError(f"{int(bad.sum())}+ tokens are not in their own sampling support, e.g. token {t}: "
+                             f"label {int(labels[t])} not among support_ids[{int(offsets[t])}:{int(offsets[t + 1])}]")
 
 
 def support_mask(offsets: torch.Tensor, ids: torch.Tensor, n_tokens: int, vocab: int) -> torch.Tensor:
@@ -89,12 +98,8 @@ class ChunkColumns:
     """Sorted local row ids (int64), or None: every valid row 0..n_cols-1, contiguous."""
     label_col: torch.Tensor
     """[n] the position of each token's label in the column space (anything outside 0..n_cols-1: not here)."""
-    entry_row: Optional[torch.Tensor] = None
-    """The chunk's support entries on this shard, sorted by column: the token (0..n-1) of each ... """
-    entry_col: Optional[torch.Tensor] = None
-    """... and its column position; None when no token of the chunk has a support (no masking)."""
-    full: Optional[torch.Tensor] = None
-    """[n] bool: tokens normalised over the whole vocabulary, in a chunk that also has supports."""
+    membership: Optional[torch.Tensor] = None
+    """[n, n_cols] bool: column j is in token i's support ('full' tokens: every column); None = all True."""
 
     def weight_rows(self, weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """The weight rows of column positions lo..hi-1 (a view, or a gathered copy)."""
@@ -108,16 +113,8 @@ class ChunkColumns:
             dw.index_add_(0, self.cols[lo:hi], grad.to(dw.dtype))
 
     def member(self, lo: int, hi: int) -> Optional[torch.Tensor]:
-        """[n, hi-lo] bool: column lo+j is in token i's support (full tokens: everywhere); None = all True."""
-        if self.entry_col is None:
-            return None
-        n = self.label_col.shape[0]
-        m = torch.zeros(n, hi - lo, dtype=torch.bool, device=self.label_col.device)
-        if self.full is not None:
-            m[self.full] = True
-        a, b = (int(x) for x in torch.searchsorted(self.entry_col, torch.tensor([lo, hi], device=m.device)))
-        m[self.entry_row[a:b], self.entry_col[a:b] - lo] = True
-        return m
+        """[n, hi-lo] bool membership of column positions lo..hi-1 (a view); None = all True."""
+        return None if self.membership is None else self.membership[:, lo:hi]
 
 
 def all_columns(n_valid: int, labels_local: torch.Tensor) -> ChunkColumns:
@@ -127,23 +124,24 @@ def all_columns(n_valid: int, labels_local: torch.Tensor) -> ChunkColumns:
 
 def chunk_columns(offsets: torch.Tensor, ids: torch.Tensor, sl: slice, labels_local: torch.Tensor,
                   vocab_start: int, n_valid: int) -> ChunkColumns:
-    """The column space of tokens `sl` (labels_local: their labels minus vocab_start) on this shard."""
+    """The column space of tokens `sl` (labels_local: their labels minus vocab_start) on this shard.
+    `offsets`, `ids`: the whole call's CSR support, int64."""
     n = sl.stop - sl.start
     dev = labels_local.device
-    lo_e, hi_e = int(offsets[sl.start]), int(offsets[sl.stop])
-    lens = (offsets[sl.start + 1:sl.stop + 1] - offsets[sl.start:sl.stop]).long()
+    lens = offsets[sl.start + 1:sl.stop + 1] - offsets[sl.start:sl.stop]
     full = lens == 0
     if bool(full.all()):
         return all_columns(n_valid, labels_local)
-    local = ids[lo_e:hi_e].long() - vocab_start
+    local = ids[offsets[sl.start]:offsets[sl.stop]] - vocab_start
     row = torch.repeat_interleave(torch.arange(n, device=dev), lens)
-    here = (local >= 0) & (local < n_valid)
-    local, row = local[here], row[here]
+    here = (local >= 0) & (local < n_valid)  # under TP: this shard's ids only
+    if not bool(here.all()):
+        local, row = local[here], row[here]
     any_full = bool(full.any())
-    cols, col, label_col, n_cols = None, local, labels_local, n_valid
+    cols, n_cols, col, label_col = None, n_valid, local, labels_local
     if not any_full and n_valid > 0:
         # The union of the chunk's supports on this shard, by a presence vector over the shard's rows
-        # (O(nnz + V_local), no sort); a union over half the shard runs contiguous instead (module doc).
+        # (no sort); a union over half the shard runs contiguous instead (module doc).
         present = torch.zeros(n_valid, dtype=torch.bool, device=dev)
         present[local] = True
         if 2 * int(present.sum()) <= n_valid:
@@ -153,6 +151,8 @@ def chunk_columns(offsets: torch.Tensor, ids: torch.Tensor, sl: slice, labels_lo
             lab = labels_local.clamp(0, n_valid - 1)
             on_shard = (labels_local >= 0) & (labels_local < n_valid) & present[lab]
             label_col = torch.where(on_shard, position[lab], -1)
-    order = torch.argsort(col)
-    return ChunkColumns(n_cols=n_cols, cols=cols, label_col=label_col, entry_row=row[order], entry_col=col[order],
-                        full=full if any_full else None)
+    membership = torch.zeros(n, n_cols, dtype=torch.bool, device=dev)
+    if any_full:
+        membership[full] = True
+    membership.view(-1)[row * n_cols + col] = True
+    return ChunkColumns(n_cols=n_cols, cols=cols, label_col=label_col, membership=membership)

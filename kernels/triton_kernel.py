@@ -172,7 +172,7 @@ def triton_stats(hidden, weight, plan: ChunkColumns, inv_temp, entropy, group):
     _stats_kernel[(t_blocks, n_splits)](
         hidden, weight, plan.label_col.contiguous(), cols, member, part[0], part[1], part[2], part[3], n_tok, hdim,
         split, n_valid, inv_temp, hidden.stride(0), weight.stride(0), ENTROPY=entropy, PREC=prec,
-        HAS_COLS=plan.cols is not None, HAS_MEMBER=plan.entry_col is not None, **blk)
+        HAS_COLS=plan.cols is not None, HAS_MEMBER=plan.membership is not None, **blk)
     m, s, t, tgt = part.unbind(0)  # a shard of padding only keeps m = -inf, s = t = 0
     m_max = m.amax(0)
     scale = torch.where(torch.isinf(m), 0.0, torch.exp(m - m_max))
@@ -182,8 +182,7 @@ def triton_stats(hidden, weight, plan: ChunkColumns, inv_temp, entropy, group):
 def _support_args(plan: ChunkColumns, dummy):
     """The COLS and MEMBER buffers of a launch (`dummy`, a valid pointer never read, where absent)."""
     cols = dummy if plan.cols is None else plan.cols.contiguous()
-    member = plan.member(0, plan.n_cols)
-    return cols, dummy if member is None else member.to(torch.uint8).contiguous()
+    return cols, dummy if plan.membership is None else plan.membership.view(torch.uint8)
 
 
 def triton_grads(hidden, weight, plan: ChunkColumns, inv_temp, lse, coeffs, dh, dw):
@@ -201,7 +200,7 @@ def triton_grads(hidden, weight, plan: ChunkColumns, inv_temp, lse, coeffs, dh, 
             b.contiguous(), g.contiguous(), dummy if dh is None else dh, dummy if dw is None else dw, n_tok, hdim,
             plan.n_cols, inv_temp, hidden.stride(0), weight.stride(0), NEED_DH=dh is not None,
             NEED_DW=dw is not None, PREC="ieee" if hidden.dtype == torch.float32 else "tf32",
-            HAS_COLS=plan.cols is not None, HAS_MEMBER=plan.entry_col is not None, **blk)
+            HAS_COLS=plan.cols is not None, HAS_MEMBER=plan.membership is not None, **blk)
 
 
 def _prepare(hidden, weight, labels, cfg):

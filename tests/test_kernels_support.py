@@ -156,7 +156,7 @@ def test_every_chunk_kind_is_exercised():
     for start, vocab_start, n_valid in [(0, 0, 45), (16, 0, 45), (32, 0, 45), (0, 32, 13), (48, 32, 13)]:
         sl = slice(start, start + 16)
         plan = chunk_columns(p["offsets"], p["ids"], sl, lab[sl] - vocab_start, vocab_start, n_valid)
-        kinds.append("gathered" if plan.cols is not None else "masked" if plan.entry_col is not None else "plain")
+        kinds.append("gathered" if plan.cols is not None else "masked" if plan.membership is not None else "plain")
         dense = support_mask(p["offsets"][sl.start:sl.stop + 1] - p["offsets"][sl.start],
                              p["ids"][int(p["offsets"][sl.start]):int(p["offsets"][sl.stop])], 16, 45)
         dense = dense[:, vocab_start:vocab_start + n_valid]

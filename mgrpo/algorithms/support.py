@@ -7,13 +7,16 @@ renormalised over the same supports (mgrpo_kernels does the arithmetic), so the 
 ratio of the policies that actually sampled; with `full` (the default) they are those of the whole
 tempered distribution.
 
-A response's supports are held as CSR in two int32 tensors (`SampleSupport`): the number of ids of
+A response's supports are held as CSR in two int32 arrays (`SampleSupport`): the number of ids of
 each token (0 = the whole vocabulary: nothing was cut) and the ids themselves, ascending per token.
-Never a vocabulary-wide mask: top_k = 50 costs 200 bytes per token.
+Never a vocabulary-wide mask: top_k = 50 costs 200 bytes per token. They are `array.array('i')`, not
+tensors: a step's few hundred responses travel to the trainer ranks (twice) and a torch tensor costs
+~0.3 ms to pickle however small, 100x an array's (measured: 256 responses, 152 ms vs 1.1 ms).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -22,39 +25,44 @@ import torch
 class SampleSupport(NamedTuple):
     """One response's per-token sampling supports, CSR."""
 
-    lens: torch.Tensor
+    lens: array
     """int32 [response length]: ids in each token's support; 0 = sampled from the whole vocabulary."""
-    ids: torch.Tensor
+    ids: array
     """int32 [sum(lens)]: the ids, token after token, ascending within a token."""
 
     @classmethod
     def from_tokens(cls, rows: Sequence[Optional[Sequence[int]]]) -> "SampleSupport":
         """From an engine's per-token lists (`GenerateResult.support`: None = the whole vocabulary)."""
-        lens = [0 if r is None else len(r) for r in rows]
         if any(r is not None and len(r) == 0 for r in rows):
             raise ValueError("an empty sampling support (a token must be in its own support; None means the "
                              "whole vocabulary)")
-        ids = [i for r in rows if r is not None for i in r]
-        return cls(torch.tensor(lens, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32))
+        return cls(array("i", [0 if r is None else len(r) for r in rows]),
+                   array("i", [i for r in rows if r is not None for i in r]))
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lens.numel())
+        return len(self.lens)
 
     def to_json(self) -> list:
         return [self.lens.tolist(), self.ids.tolist()]
 
     @classmethod
     def from_json(cls, data: list) -> "SampleSupport":
-        return cls(torch.tensor(data[0], dtype=torch.int32), torch.tensor(data[1], dtype=torch.int32))
+        return cls(array("i", data[0]), array("i", data[1]))
+
+
+def _joined(parts: Sequence[array]) -> torch.Tensor:
+    flat = array("i")
+    for p in parts:
+        flat.extend(p)
+    return torch.frombuffer(flat, dtype=torch.int32).long() if len(flat) else torch.zeros(0, dtype=torch.long)
 
 
 def gather_tokens(supports: Sequence[SampleSupport], order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR (offsets [len(order)+1], ids [nnz], int64) of the tokens `order` picks from all the samples'
     response tokens laid end to end in sample order (a micro-batch's token order: padded, THD-packed
     or one CP rank's chunks)."""
-    lens = torch.cat([s.lens for s in supports]).long() if supports else torch.zeros(0, dtype=torch.long)
-    ids = torch.cat([s.ids for s in supports]).long() if supports else torch.zeros(0, dtype=torch.long)
+    lens, ids = _joined([s.lens for s in supports]), _joined([s.ids for s in supports])
     starts = torch.cumsum(lens, 0) - lens
     picked = lens[order]
     offsets = torch.zeros(order.numel() + 1, dtype=torch.long)

@@ -1,0 +1,156 @@
+"""algorithm.logprob_support: how far `full` and `sampled` are apart under top-k / top-p, and the
+default job learning with `sampled`.
+
+    python benchmarks/logprob_support.py                     # every run below (~40 min on 2 shared cores)
+    python benchmarks/logprob_support.py --only full-k20p09,sampled-k20p09
+
+Runs (each `mgrpo-train rollout=hf_cpu ...` to the end, 150 steps):
+  sampled-k5p09[-tp2|-cp2]   top_k=5, top_p=0.9, logprob_support=sampled at TP 1, TP 2, CP 2 (packed):
+                             step-1 rollout/logprob_abs_diff and actor/ppo_kl, mean reward first/last 10
+  full-k5p09[-seedS], sampled-k5p09-seedS  the same setting, full vs sampled, seeds 1 (default), 2, 3
+  {full,sampled}-k20p09[-seedS]  top_k=20 (more than the 16-token vocabulary: top_p does the cutting),
+                             top_p=0.9, logprob_support full vs sampled, seeds 1, 2, 3: learning, step time
+The bias of `full`, measured on policies of the k5p09 and k20p09 runs (the initial random one, and each
+run's final one, at that run's top_k / top_p): the in-process engine samples the default job's prompts (every prompt, 32 samples each)
+twice with the same seed, once returning full-distribution log-probs and once the behaviour log-probs
+over each token's support, so every token has log pi_full(a) (what the trainer computes under `full`)
+and log pi_sampled(a) (what actually sampled it). Reported: mean |log pi_full - log pi_sampled|
+(= mean -log of the support's mass), the importance ratio pi_full / pi_sampled that `full` silently
+applies to every token (mean, min, mean |r - 1|, share outside PPO's [0.8, 1.2]), the share of
+tokens whose support was cut, and the mean support size.
+
+Writes benchmarks/results/logprob_support_cpu.json (runs given with --only are merged into it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+
+BASE = ["rollout=hf_cpu", "trainer.save_freq=0"]
+RUNS = {
+    "sampled-k5p09": ["rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled"],
+    "sampled-k5p09-tp2": ["rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled", "actor.tp=2"],
+    "sampled-k5p09-cp2": ["rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled", "actor.cp=2",
+                          "actor.pack_sequences=true"],
+    "full-k5p09": ["rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=full"],
+    "full-k20p09": ["rollout.top_k=20", "rollout.top_p=0.9", "algorithm.logprob_support=full"],
+    "sampled-k20p09": ["rollout.top_k=20", "rollout.top_p=0.9", "algorithm.logprob_support=sampled"],
+}
+for _seed in (2, 3):  # is a gap between full and sampled the setting's, or one seed's?
+    for _setting in ("k5p09", "k20p09"):
+        for _mode in ("full", "sampled"):
+            RUNS[f"{_mode}-{_setting}-seed{_seed}"] = RUNS[f"{_mode}-{_setting}"] + [
+                f"trainer.seed={_seed}", f"data.seed={_seed}", f"actor.seed={_seed}"]
+BIAS_RUNS = {"full-k5p09": (5, 0.9), "sampled-k5p09": (5, 0.9), "full-k20p09": (20, 0.9), "sampled-k20p09": (20, 0.9)}
+
+
+def train(name: str, run_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *BASE, *RUNS[name]]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name}: mgrpo-train exited {proc.returncode}:\n" + proc.stdout[-3000:] + proc.stderr[-3000:])
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "critic/score/mean" in m]
+    rewards = [m["critic/score/mean"] for m in steps]
+    times = sorted(m["timing_s/step"] for m in steps)
+    out = {
+        "command": "mgrpo-train " + " ".join(BASE + RUNS[name]),
+        "steps": len(steps),
+        "reward_first10": sum(rewards[:10]) / 10,
+        "reward_last10": sum(rewards[-10:]) / 10,
+        "logprob_abs_diff_step1": steps[0]["rollout/logprob_abs_diff"],
+        "logprob_abs_diff_max_step1": steps[0]["rollout/logprob_abs_diff_max"],
+        "logprob_abs_diff_max_all_steps": max(m["rollout/logprob_abs_diff_max"] for m in steps),
+        "ppo_kl_step1": steps[0]["actor/ppo_kl"],
+        "entropy_step1": steps[0]["actor/entropy"],
+        "entropy_last": steps[-1]["actor/entropy"],
+        "median_step_s": times[len(times) // 2],
+        "wall_s": time.time() - t0,
+    }
+    print(f"{name}: first-10 {out['reward_first10']:.3f} last-10 {out['reward_last10']:.3f} step-1 logprob diff "
+          f"{out['logprob_abs_diff_step1']:.2e} ppo_kl {out['ppo_kl_step1']:.2e} median step "
+          f"{out['median_step_s']:.3f} s", flush=True)
+    return out
+
+
+def bias(hf_dir: str, top_k: int, top_p: float, samples: int = 32) -> dict:
+    """log pi_full(a) - log pi_sampled(a) of tokens the engine samples at (top_k, top_p) from `hf_dir`."""
+    import torch
+
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.data import PromptDataset, synthetic_tokenizer
+    from mgrpo.rollout.hf_engine import HFRolloutEngine
+    from mgrpo.rollout.types import GenerateRequest, SamplingParams
+
+    cfg = MGRPOConfig()
+    tok = synthetic_tokenizer()
+    prompts = [it.prompt_ids for it in PromptDataset(cfg.data, tok).items]
+    engine = HFRolloutEngine(hf_dir, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    reqs = [GenerateRequest(uid=i, prompt_ids=p) for i, p in enumerate(p for p in prompts for _ in range(samples))]
+    sp = SamplingParams(temperature=cfg.rollout.temperature, top_k=top_k, top_p=top_p,
+                        max_new_tokens=cfg.data.max_response_length, seed=0)
+    full = engine.generate(reqs, sp)
+    sampled = engine.generate(reqs, SamplingParams(**{**sp.__dict__, "return_support": True}))
+    assert all(a.token_ids == b.token_ids for a, b in zip(full, sampled)), "same seed, same tokens"
+    lf = torch.tensor([x for r in full for x in r.logprobs], dtype=torch.float64)
+    ls = torch.tensor([x for r in sampled for x in r.logprobs], dtype=torch.float64)
+    sizes = torch.tensor([cfg.model.vocab_size if s is None else len(s) for r in sampled for s in r.support])
+    ratio = torch.exp(lf - ls)  # pi_full / pi_behaviour = the support's mass under the full distribution
+    return {
+        "tokens": int(lf.numel()),
+        "mean_abs_logprob_diff": (lf - ls).abs().mean().item(),
+        "max_abs_logprob_diff": (lf - ls).abs().max().item(),
+        "ratio_mean": ratio.mean().item(),
+        "ratio_min": ratio.min().item(),
+        "ratio_mean_abs_dev": (ratio - 1).abs().mean().item(),
+        "ratio_outside_clip_0.2": ((ratio < 0.8) | (ratio > 1.2)).double().mean().item(),
+        "tokens_cut": (sizes < cfg.model.vocab_size).double().mean().item(),
+        "mean_support_size": sizes.double().mean().item(),
+        "vocab_size": cfg.model.vocab_size,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma list of runs (default: all): " + ", ".join(RUNS))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "logprob_support_cpu.json"))
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(RUNS)
+    result = {"runs": {}, "bias": {}}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result.update(json.load(f))
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="mgrpo-logprob-support-") as tmp:
+        for name in names:
+            run_dir = os.path.join(tmp, name)
+            result["runs"][name] = train(name, run_dir)
+            if name in BIAS_RUNS:
+                top_k, top_p = BIAS_RUNS[name]
+                for policy, hf_dir in (("initial policy", "init_hf"), (f"final policy of {name}", "hf")):
+                    key = f"top_k={top_k} top_p={top_p}, {policy}"
+                    v = result["bias"][key] = bias(os.path.join(run_dir, hf_dir), top_k, top_p)
+                    print(f"  bias at {key}: mean |dlogp| {v['mean_abs_logprob_diff']:.4f}, ratio mean "
+                          f"{v['ratio_mean']:.4f} min {v['ratio_min']:.4f}, outside [0.8, 1.2] "
+                          f"{v['ratio_outside_clip_0.2']:.3f}, cut {v['tokens_cut']:.3f}", flush=True)
+    result["loadavg_before"] = list(load_before)
+    result["loadavg_after"] = list(os.getloadavg())
+    result["machine"] = machine(packages=("torch", "ray", "megatron-core", "transformers"))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
