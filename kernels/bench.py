@@ -29,6 +29,7 @@ import argparse
 import csv
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -131,11 +132,15 @@ def make_runners(x, args, impls):
 
     T = x["hidden"].shape[0]
     weights = torch.full((T,), 1.0 / T, device=x["hidden"].device)
-    fn = make_token_loss_fn(
-        TokenLossInputs(old_logprob=x["old_lp"], advantages=x["adv"], token_weight=weights, metric_weight=weights,
-                        ref_logprob=x["ref_lp"]),
-        AlgorithmConfig(clip_ratio_low=CLIP, clip_ratio_high=CLIP, use_kl_loss=True, kl_loss_type="k3",
-                        kl_coef=KL_COEF))
+
+    def loss_fn(support):
+        # old/ref log-probs at the level of a random-init policy over the support (log 1/k, not log 1/V)
+        shift = 0.0 if support is None else math.log(args.V / int(support[0][1] - support[0][0]))
+        return make_token_loss_fn(
+            TokenLossInputs(old_logprob=x["old_lp"] + shift, advantages=x["adv"], token_weight=weights,
+                            metric_weight=weights, ref_logprob=x["ref_lp"] + shift),
+            AlgorithmConfig(clip_ratio_low=CLIP, clip_ratio_high=CLIP, use_kl_loss=True, kl_loss_type="k3",
+                            kl_coef=KL_COEF))
     ours = dict(chunk_size=args.chunk_size, vocab_chunk_size=args.vocab_chunk_size,
                 compute_entropy=not args.no_entropy)
     supports = x.get("supports", {None: None})  # --support spec -> CSR (offsets, ids); None: full vocabulary
@@ -145,7 +150,7 @@ def make_runners(x, args, impls):
             for spec, sup in supports.items():
                 kw = ours if sup is None else dict(ours, support_offsets=sup[0], support_ids=sup[1])
 
-                def run(h, w, impl=impl, kw=kw):
+                def run(h, w, impl=impl, kw=kw, fn=loss_fn(sup)):
                     loss = fused_linear_loss(h, w, x["labels"], fn, impl=impl, **kw)[0]
                     loss.backward()
                     return loss

@@ -12,15 +12,19 @@ supports that falls in this rank's vocabulary shard is the set of columns the ch
 rows W[U] of the output layer are multiplied (gathered tile by tile), and a column outside a token's own
 support gets the logit NEG, so it drops out of the softmax, the entropy and the gradient. Why this and
 not per-token gathers or a vocabulary-wide mask:
-  - top_k <= ~50 over V = 151,936: U of a 512-token chunk has at most 25,600 ids (in practice far
-    fewer: neighbouring tokens share candidates), so the GEMM shrinks by 6x or more and stays a GEMM
-    (one weight row serves every token of the chunk that has it). A per-token gather of k rows would be a
+  - top_k <= ~50 over V = 151,936: U of a 512-token chunk has at most 25,600 ids (in practice fewer:
+    neighbouring tokens share candidates), so the GEMM shrinks by 6x or more and stays a GEMM (one
+    weight row serves every token of the chunk that has it). A per-token gather of k rows would be a
     memory-bound batch of k x H dot products per token instead, fine for k = 50 but 100x slower than the
     GEMM it replaces once top-p nuclei reach thousands of tokens.
   - top-p nuclei can be large (a flat distribution at top_p = 0.9 keeps most of the vocabulary): U then
     approaches the whole shard, and when it covers more than half of it (or any token of the chunk is
-    'full') the chunk simply runs over every row, contiguous and ungathered: the cost is bounded by the
-    full-vocabulary path's, plus O(nnz) bookkeeping.
+    'full') the chunk simply runs over every row, contiguous and ungathered: the GEMMs are the full
+    path's, plus O(nnz) bookkeeping (a scatter of the ids, the label check).
+  Measured (kernels/bench.py --support, chunked fused loss fwd+bwd, T=1024, H=1024, V=151,936, fp32, 2 CPU
+  cores, random ids, the worst case for the union): full vocabulary 5.7 s / 594 MiB peak; top_k=50
+  1.3 s / 594 MiB; a 30% nucleus (45,580 ids a token, 47M in all) 7.9 s / 1,246 MiB
+  (benchmarks/results/kernel_support_cpu.csv).
   - Nothing is [T x V]: a chunk's membership is one [chunk x columns] boolean matrix (at most
     chunk x V_local bytes, a quarter of the fp32 logits the fused path keeps for the same chunk), built
     by one scatter of the chunk's ids, no sort; tiles read slices of it.
@@ -132,7 +136,9 @@ def chunk_columns(offsets: torch.Tensor, ids: torch.Tensor, sl: slice, labels_lo
     full = lens == 0
     if bool(full.all()):
         return all_columns(n_valid, labels_local)
-    local = ids[offsets[sl.start]:offsets[sl.stop]] - vocab_start
+    local = ids[offsets[sl.start]:offsets[sl.stop]]  # a view of the caller's ids: never written to
+    if vocab_start:
+        local = local - vocab_start
     row = torch.repeat_interleave(torch.arange(n, device=dev), lens)
     here = (local >= 0) & (local < n_valid)  # under TP: this shard's ids only
     if not bool(here.all()):
@@ -154,5 +160,5 @@ def chunk_columns(offsets: torch.Tensor, ids: torch.Tensor, sl: slice, labels_lo
     membership = torch.zeros(n, n_cols, dtype=torch.bool, device=dev)
     if any_full:
         membership[full] = True
-    membership.view(-1)[row * n_cols + col] = True
+    membership.view(-1)[row.mul_(n_cols).add_(col)] = True  # row is ours: the flat index in place
     return ChunkColumns(n_cols=n_cols, cols=cols, label_col=label_col, membership=membership)

@@ -209,14 +209,16 @@ def _prepare(hidden, weight, labels, cfg):
     return hidden.contiguous(), weight.contiguous(), labels_local, n_valid, 1.0 / cfg["temperature"]
 
 
-def _column_chunks(n_tok, labels_local, n_valid, cfg) -> list:
-    """[(token slice, its ChunkColumns)]: all tokens in one launch without supports; with them
-    cfg['chunk_size'] tokens at a time, so a chunk's membership is [chunk x its support union]."""
+def _column_chunks(n_tok, labels_local, n_valid, cfg):
+    """Yields (token slice, its ChunkColumns): all tokens in one launch without supports; with them
+    cfg['chunk_size'] tokens at a time, one chunk's membership ([chunk x columns]) alive at a time."""
     if cfg["support"] is None:
-        return [(slice(0, n_tok), all_columns(n_valid, labels_local))]
+        yield slice(0, n_tok), all_columns(n_valid, labels_local)
+        return
     step = max(1, cfg["chunk_size"])
-    slices = [slice(a, min(a + step, n_tok)) for a in range(0, n_tok, step)]
-    return [(sl, chunk_columns(*cfg["support"], sl, labels_local[sl], cfg["vocab_start"], n_valid)) for sl in slices]
+    for a in range(0, n_tok, step):
+        sl = slice(a, min(a + step, n_tok))
+        yield sl, chunk_columns(*cfg["support"], sl, labels_local[sl], cfg["vocab_start"], n_valid)
 
 
 def _stats(hidden, weight, labels_local, n_valid, inv_temp, cfg):
