@@ -218,8 +218,44 @@ def row_kernel():
                  f"({float(liger['time_vs_naive']):.2f}x) / {float(liger['peak_extra_mib']):,.0f} MiB "
                  f"({100 * float(liger['mem_vs_naive']):.1f}%)")
     return (f"fused kernel vs full logits and Liger (T={a['T']}, H={a['H']}, V={a['V']:,}, {a['dtype']}, fwd+bwd)",
-            f"`python -m mgrpo_kernels.bench --T {a['T']} --H {a['H']} --V {a['V']} --dtype {a['dtype']} --repeats "
+            f"`python benchmarks/kernel_bench.py --T {a['T']} --H {a['H']} --V {a['V']} --dtype {a['dtype']} --repeats "
             f"{a['repeats']}`", text + f"; at load ~{d['loadavg_at_end'][0]:.0f}")
+
+
+def row_kernel_support():
+    rows, d = _csv("kernel_support_cpu.csv"), _json("kernel_support_cpu.json")
+    if rows is None or d is None:
+        return None
+    a = d["args"]
+    parts = [f"{'full vocabulary' if r['support'] == 'none' else r['support']} {float(r['median_s']):.1f} s / "
+             f"{float(r['peak_extra_mib']):,.0f} MiB" for r in rows]
+    return (f"fused loss over sampling supports (T={a['T']}, H={a['H']}, V={a['V']:,}, {a['dtype']}, fwd+bwd, chunked)",
+            f"`python benchmarks/kernel_bench.py --T {a['T']} --H {a['H']} --V {a['V']} --impls {a['impls']} --support "
+            f"{a['support']}`", "; ".join(parts) + f" (random ids: the worst case for a chunk's union); at load "
+            f"~{d['loadavg_at_start'][0]:.0f}")
+
+
+def row_logprob_support():
+    d = _json("logprob_support_cpu.json")
+    if d is None:
+        return None
+    r, b = d["runs"], d["bias"]
+    layouts = [("sampled-k5p09", "TP 1"), ("sampled-k5p09-tp2", "TP 2"), ("sampled-k5p09-cp2", "CP 2")]
+    diffs = ", ".join(f"{r[k]['logprob_abs_diff_step1']:.1e} ({name})" for k, name in layouts)
+    worst = max(r[k]["logprob_abs_diff_max_all_steps"] for k, _ in layouts)
+
+    def last10(setting):
+        return ", ".join(f"{r[f'full-{setting}{s}']['reward_last10']:.2f}/{r[f'sampled-{setting}{s}']['reward_last10']:.2f}"
+                         for s in ("", "-seed2", "-seed3"))
+
+    p09, k5 = b["top_k=20 top_p=0.9, initial policy"], b["top_k=5 top_p=0.9, initial policy"]
+    return ("log-probs over the sampling support (top-k / top-p)", "`python benchmarks/logprob_support.py`",
+            f"`algorithm.logprob_support=sampled` at top_k=5, top_p=0.9: step-1 `rollout/logprob_abs_diff` {diffs}, "
+            f"at most {worst:.1e} per token over 150 steps; `actor/ppo_kl` {r['sampled-k5p09']['ppo_kl_step1']}. "
+            f"What `full` gets wrong: pi_full/pi_sampled {p09['ratio_mean']:.2f} on every token at top_p=0.9 "
+            f"({p09['mean_abs_logprob_diff']:.3f} nat), {k5['ratio_mean']:.2f} at top_k=5 on the initial policy. "
+            f"Last-10 reward full/sampled, seeds 1-3: top_p=0.9 {last10('k20p09')}; top_k=5 {last10('k5p09')} "
+            f"(neither learns there); load ~{d['loadavg_before'][0]:.0f} at the start, ~{d['loadavg_after'][0]:.0f} at the end")
 
 
 def row_trl():
@@ -289,7 +325,9 @@ ROWS: list[Row] = [
     _static("layouts agree", "`python -m pytest tests/test_e2e.py -k layouts`",
             "TP=2, PP=2 (with several micro-batches per step) and DP=2 reproduce TP=1's losses and gradient norms "
             "within 1e-5, and their HF exports within 1e-4"),
+    row_logprob_support,
     row_kernel,
+    row_kernel_support,
     row_trl,
     row_convert,
     row_test_suite,
