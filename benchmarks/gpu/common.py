@@ -65,7 +65,7 @@ def importable(module: str) -> bool:
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) live with the kernel benchmark.
 def bf16_peak(device_name: str):
-    from mgrpo_kernels.bench import BF16_PEAK_TFLOPS
+    from benchmarks.kernel_bench import BF16_PEAK_TFLOPS
 
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_name), None)
 

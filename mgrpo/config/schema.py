@@ -214,7 +214,7 @@ class ActorConfig:
     """fused (Triton) | chunked (torch, never full logits) | naive (full logits)"""
     logprob_chunk_size: int = 512
     """Tokens per chunk of the chunked / fused log-prob path. A chunk holds chunk x vocabulary fp32
-    logits: 512 x 151,936 is ~300 MB (measured fastest on CPU in kernels/bench.py)."""
+    logits: 512 x 151,936 is ~300 MB (measured fastest on CPU in benchmarks/kernel_bench.py)."""
     recompute: Optional[Recompute] = None
     """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |
     selective (core attention only). Trades compute for activation memory (mgrpo-plan shows how much)."""

@@ -1,7 +1,11 @@
 """Benchmark forward+backward of the GRPO loss over an output layer: naive vs chunked vs Triton vs Liger.
 
-    python -m mgrpo_kernels.bench --T 4096 --H 1024 --V 151936 --dtype fp32
-    python -m mgrpo_kernels.bench --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
+    python benchmarks/kernel_bench.py --T 4096 --H 1024 --V 151936 --dtype fp32
+    python benchmarks/kernel_bench.py --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
+
+It lives here, not in kernels/: the kernels are loss-agnostic (they run whatever token loss they are
+handed) and this measures them with the loss production trains with, mgrpo.algorithms' (the kernel room
+may not import the algorithms room: tests/test_architecture.py).
 
 `gemm` is the floor, not a loss: the three bare GEMMs of the same shapes (logits = h @ W^T,
 dHidden = dz @ W, dWeight = dz^T @ h, with the logits standing in for dz), no softmax, no loss.
@@ -40,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-from . import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
+from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
+from mgrpo.config import AlgorithmConfig
+from mgrpo_kernels import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by substring of the device name.
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0, "A100": 312.0,
@@ -125,11 +131,7 @@ def make_support(labels, V, spec: str, seed=0):
 
 def make_runners(x, args, impls):
     """impl name -> callable returning the loss after forward+backward (grads land in .grad)."""
-    # The loss production trains with (the kernel itself is loss-agnostic). This script, unlike the
-    # kernel modules, may reach up into mgrpo: it measures the kernel as the trainer calls it.
-    from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
-    from mgrpo.config import AlgorithmConfig
-
+    # The loss production trains with (the kernel itself is loss-agnostic).
     T = x["hidden"].shape[0]
     weights = torch.full((T,), 1.0 / T, device=x["hidden"].device)
 
