@@ -1,7 +1,7 @@
-"""algorithm.logprob_support=sampled end to end (Ray, megatron-core over gloo, the in-process engine with
-top_k=5, top_p=0.9) at TP=2 and CP=2 (packed): two steps in which the engine's behaviour log-probs over
-each token's support and the trainer's agree token by token, the first update starts on-policy and the
-reference (the same weights at step 1) agrees too.
+"""algorithm.logprob_support=sampled end to end (Ray, megatron-core over gloo; the in-process engine, and the
+SGLang-protocol CPU server; top_k=5, top_p=0.9) at TP=2 and CP=2 (packed): two steps in which the engine's
+behaviour log-probs over each token's support and the trainer's agree token by token, the first update
+starts on-policy and the reference (the same weights at step 1) agrees too.
 
 Each check fails if one forward ignored the supports: a trainer normalising over the whole vocabulary
 puts every token's log-prob lower by log(1 / support mass), ~0.1-1 nat here; a support laid out in the
@@ -19,17 +19,19 @@ from tests.test_e2e import read_metrics, small_config
 
 pytestmark = pytest.mark.slow
 
-SAMPLED = dict(rollout={"engine": "hf", "mode": "hybrid", "top_k": 5, "top_p": 0.9},
-               algorithm={"logprob_support": "sampled", "entropy_coeff": 0.01})
+HF = {"engine": "hf", "mode": "hybrid"}
+SGLANG = {"engine": "sglang"}  # the default path: the CPU server answers SGLang's return_sampling_mask
 
 
-@pytest.mark.parametrize("actor", [
-    {"tp": 2, "recompute_old_logprob": True},  # old-policy and reference forwards, then the update
-    {"cp": 2, "pack_sequences": True},         # on-policy update; the reference forward kept on the ranks
-], ids=["tp2", "cp2-packed"])
-def test_rollout_and_trainer_log_probs_agree_over_supports(tmp_path, actor):
+@pytest.mark.parametrize("engine,actor", [
+    (HF, {"tp": 2, "recompute_old_logprob": True}),  # old-policy and reference forwards, then the update
+    (HF, {"cp": 2, "pack_sequences": True}),         # on-policy update; the reference forward kept on the ranks
+    (SGLANG, {"tp": 2}),
+], ids=["hf-tp2", "hf-cp2-packed", "sglang-tp2"])
+def test_rollout_and_trainer_log_probs_agree_over_supports(tmp_path, engine, actor):
     run_dir = str(tmp_path)
-    Trainer(small_config(run_dir, actor=actor, **SAMPLED)).fit()
+    Trainer(small_config(run_dir, actor=actor, rollout={**engine, "top_k": 5, "top_p": 0.9},
+                         algorithm={"logprob_support": "sampled", "entropy_coeff": 0.01})).fit()
     m = read_metrics(run_dir)
     assert [x["step"] for x in m] == [1, 2]
     first = m[0]
