@@ -11,7 +11,7 @@ import pytest
 
 from mgrpo.loop import Trainer
 from tests.test_e2e import LOSS_KEYS, read_metrics, small_config, trajectories
-from tests.test_resume_kill import kill_everything, train, wait_for_step
+from tests.test_resume_kill import kill_everything, train, wait_for_checkpoint
 
 ASYNC = {"mode": "disaggregated", "async_mode": "one_step_off"}
 
@@ -64,7 +64,7 @@ def test_samples_beyond_the_staleness_bound_are_dropped_never_trained(tmp_path):
 
 @pytest.mark.slow
 def test_kill_with_the_pipeline_full_resumes_each_step_once(tmp_path):
-    """SIGKILL after step 3 (checkpoint at step 2, the next batch ready in the pipeline): the ready batches
+    """SIGKILL once the step-2 checkpoint is published (the next batch ready in the pipeline): the ready batches
     were saved with the checkpoint and are replayed, so the resumed run equals the uninterrupted one."""
     args = ("rollout.mode=disaggregated", "rollout.async_mode=one_step_off", "trainer.n_gpus_per_node=2")
     ray_tmp = tempfile.mkdtemp(prefix="mgrpo-async-", dir="/tmp")
@@ -73,7 +73,7 @@ def test_kill_with_the_pipeline_full_resumes_each_step_once(tmp_path):
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     p = train(killed, ray_tmp + "/b", *args)
-    wait_for_step(killed, 3, p)
+    wait_for_checkpoint(killed, "step_000002", p)  # the checkpoint with the next batch ready in the pipeline
     kill_everything(p, ray_tmp + "/b")
     assert os.path.isfile(os.path.join(killed, "checkpoints", "step_000002", "pending_rollouts.json"))
     p = train(killed, ray_tmp + "/c", *args, "trainer.resume=auto")
