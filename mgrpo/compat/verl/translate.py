@@ -101,106 +101,147 @@ def _is_verl_key(key: str) -> bool:
 def translate(argv: Sequence[str]) -> Translation:
     """Rewrite a command line that may hold veRL keys into mgrpo's. Raises VerlKeyError naming every key
     that cannot be honoured; returns the new argument list and the table of what became of each key."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-    from hydra.errors import HydraException
-
     flags, tokens = _split_flags(argv)
-    out = Translation(args=[])
-    errors: list[str] = []
-    names = {_flag_value(g)[0]: _flag_value(g)[1] for g in flags}
-    config_name = (names.get("--config-name") or names.get("-cn") or "").removesuffix(".yaml")
-    verl_config = config_name in VERL_CONFIG_NAMES
-    for g in flags:
-        name, value = _flag_value(g)
-        if verl_config and name in ("--config-name", "-cn"):
-            out.rows.append((" ".join(g), f"{VERL_CONFIG_NAMES[config_name]}: mgrpo trains with Megatron from its "
-                                          "own configs/config.yaml; veRL defaults that differ are noted below"))
-        elif verl_config and name in ("--config-path", "-cp"):
-            out.rows.append((" ".join(g), f"the folder of veRL's {config_name}.yaml: not read"))
-        else:
-            out.args += g
-
-    parser = OverridesParser.create()
-    parsed = []  # (token, override or None)
-    for tok in tokens:
-        key = tok.lstrip("+~").split("=", 1)[0]
-        try:
-            parsed.append((tok, parser.parse_overrides([tok])[0]))
-        except HydraException as e:
-            if _is_verl_key(key):
-                errors.append(f"{tok}: Hydra cannot parse the value ({str(e).splitlines()[0]}); quote it")
-            parsed.append((tok, None))
-    ctx = {o.key_or_group: o.value() for _, o in parsed if o is not None and not o.is_sweep_override()
-           and o.type != OverrideType.DEL}
-    shared = schema_keys()
+    t = _Translator()
+    verl_config = t.config_flags(flags)
+    parsed = t.parse(tokens)
     # A line without veRL-only keys is mgrpo's own and passes through untouched.
-    verl_line = verl_config or any(o is not None and o.key_or_group not in shared and _is_verl_key(o.key_or_group)
-                                   for _, o in parsed)
-    groups = [o.key_or_group for _, o in parsed if o is not None and "." not in o.key_or_group]
-    produced: dict[str, tuple[Any, str]] = {}
-    new_overrides: list[str] = []
-
-    def emit(key, value, source, raw=False):
-        if key in produced and produced[key][0] != value:
-            errors.append(f"{source} and {produced[key][1]} both set {key}, to {value!r} and {produced[key][0]!r}")
-        produced[key] = (value, source)
-        new_overrides.append(source if raw else f"{key}={hydra_value(value)}")
-
+    t.verl_line = verl_config or any(o is not None and o.key_or_group not in t.shared and _is_verl_key(o.key_or_group)
+                                     for _, o in parsed)
     for tok, o in parsed:
-        if o is None:
-            new_overrides.append(tok)
-            continue
-        key = o.key_or_group
-        verl_only = key not in shared and _is_verl_key(key)
-        rule = rule_for(key) if verl_only else VALUE_RULES.get(key) if verl_line else None
-        if verl_only and rule is None:
-            errors.append(f"{tok}: no mgrpo equivalent (not translated); remove it")
-            continue
-        if rule is None:  # mgrpo's own key (or a group): as typed, checked against what veRL keys set
-            if key in shared and verl_line and not o.is_sweep_override():
-                emit(key, o.value(), tok, raw=True)
+        t.token(tok, o)
+    if t.out.rows and t.verl_line:
+        t.engines()
+    if t.errors:
+        raise VerlKeyError("cannot honour these veRL keys (remove or change them):\n  - " + "\n  - ".join(t.errors))
+    return t.finish()
+
+
+class _Translator:
+    """One command line's translation: what it sets so far, what went wrong, the table for the user."""
+
+    def __init__(self):
+        self.out = Translation(args=[])
+        self.errors: list[str] = []
+        self.shared = schema_keys()
+        """Keys both projects spell the same (mgrpo's schema)."""
+        self.ctx: dict = {}
+        """Every value of the line by key (some rules read two keys)."""
+        self.groups: list[str] = []
+        self.verl_line = False
+        self.produced: dict[str, tuple[Any, str]] = {}
+        """mgrpo key -> (value, the token that set it): two tokens setting one key differently is an error."""
+        self.overrides: list[str] = []
+
+    # --- the line's parts ---------------------------------------------------------------------------
+    def config_flags(self, flags: list[list[str]]) -> bool:
+        """Hydra's flags pass through, except veRL's --config-name/--config-path (noted in the table).
+        Returns whether the line names one of veRL's trainer configs."""
+        names = {_flag_value(g)[0]: _flag_value(g)[1] for g in flags}
+        config_name = (names.get("--config-name") or names.get("-cn") or "").removesuffix(".yaml")
+        verl_config = config_name in VERL_CONFIG_NAMES
+        for g in flags:
+            name, value = _flag_value(g)
+            if verl_config and name in ("--config-name", "-cn"):
+                self.out.rows.append((" ".join(g), f"{VERL_CONFIG_NAMES[config_name]}: mgrpo trains with Megatron "
+                                                   "from its own configs/config.yaml; veRL defaults that differ are "
+                                                   "noted below"))
+            elif verl_config and name in ("--config-path", "-cp"):
+                self.out.rows.append((" ".join(g), f"the folder of veRL's {config_name}.yaml: not read"))
             else:
-                new_overrides.append(tok)
-            continue
+                self.out.args += g
+        return verl_config
+
+    def parse(self, tokens: list[str]) -> list:
+        """(token, Hydra override or None when it does not parse), and the line's values in `ctx`."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.core.override_parser.types import OverrideType
+        from hydra.errors import HydraException
+
+        parser = OverridesParser.create()
+        parsed = []
+        for tok in tokens:
+            key = tok.lstrip("+~").split("=", 1)[0]
+            try:
+                parsed.append((tok, parser.parse_overrides([tok])[0]))
+            except HydraException as e:
+                if _is_verl_key(key):
+                    self.errors.append(f"{tok}: Hydra cannot parse the value ({str(e).splitlines()[0]}); quote it")
+                parsed.append((tok, None))
+        self.ctx = {o.key_or_group: o.value() for _, o in parsed if o is not None and not o.is_sweep_override()
+                    and o.type != OverrideType.DEL}
+        self.groups = [o.key_or_group for _, o in parsed if o is not None and "." not in o.key_or_group]
+        return parsed
+
+    def emit(self, key, value, source, raw=False) -> None:
+        if key in self.produced and self.produced[key][0] != value:
+            self.errors.append(f"{source} and {self.produced[key][1]} both set {key}, to {value!r} and "
+                               f"{self.produced[key][0]!r}")
+        self.produced[key] = (value, source)
+        self.overrides.append(source if raw else f"{key}={hydra_value(value)}")
+
+    # --- one token ------------------------------------------------------------------------------------
+    def token(self, tok: str, o) -> None:
+        from hydra.core.override_parser.types import OverrideType
+
+        if o is None:
+            self.overrides.append(tok)
+            return
+        key = o.key_or_group
+        verl_only = key not in self.shared and _is_verl_key(key)
+        rule = rule_for(key) if verl_only else VALUE_RULES.get(key) if self.verl_line else None
+        if verl_only and rule is None:
+            self.errors.append(f"{tok}: no mgrpo equivalent (not translated); remove it")
+            return
+        if rule is None:  # mgrpo's own key (or a group): as typed, checked against what veRL keys set
+            if key in self.shared and self.verl_line and not o.is_sweep_override():
+                self.emit(key, o.value(), tok, raw=True)
+            else:
+                self.overrides.append(tok)
+            return
         if o.is_sweep_override() or o.type == OverrideType.DEL:
-            errors.append(f"{tok}: sweeps and deletions of veRL keys are not translated")
-            continue
+            self.errors.append(f"{tok}: sweeps and deletions of veRL keys are not translated")
+            return
         try:
-            results = rule(o.value(), ctx)
+            results = rule(o.value(), self.ctx)
         except Refuse as r:
-            errors.append(f"{tok}: {r}")
-            continue
+            self.errors.append(f"{tok}: {r}")
+            return
         shown = []
         for k, v in results:
             if k:
-                emit(k, v, tok)
+                self.emit(k, v, tok)
                 shown.append(f"{k}={hydra_value(v)}")
             elif v:
                 shown.append(f"ignored: {v}")
         if verl_only or shown != [f"{key}={hydra_value(o.value())}"]:  # shared keys: only when the value changed
-            out.rows.append((tok, "; ".join(shown) if shown else "nothing (superseded by other keys of the line)"))
-    if out.rows and verl_line:
+            self.out.rows.append((tok, "; ".join(shown) if shown else "nothing (superseded by other keys of the line)"))
+
+    # --- what the whole line implies --------------------------------------------------------------------
+    def engines(self) -> None:
+        """veRL's number of rollout engines (GPUs x nodes / rollout TP), as its own row."""
         try:
-            engines = rollout_engines(ctx, set(ctx) | set(groups))
+            engines = rollout_engines(self.ctx, set(self.ctx) | set(self.groups))
         except Refuse as r:
-            errors.append(f"rollout engines: {r}")
-            engines = None
+            self.errors.append(f"rollout engines: {r}")
+            return
         if engines is not None:
             text, keys = engines
             for k, v in keys:
-                emit(k, v, f"({text})")
-            out.rows.append(("(veRL's rollout engines)", " ".join(f"{k}={hydra_value(v)}" for k, v in keys)
-                             + f": {text}"))
-    if errors:
-        raise VerlKeyError("cannot honour these veRL keys (remove or change them):\n  - " + "\n  - ".join(errors))
-    if out.rows:
-        if not {"cluster", "recipe"} & set(groups) and "trainer.device" not in ctx:
-            out.rows.insert(0, ("(veRL trains on CUDA)", "cluster=gpu (trainer.device=cuda, 8 GPUs per node)"))
-            new_overrides.insert(0, "cluster=gpu")
-        for verl_key, verl_default, ours, our_default in DEFAULT_DIFFS:
-            if verl_key not in ctx and ours.split("/")[0] not in produced:
-                out.notes.append(f"{verl_key} is unset: veRL's default is {verl_default}, mgrpo's {ours} is "
-                                 f"{our_default} (set it to match veRL)")
-    out.args += new_overrides
-    return out
+                self.emit(k, v, f"({text})")
+            self.out.rows.append(("(veRL's rollout engines)", " ".join(f"{k}={hydra_value(v)}" for k, v in keys)
+                                  + f": {text}"))
+
+    def finish(self) -> Translation:
+        """veRL trains on CUDA (cluster=gpu unless the line says otherwise); notes for veRL defaults that differ."""
+        out = self.out
+        if out.rows:
+            if not {"cluster", "recipe"} & set(self.groups) and "trainer.device" not in self.ctx:
+                out.rows.insert(0, ("(veRL trains on CUDA)", "cluster=gpu (trainer.device=cuda, 8 GPUs per node)"))
+                self.overrides.insert(0, "cluster=gpu")
+            for verl_key, verl_default, ours, our_default in DEFAULT_DIFFS:
+                if verl_key not in self.ctx and ours.split("/")[0] not in self.produced:
+                    out.notes.append(f"{verl_key} is unset: veRL's default is {verl_default}, mgrpo's {ours} is "
+                                     f"{our_default} (set it to match veRL)")
+        out.args += self.overrides
+        return out
