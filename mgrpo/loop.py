@@ -77,9 +77,9 @@ class Trainer:
                 p.experiences.step_done()
                 if self.stop.requested:
                     path = self.save_checkpoint()
-                    how = "interrupted (Ctrl-C)" if self.stop.interrupted else "stopped on request"
-                    raise StopRequested(f"{how} at step {self.state.step}; checkpoint {path}; run again with "
-                                        "trainer.resume=auto to continue", self.stop.interrupted)
+                    how = "(Ctrl-C)" if self.stop.interrupted else "on request"  # slurm/README quotes this line
+                    raise StopRequested(f"stopped at step {self.state.step} {how}; checkpoint {path}; run again "
+                                        "with trainer.resume=auto to continue", self.stop.interrupted)
                 if p.checkpointer.due(self.state.step, p.total_steps):
                     self.save_checkpoint()
                 if p.evaluator.due(self.state.step, p.total_steps):

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,7 +183,8 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     out, _ = proc.communicate(timeout=120)
     text = "".join(lines) + out
     assert proc.returncode == 130, text[-3000:]
-    assert "interrupted" in text
+    stopped = re.search(r"stopped at step (\d+) \(Ctrl-C\); checkpoint (\S+);", text)
+    assert stopped and os.path.isdir(stopped.group(2)), text[-3000:]  # the step finished, then a checkpoint
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert steps[:3] == [1, 2, 3]  # everything logged before the interrupt is on disk
 

@@ -80,7 +80,7 @@ def test_default_job_learns_over_two_ray_nodes(two_nodes, tmp_path):
     p = train(two_nodes, run_dir)
     out, _ = p.communicate(timeout=1200)
     assert p.returncode == 0, out[-4000:]
-    assert "engines 1" in out and "Megatron ranks 2" in out
+    assert "2 Megatron rank process(es)" in out and "1 rollout engine(s)" in out, out[-4000:]
     rewards = [m["critic/score/mean"] for m in read_metrics(run_dir)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     with open(os.path.join(run_dir, "two_nodes.json"), "w") as f:
