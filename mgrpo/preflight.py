@@ -60,6 +60,21 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
     return e
 
 
+def engine_errors(cfg: MGRPOConfig) -> list[str]:
+    """What the rollout engine would refuse on every request (better said now than at the first step)."""
+    from mgrpo.rollout.sglang.generate_io import needs_mask
+    from mgrpo.rollout.types import SamplingParams
+
+    r = cfg.rollout
+    if r.engine != "sglang" or cfg.algorithm.logprob_support != "sampled":
+        return []
+    try:  # SGLang returns a sampling support only for a finite top_k (its --sampling-mask-max-tokens)
+        needs_mask(SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, return_support=True))
+    except ValueError as err:
+        return [f"algorithm.logprob_support=sampled with rollout.engine=sglang: {err}"]
+    return []
+
+
 @dataclass(frozen=True)
 class Checked:
     layout: Layout
@@ -72,7 +87,7 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
     With `check_memory`, a run the memory plan says cannot fit fails here too, unless
     trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
-    raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg))
+    raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg))
     memory = None
     if check_memory:
         from mgrpo.cluster.memory_plan import check_fits
@@ -81,4 +96,4 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     return Checked(layout(cfg), memory)
 
 
-__all__ = ["Checked", "ConfigError", "preflight", "registry_errors"]
+__all__ = ["Checked", "ConfigError", "engine_errors", "preflight", "registry_errors"]

@@ -68,6 +68,9 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
      "rollout.api_key='env:MGRPO_TEST_NO_SUCH_VARIABLE': auto | none | env:<VARIABLE> (set and non-empty) | a key"),
     ({"rollout": {"mode": "hybrid", "num_engines": 2}},
      "rollout.num_engines*rollout.tp=2 exceeds the 1 accelerators (rollout.mode=hybrid: each engine lives in a Megatron rank)"),
+    ({"rollout": {"top_p": 0.9}, "algorithm": {"logprob_support": "sampled"}},  # SGLang wants a finite top_k
+     "algorithm.logprob_support=sampled with rollout.engine=sglang: SamplingParams.return_support with top_p=0.9 "
+     "and top_k=-1: SGLang 0.5.23 returns a token's sampling support only for top_k=1 or 1 < top_k <= 4096"),
 ])
 def test_validation_names_the_field(changes, message):
     cfg = MGRPOConfig()
@@ -76,6 +79,12 @@ def test_validation_names_the_field(changes, message):
     with pytest.raises(ConfigError) as info:
         preflight(cfg, check_memory=False)
     assert message in str(info.value)
+
+
+def test_sampled_support_with_a_finite_top_k_or_another_engine_passes():
+    for rollout in (RolloutConfig(top_p=0.9, top_k=5), RolloutConfig(top_p=0.9, engine="hf")):
+        preflight(MGRPOConfig(rollout=rollout, algorithm=AlgorithmConfig(logprob_support="sampled")),
+                  check_memory=False)
 
 
 def test_production_rollout_modes_validate_on_cpu():
