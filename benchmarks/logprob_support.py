@@ -10,6 +10,8 @@ Runs (each `mgrpo-train rollout=hf_cpu ...` to the end, 150 steps):
   full-k5p09[-seedS], sampled-k5p09-seedS  the same setting, full vs sampled, seeds 1 (default), 2, 3
   {full,sampled}-k20p09[-seedS]  top_k=20 (more than the 16-token vocabulary: top_p does the cutting),
                              top_p=0.9, logprob_support full vs sampled, seeds 1, 2, 3: learning, step time
+  sampled-k5p09-n16-t15[-sglang[-tp2|-cp2|-seedS]]  the same cut with rollout.n=16 and temperature 1.5 (what
+                             makes it learn), in-process and on the default engine (the SGLang-protocol server)
 The bias of `full`, measured on policies of the k5p09 and k20p09 runs (the initial random one, and each
 run's final one, at that run's top_k / top_p): the in-process engine samples the default job's prompts (every prompt, 32 samples each)
 twice with the same seed, once returning full-distribution log-probs and once the behaviour log-probs
@@ -50,11 +52,29 @@ for _seed in (2, 3):  # is a gap between full and sampled the setting's, or one 
         for _mode in ("full", "sampled"):
             RUNS[f"{_mode}-{_setting}-seed{_seed}"] = RUNS[f"{_mode}-{_setting}"] + [
                 f"trainer.seed={_seed}", f"data.seed={_seed}", f"actor.seed={_seed}"]
+# What makes the top_k=5 job learn: more samples per prompt and a hotter sampler widen what a prompt group
+# explores (the 5-of-16 cut leaves groups that all draw one wrong answer: advantage 0, no signal). On the
+# default engine (the SGLang-protocol CPU server) as well as in-process.
+EXPLORE = ["rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled", "rollout.n=16",
+           "rollout.temperature=1.5"]
+RUNS["sampled-k5p09-n16-t15"] = EXPLORE
+RUNS["sampled-k5p09-n16-t15-sglang"] = ["rollout=sglang_cpu", *EXPLORE]
+RUNS["sampled-k5p09-n16-t15-sglang-tp2"] = ["rollout=sglang_cpu", *EXPLORE, "actor.tp=2"]
+RUNS["sampled-k5p09-n16-t15-sglang-cp2"] = ["rollout=sglang_cpu", *EXPLORE, "actor.cp=2", "actor.pack_sequences=true"]
+for _seed in (2, 3):
+    RUNS[f"sampled-k5p09-n16-t15-sglang-seed{_seed}"] = ["rollout=sglang_cpu", *EXPLORE, f"trainer.seed={_seed}",
+                                                         f"data.seed={_seed}", f"actor.seed={_seed}"]
 BIAS_RUNS = {"full-k5p09": (5, 0.9), "sampled-k5p09": (5, 0.9), "full-k20p09": (20, 0.9), "sampled-k20p09": (20, 0.9)}
 
 
+def overrides(name: str) -> list[str]:
+    """BASE, less its rollout group where the run names its own."""
+    own = [o for o in RUNS[name] if o.startswith("rollout=")]
+    return [o for o in BASE if not (own and o.startswith("rollout="))] + RUNS[name]
+
+
 def train(name: str, run_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *BASE, *RUNS[name]]
+    cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *overrides(name)]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -64,7 +84,7 @@ def train(name: str, run_dir: str) -> dict:
     rewards = [m["critic/score/mean"] for m in steps]
     times = sorted(m["timing_s/step"] for m in steps)
     out = {
-        "command": "mgrpo-train " + " ".join(BASE + RUNS[name]),
+        "command": "mgrpo-train " + " ".join(overrides(name)),
         "steps": len(steps),
         "reward_first10": sum(rewards[:10]) / 10,
         "reward_last10": sum(rewards[-10:]) / 10,

@@ -4,6 +4,7 @@
     mgrpo-doctor layers --engine outputs/mgrpo/sum-tiny/hf --trajectory outputs/mgrpo/sum-tiny/trajectories.jsonl \\
         --line 1234                                          # one sequence, layer by layer: the first place they part
     mgrpo-doctor layers --engine /ckpt/Qwen3-8B --engine-dtype bfloat16 --tokens 151644,872,198 --prompt-len 2
+    mgrpo-doctor layers ... --engine-support sampled --top-k 5 --top-p 0.9  # engine log-probs over top-k/top-p
 
 `run` needs trajectories with token log-probs (trainer.log_token_logprobs, on by default for small steps).
 `layers` runs on CPU: transformers for the engine's side, megatron-core on one gloo rank for the trainer's.
@@ -19,6 +20,7 @@ import os
 import sys
 
 from mgrpo.config import InputError
+from mgrpo.doctor import SUPPORTS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--engine-dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     lay.add_argument("--trainer-dtype", default="float32", help="float32 (default) | bfloat16")
     lay.add_argument("--temperature", type=float, default=1.0, help="the rollout temperature (default 1)")
-    lay.add_argument("--support", default="full", help="log-prob support: full (the whole tempered distribution)")
+    lay.add_argument("--engine-support", default="full", choices=SUPPORTS,
+                     help="what the engine's log-probs are normalised over: full (the whole tempered distribution, "
+                          "the default) or sampled (each token's top-k / top-p support)")
+    lay.add_argument("--trainer-support", default="full", choices=SUPPORTS,
+                     help="the same for the trainer (algorithm.logprob_support)")
+    lay.add_argument("--top-k", type=int, default=-1, help="the rollout's top_k (for a sampled support)")
+    lay.add_argument("--top-p", type=float, default=1.0, help="the rollout's top_p (for a sampled support)")
     lay.add_argument("--tolerance", type=float, help="relative tolerance per site (default: by the dtypes)")
     lay.add_argument("--json", help="also write the comparison as JSON here")
     return ap
@@ -63,11 +71,14 @@ def main(argv=None) -> None:
             report = analyse(args.run_dir)
             text = render(report)
         else:
+            from mgrpo.doctor.engine_side import Support
             from mgrpo.doctor.layers import layers, render
 
             report = layers(args.engine, trainer=args.trainer, tokens=args.tokens, prompt_len=args.prompt_len,
                             trajectory=args.trajectory, line=args.line, engine_dtype=args.engine_dtype,
-                            trainer_dtype=args.trainer_dtype, temperature=args.temperature, support=args.support,
+                            trainer_dtype=args.trainer_dtype, temperature=args.temperature,
+                            engine_support=Support(args.engine_support, args.top_k, args.top_p),
+                            trainer_support=Support(args.trainer_support, args.top_k, args.top_p),
                             tolerance=args.tolerance)
             text = render(report)
     except InputError as err:

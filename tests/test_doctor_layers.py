@@ -6,7 +6,9 @@ then copies of it with one fault each (the faults are the references: the test k
   - none: every hidden site agrees bit for bit (same torch kernels on CPU), the log-probs to < 1e-6;
   - one weight of one layer perturbed by 1% (a stale or wrongly converted layer): named, that layer;
   - the RoPE theta of config.json wrong: the first attention (the embeddings still agree exactly);
-  - the engine in bf16 against the fp32 trainer: a gradual growth, no single place.
+  - the engine in bf16 against the fp32 trainer: a gradual growth, no single place;
+  - the engine's log-probs over its top-k / top-p support against the trainer's over the whole vocabulary (a
+    support mismatch): every layer agrees, the log-probs part, and the doctor says why.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 
 from mgrpo.doctor import DoctorError
 from mgrpo.doctor.compare import compare, verdict_line
-from mgrpo.doctor.engine_side import engine_trace, sites
-from mgrpo.doctor.layers import layers
+from mgrpo.doctor.engine_side import Support, engine_trace, sites
+from mgrpo.doctor.layers import layers, support_hint
 from mgrpo.doctor.trainer_side import resolve_trainer, trainer_trace
 from tests.test_convert_common import make_hf_checkpoint, tiny_cfg
 
@@ -116,6 +118,57 @@ def test_a_bf16_engine_grows_gradually_with_no_single_place(clean):
     assert verdict_line(c).startswith("NO SINGLE PLACE: the difference grows gradually")
 
 
+SAMPLED = Support("sampled", top_k=5, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def sampled_ids(clean):
+    """A prompt and 24 tokens the engine sampled from its top-k / top-p support (transformers' generate, seeded):
+    every response token lies in its support, as in a run."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, ids, _ = clean
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    torch.manual_seed(5)
+    out = model.generate(torch.tensor([ids[:PROMPT]]), do_sample=True, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p,
+                         max_new_tokens=24, min_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    return out[0].tolist()
+
+
+def _support_reference(logits: torch.Tensor, tokens: list[int], k: int, p: float) -> torch.Tensor:
+    """By hand: keep the k largest logits, then the shortest prefix of them (by probability, descending) whose
+    mass before each kept token is below p; the token's log-prob renormalised over what is kept."""
+    out = []
+    for z, y in zip(logits.double(), tokens):
+        top, idx = z.topk(k)
+        probs = torch.softmax(top, 0)
+        keep = idx[(probs.cumsum(0) - probs) < p]
+        assert y in keep.tolist()
+        out.append(z[y] - torch.logsumexp(z[keep], 0))
+    return torch.stack(out)
+
+
+def test_a_support_mismatch_parts_at_the_log_probs_and_is_named(clean, sampled_ids):
+    hf_dir, _, _ = clean
+    ids = sampled_ids
+    full = trainer_trace(resolve_trainer(hf_dir), ids, PROMPT)
+    sampled = trainer_trace(resolve_trainer(hf_dir), ids, PROMPT, support=SAMPLED)
+    engine = engine_trace(hf_dir, ids, PROMPT, support=SAMPLED)
+    reference = _support_reference(torch.from_numpy(engine["logits"][PROMPT - 1:-1]), ids[PROMPT:], 5, 0.9)
+    # same support on both sides: they agree, and both equal the hand-computed renormalised log-probs
+    same = compare(engine, sampled, engine_dtype="float32", trainer_dtype="float32")
+    assert same["kind"] == "agree" and support_hint(same, SAMPLED, SAMPLED) == ""
+    assert abs(engine["log-probs"] - reference.numpy()).max() < 1e-6
+    assert abs(sampled["log-probs"] - reference.numpy()).max() < 1e-5  # the trainer's kernel over the supports
+    assert (reference < 0).sum() > 0 and (engine["log-probs"] > full["log-probs"] + 1e-3).all()  # renormalised up
+    # the engine over its support, the trainer over the whole vocabulary: only the log-probs part
+    c = compare(engine, full, engine_dtype="float32", trainer_dtype="float32")
+    assert c["kind"] == "parts" and c["parts_at"] == "log-probs"
+    assert all(s["rel"] == 0.0 for s in c["sites"][:-1])
+    hint = support_hint(c, SAMPLED, Support())
+    assert hint.startswith("\nSUPPORT MISMATCH") and "sampled (top_k=5, top_p=0.9)" in hint and "over full" in hint
+
+
 def test_the_command_names_the_layer_and_refuses_bad_input(clean, tmp_path):
     """The whole path once through `mgrpo-doctor layers` (its own rank process), then its refusals."""
     hf_dir, ids, _ = clean
@@ -144,6 +197,8 @@ def test_the_command_names_the_layer_and_refuses_bad_input(clean, tmp_path):
         (["--engine", hf_dir], "either as --trajectory"),
         (["--engine", hf_dir, "--trainer", str(tmp_path), "--tokens", "1,2", "--prompt-len", "1"], "neither an HF"),
         (["--engine", hf_dir, "--tokens", "1,2", "--prompt-len", "1", "--engine-dtype", "int8"], "not one of"),
+        (["--engine", hf_dir, "--tokens", "1,2", "--prompt-len", "1", "--engine-support", "sampled"],
+         "support 'sampled' needs --top-k K"),
     ]
     for args, message in bad:
         out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120)

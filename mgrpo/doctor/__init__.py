@@ -19,3 +19,7 @@ from mgrpo.config import InputError
 class DoctorError(InputError):
     """Input the doctor cannot use (a missing folder, trajectories without token log-probs, shapes that do not
     match): `mgrpo-doctor` prints it in a line or two and exits 2."""
+
+
+SUPPORTS = ("full", "sampled")
+"""What a log-prob is normalised over (`engine_side.Support`; the trainer's algorithm.logprob_support)."""

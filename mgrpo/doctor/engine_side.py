@@ -2,7 +2,8 @@
 
 The model is built as the CPU server (`rollout/sglang/cpu_model.py`) and the in-process engine
 (`rollout/hf_engine.py`) build it: `AutoModelForCausalLM.from_pretrained(dir, dtype=...)`, eval mode. The
-log-probs are theirs too: the logits in float32, log_softmax(logits / T), the sampled token's entry. One
+log-probs are theirs too: the logits in float32, log_softmax(logits / T) (over the top-k / top-p support with
+`Support('sampled', ...)`, as transformers' warpers cut it), the sampled token's entry. One
 difference is deliberate: the engines decode token by token with a KV cache, the doctor runs the whole
 sequence in one forward (the same computation up to summation order; `--trajectory` shows the recorded
 engine log-probs next to this recomputation, so a cache or batching effect shows as a gap between them).
@@ -11,12 +12,13 @@ engine log-probs next to this recomputation, so a cache or batching effect shows
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
-from mgrpo.doctor import DoctorError
+from mgrpo.doctor import SUPPORTS, DoctorError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -36,19 +38,65 @@ def sites(num_layers: int) -> list[str]:
     return names + ["final norm", "logits", "log-probs"]
 
 
-def full_support_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-prob of each token under the whole tempered distribution (what every engine reports today and the
-    trainer recomputes). A top-k/top-p renormalised support (algorithm.logprob_support, not merged yet) adds an
-    entry to LOGPROB_SUPPORTS and the doctor compares whichever the run used."""
+@dataclass(frozen=True)
+class Support:
+    """How a response token's log-prob is normalised: over the whole tempered distribution (`full`, what
+    every engine reports by default) or over the token's sampling support under top-k / top-p (`sampled`:
+    the engine's log-prob with SGLang's return_sampling_mask, the trainer's with
+    algorithm.logprob_support=sampled). One side `full` and the other `sampled` is the support mismatch:
+    every layer agrees, the log-probs part."""
+
+    name: str = "full"
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.name not in SUPPORTS:
+            raise DoctorError(f"support {self.name!r} is not one of {list(SUPPORTS)}")
+        if self.name == "sampled" and not (self.top_k > 0 or 0 < self.top_p < 1):
+            raise DoctorError("support 'sampled' needs --top-k K (K >= 1) or --top-p P (0 < P < 1): the rollout's "
+                              "rollout.top_k / rollout.top_p")
+        if not 0 < self.top_p <= 1:
+            raise DoctorError(f"--top-p {self.top_p} must be in (0, 1]")
+
+    def __str__(self) -> str:
+        return "full" if self.name == "full" else f"sampled (top_k={self.top_k}, top_p={self.top_p:g})"
+
+    def kept(self, logits: torch.Tensor, temperature: float) -> Optional[torch.Tensor]:
+        """[positions, vocab] bool: each position's support, as transformers' generate draws it (temperature,
+        then its top-k and top-p warpers, in that order); None for the whole vocabulary."""
+        if self.name == "full":
+            return None
+        from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+        scores = logits.float() / (1.0 if temperature == 0 else temperature)
+        if self.top_k > 0:
+            scores = TopKLogitsWarper(top_k=self.top_k)(None, scores)
+        if self.top_p < 1:
+            scores = TopPLogitsWarper(top_p=self.top_p)(None, scores)
+        return torch.isfinite(scores)
+
+    def csr(self, logits: torch.Tensor, temperature: float) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The supports in the kernels' CSR form (`support_offsets`, `support_ids`), or (None, None)."""
+        kept = self.kept(logits, temperature)
+        if kept is None:
+            return None, None
+        offsets = torch.zeros(kept.shape[0] + 1, dtype=torch.long)
+        offsets[1:] = kept.sum(-1).cumsum(0)
+        return offsets, kept.nonzero()[:, 1]
+
+
+
+def support_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                     support: Support = Support()) -> torch.Tensor:
+    """Log-prob of each token under the tempered distribution, renormalised over its support (the engine's side,
+    as the in-process engine reports it)."""
     t = 1.0 if temperature == 0 else temperature
-    return torch.log_softmax(logits.float() / t, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
-LOGPROB_SUPPORTS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "full": full_support_logprobs,
-}
-"""How a log-prob is normalised, by name (`mgrpo-doctor layers --support`): the seam for sampling-support
-mismatches under top-k/top-p."""
+    scores = logits.float() / t
+    kept = support.kept(logits, temperature)
+    if kept is not None:
+        scores = scores.masked_fill(~kept, float("-inf"))
+    return torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _first(out):
@@ -56,7 +104,7 @@ def _first(out):
 
 
 def engine_trace(hf_dir: str, ids: list[int], prompt_len: int, *, dtype: str = "float32", temperature: float = 1.0,
-                 support: str = "full", vocab_size: Optional[int] = None) -> "OrderedDict[str, np.ndarray]":
+                 support: Support = Support(), vocab_size: Optional[int] = None) -> "OrderedDict[str, np.ndarray]":
     """{site: float64 array} for `ids` (prompt then response) through the engine's model: hidden sites as
     [positions, hidden], logits as [positions, vocab], log-probs of the response tokens as [response tokens]."""
     from transformers import AutoModelForCausalLM
@@ -87,7 +135,7 @@ def engine_trace(hf_dir: str, ids: list[int], prompt_len: int, *, dtype: str = "
     vocab = vocab_size or model.config.vocab_size
     captured["logits"] = captured["logits"][:, :vocab]
     response = torch.tensor(ids[prompt_len:], dtype=torch.long)
-    lp = LOGPROB_SUPPORTS[support](logits[prompt_len - 1:len(ids) - 1, :vocab], response, temperature)
+    lp = support_logprobs(logits[prompt_len - 1:len(ids) - 1, :vocab], response, temperature, support)
     out = OrderedDict((name, captured[name].double().numpy()) for name, _ in modules)
     out["log-probs"] = lp.double().numpy()
     return out

@@ -3,6 +3,7 @@
     mgrpo-doctor layers --engine <hf dir> [--trainer <hf dir | run checkpoint | mgrpo-convert checkpoint>]
                         (--trajectory <trajectories.jsonl> --line N | --tokens 1,2,3,... --prompt-len K)
                         [--engine-dtype float32|bfloat16] [--temperature T] [--tolerance X]
+                        [--engine-support full|sampled] [--trainer-support full|sampled] [--top-k K] [--top-p P]
 
 The engine side is the HF directory as the engines load it (`engine_side.py`); the trainer side defaults to the
 same directory through megatron-core (`trainer_side.py`), or a run's checkpoint / `hf/` export, so a
@@ -17,7 +18,7 @@ from typing import Optional
 
 from mgrpo.doctor import DoctorError
 from mgrpo.doctor.compare import canonical, compare, render_sites, verdict_line
-from mgrpo.doctor.engine_side import LOGPROB_SUPPORTS, engine_trace
+from mgrpo.doctor.engine_side import Support, engine_trace
 from mgrpo.doctor.trajectories import read_line
 from mgrpo.doctor.trainer_side import check_tokens, resolve_trainer, trainer_trace
 
@@ -52,14 +53,13 @@ def sequence(*, tokens: Optional[str], prompt_len: Optional[int], trajectory: Op
 def layers(engine_dir: str, *, trainer: Optional[str] = None, tokens: Optional[str] = None,
            prompt_len: Optional[int] = None, trajectory: Optional[str] = None, line: Optional[int] = None,
            engine_dtype: str = "float32", trainer_dtype: str = "float32", temperature: float = 1.0,
-           support: str = "full", tolerance: Optional[float] = None) -> dict:
+           engine_support: Support = Support(), trainer_support: Support = Support(),
+           tolerance: Optional[float] = None) -> dict:
     """The comparison as plain data (what `render` prints and `--json` writes)."""
     from mgrpo.models.hf_config import read_hf_config
 
     if not os.path.isfile(os.path.join(engine_dir, "config.json")):
         raise DoctorError(f"--engine {engine_dir} is not an HF directory (no config.json)")
-    if support not in LOGPROB_SUPPORTS:
-        raise DoctorError(f"--support {support!r} is not one of {sorted(LOGPROB_SUPPORTS)}")
     engine_dtype, trainer_dtype = canonical(engine_dtype), canonical(trainer_dtype)
     ids, plen, recorded = sequence(tokens=tokens, prompt_len=prompt_len, trajectory=trajectory, line=line)
     source = resolve_trainer(trainer or engine_dir)
@@ -72,18 +72,32 @@ def layers(engine_dir: str, *, trainer: Optional[str] = None, tokens: Optional[s
     if engine_cfg.get("num_hidden_layers") != source.model.num_layers:
         raise DoctorError(f"the engine has {engine_cfg.get('num_hidden_layers')} layers ({engine_dir}), the trainer "
                           f"{source.model.num_layers} ({source.path}): not the same architecture")
-    theirs = trainer_trace(source, ids, plen, temperature=temperature, dtype=trainer_dtype, support=support)
-    ours = engine_trace(engine_dir, ids, plen, dtype=engine_dtype, temperature=temperature, support=support,
+    theirs = trainer_trace(source, ids, plen, temperature=temperature, dtype=trainer_dtype, support=trainer_support)
+    ours = engine_trace(engine_dir, ids, plen, dtype=engine_dtype, temperature=temperature, support=engine_support,
                         vocab_size=source.model.vocab_size)
     result = compare(ours, theirs, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype, tolerance=tolerance)
     out = {"engine": os.path.abspath(engine_dir), "engine_dtype": engine_dtype, "trainer": source.path,
-           "trainer_kind": source.kind, "trainer_dtype": trainer_dtype, "temperature": temperature, "support": support,
+           "trainer_kind": source.kind, "trainer_dtype": trainer_dtype, "temperature": temperature,
+           "engine_support": str(engine_support), "trainer_support": str(trainer_support),
            "ids": ids, "prompt_len": plen, "comparison": result,
-           "verdict": verdict_line(result, ids, plen),
+           "verdict": verdict_line(result, ids, plen) + support_hint(result, engine_support, trainer_support),
            "logprobs": {"engine": ours["log-probs"].tolist(), "trainer": theirs["log-probs"].tolist()}}
     if recorded is not None:
         out["recorded"] = recorded
     return out
+
+
+def support_hint(c: dict, engine: Support, trainer: Support) -> str:
+    """Why the log-probs alone part: the two sides normalise over different supports (or, with the same
+    support, the log-prob computation itself: temperature, kernel)."""
+    if c["parts_at"] != "log-probs":
+        return ""
+    if engine != trainer:
+        return (f"\nSUPPORT MISMATCH: every layer and the logits agree; the engine's log-probs are over {engine}, "
+                f"the trainer's over {trainer}. Make them the same: algorithm.logprob_support=sampled (the trainer "
+                "renormalises over the engine's supports) or sample from the whole distribution")
+    return ("\nevery layer and the logits agree, the log-probs do not: the log-prob computation differs "
+            "(the temperature each side divides by, or the kernel)")
 
 
 def render(r: dict) -> str:
@@ -93,6 +107,7 @@ def render(r: dict) -> str:
            f"  engine  {r['engine']} (transformers, {r['engine_dtype']})",
            f"  trainer {r['trainer']} (megatron-core GPTModel from {SOURCES[r['trainer_kind']]}, "
            f"{r['trainer_dtype']}, log-probs through mgrpo_kernels)",
+           f"  log-prob support: engine {r['engine_support']}, trainer {r['trainer_support']}",
            f"  tolerance {c['tolerance']:g} relative for {c['dtype']} (a site parts at >= {c['jump']:g}x every site "
            f"before it)", "", render_sites(c), "", r["verdict"]]
     lp = r["logprobs"]

@@ -18,6 +18,7 @@ from typing import Optional
 
 from mgrpo.config import ModelConfig
 from mgrpo.doctor import DoctorError
+from mgrpo.doctor.engine_side import Support
 
 MODEL_JSON = "mgrpo_model.json"
 """What `mgrpo-convert hf-to-megatron` writes next to its checkpoint (the ModelConfig under "model")."""
@@ -80,7 +81,7 @@ def _rank(rank, world_size, port, source: TrainerSource, ids, prompt_len, temper
     import torch
 
     import mgrpo_kernels
-    from mgrpo.doctor.engine_side import LOGPROB_SUPPORTS, sites, torch_dtype
+    from mgrpo.doctor.engine_side import sites, torch_dtype
     from mgrpo.models import build_gpt_model, load_hf_into_megatron, load_megatron_checkpoint, transformer_config
     from mgrpo.training.checkpoint import load_model_weights
     from mgrpo.training.forward import output_weight
@@ -121,11 +122,12 @@ def _rank(rank, world_size, port, source: TrainerSource, ids, prompt_len, temper
         labels = torch.tensor(ids[prompt_len:], dtype=torch.long)
         hidden = captured["final norm"][prompt_len - 1:len(ids) - 1]
         with torch.no_grad():
-            if support == "full":  # the trainer's own path: the chunked kernel on the final hidden states
-                lp, _ = mgrpo_kernels.linear_logprobs(hidden, output_weight(gpt), labels, temperature=temperature or 1.0,
-                                                      vocab_size=vocab, compute_entropy=False, impl="chunked")
-            else:
-                lp = LOGPROB_SUPPORTS[support](captured["logits"][prompt_len - 1:len(ids) - 1], labels, temperature)
+            # the trainer's own path: the chunked kernel on the final hidden states, over the supports the
+            # trainer's logits give (under top-k / top-p; both sides cut their own logits alike)
+            offsets, support_ids = support.csr(captured["logits"][prompt_len - 1:len(ids) - 1], temperature)
+            lp, _ = mgrpo_kernels.linear_logprobs(hidden, output_weight(gpt), labels, temperature=temperature or 1.0,
+                                                  vocab_size=vocab, compute_entropy=False, impl="chunked",
+                                                  support_offsets=offsets, support_ids=support_ids)
         out = {name: captured[name].double().numpy() for name, _ in modules}
         out["log-probs"] = lp.double().numpy()
         assert list(out) == sites(len(gpt.decoder.layers))
@@ -135,7 +137,7 @@ def _rank(rank, world_size, port, source: TrainerSource, ids, prompt_len, temper
 
 
 def trainer_trace(source: TrainerSource, ids: list[int], prompt_len: int, *, temperature: float = 1.0,
-                  dtype: str = "float32", support: str = "full") -> dict:
+                  dtype: str = "float32", support: Support = Support()) -> dict:
     """{site: float64 array} for `ids` through the trainer's model (see `engine_side.engine_trace`)."""
     from mgrpo.training.spawn import RankError, spawn_ranks
 
