@@ -143,14 +143,13 @@ def stage_weights(cfg, *, layers: Sequence[int], pre_process: bool, post_process
 
 
 # --- HF config -------------------------------------------------------------------------------------
-def hf_config(model, *, dtype: str = "float32", **extra):
-    """The transformers `Qwen3Config` describing the same architecture (`dtype`: the weights' dtype)."""
+def hf_config_fields(model, dtype: str) -> dict:
+    """The config.json fields every Qwen3 (dense or MoE) takes from `model` (`dtype`: the weights' dtype)."""
     import transformers
-    from transformers import Qwen3Config
 
     # transformers 5 names the weights' dtype `dtype`; 4.x named it `torch_dtype`.
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    return Qwen3Config(
+    return dict(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
         intermediate_size=model.ffn_hidden_size,
@@ -166,8 +165,14 @@ def hf_config(model, *, dtype: str = "float32", **extra):
         hidden_act="silu",
         attention_bias=False,
         **{dtype_key: dtype},
-        **extra,
     )
+
+
+def hf_config(model, *, dtype: str = "float32", **extra):
+    """The transformers `Qwen3Config` describing the same architecture (`dtype`: the weights' dtype)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**hf_config_fields(model, dtype), **extra)
 
 
 def hf_parse_config(raw: dict):

@@ -136,33 +136,17 @@ def stage_weights(cfg, *, layers: Sequence[int], pre_process: bool, post_process
 # --- HF config -------------------------------------------------------------------------------------
 def hf_config(model, *, dtype: str = "float32", **extra):
     """The transformers `Qwen3MoeConfig` of the same architecture (every layer sparse, no dense MLP)."""
-    import transformers
     from transformers import Qwen3MoeConfig
 
-    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return Qwen3MoeConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.ffn_hidden_size,
+        **qwen3.hf_config_fields(model, dtype),
         moe_intermediate_size=model.moe_ffn_hidden_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups,
-        head_dim=model.head_dim,
         num_experts=model.num_experts,
         num_experts_per_tok=model.moe_router_topk,
         norm_topk_prob=model.norm_topk_prob,
         router_aux_loss_coef=model.router_aux_loss_coef,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=model.max_position_embeddings,
-        rms_norm_eps=model.rms_norm_eps,
-        rope_theta=model.rope_theta,
-        tie_word_embeddings=model.tie_word_embeddings,
-        initializer_range=model.init_std,
-        hidden_act="silu",
-        attention_bias=False,
-        **{dtype_key: dtype},
         **extra,
     )
 
