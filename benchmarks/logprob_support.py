@@ -151,6 +151,8 @@ def main(argv=None) -> None:
         with open(args.out) as f:
             result.update(json.load(f))
     load_before = os.getloadavg()
+    merging = args.only is not None and "loadavg_before" in result  # the file's load stays its first runs'
+
     with tempfile.TemporaryDirectory(prefix="mgrpo-logprob-support-") as tmp:
         for name in names:
             run_dir = os.path.join(tmp, name)
@@ -163,8 +165,12 @@ def main(argv=None) -> None:
                     print(f"  bias at {key}: mean |dlogp| {v['mean_abs_logprob_diff']:.4f}, ratio mean "
                           f"{v['ratio_mean']:.4f} min {v['ratio_min']:.4f}, outside [0.8, 1.2] "
                           f"{v['ratio_outside_clip_0.2']:.3f}, cut {v['tokens_cut']:.3f}", flush=True)
-    result["loadavg_before"] = list(load_before)
-    result["loadavg_after"] = list(os.getloadavg())
+    if merging:
+        for name in names:
+            result["runs"][name]["loadavg_1min"] = f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    else:
+        result["loadavg_before"] = list(load_before)
+        result["loadavg_after"] = list(os.getloadavg())
     result["machine"] = machine(packages=("torch", "ray", "megatron-core", "transformers"))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

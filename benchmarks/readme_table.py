@@ -255,7 +255,12 @@ def row_logprob_support():
             f"What `full` gets wrong: pi_full/pi_sampled {p09['ratio_mean']:.2f} on every token at top_p=0.9 "
             f"({p09['mean_abs_logprob_diff']:.3f} nat), {k5['ratio_mean']:.2f} at top_k=5 on the initial policy. "
             f"Last-10 reward full/sampled, seeds 1-3: top_p=0.9 {last10('k20p09')}; top_k=5 {last10('k5p09')} "
-            f"(neither learns there); load ~{d['loadavg_before'][0]:.0f} at the start, ~{d['loadavg_after'][0]:.0f} at the end")
+            f"(neither learns there); load ~{d['loadavg_before'][0]:.0f} at the start, ~{d['loadavg_after'][0]:.0f} at the end. "
+            f"top_k=5 with rollout.n=16, temperature 1.5, last-10 (first-10 <= 0.07 in each): in-process "
+            f"{r['sampled-k5p09-n16-t15']['reward_last10']:.2f}; on the SGLang-protocol server seeds 1-3 "
+            + ", ".join(f"{r[f'sampled-k5p09-n16-t15-sglang{s}']['reward_last10']:.2f}" for s in ("", "-seed2", "-seed3"))
+            + f", TP 2 {r['sampled-k5p09-n16-t15-sglang-tp2']['reward_last10']:.2f}, "
+            f"CP 2 {r['sampled-k5p09-n16-t15-sglang-cp2']['reward_last10']:.2f} (load 10-40)")
 
 
 def row_trl():
