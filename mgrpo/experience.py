@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
@@ -20,6 +21,7 @@ from mgrpo.algorithms.kl import apply_kl_in_reward
 from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
+from mgrpo.training.batch import compact_routes
 
 
 @dataclass
@@ -49,6 +51,10 @@ class Experience:
     advantages: Optional[list[list[float]]] = None
     engines: list = field(default_factory=list)
     """Which engine produced each sample (`GenerateResult.engine`: an index, or 'router')."""
+    routed_experts: Optional[list[np.ndarray]] = None
+    """Mixture of experts, actor.router_replay != off: per sample [prompt + response - 1, layers, top_k] expert
+    ids (`compact_routes`), one row per position that was fed to the model; from the rollout engine
+    (actor.router_replay=rollout) or the trainer's old-policy forward (old). What the trainer replays."""
 
     @classmethod
     def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int,
@@ -78,6 +84,7 @@ class Experience:
             in_loss=[True] * len(results),
             engines=[r.engine for r in results],
             support=support,
+            routed_experts=_rollout_routes(results),
         )
 
     @classmethod
@@ -86,6 +93,8 @@ class Experience:
         renumbered so that groups of different parts never merge."""
         out = cls([], [], [], [], [], [])
         out.support = [] if parts and all(p.support is not None for p in parts) else None
+        if parts and all(p.routed_experts is not None for p in parts):
+            out.routed_experts = [x for p in parts for x in p.routed_experts]
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
                          "items", "response_texts", "scores", "rewards", "in_loss", "engines"):
@@ -182,3 +191,35 @@ class Experience:
         for i, g in enumerate(self.group_index):
             members.setdefault(g, []).append(i)
         return [[i for g in groups[k:k + per] for i in members[g]] for k in range(0, len(groups), per)]
+
+
+# --- routed experts ------------------------------------------------------------------------------------
+def _rollout_routes(results: Sequence[GenerateResult]) -> Optional[list[np.ndarray]]:
+    have = [r.routed_experts is not None for r in results]
+    if not any(have):
+        return None
+    if not all(have):  # never silently train part of a batch without its routes
+        raise RuntimeError(f"{have.count(False)} of {len(results)} rollout results came back without routed_experts")
+    for r in results:
+        if r.routed_experts.ndim != 3:
+            raise ValueError(f"sample {r.uid}: routed_experts has shape {r.routed_experts.shape}, "
+                             "expected [positions, layers, top_k]")
+    return [compact_routes(r.routed_experts) for r in results]
+
+
+def routes_to_json(routes: Optional[list[np.ndarray]]) -> Optional[list[dict]]:
+    """Per-sample routes as JSON (a checkpoint's pending asynchronous batches): dtype, shape, base64 bytes."""
+    import base64
+
+    if routes is None:
+        return None
+    return [{"dtype": str(r.dtype), "shape": list(r.shape), "data": base64.b64encode(r.tobytes()).decode()}
+            for r in routes]
+
+
+def routes_from_json(data: Optional[list[dict]]) -> Optional[list[np.ndarray]]:
+    import base64
+
+    if data is None:
+        return None
+    return [np.frombuffer(base64.b64decode(d["data"]), dtype=d["dtype"]).reshape(d["shape"]).copy() for d in data]

@@ -39,6 +39,7 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
     family = _registered(e, "model.family", cfg.model.family, FAMILIES)
     if family is not None:  # what the family cannot build from the model.* fields (e.g. experts of a dense one)
         e.extend(family.config_errors(cfg.model))
+    e.extend(_router_replay_errors(cfg, family))
     estimator = _registered(e, "algorithm.adv_estimator", al.adv_estimator, ADVANTAGE_ESTIMATORS)
     loss = _registered(e, "algorithm.policy_loss", al.policy_loss, POLICY_LOSSES)
     _registered(e, "algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)
@@ -73,6 +74,25 @@ def engine_errors(cfg: MGRPOConfig) -> list[str]:
     except ValueError as err:
         return [f"algorithm.logprob_support=sampled with rollout.engine=sglang: {err}"]
     return []
+
+
+def _router_replay_errors(cfg: MGRPOConfig, family) -> list[str]:
+    """actor.router_replay needs routers (a mixture-of-experts family) and, to replay the rollout's routes,
+    an engine that returns them (`EngineSpec.returns_routes`)."""
+    from mgrpo.rollout.factory import ENGINES
+
+    mode, e = str(cfg.actor.router_replay), []
+    if mode == "off":
+        return e
+    if family is not None and not family.has_experts:
+        e.append(f"actor.router_replay={mode!r} replays mixture-of-experts routing, but model.family="
+                 f"{cfg.model.family!r} has no experts (use actor.router_replay=off)")
+    spec = ENGINES.get(str(cfg.rollout.engine))
+    if mode == "rollout" and spec is not None and not spec.returns_routes:
+        engines = sorted(n for n, s in ENGINES.items() if s.returns_routes)
+        e.append(f"actor.router_replay='rollout' replays the experts the rollout engine chose, but rollout.engine="
+                 f"{cfg.rollout.engine!s} does not return them (engines that do: {engines}; or actor.router_replay=old)")
+    return e
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,7 @@ CARDS = {  # name -> (total, without embeddings) in billions, from the Qwen3 mod
 }
 
 
-MOE_FIELDS = {"num_experts", "moe_ffn_hidden_size", "moe_router_topk", "norm_topk_prob", "router_aux_loss_coef",
-              "moe_enable_routing_replay"}
+MOE_FIELDS = {"num_experts", "moe_ffn_hidden_size", "moe_router_topk", "norm_topk_prob", "router_aux_loss_coef"}
 
 
 @pytest.mark.parametrize("preset", sorted(CARDS))

@@ -307,7 +307,7 @@ def test_family_is_registered():
 
 
 # ---------------------------------------------------------------------------------------------
-# the routing-replay seam (model.moe_enable_routing_replay)
+# the routing-replay seam (transformer_config(..., routing_replay=True): megatron's moe_enable_routing_replay)
 
 
 def _rank_replay(rank, world, port, cfg, hf_dir):
@@ -319,8 +319,8 @@ def _rank_replay(rank, world, port, cfg, hf_dir):
 
     ctx = init_rank(rank, world, port, tp=1, pp=1)
     RouterReplay.clear_global_router_replay_instances()
-    model = build_gpt_model(cfg, transformer_config(cfg, use_cpu=True), pre_process=True, post_process=True,
-                            pg_collection=ctx.pg_collection).eval()
+    model = build_gpt_model(cfg, transformer_config(cfg, use_cpu=True, routing_replay=True), pre_process=True,
+                            post_process=True, pg_collection=ctx.pg_collection).eval()
     load_hf_into_megatron(model, hf_dir, cfg, **layout_kwargs(ctx))
     ids = token_ids(cfg)
     plain = megatron_logits(model, ctx, cfg, ids)
@@ -339,10 +339,10 @@ def _rank_replay(rank, world, port, cfg, hf_dir):
 
 @pytest.mark.dist
 def test_routing_replay_can_be_switched_on(tmp_path):
-    """model.moe_enable_routing_replay builds megatron's RouterReplay in every router: the experts each token
-    was routed to can be recorded, and replaying them reproduces the logits (what routing replay of the
-    rollout engine's experts will build on); replaying other experts changes them."""
-    cfg = odd_cfg(moe_enable_routing_replay=True)
+    """routing_replay=True builds megatron's RouterReplay in every router: the experts each token was routed
+    to can be recorded, and replaying them reproduces the logits (what actor.router_replay builds on,
+    tests/test_router_replay*.py); replaying other experts changes them."""
+    cfg = odd_cfg()
     hf_dir = make_moe_checkpoint(str(tmp_path / "hf"), cfg, seed=2)
     (res,) = run_ranks(_rank_replay, 1, cfg, hf_dir)
     assert res["instances"] == cfg.num_layers

@@ -98,7 +98,7 @@ def test_experts_split_by_ep_and_their_optimizer_states_by_expert_data_parallel(
     tokens = mem.shape.tokens
     assert mem.phases["training"]["moe_dispatch"] == 2 * 2 * (tokens // 2) * m.moe_router_topk * m.hidden_size
     assert "routing_payload" not in mem.phases["training"]
-    replay = dataclasses.replace(cfg, model=dataclasses.replace(m, moe_enable_routing_replay=True))
+    replay = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, router_replay="rollout"))
     per_rank = 32 * 5 // 8  # ppo_mini_batch_size x n over DP 8
     assert estimate(replay).phases["training"]["routing_payload"] == per_rank * 1536 * m.num_layers * 8 * 8
 

@@ -284,7 +284,8 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
         if moe:
-            payload = routing_payload(m, math.ceil((a.ppo_mini_batch_size or cfg.data.train_batch_size) * r.n / lay.dp),
+            payload = routing_payload(m, str(a.router_replay) != "off",
+                                      math.ceil((a.ppo_mini_batch_size or cfg.data.train_batch_size) * r.n / lay.dp),
                                       shape.seq_len, m.num_layers // a.pp)
             for p in (train, fwd):
                 p["moe_dispatch"] = dispatch_buffers(m, shape.tokens, a.tp, w)

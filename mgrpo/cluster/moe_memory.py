@@ -68,8 +68,9 @@ def optimizer_states(n: int, n_expert: int, per_param: int, dp_shard: int, edp_s
     return (n - n_expert) * per_param // dp_shard + n_expert * per_param // edp_shard
 
 
-def routing_payload(m, samples: int, seq_len: int, layers: int) -> int:
-    """Routing replay: every token's k experts in each of the stage's layers, for the rank's mini-batch."""
-    if not getattr(m, "moe_enable_routing_replay", False):
+def routing_payload(m, replay: bool, samples: int, seq_len: int, layers: int) -> int:
+    """Routing replay (actor.router_replay != off): every token's k experts in each of the stage's layers, for
+    the rank's mini-batch, as the int64 indices megatron's RouterReplay takes."""
+    if not replay:
         return 0
     return samples * seq_len * layers * m.moe_router_topk * 8

@@ -41,6 +41,8 @@ class StepForwards:
             with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
                 out = self._old()
                 self.exp.old_logprobs, self.exp.entropy = out["logprobs"], out["entropy"]
+                if "routed_experts" in out:  # actor.router_replay=old: the routes the update replays
+                    self.exp.routed_experts = out["routed_experts"]
         if self._ref is not None and not self.keep_ref:
             with timer("ref"):
                 self.exp.ref_logprobs = self._ref()["logprobs"]
@@ -79,7 +81,8 @@ class ActorClient:
             if keep:
                 return {}
             idx = list(range(len(exp)))
-            return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in ("logprobs", "entropy")}
+            keys = ["logprobs", "entropy"] + (["routed_experts"] if all("routed_experts" in o for o in outs) else [])
+            return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in keys}
 
         return collect
 
@@ -89,10 +92,11 @@ class ActorClient:
         forward runs, so the update takes pi_old from its own detached log-probs (TRL does the same)
         and fills `exp.old_logprobs` / `exp.entropy` from that forward. They are needed earlier when
         the KL penalty goes into the reward (advantages use them), or when actor.recompute_old_logprob
-        asks for the separate forward."""
+        asks for the separate forward, or actor.router_replay=old, whose update replays the routes that forward
+        records."""
         cfg = self.cfg
         return (cfg.actor.recompute_old_logprob or cfg.algorithm.use_kl_in_reward or cfg.actor.ppo_epochs != 1
-                or len(exp.mini_batches(cfg, epoch_seed=0)) != 1)
+                or str(cfg.actor.router_replay) == "old" or len(exp.mini_batches(cfg, epoch_seed=0)) != 1)
 
     # --- training -----------------------------------------------------------------------------------
     def train(self, exp: Experience, step: int, kept_ref: Optional[Callable[[], dict]] = None) -> dict:
@@ -146,6 +150,7 @@ class ActorClient:
                 token_weight=pick(token_weight),
                 metric_weight=metric_weight,
                 support=pick(sub.support),  # every forward of a sample renormalises over its supports
+                routed_experts=pick(sub.routed_experts),  # routing replay: whichever forward has them replays
             ))
         return batches
 

@@ -20,6 +20,7 @@ from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.config.choices import AsyncMode
 from mgrpo.experience import Experience
 from mgrpo.observe.timing import PhaseTimer
+from mgrpo.rollout.factory import returns_routes
 from mgrpo.rollout.types import SamplingParams
 
 log = logging.getLogger("mgrpo")
@@ -91,7 +92,8 @@ class ExperienceMaker:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.cfg.data.max_response_length,
                               seed=seeds.sampling_seed(self.cfg.trainer.seed, step, round_),
-                              return_support=self.cfg.algorithm.logprob_support == "sampled")
+                              return_support=self.cfg.algorithm.logprob_support == "sampled",
+                              return_routed_experts=returns_routes(self.cfg))
 
     def generate(self, items, n: int, sampling: SamplingParams, metrics: dict, desc: str = "rollout") -> Experience:
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 from mgrpo.algorithms.support import SampleSupport
-from mgrpo.experience import Experience
+from mgrpo.experience import Experience, routes_from_json, routes_to_json
 
 log = logging.getLogger("mgrpo")
 
@@ -150,10 +150,12 @@ def experience_to_json(exp: Experience) -> dict:
     out = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp) if f.name not in ("items", "support")}
     out["items"] = [it.index for it in exp.items]
     out["support"] = None if exp.support is None else [s.to_json() for s in exp.support]
+    out["routed_experts"] = routes_to_json(exp.routed_experts)
     return out
 
 
 def experience_from_json(data: dict, items: list) -> Experience:
     support = data.get("support")
     return Experience(**{**data, "items": [items[i] for i in data["items"]],
-                         "support": None if support is None else [SampleSupport.from_json(s) for s in support]})
+                         "support": None if support is None else [SampleSupport.from_json(s) for s in support],
+                         "routed_experts": routes_from_json(data.get("routed_experts"))})

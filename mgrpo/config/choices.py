@@ -81,6 +81,18 @@ class Engine(StrEnum):
     hf = "hf"
 
 
+class RouterReplay(StrEnum):
+    """Whose expert choices the trainer's MoE routers follow (megatron-core's RouterReplay)."""
+
+    off = "off"
+    """each forward routes by itself"""
+    rollout = "rollout"
+    """R3: the experts the rollout engine routed each token to, in every trainer forward (old policy,
+    reference, update)"""
+    old = "old"
+    """R2: the experts the trainer's own old-policy forward chose, replayed in the update"""
+
+
 class RolloutMode(StrEnum):
     colocated = "colocated"
     hybrid = "hybrid"

@@ -18,7 +18,8 @@ from typing import Optional
 # Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
 # converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
-                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode)
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
+                                  RouterReplay)
 
 
 @dataclass
@@ -69,9 +70,6 @@ class ModelConfig:
     """Coefficient of the load-balancing auxiliary loss (HF `router_aux_loss_coef`; megatron's
     moe_aux_loss_coeff, summed over layers, each layer's loss over one micro-batch); 0 turns it off.
     The loss's value (per layer, averaged) is reported as actor/moe_load_balancing_loss."""
-    moe_enable_routing_replay: bool = False
-    """megatron-core's RouterReplay in every router: routing can be recorded and replayed (e.g. the
-    rollout engine's experts). The switch only builds the replay hooks; nothing feeds them yet."""
 
 
 @dataclass
@@ -219,6 +217,13 @@ class ActorConfig:
     """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |
     selective (core attention only). Trades compute for activation memory (mgrpo-plan shows how much)."""
     use_distributed_optimizer: bool = False
+    router_replay: RouterReplay = "off"
+    """Mixture-of-experts routing replay (megatron-core's RouterReplay): off | rollout (R3: every trainer
+    forward, old policy, reference and update, sends each token to the experts the rollout engine chose,
+    which the engines return with every sample) | old (R2: the update follows the experts of the
+    trainer's own old-policy forward, which then always runs). Either way the update reports
+    actor/router/agreement: the share of (token, layer) routings the trainer's router, left to itself,
+    would have chosen the same as the replayed ones."""
     seed: int = 1
 
 

@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
-                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, is_choice, plain,
-                                  values)
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
+                                  is_choice, plain, values)
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
@@ -122,6 +122,7 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
         e.append("actor.use_distributed_optimizer=True needs CUDA tensors in megatron-core; "
                  "on trainer.device=cpu use actor.use_distributed_optimizer=false")
     _choice(e, "actor.logprob_impl", a.logprob_impl, LogprobImpl)
+    _choice(e, "actor.router_replay", a.router_replay, RouterReplay)  # which families route: preflight
     _choice(e, "actor.dtype", a.dtype, Dtype)
     if a.dtype == Dtype.bf16 and t.device == Device.cpu:
         e.append("actor.dtype=bf16 needs CUDA (megatron's mixed-precision optimizer); on trainer.device=cpu "

@@ -45,7 +45,8 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
                               use_cpu: bool, use_te: bool = False, params_dtype: torch.dtype = torch.float32,
                               sequence_parallel: bool = False, fp8: Optional[str] = None,
                               fp8_recipe: str = "delayed", fp8_param: bool = False,
-                              cp_comm_type: str = "p2p", recompute: Optional[str] = None) -> dict:
+                              cp_comm_type: str = "p2p", recompute: Optional[str] = None,
+                              routing_replay: bool = False) -> dict:
     """The TransformerConfig fields for `model` (its family's architecture) at a parallel layout,
     without any capability check. Kept separate from `transformer_config` so the GPU configuration
     can be inspected on a CPU.
@@ -53,6 +54,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
     A mixture-of-experts family runs its experts `ep` ways (expert tensor parallelism 1) and, with
     tp > 1, sequence parallel: megatron's MoE layer refuses TP without it in training, and with every TP
     rank dispatching the same tokens each expert would see them tp times (gradients tp x too large).
+    `routing_replay` builds megatron's RouterReplay in every router (training/router_replay.py drives it).
     """
     from megatron.core.transformer.enums import AttnBackend
 
@@ -80,7 +82,8 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
     kwargs.update(family_of(model).megatron_config(model))
     if kwargs.get("num_moe_experts"):
         kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-                      sequence_parallel=tp > 1, moe_grouped_gemm=use_te and not use_cpu)
+                      sequence_parallel=tp > 1, moe_grouped_gemm=use_te and not use_cpu,
+                      moe_enable_routing_replay=routing_replay)
     elif ep != 1:
         raise ValueError(f"expert parallelism (ep={ep}) needs a mixture-of-experts model; model.family="
                          f"{model.family!r} has no experts")
@@ -116,7 +119,8 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
 def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, use_cpu: bool,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                        fp8: Optional[str] = None, fp8_recipe: str = "delayed", fp8_param: bool = False,
-                       use_te: Optional[bool] = None, cp_comm_type: str = "p2p", recompute: Optional[str] = None):
+                       use_te: Optional[bool] = None, cp_comm_type: str = "p2p", recompute: Optional[str] = None,
+                       routing_replay: bool = False):
     """TransformerConfig for `model` at the given parallel layout.
 
     On CPU the fused CUDA kernels (softmax, bias-dropout, RoPE, grad-accumulation fusion) are off and
@@ -137,7 +141,8 @@ def transformer_config(model: ModelConfig, *, tp: int = 1, pp: int = 1, cp: int 
     kwargs = transformer_config_kwargs(model, tp=tp, pp=pp, cp=cp, ep=ep, use_cpu=use_cpu, use_te=use_te,
                                        params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                        fp8=fp8, fp8_recipe=fp8_recipe, fp8_param=fp8_param,
-                                       cp_comm_type=cp_comm_type, recompute=recompute)
+                                       cp_comm_type=cp_comm_type, recompute=recompute,
+                                       routing_replay=routing_replay)
     return TransformerConfig(**kwargs)
 
 

@@ -57,7 +57,6 @@ def megatron_config(model) -> dict:
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model.router_aux_loss_coef,
-        moe_enable_routing_replay=model.moe_enable_routing_replay,
     )
     return out
 

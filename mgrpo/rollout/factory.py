@@ -55,6 +55,9 @@ class EngineSpec:
     """(config, engine URLs, context) -> a client in front of several engines (a router) that the rollout
     group generates through instead of asking each engine's host; it must offer `generate`,
     `replace(old_url, new_url)`, `retries` and `shutdown`."""
+    returns_routes: bool = False
+    """Answers `SamplingParams.return_routed_experts` with `GenerateResult.routed_experts` (MoE models), when
+    built with `return_routed_experts=True` (what actor.router_replay=rollout asks of every engine)."""
 
 
 # --- in-process transformers (CPU) -----------------------------------------------------------------
@@ -66,7 +69,13 @@ def _build_hf(hf_dir: str, kw: dict):
 
 def _hf_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
     return dict(eos_token_ids=list(ctx.eos_token_ids), pad_token_id=ctx.pad_token_id,
-                chunk_size=cfg.rollout.generate_chunk, num_threads=cfg.trainer.cpus_per_worker)
+                chunk_size=cfg.rollout.generate_chunk, num_threads=cfg.trainer.cpus_per_worker,
+                return_routed_experts=returns_routes(cfg))
+
+
+def returns_routes(cfg: MGRPOConfig) -> bool:
+    """Whether every rollout request asks for the experts each token was routed to (actor.router_replay=rollout)."""
+    return str(cfg.actor.router_replay) == "rollout"
 
 
 # --- SGLang servers (or the CPU server speaking their protocol) -----------------------------------
@@ -89,7 +98,7 @@ def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
                 request_timeout_s=r.request_timeout_s, health_timeout_s=r.health_check_timeout_s,
                 log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
                 enable_memory_saver=r.shares_actor_devices, visible_devices=ctx.visible_devices,
-                api_key=ctx.api_key)
+                api_key=ctx.api_key, return_routed_experts=returns_routes(cfg))
 
 
 def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int, api_key: Optional[str]):
@@ -108,15 +117,18 @@ def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
     from mgrpo.rollout.sglang.router import RoutedClient
 
     r = cfg.rollout
+    m = cfg.model
     return RoutedClient(urls, host=node_ip(), log_dir=os.path.join(ctx.log_dir, "router") if ctx.log_dir else None,
                         stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
-                        request_timeout_s=r.request_timeout_s, api_key=ctx.api_key)
+                        request_timeout_s=r.request_timeout_s, api_key=ctx.api_key,
+                        moe_shape=(m.num_layers, m.moe_router_topk) if m.num_experts else None)
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec("hf", _build_hf, _hf_kwargs),
+    "hf": EngineSpec("hf", _build_hf, _hf_kwargs, returns_routes=True),
     "sglang": EngineSpec("sglang", _build_sglang, _sglang_kwargs, direct_sender=_sglang_sender,
-                         node_local=lambda cfg: cfg.rollout.shares_actor_devices, front=_sglang_router),
+                         node_local=lambda cfg: cfg.rollout.shares_actor_devices, front=_sglang_router,
+                         returns_routes=True),
 }
 
 

@@ -9,11 +9,13 @@ GPUs SGLang takes its place.
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
 
 from mgrpo.models.registry import hf_named_tensors
+from mgrpo.rollout.routes import generated_routes
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -22,8 +24,10 @@ class HFRolloutEngine:
     """On the CPU there is no accelerator memory to give back: the rollout group skips the calls."""
 
     def __init__(self, hf_dir: str, *, eos_token_ids: Sequence[int], pad_token_id: int, chunk_size: int = 512,
-                 num_threads: int | None = None, weight_version: int = 0):
+                 num_threads: int | None = None, weight_version: int = 0, return_routed_experts: bool = False):
         from transformers import AutoModelForCausalLM
+
+        from mgrpo.rollout.routes import RouteCapture
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -35,6 +39,8 @@ class HFRolloutEngine:
         # under the names weight sync sends (checkpoint names: per expert for Qwen3-MoE, whose experts
         # transformers 5 fuses in memory), as views that share the parameters' memory
         self._params = hf_named_tensors(self.model)
+        self.routes = RouteCapture(self.model, what="return_routed_experts") if return_routed_experts else None
+        """The experts each token was routed to, from the model's routers (as the CPU server captures them)."""
         self._received: set[str] = set()
         self._generated = 0
         # one model, one global random generator: calls from several host threads take turns
@@ -68,20 +74,12 @@ class HFRolloutEngine:
                             dtype=torch.long)
         sample = not sampling.greedy
         supports = sampling.return_support and sample
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=sample,
-            temperature=sampling.temperature if sample else None,
-            top_p=sampling.top_p if sample else None,
-            top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            output_logits=not supports,
-            output_scores=supports,
-            return_dict_in_generate=True,
-        )
+        if sampling.return_routed_experts and self.routes is None:
+            raise ValueError("return_routed_experts was asked, but the engine was built without "
+                             "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
+        capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
+        with capture as forwards:
+            out = self._sample(ids, mask, sampling, supports)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
@@ -111,7 +109,26 @@ class HFRolloutEngine:
                 support = token_supports[i][:n] if token_supports is not None else [None] * n
             results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n], finish_reason=finish,
                                           weight_version=self.weight_version, support=support))
+            if forwards:
+                results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)
         return results
+
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool):
+        sample = not sampling.greedy
+        return self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=sample,
+            temperature=sampling.temperature if sample else None,
+            top_p=sampling.top_p if sample else None,
+            top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            output_logits=not supports,
+            output_scores=supports,
+            return_dict_in_generate=True,
+        )
 
     # --- weight sync ----------------------------------------------------------------------------
     @torch.no_grad()

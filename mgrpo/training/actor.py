@@ -23,6 +23,7 @@ from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, spl
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
 from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step
 from mgrpo.training.parallel import init_parallel
+from mgrpo.training.router_replay import RECORD, REPLAY, ModelRouting, routing_metrics
 
 
 class MegatronActor:
@@ -39,7 +40,8 @@ class MegatronActor:
         self.tf_config = transformer_config(cfg.model, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, use_cpu=use_cpu,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                             fp8=a.fp8, fp8_recipe=a.fp8_recipe, fp8_param=a.fp8_param,
-                                            cp_comm_type=a.cp_comm_type, recompute=a.recompute)
+                                            cp_comm_type=a.cp_comm_type, recompute=a.recompute,
+                                            routing_replay=bool(cfg.model.num_experts))
         # micro-batch layout: padded rows or THD-packed, this rank's CP share, FP8 slot multiples
         self.layout = batch_layout(packed=a.pack_sequences, cp=a.cp, cp_rank=self.ctx.cp_rank,
                                    fp8_recipe=a.fp8_recipe if a.fp8 is not None else None,
@@ -69,6 +71,9 @@ class MegatronActor:
                                          init_hf_dir)
             self.ref.requires_grad_(False)
             self.ref.eval()
+        # mixture of experts: each model's routers, driven per micro-batch (routing replay and its metrics)
+        self.routing = self._routing(gpt)
+        self.ref_routing = self._routing(self.ref) if self.ref is not None else None
         self.skipped_steps = 0
         self._kept_ref: Optional[tuple] = None
         """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
@@ -82,6 +87,29 @@ class MegatronActor:
                                             pp_rank=c.pp_rank, pp_size=c.pp)
         emit_hidden_states(gpt)
         return gpt
+
+    def _routing(self, model) -> Optional[ModelRouting]:
+        if not self.cfg.model.num_experts:
+            return None
+        sp = self.ctx.tp if self.tf_config.sequence_parallel else 1
+        return ModelRouting(model, sp=sp, sp_rank=self.ctx.tp_rank if sp > 1 else 0)
+
+    def _routing_pass(self, routing: Optional[ModelRouting], batch: RankBatch, which: str, measure: bool = False):
+        """Start `routing`'s pass over `batch`: replay the routes the batch carries; the actor's old-policy
+        forward under actor.router_replay=old records its own. Returns the action (None: plain routing)."""
+        if routing is None:
+            return None
+        mode = str(self.cfg.actor.router_replay)
+        if batch.routed_experts is not None:
+            action = REPLAY
+        elif mode == "old" and which == "actor":
+            action = RECORD
+        elif mode == "rollout" or (mode == "old" and which == "update"):
+            raise ValueError(f"actor.router_replay={mode!r}: the {which} forward got a batch without routed experts")
+        else:
+            action = None
+        routing.start(action, measure=measure)
+        return action
 
     @property
     def gpt(self):
@@ -139,15 +167,29 @@ class MegatronActor:
         gpt = model.module if which == "actor" else model
         t0 = time.perf_counter()
         mbs, groups = self._micro_batches(batch)
-        step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor")
-        out = self._run(model, step, mbs, True)
+        routing = self.routing if which == "actor" else self.ref_routing
+        action = self._routing_pass(routing, batch, which)
+        step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor",
+                                 routing=routing)
+        try:
+            out = self._run(model, step, mbs, True)
+            routes = (routing.recorded_per_sample(mbs, groups, batch.lengths(), self.ctx, self.cfg.model.num_layers)
+                      if action == RECORD else None)
+        finally:
+            if routing is not None:
+                routing.finish()  # a forward-only pass leaves no targets behind
         if keep:
             if which != "ref":
                 raise ValueError("only the reference's log-probs are kept for the update")
             values = self._per_sample(batch, mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
             self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
             return None
-        return self._per_sample(batch, mbs, groups, out) if self.ctx.reports else None
+        if not self.ctx.reports:
+            return None
+        result = self._per_sample(batch, mbs, groups, out)
+        if action == RECORD:  # actor.router_replay=old: what the update replays
+            result["routed_experts"] = routes
+        return result
 
     @staticmethod
     def _per_sample(batch: RankBatch, mbs, groups, out) -> dict:
@@ -187,9 +229,18 @@ class MegatronActor:
         # our token weights are already normalised by the global mini-batch, so both are undone.
         scale = float(len(mbs) * self.ctx.dp)
         t0 = time.perf_counter()
-        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token)
-        metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
-        metrics.update(moe_metrics(self.cfg.model, self.ctx, len(mbs)))
+        action = self._routing_pass(self.routing, batch, "update", measure=True)
+        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token,
+                             routing=self.routing)
+        try:
+            metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
+            metrics.update(moe_metrics(self.cfg.model, self.ctx, len(mbs)))
+            if self.routing is not None:
+                metrics.update(routing_metrics(self.routing, self.ctx, num_layers=self.cfg.model.num_layers,
+                                               num_experts=self.cfg.model.num_experts, replayed=action == REPLAY))
+        finally:
+            if self.routing is not None:
+                self.routing.finish()
         finite = torch.tensor([float(all(map(math.isfinite, metrics.values())))])
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank must agree to step or to skip
         ok, grad_norm = False, float("nan")

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from mgrpo.algorithms.support import SampleSupport, gather_tokens
@@ -51,6 +52,9 @@ class RankBatch:
     support: Optional[list[SampleSupport]] = None
     """Each sample's per-response-token sampling supports (algorithm.logprob_support=sampled), or None:
     every token normalised over the whole vocabulary."""
+    routed_experts: Optional[list] = None
+    """Routing replay: per sample the experts to send each position to, [length - 1, layers, top_k] integer
+    arrays (numpy or torch; the last token's row and padding get `default_route`)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -64,7 +68,7 @@ class RankBatch:
             input_ids=pick(self.input_ids), prompt_lens=pick(self.prompt_lens),
             seq_index=pick(self.seq_index) if self.seq_index else [],
             **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight,
-            support=pick(self.support))
+            support=pick(self.support), routed_experts=pick(self.routed_experts))
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,11 @@ class MicroBatch:
     supports (every token over the whole vocabulary). An empty row is a token sampled from all of it."""
     support_ids: Optional[torch.Tensor] = None
     """[nnz] their global vocabulary ids."""
+    route_rows: Optional[torch.Tensor] = None
+    """Same shape as `tokens`: each slot's row among the micro-batch's routing rows (its samples' positions
+    0 .. length - 2, sample after sample), -1 for a sample's last token and padding, which have none."""
+    routes: Optional[torch.Tensor] = None
+    """Routing replay: [rows, layers, top_k] expert ids of those rows (RankBatch.routed_experts), else None."""
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +176,8 @@ class MicroBatch:
                           response_lens=self.response_lens, fields={k: move(v) for k, v in self.fields.items()},
                           metric_weight=self.metric_weight, packed_seq_params=psp,
                           token_order=move(self.token_order), slots=self.slots, padding_mask=move(self.padding_mask),
-                          support_offsets=move(self.support_offsets), support_ids=move(self.support_ids))
+                          support_offsets=move(self.support_offsets), support_ids=move(self.support_ids),
+                          route_rows=move(self.route_rows), routes=move(self.routes))
 
 
 def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad_id: int = 0) -> MicroBatch:
@@ -221,6 +231,8 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
         support = gather_tokens(batch.support, order_t)
     local = int(g.numel())
     shape = (1, local) if layout.packed else (len(lens), local // len(lens))
+    row_start = torch.tensor([0] + [m - 1 for m in lens[:-1]], dtype=torch.long).cumsum(0)
+    route_rows = torch.where(g < n - 1, row_start[sample] + g, -1)
     return MicroBatch(
         tokens=flat[at].view(shape),
         position_ids=g.view(shape),
@@ -236,7 +248,31 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
         padding_mask=(g >= n).view(shape),
         support_offsets=None if support is None else support[0],
         support_ids=None if support is None else support[1],
+        route_rows=route_rows.view(shape),
+        routes=_routes(batch, lens),
     )
+
+
+def _routes(batch: RankBatch, lens: list[int]) -> Optional[torch.Tensor]:
+    """The micro-batch's routing rows [sum(length - 1), layers, top_k], sample after sample."""
+    if batch.routed_experts is None:
+        return None
+    rows = [torch.as_tensor(r) for r in batch.routed_experts]
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        if r.dim() != 3 or r.shape[0] != n - 1 or r.shape[1:] != rows[0].shape[1:]:
+            raise ValueError(f"sample {batch.seq_index[i] if batch.seq_index else i}: routed experts of shape "
+                             f"{tuple(r.shape)} for {n} tokens (expected [{n - 1}, layers, top_k], the same "
+                             "layers and top_k for every sample)")
+    return torch.cat(rows).to(torch.int64)
+
+
+def compact_routes(routes: np.ndarray) -> np.ndarray:
+    """Expert ids in the smallest integer type that holds them: one byte per id below 256 experts (a
+    Qwen3-30B-A3B token is 48 layers x 8 ids = 384 bytes), two below 32768."""
+    top = int(routes.max(initial=0))
+    if routes.size and int(routes.min()) < 0:
+        raise ValueError(f"routed experts hold a negative expert id ({int(routes.min())})")
+    return routes.astype(np.uint8 if top < 256 else np.int16 if top < 32768 else np.int32, copy=False)
 
 
 def split_per_sample(values: torch.Tensor, response_lens: list[int]) -> list[list[float]]:

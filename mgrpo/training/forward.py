@@ -134,14 +134,20 @@ def _on_policy(token_loss, old_logprob: torch.Tensor):
     return fn
 
 
-def run_model(model, mb: MicroBatch):
+def run_model(model, mb: MicroBatch, routing=None):
     """The stage's forward on one micro-batch: padded rows, or THD-packed with its PackedSeqParams.
-    Mixture-of-experts stages also get the padding mask (padding stays out of the load-balancing loss)."""
+    Mixture-of-experts stages also get the padding mask (padding stays out of the load-balancing loss), and
+    their routers this micro-batch's routing replay (`routing`: training/router_replay.py::ModelRouting)."""
     from mgrpo.models.gpt import stage_padding_mask
 
     mask = stage_padding_mask(model, mb.padding_mask)
     extra = {} if mask is None else {"padding_mask": mask}
-    return model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params, **extra)
+    if routing is not None:
+        routing.begin(mb)
+    out = model(mb.tokens, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params, **extra)
+    if routing is not None:
+        routing.end(mb)
+    return out
 
 
 def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Tensor:
@@ -157,13 +163,13 @@ def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Ten
 
 
 def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float,
-                      entropy: bool = True):
+                      entropy: bool = True, routing=None):
     """forward_step_func for megatron's schedules collecting per-token log-probs (and, with `entropy`,
-    entropy), in sample order (gathered over the CP group)."""
+    entropy), in sample order (gathered over the CP group). `routing`: see `run_model`."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        out = run_model(model, mb)
+        out = run_model(model, mb, routing)
 
         def collect(hidden):
             lp, ent = head.logprobs(hidden, get_weight(), mb, temperature, entropy=entropy)
@@ -176,17 +182,17 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
 
 
 def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float,
-               per_token: Optional[list] = None):
+               per_token: Optional[list] = None, routing=None):
     """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
     data-parallel ranks: our token weights already normalise by the global mini-batch. Under CP each
     rank's loss covers the response tokens it holds; megatron multiplies the loss by cp and averages
     gradients over the dp x cp ranks, so the same scale makes the gradient the sum over CP ranks.
     `per_token`, when given, collects each micro-batch's detached {'logprobs', 'entropy'} of this
-    forward, in sample order (as `forward_only_step` returns them)."""
+    forward, in sample order (as `forward_only_step` returns them). `routing`: see `run_model`."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        out = run_model(model, mb)
+        out = run_model(model, mb, routing)
 
         def loss_func(hidden):
             got: Optional[dict] = {} if per_token is not None else None

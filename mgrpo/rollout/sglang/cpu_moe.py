@@ -8,17 +8,14 @@ the experts of a layer fused in memory: `mlp.experts.gate_up_proj` [E, 2I, H] (g
 forward's `.chunk(2)` reads them) and `mlp.experts.down_proj` [E, H, I]. `weight_targets` maps every
 SGLang name to the slice of the model's parameter it fills.
 
-Routes. SGLang (srt/state_capturer/routed_experts.py, layers/moe/topk.py) records, per layer, the top-k
-expert ids its router chose for every token it computed, and returns for a request the rows of positions
-[start, prompt + output - 1). Here a forward hook on each transformers router (`*TopKRouter`, whose output
-is (logits, weights, indices)) keeps the indices the experts were then called with: the same tensor, not a
-recomputation.
+Routes: SGLang returns for a request the rows of positions [start, prompt + output - 1); the capture from
+the model's own routers is `mgrpo/rollout/routes.py::RouteCapture`, which the in-process engine shares.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -42,42 +39,3 @@ def weight_targets(model: torch.nn.Module) -> dict[str, tuple[str, Callable[[tor
                 targets[f"{prefix}.{e}.gate_proj.weight"] = (name, lambda t, _e=e, _h=half: t[_e, :_h])
                 targets[f"{prefix}.{e}.up_proj.weight"] = (name, lambda t, _e=e, _h=half: t[_e, _h:])
     return targets
-
-
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The MoE routers of the decoder layers, in layer order."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-
-
-def moe_shape(config) -> Optional[tuple[int, int]]:
-    """(num_layers, top_k) of routed_experts for an MoE config, None for a dense one."""
-    top_k = getattr(config, "num_experts_per_tok", None)
-    return (config.num_hidden_layers, top_k) if top_k else None
-
-
-class RouteCapture:
-    """Forward hooks on every router; after a forward, `take(batch, seq)` gives int32 [batch, seq, L, K]."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.modules = routers(model)
-        shape = moe_shape(model.config)
-        if shape is None or len(self.modules) != shape[0]:
-            raise ValueError(f"--enable-return-routed-experts: the CPU server returns routed experts for MoE models "
-                             f"whose every layer routes; {type(model).__name__} has {len(self.modules)} routers for "
-                             f"{model.config.num_hidden_layers} layers")
-        self.top_k = shape[1]
-        self._seen: list[Optional[torch.Tensor]] = [None] * len(self.modules)
-        for i, mod in enumerate(self.modules):
-            mod.register_forward_hook(self._hook(i))
-
-    def _hook(self, layer: int):
-        def hook(module, args, output):
-            self._seen[layer] = output[2].detach()  # (logits, weights, indices): what the experts receive
-        return hook
-
-    def take(self, batch: int, seq: int) -> torch.Tensor:
-        if any(t is None for t in self._seen):
-            raise RuntimeError("a router did not run during the forward")
-        out = torch.stack([t.reshape(batch, seq, self.top_k) for t in self._seen], dim=2).to(torch.int32)
-        self._seen = [None] * len(self.modules)
-        return out
