@@ -145,7 +145,7 @@ def test_layouts_replay_and_record_as_one_rank(runs, label):
         a, b = got["metrics"][k], want["metrics"][k]
         assert math.isfinite(a) and abs(a - b) < 1e-5, (label, k, a, b)
     router_keys = [k for k in want["metrics"] if k.startswith("actor/router/")]
-    assert len(router_keys) == 1 + moe_cfg().num_layers
+    assert len(router_keys) == 1 + 2 * moe_cfg().num_layers  # agreement: overall and per layer; imbalance
     for m in got["all_metrics"]:  # every rank reports the whole step's counts
         assert all(m[k] == want["metrics"][k] for k in router_keys), label
     assert got["leftover"] == 0, label

@@ -257,7 +257,7 @@ def _routes(batch: RankBatch, lens: list[int]) -> Optional[torch.Tensor]:
     """The micro-batch's routing rows [sum(length - 1), layers, top_k], sample after sample."""
     if batch.routed_experts is None:
         return None
-    rows = [torch.as_tensor(r) for r in batch.routed_experts]
+    rows = [r if isinstance(r, torch.Tensor) else torch.tensor(r) for r in batch.routed_experts]  # Ray's are read-only
     for i, (r, n) in enumerate(zip(rows, lens)):
         if r.dim() != 3 or r.shape[0] != n - 1 or r.shape[1:] != rows[0].shape[1:]:
             raise ValueError(f"sample {batch.seq_index[i] if batch.seq_index else i}: routed experts of shape "

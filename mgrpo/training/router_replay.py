@@ -21,7 +21,7 @@ Contracts of megatron's routers that the targets must follow:
 
 `LayerReplay` also measures, without changing what is replayed: per expert, the tokens it was sent (load),
 and, while replaying, how many tokens' replayed top-k set the router would have chosen by itself (the
-same scores through megatron's own top-k: actor/router/agreement).
+same scores through megatron's own top-k: actor/router/agreement, see `routing_metrics`).
 """
 
 from __future__ import annotations
@@ -211,12 +211,12 @@ class ModelRouting:
         return [compact_routes(p.numpy()) for p in per_sample]
 
     def counts(self, num_layers: int, num_experts: int) -> torch.Tensor:
-        """This rank's [agree, checked, load of every (layer, expert)] since `start(..., measure=True)`."""
-        vec = torch.zeros(2 + num_layers * num_experts, dtype=torch.float64)
+        """This rank's [agree per layer, checked per layer, load per (layer, expert)] since `start(measure=True)`."""
+        vec = torch.zeros(num_layers * (2 + num_experts), dtype=torch.float64)
         for layer, r in self.layers:
-            vec[0] += r.agree
-            vec[1] += r.checked
-            vec[2 + layer * num_experts:2 + (layer + 1) * num_experts] = r.load
+            vec[layer], vec[num_layers + layer] = r.agree, r.checked
+            start = 2 * num_layers + layer * num_experts
+            vec[start:start + num_experts] = r.load
         return vec
 
 
@@ -224,9 +224,12 @@ def routing_metrics(routing: ModelRouting, ctx, *, num_layers: int, num_experts:
     """The step's routing metrics, the same on every rank: counts summed over the ranks that route distinct
     tokens (data-parallel and CP ranks, TP ranks under sequence parallelism) and layers (pipeline stages).
 
-    actor/router/agreement (when replaying): share of (token, layer) routings whose replayed top-k set the
-    router would have chosen by itself; actor/router/imbalance/layer_i: the most tokens any expert of layer i
-    received over the mean (1 = balanced, num_experts / top_k = every token to the same k experts)."""
+    actor/router/agreement (when replaying; per layer under actor/router/agreement/layer_i): share of the
+    (token, layer) routings whose replayed top-k set the router, on the hidden states of the replayed forward,
+    would have chosen by itself (layer 0's input does not depend on routing; a later layer's is the one the
+    replayed routes produced, so disagreement upstream is not counted again downstream);
+    actor/router/imbalance/layer_i: the most tokens any expert of layer i received over the mean (1 =
+    balanced, num_experts / top_k = every token to the same k experts)."""
     vec = routing.counts(num_layers, num_experts)
     dist.all_reduce(vec, group=ctx.dp_cp_group)
     if routing.sp > 1:
@@ -235,8 +238,11 @@ def routing_metrics(routing: ModelRouting, ctx, *, num_layers: int, num_experts:
         dist.all_reduce(vec, group=ctx.pp_group)
     out = {}
     if replayed:
-        out["actor/router/agreement"] = float(vec[0] / max(float(vec[1]), 1.0))
-    load = vec[2:].view(num_layers, num_experts)
+        agree, checked = vec[:num_layers], vec[num_layers:2 * num_layers]
+        out["actor/router/agreement"] = float(agree.sum() / max(float(checked.sum()), 1.0))
+        for i in range(num_layers):
+            out[f"actor/router/agreement/layer_{i}"] = float(agree[i] / max(float(checked[i]), 1.0))
+    load = vec[2 * num_layers:].view(num_layers, num_experts)
     for i, row in enumerate(load):
         out[f"actor/router/imbalance/layer_{i}"] = float(row.max() / row.mean()) if row.sum() > 0 else 1.0
     return out
