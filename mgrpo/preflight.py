@@ -91,7 +91,8 @@ def _router_replay_errors(cfg: MGRPOConfig, family) -> list[str]:
     if mode == "rollout" and spec is not None and not spec.returns_routes:
         engines = sorted(n for n, s in ENGINES.items() if s.returns_routes)
         e.append(f"actor.router_replay='rollout' replays the experts the rollout engine chose, but rollout.engine="
-                 f"{cfg.rollout.engine!s} does not return them (engines that do: {engines}; or actor.router_replay=old)")
+                 f"{cfg.rollout.engine!s} does not return them (engines that do: {engines}; or "
+                 "actor.router_replay=old)")
     return e
 
 

@@ -221,7 +221,8 @@ def test_experience_carries_routes_compactly_and_shards_them_with_their_samples(
     from mgrpo.experience import Experience
     from mgrpo.rollout.types import GenerateResult
 
-    items = [PromptItem(index=i, prompt_ids=[1] * (2 + i), prompt_text="", data_source="sum", ground_truth="0") for i in range(3)]
+    items = [PromptItem(index=i, prompt_ids=[1] * (2 + i), prompt_text="", data_source="sum", ground_truth="0")
+             for i in range(3)]
     results = [GenerateResult(uid=i, token_ids=[5] * (1 + i), logprobs=[-1.0] * (1 + i), finish_reason="stop",
                               weight_version=0,
                               routed_experts=np.full(((2 + i // 2) + (1 + i) - 1, 2, 2), i, dtype=np.int32))
@@ -240,3 +241,17 @@ def test_experience_carries_routes_compactly_and_shards_them_with_their_samples(
     partial = [dataclasses.replace(r, routed_experts=None) if r.uid == 3 else r for r in results]
     with pytest.raises(RuntimeError, match="1 of 6 rollout results came back without routed_experts"):
         Experience.from_rollout(items, partial, n=2)
+
+
+def test_verl_router_replay_modes():
+    """veRL's actor_rollout_ref.actor.router_replay.mode: disabled | R2 | R3 -> actor.router_replay."""
+    from mgrpo.compat.verl import VerlKeyError, translate
+    from mgrpo_launchers.plan import compose_config
+
+    for mode, want in (("disabled", "off"), ("R2", "old"), ("R3", "rollout")):
+        t = translate(["model=tiny-moe", f"actor_rollout_ref.actor.router_replay.mode={mode}",
+                       f"actor_rollout_ref.ref.router_replay.mode={mode}",
+                       "actor_rollout_ref.rollout.enable_rollout_routing_replay=" + str(mode == "R3")])
+        assert compose_config(t.args).actor.router_replay == want
+    with pytest.raises(VerlKeyError, match="router_replay.mode is disabled | R2 | R3"):
+        translate(["actor_rollout_ref.actor.router_replay.mode=R4"])

@@ -13,7 +13,6 @@ MICRO = ("mgrpo packs micro-batches by tokens (actor.max_tokens_per_gpu); the lo
 TUNING = "rollout engine tuning (speed/memory only, sampling unchanged); mgrpo's SGLang launch uses its own settings"
 FSDP = "FSDP engine setting (memory/speed only); mgrpo trains with Megatron"
 PROFILE = "profiling/observability only"
-DENSE = "mgrpo trains dense Qwen3 (no mixture-of-experts layers)"
 
 
 class Refuse(Exception):

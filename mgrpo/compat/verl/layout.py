@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mgrpo.compat.verl.kit import A, DENSE, F, FSDP, R, Refuse, Rule, falsy, ignore, only, refuse, to
+from mgrpo.compat.verl.kit import A, F, FSDP, R, Refuse, Rule, falsy, ignore, only, refuse, to
 
 VERL_GPUS_PER_NODE, VERL_NNODES, VERL_ROLLOUT_TP = 8, 1, 2
 """veRL's defaults for trainer.n_gpus_per_node, trainer.nnodes, actor_rollout_ref.rollout.tensor_model_parallel_size."""
@@ -97,6 +97,16 @@ def _recompute(v, ctx):
     return [("", "off, as in mgrpo")] if v is None else [("actor.recompute", v)]
 
 
+ROUTER_REPLAY = {None: "off", "disabled": "off", "R2": "old", "R3": "rollout"}
+"""veRL's actor router_replay.mode -> actor.router_replay."""
+
+
+def _router_replay(v, ctx):
+    if v not in ROUTER_REPLAY:
+        raise Refuse("veRL's router_replay.mode is disabled | R2 | R3")
+    return [("actor.router_replay", ROUTER_REPLAY[v])]
+
+
 LAYOUT_RULES: dict[str, Rule] = {
     **{A + "megatron." + k: _actor_parallel(pk) for k, pk in MEGATRON_PARALLEL.items()},
     **{F + "megatron." + k: _ref_parallel(A + "megatron." + k, pk) for k, pk in MEGATRON_PARALLEL.items()},
@@ -122,10 +132,12 @@ LAYOUT_RULES: dict[str, Rule] = {
     F + "fsdp_config.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
                                           "mgrpo keeps the reference model on the GPU, sharded like the actor (no "
                                           "offload); drop the key and check the fit with mgrpo-plan"),
-    # MoE routing replay (R2: replay the trainer's routing; R3: the rollout engine's)
-    A + "router_replay.mode": only(lambda v: v in (None, "disabled"), "disabled", DENSE),
-    F + "router_replay.mode": only(lambda v: v in (None, "disabled"), "disabled", DENSE),
-    R + "enable_rollout_routing_replay": only(falsy, "false", DENSE),
+    # MoE routing replay (R2: replay the trainer's old-policy routing in the update; R3: the rollout engine's)
+    A + "router_replay.mode": _router_replay,
+    F + "router_replay.mode": ignore("the reference follows actor.router_replay: the rollout's routes under R3, "
+                                     "its own routing otherwise"),
+    R + "enable_rollout_routing_replay": ignore("mgrpo's engines return the routes exactly when the actor replays "
+                                                "them (router_replay.mode=R3, actor.router_replay=rollout)"),
 }
 # megatron MoE settings veRL passes through override_transformer_config (both the actor's and the reference's)
 for _who in (A, F):
