@@ -24,17 +24,25 @@ from tests.test_sglang_moe import LAYERS, REQS, TOP_K, moe_checkpoint, recompute
 def test_hf_engine_returns_the_routers_choice(tmp_path):
     """The in-process engine (transformers' generate, left-padded batches, a KV cache) returns for every sample
     the experts of each position but the last, [prompt + response - 1, layers, k], as the CPU server does:
-    equal to the router's top-k recomputed from the checkpoint over the whole sequence."""
+    equal to the router's top-k recomputed from the checkpoint over the whole sequence; also when the same
+    request asks for the sampling supports (algorithm.logprob_support=sampled with replay)."""
     from mgrpo.rollout.hf_engine import HFRolloutEngine
     from mgrpo.rollout.types import SamplingParams
 
     ckpt = moe_checkpoint(str(tmp_path / "moe"))
     engine = HFRolloutEngine(ckpt, eos_token_ids=[15], pad_token_id=0, return_routed_experts=True)
     for sampling in (SamplingParams(temperature=0.0, max_new_tokens=6, return_routed_experts=True),
-                     SamplingParams(temperature=1.0, max_new_tokens=7, seed=3, return_routed_experts=True)):
+                     SamplingParams(temperature=1.0, max_new_tokens=7, seed=3, return_routed_experts=True),
+                     SamplingParams(temperature=1.0, top_k=3, max_new_tokens=7, seed=5, return_routed_experts=True,
+                                    return_support=True)):
         out = engine.generate(REQS, sampling)
         assert len({len(r.token_ids) for r in out}) > 1 or sampling.temperature == 0.0
         for req, res in zip(REQS, out):
+            if sampling.return_support:  # top-k 3: each token's support is 3 ids holding the sampled one
+                assert len(res.support) == len(res.token_ids)
+                assert all(len(s) == 3 and t in s for s, t in zip(res.support, res.token_ids))
+            else:
+                assert res.support is None
             seq = req.prompt_ids + res.token_ids
             assert res.routed_experts.shape == (len(seq) - 1, LAYERS, TOP_K)
             want = recomputed_routes(ckpt, seq[:-1])
