@@ -165,7 +165,7 @@ class Experience:
                                                   cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
         self.rewards = shaped.tolist()
         return {"reward/failed": scored.failed, "reward/timeout": scored.timeout,
-                "reward/overlong_penalised": penalised}
+                "reward/worker_restarts": scored.worker_restarts, "reward/overlong_penalised": penalised}
 
     def compute_advantages(self, cfg: MGRPOConfig) -> None:
         al = cfg.algorithm

@@ -4,7 +4,9 @@ evaluation metrics and the mgrpo-reward command."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
+import threading
 import time
 
 import pytest
@@ -127,7 +129,8 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
         assert res.status == ["ok", "ok", "failed", "timeout", "ok", "failed", "ok", "failed", "ok", "ok"]
         assert (res.failed, res.timeout) == (3, 1)
         assert any("reward bug" in e for e in res.errors)
-        assert res.metrics() == {"reward/failed": 3.0, "reward/timeout": 1.0}
+        assert any("exited (code 7) twice" in e for e in res.errors)  # my/crash ran on two workers
+        assert res.metrics() == {"reward/failed": 3.0, "reward/timeout": 1.0, "reward/worker_restarts": 2.0}
         # replaced workers keep serving the next batch
         again = judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")] * 50)
         assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
@@ -157,7 +160,26 @@ def test_judger_replaces_a_worker_that_died_while_idle():
         w.proc.kill()   # our own child; simulates an OOM kill between steps
         w.proc.wait()
         res = judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")] * 3)
-        assert res.scores == [1.0] * 3 and res.failed == 0
+        assert res.scores == [1.0] * 3 and res.failed == 0 and res.worker_restarts == 1
+
+
+def test_judger_worker_killed_during_a_call_costs_no_score(user_module):
+    """A worker killed from outside while it runs a call (as an OOM kill or a chaos run does): the call and
+    the ones queued behind it are scored by a fresh worker, exactly as if nothing had happened; the
+    restart is counted."""
+    import signal
+
+    reqs = [ScoreRequest("my/slow", "0.5", "1"), ScoreRequest("my/exact", "3", "3"),
+            ScoreRequest("my/exact", "3", "4")]
+    with Judger(RewardConfig(custom_functions=user_module, timeout_s=30.0, num_workers=1)) as judger:
+        judger.score([ScoreRequest("my/exact", "1", "1")])  # the worker is up
+        pid = judger._workers[0].proc.pid
+        killer = threading.Timer(0.2, os.kill, (pid, signal.SIGKILL))  # lands inside the 0.5 s call
+        killer.start()
+        res = judger.score(reqs)
+        killer.join()
+    assert res.scores == [1.0, 1.0, 0.0] and res.status == ["ok"] * 3
+    assert (res.failed, res.timeout, res.worker_restarts) == (0, 0, 1)
 
 
 def test_judger_in_process(user_module):

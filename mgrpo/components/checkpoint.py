@@ -25,8 +25,8 @@ log = logging.getLogger("mgrpo")
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_rollouts.json"
 """Batches an asynchronous rollout had ready when the checkpoint was taken (replayed on resume)."""
-COUNTERS = ("reward/failed", "reward/timeout", "rollout/retries", "rollout/restarts", "rollout/stale_dropped",
-            "rollout/auth_refused")
+COUNTERS = ("reward/failed", "reward/timeout", "reward/worker_restarts", "rollout/retries", "rollout/restarts",
+            "rollout/stale_dropped", "rollout/auth_refused")
 """Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
 
 

@@ -8,6 +8,11 @@ costs one round trip per worker, not one per response. A call that raises scores
 worker killed and restarted and scores 0 as `timeout`; the calls after it in that share go to the
 fresh worker. Nothing a reward function does can crash the run or stall it for longer than the timeout.
 
+A worker that dies (killed from outside, out of memory, or a function that ends the interpreter) is
+replaced and counted (`worker_restarts`); the call it was running goes to the fresh worker once more,
+so a worker lost to something outside costs no score, and only a call that kills its worker twice
+scores 0 as `failed`.
+
 With num_workers=0 functions run in the calling process: cheaper, but a hung function cannot be
 interrupted; a call that took longer than timeout_s still scores 0 and counts as a timeout.
 """
@@ -50,13 +55,16 @@ class ScoreResult:
     """Calls that raised or returned something other than a finite number (scored 0)."""
     timeout: int = 0
     """Calls that exceeded reward.timeout_s (scored 0)."""
+    worker_restarts: int = 0
+    """Workers found dead (exited or killed, not timed out) and replaced."""
     status: list[str] = field(default_factory=list)
     """Per request: 'ok' | 'failed' | 'timeout'."""
     errors: list[str] = field(default_factory=list)
     """The first few failure messages, for logs."""
 
     def metrics(self) -> dict[str, float]:
-        return {"reward/failed": float(self.failed), "reward/timeout": float(self.timeout)}
+        return {"reward/failed": float(self.failed), "reward/timeout": float(self.timeout),
+                "reward/worker_restarts": float(self.worker_restarts)}
 
 
 class _Worker:
@@ -138,6 +146,8 @@ class Judger:
         if result.failed or result.timeout:
             log.warning("reward: %d failed, %d timed out of %d; e.g. %s", result.failed, result.timeout,
                         len(requests), result.errors[:2])
+        if result.worker_restarts:
+            log.warning("reward: %d worker(s) found dead and replaced", result.worker_restarts)
         return result
 
     def close(self) -> None:
@@ -184,8 +194,15 @@ class Judger:
                 result.scores[i] = score
 
     def _score_in_workers(self, requests: list[ScoreRequest], result: ScoreResult) -> None:
-        # Workers persist between calls; dead ones are replaced.
-        self._workers = [w for w in self._workers if w.proc.poll() is None]
+        # Workers persist between calls; dead ones are replaced (and counted).
+        alive = [w for w in self._workers if w.proc.poll() is None]
+        for w in self._workers:
+            if w not in alive:
+                w.kill()  # closes its pipes
+        result.worker_restarts += len(self._workers) - len(alive)
+        self._workers = alive
+        retried: set[int] = set()
+        """Requests already sent again after their worker died: a second death scores them 0."""
         while len(self._workers) < self.cfg.num_workers:
             self._workers.append(_Worker(self.cfg))
         for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
@@ -200,7 +217,7 @@ class Judger:
                         try:
                             w.send_todo(requests)
                         except OSError:  # died since its last answer: nothing ran, the share moves on
-                            self._replace(w, sel, result, requests, "failed", "reward worker exited")
+                            self._replace(w, sel, result, requests, "exited", retried)
                 now = time.monotonic()
                 deadlines = [w.since + self.cfg.timeout_s for w in self._workers if w.sent] + \
                             [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
@@ -208,8 +225,8 @@ class Judger:
                 for key, _ in sel.select(timeout=wait):
                     w = key.data
                     msgs = w.read_lines()
-                    if msgs is None:  # the worker died (a reward function crashed the interpreter?)
-                        self._replace(w, sel, result, requests, "failed", "reward worker exited")
+                    if msgs is None:  # the worker died (killed, or a reward function ended the interpreter)
+                        self._replace(w, sel, result, requests, "exited", retried)
                         continue
                     for msg in msgs:
                         if msg.get("ready"):
@@ -227,24 +244,35 @@ class Judger:
                 now = time.monotonic()
                 for w in list(self._workers):
                     if w.sent and now > w.since + self.cfg.timeout_s:
-                        self._replace(w, sel, result, requests, "timeout",
-                                      f"exceeded reward.timeout_s={self.cfg.timeout_s}")
+                        self._replace(w, sel, result, requests, "timeout", retried)
                     elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
                         raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S:.0f}s")
         finally:
             sel.close()
 
-    def _replace(self, w: _Worker, sel, result, requests, status: str, error: str) -> None:
-        """Kill `w`, score its running call 0 (counted) and give the calls it had not reached to a fresh
-        worker in its place."""
+    def _replace(self, w: _Worker, sel, result, requests, why: str, retried: set) -> None:
+        """Kill `w` and give the calls it had not finished to a fresh worker in its place. `why`: 'timeout'
+        (the running call scores 0 as a timeout) or 'exited' (the worker died: counted as a restart; its
+        running call goes to the fresh worker once more, and scores 0 as failed if it was sent again already)."""
         if not w.ready:
             raise RuntimeError(f"reward worker failed to start (exit code {w.proc.poll()}); see its stderr above")
         sel.unregister(w.proc.stdout)
         w.kill()
-        if w.sent:
-            i = w.sent.popleft()
-            self._record(result, i, status, error, requests[i])
+        todo = w.sent + w.todo
+        if why == "exited":
+            result.worker_restarts += 1
+            code = w.proc.returncode
+            if w.sent and w.sent[0] in retried:
+                i = todo.popleft()
+                self._record(result, i, "failed", f"reward worker exited (code {code}) twice on this call",
+                             requests[i])
+            elif w.sent:
+                retried.add(w.sent[0])
+                log.warning("reward worker exited (code %s) during a call; sending it to a fresh worker", code)
+        elif w.sent:
+            i = todo.popleft()
+            self._record(result, i, "timeout", f"exceeded reward.timeout_s={self.cfg.timeout_s}", requests[i])
         fresh = _Worker(self.cfg)
-        fresh.todo = w.sent + w.todo
+        fresh.todo = todo
         self._workers[self._workers.index(w)] = fresh
         sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)
