@@ -289,16 +289,17 @@ class RolloutGroup:
                                    f"{self.cfg.rollout.request_timeout_s}")
         ray.get(ready)
         old_url, self.addresses[index] = self.addresses[index]["url"], ray.get(self.engines[index].address.remote())
-        if self.front is not None:
-            self.front.replace(old_url, self.addresses[index]["url"])
+        if self.front is not None and self.front.alive(self.cfg.rollout.health_check_timeout_s):
+            self.front.replace(old_url, self.addresses[index]["url"])  # (a dead one restarts with the new URL)
         if self.on_restart is not None and self.weight_version > 0:
             self.on_restart([self.engines[index]])
             ray.get(self.engines[index].finish_weight_update.remote(self.weight_version))
 
     def health_check(self) -> int:
-        """Restart every engine that does not answer; return how many were restarted. A hybrid engine
-        without a server is objects inside its Megatron rank, alive exactly while the rank is (which the
-        trainer's own calls find out): it is not asked."""
+        """Restart every engine that does not answer, then the router in front of them if it died or
+        hangs (started again in front of the engines' current servers); return how many processes were
+        restarted. A hybrid engine without a server is objects inside its Megatron rank, alive exactly
+        while the rank is (which the trainer's own calls find out): it is not asked."""
         restarted = 0
         for i in range(len(self.engines)):
             if self.hosts is not None and self.addresses[i]["url"] is None:
@@ -306,6 +307,9 @@ class RolloutGroup:
             if not self._alive(i):
                 self._restart(i)
                 restarted += 1
+        if self.front is not None and not self.front.alive(self.cfg.rollout.health_check_timeout_s):
+            self.front.restart(self.urls)
+            restarted += 1
         return restarted
 
     def release_memory(self, tags=None) -> int:

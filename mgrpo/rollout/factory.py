@@ -54,7 +54,8 @@ class EngineSpec:
     front: Optional[Callable[[MGRPOConfig, list[str], EngineContext], object]] = None
     """(config, engine URLs, context) -> a client in front of several engines (a router) that the rollout
     group generates through instead of asking each engine's host; it must offer `generate`,
-    `replace(old_url, new_url)`, `retries` and `shutdown`."""
+    `replace(old_url, new_url)`, `retries`, `refused_requests`, `alive(timeout_s)`, `restart(urls)` (a
+    dead or hung front started again in front of the engines' current URLs) and `shutdown`."""
     returns_routes: bool = False
     """Answers `SamplingParams.return_routed_experts` with `GenerateResult.routed_experts` (MoE models), when
     built with `return_routed_experts=True` (what actor.router_replay=rollout asks of every engine)."""

@@ -119,19 +119,44 @@ class Router:
 
 class RoutedClient:
     """What the rollout group generates through when a router fronts the engines: the router process and
-    an `SGLangEngine` client pointed at it (the same client that talks to a single server)."""
+    an `SGLangEngine` client pointed at it (the same client that talks to a single server). A router that
+    died is started again in front of the engines' current servers (`restart`)."""
 
     def __init__(self, urls: Sequence[str], *, host: str, log_dir: Optional[str] = None, **client_kwargs):
+        self.host, self.log_dir, self.client_kwargs = host, log_dir, client_kwargs
+        self._retries_before = 0
+        """Retries counted by the clients of routers that were replaced."""
+        self._start(urls)
+
+    def _start(self, urls: Sequence[str]) -> None:
         from mgrpo.rollout.sglang.client import SGLangEngine
 
-        self.router = Router(urls, host=host, log_dir=log_dir, api_key=client_kwargs.get("api_key"),
-                             request_timeout_s=client_kwargs.get("request_timeout_s", 600.0))
+        kw = self.client_kwargs
+        self.router = Router(urls, host=self.host, log_dir=self.log_dir, api_key=kw.get("api_key"),
+                             request_timeout_s=kw.get("request_timeout_s", 600.0))
         # One request per POST, many in flight: the router places each one on an engine.
-        self.client = SGLangEngine.connect(self.router.url, unbatched=True, concurrency=32, **client_kwargs)
+        self.client = SGLangEngine.connect(self.router.url, unbatched=True, concurrency=32, **kw)
 
     @property
     def retries(self) -> int:
-        return self.client.retries
+        return self._retries_before + self.client.retries
+
+    def alive(self, timeout_s: float) -> bool:
+        """The router process runs and answers `/health` within `timeout_s`."""
+        if self.router.process.poll() is not None:
+            return False
+        try:
+            return self.router.client.get("/health", timeout_s=timeout_s, max_retries=0).status_code == 200
+        except SGLangRequestError:
+            return False
+
+    def restart(self, urls: Sequence[str]) -> None:
+        """Replace a dead or hung router with a fresh one in front of `urls` (its own port: requests still
+        in flight to the old one fail and are sent again by the rollout group)."""
+        log.warning("restarting the SGLang router (was %s, exit code %s)", self.router.url, self.router.process.poll())
+        self._retries_before += self.client.retries
+        self.router.shutdown()
+        self._start(urls)
 
     def refused_requests(self) -> Optional[int]:
         return self.router.refused_requests()
