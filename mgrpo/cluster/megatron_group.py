@@ -16,6 +16,7 @@ from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
+from mgrpo.rollout.types import WeightDeliveryError
 
 
 @ray.remote(concurrency_groups=ENGINE_GROUPS)
@@ -44,8 +45,12 @@ class MegatronRank(EngineSlot):
         return ray.util.get_node_ip_address(), free_port()
 
     def devices(self) -> dict:
-        """This rank's node and accelerator ids (what a colocated engine sharing them must use)."""
-        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        """This rank's node, accelerator ids (what a colocated engine sharing them must use) and process id
+        (what a message about its death names)."""
+        import os
+
+        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "pid": os.getpid()}
 
     def setup(self, cfg: MGRPOConfig, **kwargs) -> dict:
         from mgrpo.training.actor import MegatronActor
@@ -106,16 +111,26 @@ class MegatronGroup:
         """`call(rank)` (a remote call) on every rank; the results by rank."""
         return self._gather([call(r) for r in self.ranks])
 
-    def _gather(self, refs: list) -> list:
-        """Results by rank. A rank that dies fails the call at once with the node it was on (the others
-        would otherwise wait in a collective for the whole process-group timeout)."""
+    def _gather(self, refs: list, explain: bool = True, watch: Optional[Callable[[], object]] = None,
+                every_s: Optional[float] = None) -> list:
+        """Results by rank. A rank that dies fails the call at once, naming the rank, its process and the
+        node it was on (the others would otherwise wait in a collective for the whole process-group
+        timeout); without `explain` (taking the ranks down) the bare Ray error is raised. `watch` runs
+        every `every_s` seconds while the ranks work."""
         pending = list(refs)
         try:
             while pending:
-                done, pending = ray.wait(pending, num_returns=1)
+                done, pending = ray.wait(pending, num_returns=1, timeout=every_s if watch is not None else None)
+                if not done:
+                    watch()
+                    continue
                 ray.get(done[0])
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(lost_nodes_message("a Megatron rank died", self.devices, err)) from err
+            if not explain:
+                raise
+            i = refs.index(done[0])
+            what = f"Megatron rank {i} (pid {self.devices[i].get('pid')} on {self.devices[i]['node_ip']}) died"
+            raise RuntimeError(lost_nodes_message(what, self.devices, err)) from err
         return ray.get(refs)
 
     def _send_sharded(self, shards: list, call: Callable) -> list:
@@ -158,8 +173,17 @@ class MegatronGroup:
             out["per_sample"] = [by_dp[d] for d in range(self.dp)]
         return out
 
-    def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: int | None = None) -> dict:
-        results = self._all(lambda r: r.sync_weights.remote(receivers, bucket_bytes, finish_version))
+    def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: int | None = None,
+                     watch: Optional[Callable[[], object]] = None, every_s: Optional[float] = None) -> dict:
+        """Stream the weights through `receivers`; `watch` runs every `every_s` seconds meanwhile (the rollout
+        group's health check: an engine that hangs while it takes the weights is restarted, which ends the
+        hung delivery). A delivery that failed raises WeightDeliveryError once every rank is done."""
+        refs = [r.sync_weights.remote(receivers, bucket_bytes, finish_version) for r in self.ranks]
+        try:
+            results = self._gather(refs, watch=watch, every_s=every_s)
+        except ray.exceptions.RayTaskError as err:
+            ray.wait(refs, num_returns=len(refs), timeout=120.0)  # the others finish their stream (collectives)
+            raise WeightDeliveryError(f"weight sync failed: {err}") from err
         return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
                 "seconds": max(r["seconds"] for r in results), "finished": any(r["finished"] for r in results)}
 
@@ -175,7 +199,9 @@ class MegatronGroup:
     def shutdown(self) -> None:
         try:
             if self.info:  # the Megatron stages were built (`setup` ran): take their process groups down
-                self._all(lambda r: r.shutdown.remote())
+                self._gather([r.shutdown.remote() for r in self.ranks], explain=False)
+        except ray.exceptions.RayActorError:
+            pass  # a rank that died was named when the run failed; the others are killed below
         finally:
             for r in self.ranks:
                 ray.kill(r)

@@ -163,15 +163,17 @@ class ActorClient:
         return out
 
     # --- weights and checkpoints (every rank takes part) ---------------------------------------------
-    def sync_weights(self, receivers: list, version: int | None = None) -> dict:
+    def sync_weights(self, receivers: list, version: int | None = None, watch=None) -> dict:
         """Push the weights through `receivers`. With `version`, and when one rank sends everything (one
         pipeline stage) and every receiver can close an update, that rank also closes it on the engines
-        ('finished': True); otherwise the caller does."""
+        ('finished': True); otherwise the caller does. `watch` runs every rollout.health_check_interval_s
+        while the ranks send."""
         single_sender = self.cfg.actor.pp == 1
         can_finish = version is not None and single_sender and all(hasattr(r, "finish_weight_update")
                                                                      for r in receivers)
         return self.group.sync_weights(receivers, self.cfg.rollout.update_weights_bucket_mb << 20,
-                                       version if can_finish else None)
+                                       version if can_finish else None, watch=watch,
+                                       every_s=self.cfg.rollout.health_check_interval_s)
 
     def save_checkpoint(self, path: str) -> None:
         self.group.save_checkpoint(path)

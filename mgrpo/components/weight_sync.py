@@ -4,13 +4,21 @@ One sync: health-check the engines (a dead one is restarted first), in colocated
 engines' weight memory, let every Megatron rank stream its buckets through the engines' receivers, then
 close the update on every engine with the new version (which also flushes its prefix cache), and
 take back the rest of the engines' memory. A restarted engine gets the current weights the same way.
+
+While the ranks stream, the engines are health-checked as during generation: one that dies or hangs while it
+takes the weights is restarted (which ends a delivery stuck on it), and the sync is made once more to every
+engine; each restart is counted in `rollout/restarts`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from mgrpo.config import RolloutConfig
+from mgrpo.rollout.types import WeightDeliveryError
+
+log = logging.getLogger("mgrpo")
 
 
 class WeightSync:
@@ -35,7 +43,21 @@ class WeightSync:
         restarted = self.rollout.health_check()
         if self.shares_devices:  # room for the new weights, KV cache still released
             restarted += self.rollout.resume_memory(["weights"])
-        sent = self.actor.sync_weights(self.rollout.receivers(), version)
+        watched = [0]
+
+        def watch() -> None:
+            watched[0] += self.rollout.health_check()
+
+        try:
+            sent = self.actor.sync_weights(self.rollout.receivers(), version, watch=watch)
+        except WeightDeliveryError as err:
+            watch()  # a dead engine not restarted yet is restarted now
+            if not watched[0]:
+                raise
+            log.warning("weight sync %d failed while an engine was restarted; syncing every engine again (%s)",
+                        version, str(err).splitlines()[0][:300])
+            sent = self.actor.sync_weights(self.rollout.receivers(), version, watch=watch)
+        restarted += watched[0]
         self.rollout.finish_weight_update(version, done=sent["finished"])
         if self.shares_devices:
             restarted += self.rollout.resume_memory()

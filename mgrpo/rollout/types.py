@@ -75,6 +75,11 @@ class EngineHealth:
     detail: dict = field(default_factory=dict)
 
 
+class WeightDeliveryError(RuntimeError):
+    """Weights could not be delivered to an engine (it died or stopped answering while it took them). The
+    ranks finished their export stream regardless, so the sync can be made again once the engine is back."""
+
+
 class RolloutEngine(Protocol):
     """The interface every rollout engine implements (CPU transformers engine, SGLang client)."""
 

@@ -311,14 +311,21 @@ class MegatronActor:
         round trip."""
         c = self.ctx
         sent, tensors, t0 = 0, 0, time.perf_counter()
+        failed: Optional[Exception] = None
         named = self._export_stream()
         if named is not None:
             for bucket in bucketize(named, bucket_bytes):
-                if c.is_weight_source:
-                    for r in receivers:
-                        r.update_weights(bucket)
+                if c.is_weight_source and failed is None:
+                    try:
+                        for r in receivers:
+                            r.update_weights(bucket)
+                    except Exception as err:  # noqa: BLE001 - an engine died or hung while taking the weights:
+                        failed = err  # the stream goes on (its TP/EP gathers are collectives), raised after it
+                        continue
                     sent += sum(t.numel() * t.element_size() for _, t in bucket)
                     tensors += len(bucket)
+        if failed is not None:
+            raise failed
         finished = finish_version is not None and c.is_weight_source
         if finished:
             for r in receivers:
