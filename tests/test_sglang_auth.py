@@ -98,13 +98,18 @@ def test_fallback_decides_exactly_as_sglangs_decide_request_auth():
 def test_resolve_api_key():
     a, b = resolve_api_key("auto", {}), resolve_api_key("auto", {})
     assert a != b and len(a) >= 40  # fresh per run: 32 random bytes
+    # never a key a server's argument parser reads as a flag (a urlsafe key began with '-' in a chaos run:
+    # every engine restart after the resume failed with 'argument --api-key: expected one argument')
+    assert not any(resolve_api_key("auto", {}).startswith("-") for _ in range(500))
     assert resolve_api_key("auto", {auth.ENV_KEY: "per-job"}) == "per-job"  # slurm/train.sbatch's
     assert resolve_api_key("none", {auth.ENV_KEY: "per-job"}) is None
     assert resolve_api_key("env:MY_KEY", {"MY_KEY": "mine"}) == "mine"
     assert resolve_api_key("s3cret", {}) == "s3cret"
     with pytest.raises(ValueError, match=r"rollout.api_key=env:MY_KEY: the environment variable MY_KEY is not set"):
         resolve_api_key("env:MY_KEY", {})
-    for bad in ("", "a b", "a:b"):
+    with pytest.raises(ValueError, match=r"\$MGRPO_ROLLOUT_API_KEY: a key may not start with '-'"):
+        resolve_api_key("auto", {auth.ENV_KEY: "-abc"})
+    for bad in ("", "a b", "a:b", "-abc"):
         with pytest.raises(ValueError, match="rollout.api_key"):
             resolve_api_key(bad, {})
 

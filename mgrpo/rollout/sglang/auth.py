@@ -50,17 +50,25 @@ def resolve_api_key(setting: Optional[str], environ: Mapping[str, str] = os.envi
     if setting == DISABLED:
         return None
     if setting == "auto":
-        return environ.get(ENV_KEY) or secrets.token_urlsafe(32)
+        # hex: a urlsafe key starts with '-' once in 64 runs, and a server would read it as a flag
+        return _usable(environ.get(ENV_KEY) or secrets.token_hex(32), f"${ENV_KEY}")
     if setting.startswith("env:"):
         name = setting[4:]
         value = environ.get(name)
         if not value:
             raise ValueError(f"rollout.api_key={setting}: the environment variable {name} is not set or empty")
-        return value
+        return _usable(value, f"rollout.api_key={setting}")
     if any(c.isspace() for c in setting) or ":" in setting:
         # A key travels in an HTTP header and in the router's 'id:name:role:key' control-plane entry.
         raise ValueError("rollout.api_key: a key may not contain white space or ':'")
-    return setting
+    return _usable(setting, "rollout.api_key")
+
+
+def _usable(key: str, where: str) -> str:
+    if key.startswith("-"):
+        # SGLang's --config turns the key into `--api-key <key>`, which argparse reads as a flag
+        raise ValueError(f"{where}: a key may not start with '-' (SGLang would read it as an option)")
+    return key
 
 
 # --- SGLang's decision ---------------------------------------------------------------------------------
