@@ -1,0 +1,463 @@
+"""Chaos soak: one long run with a seeded schedule of faults of every kind, healed in the run or survived by
+resuming (as a SLURM requeue would), and at the end the same records and the same final weights as the run
+without faults.
+
+    python benchmarks/chaos.py                          # both jobs, 200 steps, 12 faults each
+    python benchmarks/chaos.py --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
+
+Per job, the harness first runs the job once without faults (the reference), then again under the schedule.
+A fault fires once the run's console has shown step `at_step` (of the attempt running), `delay_s` later:
+
+| kind | what | expected |
+|---|---|---|
+| engine_kill | SIGKILL one engine's server | healed: restarted, re-synced, its requests resent (`rollout/restarts`) |
+| engine_hang | SIGSTOP one engine's server | healed: its health check times out, then as above |
+| router_kill | SIGKILL SGLang's router (2 engines) | healed: a new router in front of the engines (`rollout/restarts`) |
+| reward_worker_kill | SIGKILL a reward worker | healed: replaced, its call sent again (`reward/worker_restarts`) |
+| megatron_rank_kill | SIGKILL a Megatron rank | fatal: the run fails naming the rank and its pid; resumed |
+| driver_kill | SIGKILL the driver | fatal (nothing is said); the job's processes are killed; resumed |
+| preempt | SIGTERM the driver (SLURM preemption) | the step finishes, a checkpoint, exit 75; resumed |
+
+Processes are found by what belongs to this run only: the CPU servers by their model folder
+(<run>/init_hf), every other process by the run's private RAY_TMPDIR in its environment (each attempt has
+its own), reward workers also by their parent (the driver). A resumed attempt runs with
+`trainer.resume=auto`, exactly as slurm/train.sbatch does after a requeue.
+
+Checked at the end and written to --out (benchmarks/results/chaos_cpu.json): every step exactly once in
+metrics.jsonl, TensorBoard and trajectories.jsonl, every step's samples complete (each prompt n times),
+every fault accounted for (in the harness's events and, for healed ones, in the run's counters), and the
+final HF export against the reference run's (max abs difference; bit-exact or not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+
+EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
+
+COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3",
+          "rollout.request_timeout_s=60", "trainer.save_freq=10", "trainer.logger=[console,tensorboard]"]
+"""Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps (all
+result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
+
+JOBS = {
+    "default": ["trainer.n_gpus_per_node=2"],
+    "async_tp2": ["rollout.async_mode=one_step_off", "rollout.mode=disaggregated", "actor.tp=2",
+                  "trainer.n_gpus_per_node=4"],
+}
+"""The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks) and
+one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    target: str
+    sig: int
+    fatal: bool
+    counter: Optional[str] = None
+    """The run-long counter a healed fault increases."""
+
+
+KINDS = {
+    "engine_kill": Kind("engine", signal.SIGKILL, False, "rollout/restarts_total"),
+    "engine_hang": Kind("engine", signal.SIGSTOP, False, "rollout/restarts_total"),
+    "router_kill": Kind("router", signal.SIGKILL, False, "rollout/restarts_total"),
+    "reward_worker_kill": Kind("reward_worker", signal.SIGKILL, False, "reward/worker_restarts_total"),
+    "megatron_rank_kill": Kind("megatron_rank", signal.SIGKILL, True),
+    "driver_kill": Kind("driver", signal.SIGKILL, True),
+    "preempt": Kind("driver", signal.SIGTERM, True),
+}
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    at_step: int
+    delay_s: float
+    pick: int
+    """Which of the matching processes (engines, ranks, workers), modulo how many there are."""
+
+
+def make_schedule(seed: int, steps: int, count: int, kinds: list[str]) -> list[Fault]:
+    """`count` faults, every kind at least once, at distinct steps spread over the run (one per equal slot
+    of [3, steps - 2], so that each has room to heal and a fatal one has steps to redo)."""
+    if count < len(kinds):
+        raise SystemExit(f"--faults {count} cannot cover {len(kinds)} kinds")
+    rng = random.Random(seed)
+    chosen = list(kinds) + [rng.choice(kinds) for _ in range(count - len(kinds))]
+    rng.shuffle(chosen)
+    lo, hi = 3, steps - 2
+    if hi - lo + 1 < 2 * count:
+        raise SystemExit(f"--steps {steps} is too short for {count} faults (two steps each at least)")
+    width = (hi - lo + 1) / count
+    return [Fault(k, lo + int(i * width) + rng.randrange(max(1, int(width) - 1)), round(rng.uniform(0.0, 1.0), 2),
+                  rng.randrange(1000)) for i, k in enumerate(chosen)]
+
+
+# --- processes of this run ---------------------------------------------------------------------------
+def _proc(pid: int, what: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pids() -> list[int]:
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid())
+
+
+def marked(marker: str) -> list[int]:
+    """Processes whose environment holds this attempt's private RAY_TMPDIR (the driver's children, Ray's
+    processes and everything they started)."""
+    return [p for p in _pids() if f"RAY_TMPDIR={marker}\0" in _proc(p, "environ") + "\0"]
+
+
+def targets(kind: Kind, run_dir: str, marker: str, driver: int) -> list[int]:
+    if kind.target == "driver":
+        return [driver]
+    if kind.target == "engine":
+        tag = f"mgrpo.rollout.sglang.cpu_server\0--model-path\0{os.path.join(run_dir, 'init_hf')}\0"
+        return [p for p in _pids() if tag in _proc(p, "cmdline")]
+    mine = marked(marker)
+    if kind.target == "router":  # it renames itself (sglang::router), which overwrites its environment
+        return [p for p in children(driver) if _proc(p, "cmdline").startswith("sglang::router")]
+    if kind.target == "reward_worker":
+        return [p for p in children(driver) if "mgrpo.rewards.worker" in _proc(p, "cmdline")]
+    if kind.target == "megatron_rank":
+        return [p for p in mine if _proc(p, "cmdline").startswith("ray::MegatronRank")]
+    raise ValueError(kind.target)
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in _pids() if _proc(p, "stat").rsplit(")", 1)[-1].split()[1:2] == [str(pid)]]
+
+
+def started(pid: int) -> str:
+    """The process's start time (with its pid, what identifies it: pids are reused)."""
+    return (_proc(pid, "stat").rsplit(")", 1)[-1].split()[19:20] or [""])[0]
+
+
+def kill_all(pids) -> int:
+    n = 0
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+            n += 1
+        except ProcessLookupError:
+            pass
+    return n
+
+
+# --- one run under a schedule --------------------------------------------------------------------------
+class Soak:
+    def __init__(self, run_dir: str, overrides: list[str], schedule: list[Fault], workdir: str, log=print):
+        self.run_dir, self.overrides, self.schedule, self.workdir = run_dir, overrides, schedule, workdir
+        self.log = log
+        self.events: list[dict] = []
+        self.attempts: list[dict] = []
+        self.faults: list[dict] = []
+
+    def event(self, what: str, **kw) -> None:
+        e = {"t": round(time.time() - self.t0, 2), "event": what, **kw}
+        self.events.append(e)
+        self.log("chaos | " + " ".join(f"{k}={v}" for k, v in e.items()))
+
+    def run(self, max_attempts: int = 20) -> None:
+        self.t0 = time.time()
+        todo = list(self.schedule)
+        # Each attempt's private RAY_TMPDIR (what marks its processes) under a short path: Ray's socket paths
+        # must fit in 107 bytes.
+        self.ray_tmp = tempfile.mkdtemp(prefix="mgrpo-chaos-", dir="/tmp")
+        os.makedirs(self.workdir, exist_ok=True)
+        try:
+            while len(self.attempts) < max_attempts:
+                rc = self._attempt(len(self.attempts), todo)
+                if rc == 0:
+                    if todo:
+                        self.event("unfired", faults=[f.kind for f in todo])
+                    return
+        finally:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        raise RuntimeError(f"the run did not finish in {max_attempts} attempts")
+
+    def _attempt(self, k: int, todo: list[Fault]) -> int:
+        marker = os.path.join(self.ray_tmp, f"a{k}")
+        os.makedirs(marker, exist_ok=True)
+        args = list(self.overrides) + (["trainer.resume=auto"] if k else [])
+        env = {**os.environ, "RAY_TMPDIR": marker, "PYTHONUNBUFFERED": "1"}
+        out_path = os.path.join(self.workdir, f"attempt{k}.log")
+        t0 = time.time()
+        proc = subprocess.Popen([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={self.run_dir}",
+                                 *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env)
+        self.event("start", attempt=k, pid=proc.pid, resume=bool(k))
+        seen = {"step": None, "at": 0.0}
+        lines: list[str] = []
+
+        def read():
+            with open(out_path, "w", buffering=1) as f:  # line by line: readable while the run goes
+                for line in proc.stdout:
+                    f.write(line)
+                    lines.append(line)
+                    m = re.match(r"step (\d+)/\d+ \|", line)
+                    if m:
+                        seen["step"], seen["at"] = int(m.group(1)), time.time()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        fatal: Optional[dict] = None
+        crossed: Optional[float] = None  # when the next fault's step was reached
+        kids: dict[int, str] = {}  # the driver's children (the router's environment does not carry the marker)
+        last_scan = 0.0
+        while proc.poll() is None:
+            f = todo[0] if todo else None
+            if f is not None and fatal is None and seen["step"] is not None and seen["step"] >= f.at_step:
+                crossed = crossed or time.time()
+                if time.time() - crossed >= f.delay_s:
+                    todo.pop(0)
+                    crossed = None
+                    kids.update((p, started(p)) for p in children(proc.pid))
+                    record = self._inject(f, k, seen["step"], marker, proc.pid)
+                    if record is not None and KINDS[f.kind].fatal:
+                        fatal = record
+            if time.time() - last_scan > 2.0:
+                kids.update((p, started(p)) for p in children(proc.pid))
+                last_scan = time.time()
+            time.sleep(0.02)
+        reader.join(timeout=30)
+        rc = proc.returncode
+        output = "".join(lines)
+        # What the job left behind (on a cluster the node's job processes go with it): the processes that
+        # carry the marker, and the driver's children still running (the same processes: same start time).
+        def left() -> list[int]:
+            return sorted(set(marked(marker)) | {p for p, t in kids.items() if t and started(p) == t})
+
+        deadline = time.time() + (0 if fatal is not None and fatal["kind"] == "driver_kill" else 20)
+        while left() and time.time() < deadline:  # watchdogs notice their parent's end within a few seconds
+            time.sleep(0.5)
+        killed = kill_all(left())
+        resumed = re.search(r"resumed from (\S+) at step (\d+)", output)
+        self.attempts.append({"attempt": k, "exit_code": rc, "wall_s": round(time.time() - t0, 1),
+                              "last_step": seen["step"], "resumed_from_step": int(resumed.group(2)) if resumed else None,
+                              "processes_left_behind": killed})
+        self.event("end", attempt=k, exit_code=rc, last_step=seen["step"], left_behind=killed)
+        if rc != 0 and fatal is None:
+            raise RuntimeError(f"attempt {k} failed (exit {rc}) without a fatal fault:\n{output[-4000:]}")
+        shutil.copy(os.path.join(self.run_dir, "metrics.jsonl"), os.path.join(self.workdir, f"metrics{k}.jsonl"))
+        if fatal is not None:
+            fatal["exit_code"] = rc
+            fatal["message"] = _last_error(output)
+            fatal["names_the_process"] = fatal["kind"] != "megatron_rank_kill" or f"pid {fatal['pid']}" in output
+            fatal["expected_exit"] = rc == (EXIT_STOPPED if fatal["kind"] == "preempt" else
+                                           -signal.SIGKILL if fatal["kind"] == "driver_kill" else 1)
+        return rc
+
+    def _inject(self, f: Fault, attempt: int, step: int, marker: str, driver: int) -> Optional[dict]:
+        kind = KINDS[f.kind]
+        found = targets(kind, self.run_dir, marker, driver)
+        if not found:
+            self.event("no_target", kind=f.kind, at_step=step)
+            return None
+        pid = found[f.pick % len(found)]
+        cmd = _proc(pid, "cmdline").replace("\0", " ")[:120]
+        os.kill(pid, kind.sig)
+        record = {"kind": f.kind, "scheduled_step": f.at_step, "step_seen": step, "attempt": attempt, "pid": pid,
+                  "process": cmd, "signal": signal.Signals(kind.sig).name, "fatal": kind.fatal,
+                  "candidates": len(found)}
+        self.faults.append(record)
+        self.event("fault", kind=f.kind, pid=pid, step=step, attempt=attempt)
+        return record
+
+
+def _last_error(output: str) -> str:
+    """The line a failed run ends with (the exception's message, or mgrpo-train's own line)."""
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"(RuntimeError|mgrpo-train|.*Error): ", ln):
+            return ln[:400]
+    return lines[-1][:400] if lines else ""
+
+
+# --- checks --------------------------------------------------------------------------------------------
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check_records(run_dir: str, steps: int, batch: int, n: int) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_jsonl(os.path.join(run_dir, "trajectories.jsonl"))
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tb = [e.step for e in events.Scalars("actor/pg_loss")]
+    by_step: dict[int, list] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r["group"])
+    complete = all(sorted(by_step.get(s, [])) == sorted(g for g in range(batch) for _ in range(n))
+                   for s in range(1, steps + 1))
+    return {"metrics_steps_once": [m["step"] for m in metrics] == list(range(1, steps + 1)),
+            "tensorboard_steps_once": tb == list(range(1, steps + 1)),
+            "trajectory_steps_once": sorted(by_step) == list(range(1, steps + 1)) and len(rows) == steps * batch * n,
+            "samples_complete": complete}
+
+
+COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
+            "rollout/weight_version", "actor/lr")
+
+
+def compare_runs(run_dir: str, ref_dir: str) -> dict:
+    """The final HF export and every step's metrics and samples against the run without faults."""
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+    b = load_file(os.path.join(ref_dir, "hf", "model.safetensors"))
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in b) if set(a) == set(b) else float("inf")
+    ma, mb = read_jsonl(os.path.join(run_dir, "metrics.jsonl")), read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
+    first_metric = next((x["step"] for x, y in zip(ma, mb) if any(x.get(k) != y.get(k) for k in COMPARED)), None)
+    keys = ("prompt", "response", "reward", "advantage", "weight_version", "group")
+    ta = [{k: r[k] for k in keys} | {"step": r["step"]} for r in read_jsonl(os.path.join(run_dir, "trajectories.jsonl"))]
+    tb = [{k: r[k] for k in keys} | {"step": r["step"]} for r in read_jsonl(os.path.join(ref_dir, "trajectories.jsonl"))]
+    first_sample = next((x["step"] for x, y in zip(ta, tb) if x != y), None)
+    return {"hf_tensors": len(b), "hf_max_abs_diff": diff, "hf_bit_exact": diff == 0.0,
+            "first_step_metrics_differ": first_metric, "first_step_samples_differ": first_sample}
+
+
+def account(soak: Soak, run_dir: str) -> list[dict]:
+    """For every healed fault: the first step after it whose run-long counter rose (read from the metrics of
+    the attempt it happened in), and whether that step survived into the final records (a later fatal fault
+    makes the run redo the steps after its last checkpoint, and with them their counts)."""
+    final = {m["step"]: m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
+    kept_upto = {}  # attempt -> the last of its steps still in the final records
+    for a in soak.attempts:
+        nxt = next((b for b in soak.attempts if b["attempt"] == a["attempt"] + 1), None)
+        kept_upto[a["attempt"]] = nxt["resumed_from_step"] if nxt is not None else 10 ** 9
+    for f in soak.faults:
+        kind = KINDS[f["kind"]]
+        if kind.fatal:
+            f["counted"] = "harness events (the run ended; resumed)"
+            continue
+        metrics = {m["step"]: m for m in read_jsonl(os.path.join(soak.workdir, f"metrics{f['attempt']}.jsonl"))}
+        before = metrics.get(f["step_seen"], {}).get(kind.counter, 0.0)
+        after = next((s for s in sorted(metrics) if s > f["step_seen"] and metrics[s].get(kind.counter, 0.0) > before),
+                     None)
+        f["counter"] = kind.counter
+        f["counted_at_step"] = after
+        f["in_final_records"] = after is not None and after <= kept_upto[f["attempt"]] and after in final
+        f["counted"] = ("run metrics" if after is not None else "harness events only (the attempt ended before "
+                        "its next step was logged)")
+    return soak.faults
+
+
+# --- main ----------------------------------------------------------------------------------------------
+def run_once(run_dir: str, overrides: list[str], workdir: str, log=print) -> float:
+    soak = Soak(run_dir, overrides, [], workdir, log)
+    t0 = time.time()
+    soak.run(max_attempts=1)
+    return time.time() - t0
+
+
+def _finished(run_dir: str, steps: int) -> bool:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return (os.path.isfile(os.path.join(run_dir, "hf", "model.safetensors")) and os.path.isfile(path)
+            and [m["step"] for m in read_jsonl(path)] == list(range(1, steps + 1)))
+
+
+def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: int, kinds: list[str], batch: int,
+             n: int, workdir: str, log=print) -> dict:
+    overrides = [*COMMON, *JOBS[name], f"trainer.total_training_steps={steps}", f"data.train_batch_size={batch}",
+                 f"rollout.n={n}", *overrides]
+    schedule = make_schedule(seed, steps, faults, kinds)
+    ref_dir, run_dir = os.path.join(workdir, name, "reference"), os.path.join(workdir, name, "chaos")
+    load0 = os.getloadavg()
+    ref_s, reused = None, _finished(ref_dir, steps)
+    if reused:  # a --workdir kept from an earlier call with the same arguments: its finished reference run
+        log(f"chaos | {name}: reusing the reference run in {ref_dir}")
+    else:
+        log(f"chaos | {name}: reference run without faults ({steps} steps)")
+        ref_s = run_once(ref_dir, overrides, os.path.join(workdir, name, "ref-attempts"), log)
+    log(f"chaos | {name}: {len(schedule)} faults: " + ", ".join(f"{f.kind}@{f.at_step}" for f in schedule))
+    soak = Soak(run_dir, overrides, schedule, os.path.join(workdir, name, "attempts"), log)
+    os.makedirs(soak.workdir, exist_ok=True)
+    t0 = time.time()
+    soak.run()
+    chaos_s = time.time() - t0
+    final = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
+    counters = {k: v for k, v in final.items() if k.endswith("_total")}
+    return {
+        "overrides": overrides, "seed": seed, "steps": steps,
+        "schedule": [dataclasses.asdict(f) for f in schedule],
+        "faults": account(soak, run_dir),
+        "fault_kinds": sorted({f["kind"] for f in soak.faults}),
+        "attempts": soak.attempts,
+        "records": check_records(run_dir, steps, batch, n),
+        "final_counters": counters,
+        "vs_uninterrupted": compare_runs(run_dir, ref_dir),
+        "events": soak.events,
+        "reference_wall_s": None if ref_s is None else round(ref_s, 1), "reference_reused": reused,
+        "chaos_wall_s": round(chaos_s, 1),
+        "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", choices=[*JOBS, "all"], default="all")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--faults", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
+    ap.add_argument("--batch", type=int, default=32, help="data.train_batch_size (the default job's 32)")
+    ap.add_argument("--n", type=int, default=8, help="rollout.n (the default job's 8)")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "chaos_cpu.json"))
+    ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
+    args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mgrpo-chaos-", dir="/tmp")
+    os.makedirs(workdir, exist_ok=True)
+    result = {"machine": machine(packages=("torch", "ray", "megatron-core", "transformers")), "jobs": {}}
+    if os.path.isfile(args.out):  # one job at a time keeps the other's result
+        with open(args.out) as f:
+            result["jobs"] = json.load(f).get("jobs", {})
+    try:
+        for name in (list(JOBS) if args.job == "all" else [args.job]):
+            result["jobs"][name] = r = soak_job(name, args.overrides, steps=args.steps, faults=args.faults,
+                                                seed=args.seed, kinds=kinds, batch=args.batch, n=args.n,
+                                                workdir=workdir)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            v = r["vs_uninterrupted"]
+            print(f"\n{name}: {len(r['faults'])} faults of {len(r['fault_kinds'])} kinds survived in "
+                  f"{len(r['attempts'])} attempts; records {r['records']}; final HF export vs the run without faults: "
+                  f"max abs diff {v['hf_max_abs_diff']:g} ({'bit-exact' if v['hf_bit_exact'] else 'NOT bit-exact'}); "
+                  f"wall {r['chaos_wall_s']:.0f} s (reference {r['reference_wall_s']} s)\nwrote {args.out}")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The chaos soak in short (benchmarks/chaos.py runs the long one): one 20-step run of the default job with
+two engines behind SGLang's router takes three faults of three kinds in sequence — an engine server
+SIGKILLed (healed in the run), the router SIGKILLed (healed: a new router in front of the engines) and the
+driver SIGKILLed (fatal: the harness resumes with trainer.resume=auto, as a SLURM requeue does). At the end
+every step is in metrics.jsonl, TensorBoard and trajectories.jsonl exactly once with all its samples,
+every fault is counted (the healed ones in the run's own run-long counters, the fatal one in the
+harness's events) and the final HF export equals a run without faults, bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from tests.procs import pids_where
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS, BATCH, N = 20, 8, 4
+KINDS = ["engine_kill", "router_kill", "driver_kill"]
+
+
+def load_chaos():
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "benchmarks" / "chaos.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["chaos"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_schedule_is_seeded_and_covers_every_kind():
+    chaos = load_chaos()
+    a = chaos.make_schedule(0, 200, 12, list(chaos.KINDS))
+    assert a == chaos.make_schedule(0, 200, 12, list(chaos.KINDS))  # the seed decides everything
+    assert a != chaos.make_schedule(1, 200, 12, list(chaos.KINDS))
+    assert {f.kind for f in a} == set(chaos.KINDS) and len(a) == 12
+    steps = [f.at_step for f in a]
+    assert steps == sorted(set(steps)) and 3 <= steps[0] and steps[-1] <= 198  # distinct, in order, room to heal
+    with pytest.raises(SystemExit, match="cannot cover 7 kinds"):
+        chaos.make_schedule(0, 200, 3, list(chaos.KINDS))
+
+
+@pytest.mark.slow
+def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
+    chaos = load_chaos()
+    lines: list[str] = []
+    r = chaos.soak_job("default", [], steps=STEPS, faults=3, seed=0, kinds=KINDS, batch=BATCH, n=N,
+                       workdir=str(tmp_path), log=lines.append)
+    assert sorted(f["kind"] for f in r["faults"]) == sorted(KINDS), "\n".join(lines)
+    assert r["records"] == {"metrics_steps_once": True, "tensorboard_steps_once": True,
+                            "trajectory_steps_once": True, "samples_complete": True}
+    # two attempts: the driver's SIGKILL ended the first; the second resumed from the step-10 checkpoint
+    assert [a["exit_code"] for a in r["attempts"]] == [-9, 0]
+    assert r["attempts"][1]["resumed_from_step"] == 10
+    healed = [f for f in r["faults"] if not f["fatal"]]
+    assert all(f["counted"] == "run metrics" and f["in_final_records"] for f in healed), healed
+    # each healed fault restarted exactly one process (the engine, the router), both in the final run's count
+    assert r["final_counters"]["rollout/restarts_total"] == 2.0
+    assert r["final_counters"]["reward/failed_total"] == 0.0 and r["final_counters"]["reward/timeout_total"] == 0.0
+    fatal = next(f for f in r["faults"] if f["fatal"])
+    assert fatal["expected_exit"] and sum(e["event"] == "fault" for e in r["events"]) == 3
+    v = r["vs_uninterrupted"]
+    assert v["hf_max_abs_diff"] == 0.0 and v["hf_tensors"] > 0
+    assert v["first_step_metrics_differ"] is None and v["first_step_samples_differ"] is None
+    assert not pids_where(str(tmp_path), environ=True)  # nothing of either run is left running
