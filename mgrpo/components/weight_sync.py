@@ -7,7 +7,8 @@ take back the rest of the engines' memory. A restarted engine gets the current w
 
 While the ranks stream, the engines are health-checked as during generation: one that dies or hangs while it
 takes the weights is restarted (which ends a delivery stuck on it), and the sync is made once more to every
-engine; each restart is counted in `rollout/restarts`.
+engine (also when the delivery itself went through: the restarted engine missed part of it); each restart is
+counted in `rollout/restarts`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from mgrpo.config import RolloutConfig
 from mgrpo.rollout.types import WeightDeliveryError
 
 log = logging.getLogger("mgrpo")
+
+SYNC_ATTEMPTS = 3
 
 
 class WeightSync:
@@ -48,15 +51,25 @@ class WeightSync:
         def watch() -> None:
             watched[0] += self.rollout.health_check()
 
-        try:
-            sent = self.actor.sync_weights(self.rollout.receivers(), version, watch=watch)
-        except WeightDeliveryError as err:
-            watch()  # a dead engine not restarted yet is restarted now
-            if not watched[0]:
-                raise
-            log.warning("weight sync %d failed while an engine was restarted; syncing every engine again (%s)",
-                        version, str(err).splitlines()[0][:300])
-            sent = self.actor.sync_weights(self.rollout.receivers(), version, watch=watch)
+        for _ in range(SYNC_ATTEMPTS):
+            before = watched[0]
+            try:
+                sent = self.actor.sync_weights(self.rollout.receivers(), version, watch=watch)
+            except WeightDeliveryError as err:
+                watch()  # a dead engine not restarted yet is restarted now
+                if watched[0] == before:
+                    raise
+                log.warning("weight sync %d failed while an engine was restarted; syncing every engine again (%s)",
+                            version, str(err).splitlines()[0][:300])
+                continue
+            if watched[0] == before:
+                break
+            # An engine restarted mid-stream got part of this stream on its old server and was closed by its
+            # restart: every engine takes the whole stream once more before the update is closed.
+            log.warning("an engine was restarted during weight sync %d; syncing every engine again", version)
+        else:
+            raise RuntimeError(f"weight sync {version}: an engine was restarted during each of {SYNC_ATTEMPTS} "
+                               "attempts (see the restarts above)")
         restarted += watched[0]
         self.rollout.finish_weight_update(version, done=sent["finished"])
         if self.shares_devices:
