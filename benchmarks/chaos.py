@@ -51,7 +51,7 @@ from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of sc
 
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
-COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3",
+COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=10",
           "rollout.request_timeout_s=60", "trainer.save_freq=10", "trainer.logger=[console,tensorboard]"]
 """Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps (all
 result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
@@ -341,6 +341,16 @@ def compare_runs(run_dir: str, ref_dir: str) -> dict:
             "first_step_metrics_differ": first_metric, "first_step_samples_differ": first_sample}
 
 
+def before_first_fault(soak: "Soak", ref_dir: str) -> dict:
+    """The first attempt's steps before its first fault against the reference: two runs without any fault
+    so far, so a difference here is the job's own run-to-run nondeterminism, not a fault's."""
+    first = min((f["step_seen"] for f in soak.faults if f["attempt"] == 0), default=10 ** 9)
+    ref = {m["step"]: m for m in read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))}
+    mine = [m for m in read_jsonl(os.path.join(soak.workdir, "metrics0.jsonl")) if m["step"] < first]
+    differ = next((m["step"] for m in mine if any(m.get(k) != ref[m["step"]].get(k) for k in COMPARED)), None)
+    return {"steps_compared": len(mine), "first_step_differs": differ}
+
+
 def account(soak: Soak, run_dir: str) -> list[dict]:
     """For every healed fault: the first step after it whose run-long counter rose (read from the metrics of
     the attempt it happened in), and whether that step survived into the final records (a later fatal fault
@@ -411,6 +421,7 @@ def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: 
         "records": check_records(run_dir, steps, batch, n),
         "final_counters": counters,
         "vs_uninterrupted": compare_runs(run_dir, ref_dir),
+        "fault_free_steps_vs_reference": before_first_fault(soak, ref_dir),
         "events": soak.events,
         "reference_wall_s": None if ref_s is None else round(ref_s, 1), "reference_reused": reused,
         "chaos_wall_s": round(chaos_s, 1),
