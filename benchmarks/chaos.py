@@ -338,7 +338,25 @@ def compare_runs(run_dir: str, ref_dir: str) -> dict:
     tb = [{k: r[k] for k in keys} | {"step": r["step"]} for r in read_jsonl(os.path.join(ref_dir, "trajectories.jsonl"))]
     first_sample = next((x["step"] for x, y in zip(ta, tb) if x != y), None)
     return {"hf_tensors": len(b), "hf_max_abs_diff": diff, "hf_bit_exact": diff == 0.0,
-            "first_step_metrics_differ": first_metric, "first_step_samples_differ": first_sample}
+            "first_step_metrics_differ": first_metric, "first_step_samples_differ": first_sample,
+            **logprobs_differ(run_dir, ref_dir, first_sample)}
+
+
+def logprobs_differ(run_dir: str, ref_dir: str, upto: Optional[int]) -> dict:
+    """Over the steps whose samples are the same tokens in both runs: how many samples' engine (rollout) and
+    trainer log-probs differ at all (where a difference starts, when the tokens still agree)."""
+    def rows(d):
+        out = [r for r in read_jsonl(os.path.join(d, "trajectories.jsonl")) if upto is None or r["step"] < upto]
+        return sorted(out, key=lambda r: (r["step"], r["group"], r["response_ids"]))
+    a, b = rows(run_dir), rows(ref_dir)
+    same = [(x, y) for x, y in zip(a, b) if x["response_ids"] == y["response_ids"]]
+    first = {f: next((x["step"] for x, y in same if x.get(f) != y.get(f)), None)
+             for f in ("rollout_logprobs", "trainer_logprobs")}
+    return {"samples_same_tokens": len(same),
+            "rollout_logprobs_differ": sum(x.get("rollout_logprobs") != y.get("rollout_logprobs") for x, y in same),
+            "trainer_logprobs_differ": sum(x.get("trainer_logprobs") != y.get("trainer_logprobs") for x, y in same),
+            "first_step_rollout_logprobs_differ": first["rollout_logprobs"],
+            "first_step_trainer_logprobs_differ": first["trainer_logprobs"]}
 
 
 def before_first_fault(soak: "Soak", ref_dir: str) -> dict:

@@ -135,6 +135,28 @@ def row_async():
             f"{sync['reward_last10']:.2f}); at load ~{_load(d['machine'])}")
 
 
+def row_chaos():
+    d = _json("chaos_cpu.json")
+    if d is None:
+        return None
+    parts = []
+    for name, label in (("default", "default job"), ("async_tp2", "one-step-off, TP=2")):
+        j = d["jobs"].get(name)
+        if j is None:
+            continue
+        v = j["vs_uninterrupted"]
+        once = "every step once in metrics, TensorBoard and trajectories" if all(j["records"].values()) else \
+            f"records NOT complete ({j['records']})"
+        exact = "bit-exact" if v["hf_bit_exact"] else f"max abs diff {v['hf_max_abs_diff']:.1e}"
+        own = (j.get("fault_free_steps_vs_reference") or {}).get("first_step_differs")
+        if own is not None:
+            exact += f" (two runs without faults already differ from step {own}: the job's own nondeterminism)"
+        parts.append(f"{label}: {j['steps']} steps, {len(j['faults'])} faults of {len(j['fault_kinds'])} kinds in "
+                     f"{len(j['attempts'])} attempts, {once}, final HF export vs the run without faults {exact}; "
+                     f"{j['chaos_wall_s']:.0f} s wall at load ~{j['loadavg_at_start'][0]:.0f}")
+    return ("chaos soak", "`python benchmarks/chaos.py`", "; ".join(parts))
+
+
 def row_weight_sync():
     d = _json("weight_sync_cpu.json")
     if d is None:
@@ -322,6 +344,7 @@ ROWS: list[Row] = [
             "colocated and disaggregated at trainer TP 1 and 2: 5 syncs per run, rollout vs trainer log-probs within "
             "1e-5 at every step; 2 engines behind `sglang-router`; SIGKILLed and SIGSTOPped engines recovered with "
             "every sample exactly once"),
+    row_chaos,
     row_weight_sync,
     row_ops,
     row_doctor,
