@@ -6,7 +6,8 @@ without faults.
     python benchmarks/chaos.py --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
 
 Per job, the harness first runs the job once without faults (the reference), then again under the schedule.
-A fault fires once the run's console has shown step `at_step` (of the attempt running), `delay_s` later:
+A fault fires once the run's console has shown step `at_step` (of the attempt running), `delay_s` later
+(`delay_s` < 1, scaled by the last step's duration where a step takes less than a second):
 
 | kind | what | expected |
 |---|---|---|
@@ -208,7 +209,7 @@ class Soak:
                                  *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env=env)
         self.event("start", attempt=k, pid=proc.pid, resume=bool(k))
-        seen = {"step": None, "at": 0.0}
+        seen = {"step": None, "at": 0.0, "dt": 1.0}
         lines: list[str] = []
 
         def read():
@@ -218,7 +219,10 @@ class Soak:
                     lines.append(line)
                     m = re.match(r"step (\d+)/\d+ \|", line)
                     if m:
-                        seen["step"], seen["at"] = int(m.group(1)), time.time()
+                        now = time.time()
+                        if seen["step"] is not None:
+                            seen["dt"] = now - seen["at"]
+                        seen["step"], seen["at"] = int(m.group(1)), now
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
@@ -230,7 +234,9 @@ class Soak:
             f = todo[0] if todo else None
             if f is not None and fatal is None and seen["step"] is not None and seen["step"] >= f.at_step:
                 crossed = crossed or time.time()
-                if time.time() - crossed >= f.delay_s:
+                # at most one step late: on a fast (idle) machine a second spans several steps, and a fault
+                # that lands after the last one is never noticed
+                if time.time() - crossed >= f.delay_s * min(1.0, seen["dt"]):
                     todo.pop(0)
                     crossed = None
                     kids.update((p, started(p)) for p in children(proc.pid))
