@@ -39,7 +39,10 @@ class TokenLogprobs(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.pending is not None:
             self._take(input_ids[:, -1])
-        self.pending = (scores, torch.logsumexp(scores.float() * self.inv_t, dim=-1))
+        # log-sum-exp of scores / T with a single [rows x vocab] temporary (torch.logsumexp makes several)
+        m = scores.amax(dim=-1, keepdim=True)
+        lse = torch.sub(scores, m).mul_(self.inv_t).exp_().sum(dim=-1).log_() + m.squeeze(-1) * self.inv_t
+        self.pending = (scores, lse)
         return scores
 
     def _take(self, tokens: torch.Tensor) -> None:
