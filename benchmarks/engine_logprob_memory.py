@@ -9,7 +9,7 @@ Each (engine, version) runs in a fresh process: the engine is built from a seede
 qwen3vocab workload's shape (benchmarks/grpo_workloads.py), warmed up with one short call, then one timed call
 generates --rows responses to GSM8K-length prompts (--prompt-len tokens) of exactly --tokens tokens (EOS is never
 sampled: the model is random). Peak extra memory is the process's high-water mark of resident memory during the
-call minus its resident size before (VmHWM reset through /proc/self/clear_refs: `mgrpo_kernels.bench.PeakMemory`).
+call minus its resident size before (VmHWM reset through /proc/self/clear_refs: `benchmarks/kernel_bench.py`'s PeakMemory).
 The earlier version is the engine module read from git at --before, imported under another name.
 Outputs <out>.csv and <out>.json; asserts nothing.
 """
@@ -51,7 +51,7 @@ def load_module(engine: str, rev: str | None, scratch: str):
 def measure_one(engine: str, rev: str | None, ckpt: str, rows: int, tokens: int, prompt_len: int, scratch: str) -> dict:
     import torch
 
-    from mgrpo_kernels.bench import PeakMemory
+    from kernel_bench import PeakMemory
 
     torch.set_num_threads(1)
     mod = load_module(engine, rev, scratch)

@@ -11,7 +11,7 @@ Workloads (benchmarks/grpo_workloads.py):
 - qwen3vocab: GSM8K prompts through the real Qwen3 tokenizer and chat template, a Qwen3-shaped model with the
   full 151,936-token vocabulary and a small body (hidden 256, 4 layers, 8 heads / 4 KV heads, head_dim 32,
   ffn 768, tied embeddings: 40M parameters, 39M of them the embedding), 8 prompts x 8 samples per step, up to
-  128 response tokens, lr 1e-5, reward: GSM8K's format credit (benchmarks/gsm8k_format_reward.py).
+  128 response tokens, lr 1e-5, reward: mgrpo's GSM8K judge, flexible, with veRL's format credit 0.1 (reward.gsm8k.format_score).
 Both: temperature 1.0; Adam betas 0.9/0.99, no weight decay, grad-clip 1.0, constant LR; GRPO with
 group-std-normalised advantages, clip 0.2, token-mean loss over the batch, KL-to-reference loss with
 coefficient 0.001; one optimizer step per rollout.

@@ -37,7 +37,8 @@ class Workload:
     samples_per_prompt: int
     max_new_tokens: int
     reward: str
-    """'module:function' with veRL's signature, called by both sides (benchmarks/ is on both children's path)."""
+    """'module:function' with veRL's signature, called by both sides, or 'builtin': mgrpo's own judge for the
+    data source (with `gsm8k_judge`'s options), which TRL's process calls through mgrpo's reward registry."""
     trl_micro_batch: int
     """TRL's per_device_train_batch_size (rows per forward/backward); gradient accumulation makes up the rest of
     the batch, so one generation still feeds exactly one optimizer step."""
@@ -50,8 +51,14 @@ class Workload:
     kl_coef: float = 0.001
     mgrpo_overrides: tuple = ()
     """Extra `mgrpo-train` overrides (engine, token budget, ...) beyond what the fields above imply."""
+    gsm8k_judge: dict = field(default_factory=dict)
+    """reward.gsm8k options (method, format_score) of mgrpo's GSM8K judge, the same on both sides."""
     describe: str = ""
     notes: dict = field(default_factory=dict)
+
+    @property
+    def data_source(self) -> str:
+        return {"gsm8k": "openai/gsm8k", "sum": "mgrpo/sum"}[self.data]
 
     @property
     def rows(self) -> int:
@@ -95,14 +102,15 @@ QWEN3VOCAB_MODEL = {"tokenizer": "qwen3", "vocab_size": 151936, "hidden_size": 2
 WORKLOADS = {
     "tiny": Workload(
         name="tiny", model=TINY_MODEL, data="sum", prompts_per_step=32, samples_per_prompt=8, max_new_tokens=4,
-        reward="mgrpo.rewards.synthetic:sum_score", trl_micro_batch=256, max_prompt_length=32, lr=5e-4,
+        reward="builtin", trl_micro_batch=256, max_prompt_length=32, lr=5e-4,
         describe="mgrpo synthetic 'sum' (a, b in 0..4), prompts in mgrpo's PromptDataset order (data.seed=1)"),
     "qwen3vocab": Workload(
         name="qwen3vocab", model=QWEN3VOCAB_MODEL, data="gsm8k", prompts_per_step=8, samples_per_prompt=8,
-        max_new_tokens=128, reward="gsm8k_format_reward:score", trl_micro_batch=64, lr=1e-5,
+        max_new_tokens=128, reward="builtin", trl_micro_batch=64, lr=1e-5,
+        gsm8k_judge={"method": "flexible", "format_score": 0.1},
         describe="GSM8K train prompts (mgrpo-prepare gsm8k), Qwen3 chat template (enable_thinking=False) through "
                  "the real Qwen3 tokenizer, in mgrpo's PromptDataset order (data.seed=1); reward: mgrpo's GSM8K "
-                 "judge with veRL's format credit 0.1 (benchmarks/gsm8k_format_reward.py)"),
+                 "judge, flexible (the last number), with veRL's format credit 0.1 (reward.gsm8k.format_score)"),
 }
 
 
@@ -116,7 +124,9 @@ def mgrpo_overrides(w: Workload, data_dir: str | None) -> list[str]:
             f"rollout.temperature={w.temperature}", f"actor.lr={w.lr}", f"algorithm.kl_coef={w.kl_coef}"]
     if w.data == "gsm8k":
         out += ["data=gsm8k", f"data.train_files=[{os.path.join(data_dir, 'train.parquet')}]", "data.val_files=[]",
-                f'+reward.custom_functions={{openai/gsm8k:"{w.reward}"}}']
+                *[f"reward.gsm8k.{k}={v}" for k, v in w.gsm8k_judge.items()]]
+    if w.reward != "builtin":
+        out.append(f'+reward.custom_functions={{{w.data_source}:"{w.reward}"}}')
     return out + list(w.mgrpo_overrides)
 
 
@@ -191,6 +201,11 @@ def make_initial_model(w: Workload, path: str) -> None:
 
 
 def load_reward(w: Workload):
+    """The function mgrpo's judger calls for the workload's data source (TRL's process calls the same one)."""
+    if w.reward == "builtin":
+        from mgrpo.rewards.registry import builtin_rewards
+
+        return builtin_rewards({"method": "strict", "format_score": 0.0, **w.gsm8k_judge})[w.data_source]
     module, fn = w.reward.split(":")
     return getattr(importlib.import_module(module), fn)
 

@@ -281,6 +281,44 @@ def row_trl():
             f"{f(t['final_reward']):.3f}; at load ~{_load(d['machine'])}. See `benchmarks/README.md`")
 
 
+def row_trl_qwen3vocab():
+    d, rows = _json("grpo_vs_trl_qwen3vocab.json"), _csv("grpo_vs_trl_qwen3vocab.csv")
+    if d is None or rows is None:
+        return None
+    by = {r["framework"]: r for r in rows}
+    t, m, ratio = by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
+    w, f = d["workload"], float
+    return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
+            f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens)", f"`{d['command']}`",
+            f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
+            f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
+            f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
+            f"{f(t['peak_pss_tree_mib']):,.0f} MiB (**{f(ratio['peak_pss_tree_mib']):.2f}x**); "
+            f"{w['timed_steps']} timed steps after {w['warmup_steps']} warm-up, at load ~{_load(d['machine'])}. Per-phase split in `benchmarks/results/grpo_vs_trl_qwen3vocab.json`")
+
+
+def _scaling_row(factor: str, what: str) -> Row:
+    """A scaling plot (benchmarks/scaling.py) with its first and last point per system."""
+    def row():
+        d, rows = _json("scaling.json"), _csv(f"scaling_{factor}.csv")
+        if d is None or rows is None or factor not in d["factors"]:
+            return None
+        fd = d["factors"][factor]
+        mem = "peak_extra_mib" if factor == "kernel" else "peak_pss_tree_mib"
+        parts = []
+        for system in dict.fromkeys(r["system"] for r in rows):
+            pts = [r for r in rows if r["system"] == system]
+            a, b = pts[0], pts[-1]
+            parts.append(f"{system}: {a['value']} -> {b['value']}: {float(a['median_step_s']):.2f} -> "
+                         f"{float(b['median_step_s']):.2f} s, {float(a[mem]):,.0f} -> {float(b[mem]):,.0f} MiB")
+        loads = sorted({float(r["loadavg_start"]) for r in rows})
+        return (what, f"`{fd['command']}`",
+                f"![scaling_{factor}](benchmarks/results/scaling_{factor}.png) " + "; ".join(parts)
+                + f" (`benchmarks/results/scaling_{factor}.csv`: growth exponents and why, in scaling.json); at load "
+                f"~{loads[0]:.0f}-{loads[-1]:.0f}")
+    return row
+
+
 def row_convert():
     d = _json("convert_cpu.json")
     if d is None:
@@ -334,6 +372,9 @@ ROWS: list[Row] = [
     row_kernel,
     row_kernel_support,
     row_trl,
+    row_trl_qwen3vocab,
+    _scaling_row("kernel", "log-prob kernel's working memory vs tokens T (H=256, V=151,936, fp32, fwd+bwd)"),
+    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL"),
     row_convert,
     row_test_suite,
 ]

@@ -11,7 +11,7 @@ Factors (each a CSV + PNG under benchmarks/results/, scaling_<factor>.{csv,png},
 - ranks:   Megatron ranks over gloo: TP 1, 2, 4 and DP 2, 4; mgrpo
 - engines: SGLang-protocol CPU servers, 1 or 2 behind SGLang's router; mgrpo
 - kernel:  the log-prob kernel's working memory and time against tokens T at fixed H=256, V=151,936:
-           full logits (naive) vs the chunked kernel (kernels/bench.py's measurement, forward + backward)
+           full logits (naive) vs the chunked kernel (benchmarks/kernel_bench.py's measurement, forward + backward)
 
 Every training point runs the lockstep harness of grpo_vs_trl.py (one framework's step at a time, the order
 flipping every step; --warmup steps excluded, --steps timed) on the qwen3vocab workload's model (a Qwen3 shape with
@@ -52,7 +52,7 @@ def vocab_workload(v: int) -> Workload:
     """The base model with vocabulary v, on the synthetic `sum` prompts (16-token tokenizer: any v >= 16 encodes
     them; ids the tokenizer does not know decode to nothing, so the reward is simply lower)."""
     return BASE.with_changes(name=f"vocab{v}", data="sum", max_prompt_length=32,
-                             reward="mgrpo.rewards.synthetic:sum_score",
+                             reward="builtin",
                              model={"tokenizer": TINY_MODEL["tokenizer"], "vocab_size": v})
 
 
@@ -82,14 +82,14 @@ FACTORS = {
         full=[1, 2, 4, 8], quick=[1, 4], trl_max=8,
         workload=lambda v: BASE.with_changes(name=f"prompts{v}", prompts_per_step=v)),
     "ranks": dict(
-        unit="Megatron ranks (gloo); TP splits each layer, DP replicates the model", log_x=False,
+        unit="Megatron ranks over gloo (TP splits each layer, DP replicates)", log_x=False,
         full=["tp1", "tp2", "tp4", "dp2", "dp4"], quick=["tp1", "tp2", "dp2"], trl_max=None,
         workload=ranks_workload),
     "engines": dict(
-        unit="rollout engines (SGLang-protocol CPU servers; 2 behind SGLang's router)", log_x=False,
+        unit="rollout engines (SGLang-protocol CPU servers, router at 2)", log_x=False,
         full=[1, 2], quick=[1, 2], trl_max=None, workload=engines_workload),
     "kernel": dict(
-        unit=f"tokens T through the output layer (H={KERNEL_H}, V={KERNEL_V:,}, fp32, forward + backward)",
+        unit="tokens T through the output layer",
         log_x=True, full=[256, 512, 1024, 2048, 4096], quick=[256, 1024, 2048], trl_max=None, workload=None),
 }
 
@@ -179,7 +179,7 @@ def run_point(factor: str, value, w: Workload, sides: list[str], a, workdir: str
 
 
 def run_kernel_point(T: int, a) -> list[dict]:
-    from mgrpo_kernels.bench import measure, parse_args
+    from kernel_bench import measure, parse_args
 
     impls = "naive,chunked" if T <= a.naive_max_t else "chunked"
     bargs = parse_args(["--T", str(T), "--H", str(KERNEL_H), "--V", str(KERNEL_V), "--impls", impls,
@@ -241,6 +241,23 @@ def write_csv(path: str, rows: list[dict]) -> None:
         wr.writerows(rows)
 
 
+def read_csv(factor: str, path: str) -> list[dict]:
+    """A factor's CSV back as rows with numbers (what `plot` takes)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k in ("system", "largest_kind", "time_grows", "memory_grows") or (k == "value" and factor == "ranks"):
+                continue
+            try:
+                r[k] = float(v) if v != "" else None
+            except ValueError:
+                pass
+        if factor != "ranks" and r["value"] is not None:
+            r["value"] = int(r["value"])
+    return rows
+
+
 def plot(factor: str, rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -273,11 +290,13 @@ def plot(factor: str, rows: list[dict], path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    title = {"kernel": "Log-prob kernel vs full logits, forward + backward",
+    title = {"kernel": f"Log-prob kernel vs full logits (H={KERNEL_H}, V={KERNEL_V:,}, fp32, forward + backward)",
              "length": "GRPO step vs response length", "vocab": "GRPO step vs vocabulary size",
              "prompts": "GRPO step vs prompts per step", "ranks": "GRPO step vs Megatron ranks (gloo, 2 cores)",
              "engines": "GRPO step vs rollout engines (2 cores)"}[factor]
-    fig.suptitle(f"{title} (CPU, 2 cores)")
+    loads = [r["loadavg_start"] for r in rows if r.get("loadavg_start") is not None]
+    load = f", load {min(loads):.0f}-{max(loads):.0f}" if loads else ""
+    fig.suptitle(f"{title}\n(CPU, 2 shared cores{load}: times are noisy, memory is not)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -297,7 +316,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", default=RESULTS)
     ap.add_argument("--workdir", default=None, help="scratch folder, kept (default: a temp dir, removed)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for start-up or one step")
+    ap.add_argument("--replot", action="store_true", help="redraw the PNGs from the CSVs under --out-dir; run nothing")
     a = ap.parse_args(argv)
+    if a.replot:
+        for factor in a.factors.split(","):
+            path = os.path.join(a.out_dir, f"scaling_{factor}.csv")
+            if os.path.exists(path):
+                plot(factor, read_csv(factor, path), path[:-4] + ".png")
+                print(f"redrew {path[:-4]}.png")
+        return
     factors = a.factors.split(",")
     unknown = set(factors) - set(FACTORS)
     if unknown:
