@@ -263,13 +263,20 @@ def row_logprob_support():
             f"CP 2 {r['sampled-k5p09-n16-t15-sglang-cp2']['reward_last10']:.2f} (load 10-40)")
 
 
-def row_trl():
-    d, rows = _json("grpo_vs_trl.json"), _csv("grpo_vs_trl.csv")
+def _trl_results(name: str) -> Optional[tuple[dict, dict, dict, dict]]:
+    """grpo_vs_trl.py's outputs <name>.{json,csv}: (the JSON, TRL's row, mgrpo's row, the ratios' row)."""
+    d, rows = _json(f"{name}.json"), _csv(f"{name}.csv")
     if d is None or rows is None:
         return None
     by = {r["framework"]: r for r in rows}
-    t, m, ratio = by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
-    f = float
+    return d, by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
+
+
+def row_trl():
+    got = _trl_results("grpo_vs_trl")
+    if got is None:
+        return None
+    (d, t, m, ratio), f = got, float
     return ("mgrpo vs TRL GRPOTrainer, same tiny workload", f"`{d['command']}`",
             f"median step {f(m['median_step_s']):.3f} s vs {f(t['median_step_s']):.3f} s "
             f"(**{f(ratio['median_step_s']):.2f}x**), CPU per step {f(ratio['cpu_s_per_step']):.2f}x; response "
@@ -282,12 +289,11 @@ def row_trl():
 
 
 def row_trl_qwen3vocab():
-    d, rows = _json("grpo_vs_trl_qwen3vocab.json"), _csv("grpo_vs_trl_qwen3vocab.csv")
-    if d is None or rows is None:
+    got = _trl_results("grpo_vs_trl_qwen3vocab")
+    if got is None:
         return None
-    by = {r["framework"]: r for r in rows}
-    t, m, ratio = by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
-    w, f = d["workload"], float
+    (d, t, m, ratio), f = got, float
+    w = d["workload"]
     return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
             f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens)", f"`{d['command']}`",
             f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "

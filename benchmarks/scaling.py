@@ -36,11 +36,13 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_vs_trl import prepare, run_round  # noqa: E402
 from grpo_vs_trl_report import summarize  # noqa: E402
 from grpo_workloads import REPO, SEED, TINY_MODEL, WORKLOADS, Workload  # noqa: E402
+from gpu.common import write_csv  # noqa: E402  (rows of different keys: the header is their union)
 from proctree import machine  # noqa: E402
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -231,16 +233,6 @@ def _growth(pts: list[dict], factor: str, mem_key: str) -> None:
                                         "sublinear" if k >= 0.2 else "flat" if k > -0.2 else "shrinks")
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    fields: list = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=fields)
-        wr.writeheader()
-        wr.writerows(rows)
-
-
 def read_csv(factor: str, path: str) -> list[dict]:
     """A factor's CSV back as rows with numbers (what `plot` takes)."""
     with open(path, newline="") as f:
@@ -353,7 +345,7 @@ def main(argv=None) -> None:
                               workdir)
         add_growth(rows, factor)
         csv_path, png_path = (os.path.join(a.out_dir, f"scaling_{factor}.{ext}") for ext in ("csv", "png"))
-        write_csv(csv_path, rows)
+        write_csv(Path(csv_path), rows)
         plot(factor, rows, png_path)
         summary["factors"][factor] = {"unit": spec["unit"], "values": values, "note": NOTES[factor],
                                       "wall_s": round(time.time() - t0), "rows": rows}
