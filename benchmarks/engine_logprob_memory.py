@@ -17,7 +17,6 @@ Outputs <out>.csv and <out>.json; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import json
 import os
@@ -25,9 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_workloads import REPO, WORKLOADS, make_initial_model  # noqa: E402
+from gpu.common import write_csv  # noqa: E402
 from proctree import machine  # noqa: E402
 
 MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu_model.py"}
@@ -117,13 +118,7 @@ def main(argv=None) -> None:
                 rows.append(row)
     meta["loadavg_at_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    fields: list = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with open(a.out + ".csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=fields)
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(Path(a.out + ".csv"), rows)
     with open(a.out + ".json", "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
     print(f"wrote {a.out}.csv and {a.out}.json")

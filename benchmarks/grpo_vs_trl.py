@@ -110,6 +110,8 @@ DIFFERENCES = [
     "mgrpo's kernel scores the response positions of THD-packed micro-batches only.",
     "Rewards: TRL calls the function in its own process; mgrpo's default job scores in reward.num_workers=2 "
     "isolated subprocesses (per-call timeouts, crash isolation), one message per worker per step.",
+    "Priority: Ray starts its workers at nice 15 (RAY_worker_niceness); the harness sets it to 0, TRL's "
+    "process's priority, so that other jobs on the machine slow both sides alike.",
     "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's Megatron rank and engine each get "
     "trainer.cpus_per_worker=--threads (the default job uses 1); mgrpo's processes take turns, never compute together.",
     "Models: TRL trains and generates with HF Qwen3ForCausalLM (fp32, sdpa attention); mgrpo trains a Megatron "
@@ -315,6 +317,10 @@ class Side:
         self.ready_r, ready_w = os.pipe()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         env["PYTHONPATH"] = child_pythonpath(env)
+        # Ray starts its workers (mgrpo's Megatron rank and engine) at nice 15; TRL's process runs at 0. On a
+        # machine others load, that alone made mgrpo's generate 3-5x slower than TRL's in a trial (load 30):
+        # both sides run at the same priority here.
+        env["RAY_worker_niceness"] = "0"
         # mgrpo's local Ray gets a temp dir of its own (short path: Ray's socket paths are length-limited),
         # removed afterwards; mgrpo itself would leave a /tmp/mgrpo-ray-* behind per run.
         self.ray_tmp = tempfile.mkdtemp(prefix="gvt-ray-", dir="/tmp")
