@@ -380,6 +380,7 @@ ROWS: list[Row] = [
     row_trl,
     row_trl_qwen3vocab,
     _scaling_row("kernel", "log-prob kernel's working memory vs tokens T (H=256, V=151,936, fp32, fwd+bwd)"),
+    _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL"),
     _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL"),
     row_convert,
     row_test_suite,

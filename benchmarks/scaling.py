@@ -98,15 +98,16 @@ FACTORS = {
 # Why each factor grows the way it does (the measured exponents are in the rows; these are the reasons).
 NOTES = {
     "length": (
-        "Time grows linearly with response length on both sides: each new token costs one decode step whose price "
-        "is dominated by the LM head (H x V = 39M multiply-adds per token, vs ~1M for the 4-layer body), and the "
-        "log-prob forwards and the update are linear in tokens too; attention's quadratic term is negligible at "
-        "these lengths. mgrpo's memory is nearly flat: the kernel holds one 512-token chunk of logits whatever "
-        "the length, training micro-batches are capped at actor.max_tokens_per_gpu tokens, and the engine holds "
-        "one decode step of logits; what grows is activations of the (small) body and the KV cache. TRL's "
-        "grows with length: its micro-batch is a fixed number of rows, so activations of every layer for all "
-        "rows x (prompt + response) positions are held for the backward, and on CPU its chunked LM head scores "
-        "every position (prompt and padding too)."),
+        "Time grows with response length on both sides: each new token is one decode step whose price is mostly "
+        "the LM head (H x V = 39M multiply-adds per row, against ~1M for the 4-layer body), and the log-prob "
+        "forwards and the update are linear in tokens too; attention's quadratic term is small at these lengths. "
+        "mgrpo's measured exponent is close to 1; TRL's is lower because its fixed part, scoring every prompt "
+        "position (~150 per row) in the reference forward and the update, does not grow. mgrpo's memory is "
+        "nearly flat: the kernel holds one chunk of logits whatever the length, training micro-batches are "
+        "capped at actor.max_tokens_per_gpu tokens, and the engine holds one decode step of logits; what grows "
+        "is the body's activations and the KV cache. TRL's grows with length: its micro-batch is a number of "
+        "rows, so every layer's activations and the LM head's tiles for rows x (prompt + response) positions "
+        "are held for the backward."),
     "vocab": (
         "At a small vocabulary the body and the fixed per-step costs (Ray round trips, process hand-offs, the "
         "optimizer) dominate, and both sides are at parity. From a few thousand tokens on the LM head and the "
