@@ -1,19 +1,25 @@
-"""mgrpo vs TRL's GRPOTrainer on the same tiny GRPO workload, on CPU, in one run.
+"""mgrpo vs TRL's GRPOTrainer on the same GRPO workload, on CPU, in one run.
 
-    python benchmarks/grpo_vs_trl.py                       # 3 warm-up + 30 timed steps, 2 rounds
+    python benchmarks/grpo_vs_trl.py                       # tiny workload: 3 warm-up + 30 timed steps, 2 rounds
     python benchmarks/grpo_vs_trl.py --steps 10 --warmup 2 --rounds 1 --out /tmp/quick
+    python benchmarks/grpo_vs_trl.py --workload qwen3vocab # GSM8K, Qwen3 tokenizer, 151,936-token vocabulary
 
-Workload (the default job's): a ~0.3M-parameter Qwen3-shaped model (16-token vocabulary, hidden 128,
-2 layers, 4 heads / 2 KV heads, head_dim 32, ffn 256, tied embeddings, fp32) learning single-digit
-sums ("a+b=" -> the digits of a+b then EOS); 32 prompts x 8 samples per step, at most 4 response
-tokens, temperature 1.0; lr 5e-4 (Adam betas 0.9/0.99, no weight decay, grad-clip 1.0, constant);
-GRPO with group-std-normalised advantages, clip 0.2, token-mean loss over the batch, KL-to-reference
-loss with coefficient 0.001; one optimizer step per rollout.
+Workloads (benchmarks/grpo_workloads.py):
+- tiny (the default job's): a ~0.3M-parameter Qwen3-shaped model (16-token vocabulary, hidden 128, 2 layers,
+  4 heads / 2 KV heads, head_dim 32, ffn 256, tied embeddings, fp32) learning single-digit sums ("a+b=" -> the
+  digits of a+b then EOS); 32 prompts x 8 samples per step, at most 4 response tokens, lr 5e-4.
+- qwen3vocab: GSM8K prompts through the real Qwen3 tokenizer and chat template, a Qwen3-shaped model with the
+  full 151,936-token vocabulary and a small body (hidden 256, 4 layers, 8 heads / 4 KV heads, head_dim 32,
+  ffn 768, tied embeddings: 40M parameters, 39M of them the embedding), 8 prompts x 8 samples per step, up to
+  128 response tokens, lr 1e-5, reward: mgrpo's GSM8K judge, flexible, with veRL's format credit 0.1 (reward.gsm8k.format_score).
+Both: temperature 1.0; Adam betas 0.9/0.99, no weight decay, grad-clip 1.0, constant LR; GRPO with
+group-std-normalised advantages, clip 0.2, token-mean loss over the batch, KL-to-reference loss with
+coefficient 0.001; one optimizer step per rollout.
 
-Both sides start from one seeded random Qwen3ForCausalLM saved to a folder (mgrpo's
-`init_hf_checkpoint`, seed 1: the default job's own initial weights), use the synthetic tokenizer,
-see the same prompts in the same order (the stream of mgrpo's PromptDataset with data.seed=1,
-handed to TRL unshuffled) and are scored by the same function (`mgrpo.rewards.synthetic.sum_score`).
+Both sides start from one seeded random Qwen3ForCausalLM saved to a folder (mgrpo's `init_hf_checkpoint`,
+seed 1), use the workload's tokenizer, see the same prompts in the same order (the stream of mgrpo's
+PromptDataset with data.seed=1, handed to TRL unshuffled; GSM8K prompts as chat messages that TRL templates
+itself, checked to give mgrpo's token ids) and are scored by the same function.
 
 How it is measured. Each framework runs in its own child process (mgrpo with its Ray processes and
 reward workers), both alive at once but in lockstep: the parent lets exactly one of them run one
@@ -48,43 +54,46 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proctree import TreeMonitor, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
 from grpo_vs_trl_report import per_step, render_table, summarize, write_outputs  # noqa: E402
-DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "grpo_vs_trl")
+from grpo_workloads import (SEED, WORKLOADS, Workload, child_pythonpath, load_reward, make_initial_model,  # noqa: E402
+                            model_key, prepare_data, prompt_schedule)
+from grpo_workloads import mgrpo_overrides as workload_overrides  # noqa: E402
+RESULTS = os.path.join(REPO, "benchmarks", "results")
 
-PROMPTS_PER_STEP = 32
-N_SAMPLES = 8
-MAX_NEW_TOKENS = 4
-TEMPERATURE = 1.0
-LR = 5e-4
-KL_COEF = 0.001
-SEED = 1
+def what_each_side_does(w: Workload) -> dict:
+    rows, p = w.rows, w.prompts_per_step
+    accumulation = (f"{rows // w.trl_micro_batch} micro-batches of {w.trl_micro_batch} rows (gradient accumulation)"
+                    if w.trl_micro_batch < rows else f"all {rows} rows at once")
+    return {
+        "trl": (
+            f"One process. Per step: tokenize (and chat-template) the {p} prompts; HF generate with the policy model "
+            f"itself (KV cache, {rows} rows, <={w.max_new_tokens} new tokens, sampling); decode; the reward function "
+            "in-process; reference forward pass (a second HF model, loaded again from the saved folder, no grad, "
+            "TRL's chunked LM-head log-probs); no old-policy forward (TRL skips it when num_iterations=1 and "
+            "generation is aligned with the optimizer step, using the detached current log-probs instead); policy "
+            f"forward + backward over {accumulation} (TRL's chunked LM-head log-probs, add_fused_lm_head: on CPU "
+            "every position of the padded rows is scored, in tiles of 4096 tokens x 32768 vocabulary rows); "
+            "grad-clip; AdamW step; log to stdout. No weight sync: generation uses the model being trained."
+        ),
+        "mgrpo": (
+            "A Ray driver and Ray actors: one Megatron rank (actor + frozen reference) that also hosts the "
+            "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), two "
+            "reward-worker subprocesses, plus the Ray processes a local run keeps (gcs_server, raylet with its "
+            "dashboard and runtime-env agents, log monitor; no API server, autoscaler monitor or idle workers). Per "
+            f"step: next {p} prompts; rollout call to the engine (HF generate; each sampled token's log-prob taken "
+            "from that step's logits by a logits processor); decode; rewards in the worker subprocesses (each "
+            f"worker's share of the {rows} responses as one JSON message, answers line by line); reference forward "
+            "(sent to the Megatron rank right after generation, so it runs while the driver judges; its log-probs "
+            "stay on the rank for the update: 'reference log-probs' below is the driver's wait for them, 0 here, "
+            "and timing_s/ref_on_ranks the rank's time); advantages; one Megatron forward+backward and optimizer "
+            "step (DDP wrapper, grad-clip; response tokens packed THD into micro-batches of at most "
+            "actor.max_tokens_per_gpu tokens; log-probs and loss through the fused chunked kernel, response positions "
+            "only) whose own detached log-probs are pi_old (no separate old-policy forward: one update per rollout) "
+            "and give the rollout-vs-trainer check; weight sync (Megatron -> HF names, copied in memory into the "
+            "engine in the same process, with an engine health check first); metrics to JSONL + TensorBoard + "
+            "console; trajectories to JSONL."
+        ),
+    }
 
-WHAT_EACH_SIDE_DOES = {
-    "trl": (
-        "One process. Per step: tokenize the 32 prompts; HF generate with the policy model itself (KV cache, "
-        "256 rows, <=4 new tokens, sampling); decode; the reward function in-process; reference forward pass (a "
-        "second HF model, loaded again from the saved folder, no grad); no old-policy forward (TRL skips it when "
-        "num_iterations=1 and generation is aligned with the optimizer step, using the detached current "
-        "log-probs instead); policy forward + backward (TRL's chunked LM-head log-probs); grad-clip; AdamW step; "
-        "log to stdout. No weight sync: generation uses the model being trained."
-    ),
-    "mgrpo": (
-        "A Ray driver and Ray actors: one Megatron Megatron rank (actor + frozen reference) that also hosts the "
-        "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), two "
-        "reward-worker subprocesses, plus the Ray "
-        "processes a local run keeps (gcs_server, raylet with its dashboard and runtime-env agents, log monitor; "
-        "no API server, autoscaler monitor or idle workers). Per step: next 32 prompts; rollout call to the "
-        "engine (HF generate with output_logits -> per-token rollout log-probs); decode; rewards in the worker "
-        "subprocesses (each worker's share of the 256 responses as one JSON message, answers line by line); "
-        "reference forward (sent to the Megatron rank right after generation, so it runs while the driver judges; "
-        "its log-probs stay on the rank for the update: 'reference log-probs' below is the driver's wait for "
-        "them, 0 here, and timing_s/ref_on_ranks the rank's time); advantages; one Megatron forward+backward "
-        "and optimizer step (DDP wrapper, "
-        "grad-clip) whose own detached log-probs are pi_old (no separate old-policy forward: one update per "
-        "rollout) and give the rollout-vs-trainer check; weight sync (Megatron -> HF names, copied in memory "
-        "into the engine in the same process, with an engine health check first); metrics to JSONL + "
-        "TensorBoard + console; trajectories to JSONL."
-    ),
-}
 
 DIFFERENCES = [
     "Neither side runs an old-policy forward: with one update per rollout both take pi_old from the training "
@@ -93,10 +102,16 @@ DIFFERENCES = [
     "(default True) is turned off so its KL term is the same unweighted k3.",
     "Loss aggregation: TRL loss_type='dapo' (sum over tokens / active tokens of the whole batch) = mgrpo "
     "token-mean. Advantage std epsilon: TRL 1e-4, mgrpo its own; irrelevant to timing.",
-    "Generation: both use transformers' generate with a KV cache; mgrpo also returns every step's raw logits "
-    "(output_logits=True) to compute rollout log-probs, which TRL without vLLM does not need.",
+    "Generation: both use transformers' generate with a KV cache; mgrpo also computes each sampled token's "
+    "log-prob under the engine (a logits processor reads each step's raw logits once: no step's logits are kept "
+    "longer than the next step), which TRL without vLLM does not need.",
+    "Log-prob heads: both avoid [tokens x vocab] logits in training. TRL 1.16 patches the model with its chunked "
+    "LM head (add_fused_lm_head; on CPU it scores every position of the padded rows, prompt and padding included); "
+    "mgrpo's kernel scores the response positions of THD-packed micro-batches only.",
     "Rewards: TRL calls the function in its own process; mgrpo's default job scores in reward.num_workers=2 "
     "isolated subprocesses (per-call timeouts, crash isolation), one message per worker per step.",
+    "Priority: Ray starts its workers at nice 15 (RAY_worker_niceness); the harness sets it to 0, TRL's "
+    "process's priority, so that other jobs on the machine slow both sides alike.",
     "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's Megatron rank and engine each get "
     "trainer.cpus_per_worker=--threads (the default job uses 1); mgrpo's processes take turns, never compute together.",
     "Models: TRL trains and generates with HF Qwen3ForCausalLM (fp32, sdpa attention); mgrpo trains a Megatron "
@@ -106,32 +121,6 @@ DIFFERENCES = [
     "Random streams differ, so sampled responses, rewards and lengths diverge after the first step; tokens/s "
     "accounts for length, reward is informational (learning speed is not what is measured).",
 ]
-
-
-# ======================================================================================================
-# shared setup
-# ======================================================================================================
-def prompt_schedule(total_steps: int) -> list[dict]:
-    """The prompts mgrpo's default job sees, step by step (PromptDataset with data.seed=1, shuffled epochs)."""
-    from mgrpo.config.schema import DataConfig
-    from mgrpo.data import PromptDataset
-    from mgrpo.data.synthetic import synthetic_tokenizer
-
-    ds = PromptDataset(DataConfig(), synthetic_tokenizer(), [], split="train")
-    rows = []
-    for _ in range(total_steps):
-        for it in ds.next_batch(PROMPTS_PER_STEP):
-            rows.append({"prompt": it.prompt_text, "ground_truth": it.ground_truth, "data_source": it.data_source,
-                         "prompt_len": len(it.prompt_ids)})
-    return rows
-
-
-def make_initial_model(path: str) -> None:
-    from mgrpo.config.schema import ModelConfig
-    from mgrpo.data.synthetic import synthetic_tokenizer
-    from mgrpo.models import init_hf_checkpoint
-
-    init_hf_checkpoint(path, ModelConfig(), seed=SEED, tokenizer=synthetic_tokenizer())
 
 
 # ======================================================================================================
@@ -162,22 +151,26 @@ def run_trl(spec: dict, gate: Gate) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mgrpo.data.synthetic import synthetic_tokenizer
-    from mgrpo.rewards.synthetic import sum_score
+    from mgrpo.config.schema import ModelConfig
+    from mgrpo.data.tokenizer import load_tokenizer
 
-    tok = synthetic_tokenizer()
+    w = Workload.from_dict(spec["workload"])
+    tok = load_tokenizer(ModelConfig(**w.model))
     eos = {tok.eos_token_id}
+    score_fn = load_reward(w)
     steps: list[dict] = []
     cur: dict = {}
 
     def add(name: str, seconds: float) -> None:
         cur[name] = cur.get(name, 0.0) + seconds
 
-    def sum_reward(prompts, completions, completion_ids, ground_truth, data_source, prompt_len, **_):
-        # What mgrpo's judger passes: the decoded text (special tokens skipped) and whether the response stopped
-        # on EOS (TRL keeps the EOS id as the last completion id when it was sampled).
-        scores = [sum_score(src, text, gt, {"finish_reason": "stop" if ids and ids[-1] in eos else "length"})
-                  for text, ids, gt, src in zip(completions, completion_ids, ground_truth, data_source)]
+    def reward(prompts, completions, completion_ids, ground_truth, data_source, prompt_len, **_):
+        # What mgrpo's judger passes: the decoded text (special tokens skipped; a chat prompt's completion is the
+        # assistant message) and whether the response stopped on EOS (TRL keeps the EOS id as the last completion
+        # id when it was sampled).
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [score_fn(src, text, gt, {"finish_reason": "stop" if ids and ids[-1] in eos else "length"})
+                  for text, ids, gt, src in zip(texts, completion_ids, ground_truth, data_source)]
         cur.update(score_mean=sum(scores) / len(scores), samples=len(scores),
                    response_tokens=sum(len(ids) for ids in completion_ids), prompt_tokens=sum(prompt_len))
         return scores
@@ -230,22 +223,26 @@ def run_trl(spec: dict, gate: Gate) -> dict:
     args = GRPOConfig(
         output_dir=spec["run_dir"], use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         model_init_kwargs={"dtype": "float32"},
-        per_device_train_batch_size=PROMPTS_PER_STEP * N_SAMPLES, gradient_accumulation_steps=1,
-        num_generations=N_SAMPLES, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-        use_vllm=False, learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch",
+        # One generation of all rows per optimizer step: gradient accumulation over micro-batches of
+        # trl_micro_batch rows (steps_per_generation defaults to gradient_accumulation_steps).
+        per_device_train_batch_size=w.trl_micro_batch, gradient_accumulation_steps=w.rows // w.trl_micro_batch,
+        num_generations=w.samples_per_prompt, max_completion_length=w.max_new_tokens, temperature=w.temperature,
+        top_p=1.0, top_k=0, use_vllm=False, learning_rate=w.lr, lr_scheduler_type="constant", optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        beta=KL_COEF, use_bias_correction_kl=False, loss_type="dapo", epsilon=0.2, scale_rewards="group",
+        beta=w.kl_coef, use_bias_correction_kl=False, loss_type="dapo", epsilon=0.2, scale_rewards="group",
         num_iterations=1, max_steps=spec["total_steps"], shuffle_dataset=False, dataloader_num_workers=0,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=SEED,
+        chat_template_kwargs={"enable_thinking": False},  # mgrpo's data.enable_thinking=false
     )
     # The model goes in as a folder path: with beta != 0 TRL builds its reference model from name_or_path.
-    trainer = Timed(model=spec["init_dir"], reward_funcs=sum_reward, args=args,
+    trainer = Timed(model=spec["init_dir"], reward_funcs=reward, args=args,
                     train_dataset=Dataset.from_list(spec["schedule"]), processing_class=tok, callbacks=[Clock()])
     trainer.train()
     config = {k: getattr(args, k) for k in (
-        "per_device_train_batch_size", "generation_batch_size", "steps_per_generation", "num_generations",
-        "max_completion_length", "temperature", "top_p", "top_k", "learning_rate", "beta", "loss_type", "epsilon",
-        "scale_rewards", "use_bias_correction_kl", "num_iterations", "gradient_checkpointing", "bf16", "optim",
+        "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
+        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate", "beta",
+        "loss_type", "epsilon", "scale_rewards", "use_bias_correction_kl", "num_iterations", "gradient_checkpointing",
+        "bf16", "optim",
         "adam_beta1", "adam_beta2", "weight_decay", "max_grad_norm", "max_steps", "lr_scheduler_type")}
     config["torch_threads"] = torch.get_num_threads()
     config["reference_model_loaded_from"] = getattr(getattr(trainer.ref_model, "config", None), "_name_or_path", None)
@@ -253,10 +250,8 @@ def run_trl(spec: dict, gate: Gate) -> dict:
 
 
 def mgrpo_overrides(spec: dict) -> list[str]:
-    return [
-        # mgrpo's in-process transformers engine: its fastest rollout for a tiny CPU model, and the same HF
-        # generate TRL runs (the default job may use the SGLang-protocol CPU server, built for production).
-        "rollout=hf_cpu",
+    w = Workload.from_dict(spec["workload"])
+    return workload_overrides(w, spec["data_dir"]) + [
         f"model.hf_path={spec['init_dir']}",
         f"trainer.total_training_steps={spec['total_steps']}",
         f"trainer.output_dir={spec['run_dir']}",
@@ -271,16 +266,13 @@ def run_mgrpo(spec: dict, gate: Gate) -> dict:
     import dataclasses
     import logging
 
-    from hydra import compose, initialize_config_dir
-
+    from grpo_workloads import compose_mgrpo
     from mgrpo.loop import Trainer
-    from mgrpo_launchers.train import CONFIG_DIR, to_config  # importing it registers the structured schema
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     overrides = mgrpo_overrides(spec)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=overrides))  # the config `mgrpo-train <overrides>` runs
+    cfg = compose_mgrpo(overrides)  # the config `mgrpo-train <overrides>` runs
 
     class Gated(Trainer):
         def train_step(self) -> dict:
@@ -324,7 +316,11 @@ class Side:
         go_r, self.go_w = os.pipe()
         self.ready_r, ready_w = os.pipe()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = child_pythonpath(env)
+        # Ray starts its workers (mgrpo's Megatron rank and engine) at nice 15; TRL's process runs at 0. On a
+        # machine others load, that alone made mgrpo's generate 3-5x slower than TRL's in a trial (load 30):
+        # both sides run at the same priority here.
+        env["RAY_worker_niceness"] = "0"
         # mgrpo's local Ray gets a temp dir of its own (short path: Ray's socket paths are length-limited),
         # removed afterwards; mgrpo itself would leave a /tmp/mgrpo-ray-* behind per run.
         self.ray_tmp = tempfile.mkdtemp(prefix="gvt-ray-", dir="/tmp")
@@ -397,7 +393,7 @@ class Side:
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
-def run_round(index: int, order: list[str], base: dict, workdir: str, timeout: float) -> dict[str, dict]:
+def run_round(index: int | str, order: list[str], base: dict, workdir: str, timeout: float) -> dict[str, dict]:
     """Launch both children (one after the other, each until it is ready for step 1), then run every step of
     both in lockstep: one side at a time, the order flipping each step."""
     sides: dict[str, Side] = {}
@@ -437,37 +433,78 @@ def run_round(index: int, order: list[str], base: dict, workdir: str, timeout: f
 # ======================================================================================================
 # parent: main
 # ======================================================================================================
+def prepare(w: Workload, workdir: str, total_steps: int, threads: int) -> dict:
+    """What both children of every round share: the initial weights, the data, the prompt schedule."""
+    os.makedirs(workdir, exist_ok=True)
+    init_dir = os.path.join(workdir, "init_hf_" + model_key(w.model))
+    if not os.path.exists(os.path.join(init_dir, "config.json")):
+        make_initial_model(w, init_dir)
+    data_dir = prepare_data(w, workdir)
+    return {"init_dir": init_dir, "data_dir": data_dir, "total_steps": total_steps, "threads": threads,
+            "workload": w.to_dict(), "schedule": prompt_schedule(w, data_dir, total_steps)}
+
+
+def workload_meta(w: Workload, a, total: int, orders: list) -> dict:
+    return {"name": w.name, "model": w.model_label(), "task": w.describe,
+            "prompts_per_step": w.prompts_per_step, "samples_per_prompt": w.samples_per_prompt,
+            "max_new_tokens": w.max_new_tokens, "max_prompt_length": w.max_prompt_length,
+            "temperature": w.temperature, "lr": w.lr, "kl_coef": w.kl_coef, "trl_micro_batch": w.trl_micro_batch,
+            "warmup_steps": a.warmup, "timed_steps": a.steps, "steps_per_run": total, "rounds": a.rounds,
+            "launch_orders": orders, "threads": a.threads, "final_reward_last_steps": a.last}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per run, after the warm-up (default 30)")
-    ap.add_argument("--warmup", type=int, default=3, help="first steps excluded from timing (default 3, >= 1)")
-    ap.add_argument("--rounds", type=int, default=2, help="lockstep runs of both; launch order swapped each round")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                    help="tiny (the default job's) or qwen3vocab (GSM8K, Qwen3 tokenizer, 151,936-token vocabulary)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per run, after the warm-up (default: tiny 30, qwen3vocab 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="first steps excluded from timing (default 3, "
+                    "qwen3vocab 1; >= 1)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="lockstep runs of both; launch order swapped each round (default: tiny 2, qwen3vocab 1)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of TRL's process and mgrpo's trainer.cpus_per_worker (default job: 1)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output prefix: <out>.csv and <out>.json")
+    ap.add_argument("--trl-micro-batch", type=int, default=None,
+                    help="TRL's per_device_train_batch_size (default: the workload's; gradient accumulation "
+                         "makes up the batch)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the workload's)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (default: the workload's)")
+    ap.add_argument("--out", default=None, help="output prefix: <out>.csv and <out>.json (default "
+                    "benchmarks/results/grpo_vs_trl[_<workload>])")
     ap.add_argument("--workdir", default=None, help="scratch folder, kept (default: a temp dir, removed)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for start-up or for one step")
-    ap.add_argument("--last", type=int, default=10, help="final reward = mean over this many last steps")
+    ap.add_argument("--last", type=int, default=None, help="final reward = mean over this many last steps "
+                    "(default: tiny 10, qwen3vocab 3)")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
         kind, spec_path, go_fd, ready_fd = a._child
         child_main(kind, spec_path, int(go_fd), int(ready_fd))
         return
-    if a.warmup < 1 or a.steps < 2 or a.rounds < 1:
-        ap.error("need --warmup >= 1, --steps >= 2, --rounds >= 1")
+    tiny = a.workload == "tiny"
+    for k, small, big in (("steps", 30, 6), ("warmup", 3, 1), ("rounds", 2, 1), ("last", 10, 3)):
+        if getattr(a, k) is None:
+            setattr(a, k, small if tiny else big)
+    a.out = a.out or os.path.join(RESULTS, "grpo_vs_trl" + ("" if tiny else f"_{a.workload}"))
+    w = WORKLOADS[a.workload]
+    for opt, fld in (("trl_micro_batch", "trl_micro_batch"), ("prompts", "prompts_per_step"),
+                     ("max_new_tokens", "max_new_tokens")):
+        if getattr(a, opt):
+            w = w.with_changes(**{fld: getattr(a, opt)})
+    w = w.with_changes(trl_micro_batch=min(w.trl_micro_batch, w.rows))
+    if a.warmup < 1 or a.steps < 2 or a.rounds < 1 or w.rows % w.trl_micro_batch:
+        ap.error("need --warmup >= 1, --steps >= 2, --rounds >= 1 and a TRL micro-batch that divides "
+                 f"{w.rows} rows")
 
     meta = {"command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
             "machine": machine()}
     keep = a.workdir is not None
     workdir = a.workdir or tempfile.mkdtemp(prefix="grpo_vs_trl-")
-    os.makedirs(workdir, exist_ok=True)
     total = a.warmup + a.steps + 1  # the last step only closes the timing of the one before it
-    init_dir = os.path.join(workdir, "init_hf")
-    make_initial_model(init_dir)
-    base = {"init_dir": init_dir, "total_steps": total, "threads": a.threads, "schedule": prompt_schedule(total)}
-    print(f"workdir {workdir}: {a.rounds} round(s) of {total} lockstep steps ({a.warmup} warm-up, {a.steps} timed, "
-          f"1 closing), threads {a.threads}", flush=True)
+    base = prepare(w, workdir, total, a.threads)
+    print(f"workdir {workdir}: workload {w.name}, {a.rounds} round(s) of {total} lockstep steps ({a.warmup} "
+          f"warm-up, {a.steps} timed, 1 closing), threads {a.threads}", flush=True)
 
     runs: dict[str, list[dict]] = {"trl": [], "mgrpo": []}
     orders = []
@@ -478,10 +515,10 @@ def main(argv=None) -> None:
         res = run_round(r, order, base, workdir, a.timeout)
         for kind, rr in res.items():
             runs[kind].append(rr)
-            w = per_step(rr, a.warmup)
-            print(f"  round {r} {kind:5}: median step {statistics.median(w['intervals_s']):.3f}s, "
+            ps = per_step(rr, a.warmup)
+            print(f"  round {r} {kind:5}: median step {statistics.median(ps['intervals_s']):.3f}s, "
                   f"peak RSS {rr['memory']['peak_rss_tree_mib']:.0f} MiB, "
-                  f"reward(last {a.last}) {statistics.fmean(w['scores'][-a.last:]):.3f}", flush=True)
+                  f"reward(last {a.last}) {statistics.fmean(ps['scores'][-a.last:]):.3f}", flush=True)
         print(f"  round {r} took {time.time() - t0:.0f}s, load average now {os.getloadavg()[0]:.2f}", flush=True)
 
     trl = summarize("trl", runs["trl"], a.warmup, a.last)
@@ -492,24 +529,10 @@ def main(argv=None) -> None:
     meta["machine"]["mgrpo_commit_at_end"] = end["mgrpo_commit"]
     meta["machine"]["mgrpo_modified_tracked_files_at_end"] = end["mgrpo_modified_tracked_files"]
     meta.update({
-        "workload": {"model": "Qwen3ForCausalLM: vocab 16, hidden 128, 2 layers, 4 heads / 2 KV heads, head_dim 32, "
-                              "ffn 256, tied embeddings, fp32; seeded random init (mgrpo init_hf_checkpoint, seed 1)",
-                     "task": "mgrpo synthetic 'sum' (a, b in 0..4), prompts in mgrpo's PromptDataset order "
-                             "(data.seed=1)",
-                     "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": N_SAMPLES,
-                     "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE, "lr": LR, "kl_coef": KL_COEF,
-                     "warmup_steps": a.warmup, "timed_steps": a.steps, "steps_per_run": total, "rounds": a.rounds,
-                     "launch_orders": orders, "threads": a.threads, "final_reward_last_steps": a.last},
-        "what_each_side_does_per_step": WHAT_EACH_SIDE_DOES,
+        "workload": workload_meta(w, a, total, orders),
+        "what_each_side_does_per_step": what_each_side_does(w),
         "differences": DIFFERENCES,
-        "measurement": (
-            "Both children alive, stepping in lockstep (one step of one side at a time, order flipping every step). "
-            "Step time: from the child's 'go' to its next 'ready' (start of the following step), so logging and "
-            "data loading count; timed steps are warmup+1..total-1, pooled over rounds. Tokens/s: tokens of the "
-            "timed steps / their summed time. CPU: user+system seconds of the whole process tree during the "
-            "side's own steps (snapshots at the handshakes); 'busy while idle' is the tree's CPU while the other "
-            "side stepped. Memory: RSS summed over the tree every 0.2 s (shared pages counted in every process), "
-            "PSS every 1 s (shared pages split), peaks over the whole run including start-up and shutdown."),
+        "measurement": MEASUREMENT,
         "trl_config": runs["trl"][0]["config"],
         "mgrpo_overrides": runs["mgrpo"][0]["overrides"],
         "mgrpo_config": runs["mgrpo"][0]["config"],
@@ -521,6 +544,16 @@ def main(argv=None) -> None:
     print(f"\nwrote {a.out}.csv and {a.out}.json")
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+MEASUREMENT = (
+    "Both children alive, stepping in lockstep (one step of one side at a time, order flipping every step). "
+    "Step time: from the child's 'go' to its next 'ready' (start of the following step), so logging and "
+    "data loading count; timed steps are warmup+1..total-1, pooled over rounds. Tokens/s: tokens of the "
+    "timed steps / their summed time. CPU: user+system seconds of the whole process tree during the "
+    "side's own steps (snapshots at the handshakes); 'busy while idle' is the tree's CPU while the other "
+    "side stepped. Memory: RSS summed over the tree every 0.2 s (shared pages counted in every process), "
+    "PSS every 1 s (shared pages split), peaks over the whole run including start-up and shutdown.")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,16 @@ def aligned_phases(kind: str, s: dict, interval: float) -> dict:
              "update (fwd+bwd+optimizer)": g("training_step", 0.0) - g("gen_score_ref", 0.0)
              + g("clip_and_optimizer", 0.0), "weight sync": 0.0}
     else:
-        p = {"generate": g("timing_s/gen", 0.0) - g("timing_s/reward", 0.0), "reward": g("timing_s/reward", 0.0),
-             "old-policy log-probs": g("timing_s/old_logprob", 0.0), "reference log-probs": g("timing_s/ref", 0.0),
-             "update (fwd+bwd+optimizer)": g("timing_s/update_actor", 0.0),
+        # The reference forward runs on the ranks from the end of generation while the driver judges and
+        # computes advantages; the update call waits for what is left of it (kept on the ranks), which is
+        # counted here as reference log-probs, not as update.
+        overlap = g("timing_s/reward", 0.0) + g("timing_s/adv", 0.0)
+        ref_in_update = max(0.0, g("timing_s/ref_on_ranks", 0.0) - overlap)
+        ref_in_update = min(ref_in_update, g("timing_s/update_actor", 0.0))
+        p = {"generate": g("timing_s/gen", 0.0), "reward": g("timing_s/reward", 0.0),
+             "old-policy log-probs": g("timing_s/old_logprob", 0.0),
+             "reference log-probs": g("timing_s/ref", 0.0) + ref_in_update,
+             "update (fwd+bwd+optimizer)": g("timing_s/update_actor", 0.0) - ref_in_update,
              "weight sync": g("timing_s/update_weights", 0.0)}
     p["other"] = interval - sum(p.values())
     return p

@@ -285,13 +285,20 @@ def row_logprob_support():
             f"CP 2 {r['sampled-k5p09-n16-t15-sglang-cp2']['reward_last10']:.2f} (load 10-40)")
 
 
-def row_trl():
-    d, rows = _json("grpo_vs_trl.json"), _csv("grpo_vs_trl.csv")
+def _trl_results(name: str) -> Optional[tuple[dict, dict, dict, dict]]:
+    """grpo_vs_trl.py's outputs <name>.{json,csv}: (the JSON, TRL's row, mgrpo's row, the ratios' row)."""
+    d, rows = _json(f"{name}.json"), _csv(f"{name}.csv")
     if d is None or rows is None:
         return None
     by = {r["framework"]: r for r in rows}
-    t, m, ratio = by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
-    f = float
+    return d, by["trl"], by["mgrpo"], by["ratio_mgrpo_over_trl"]
+
+
+def row_trl():
+    got = _trl_results("grpo_vs_trl")
+    if got is None:
+        return None
+    (d, t, m, ratio), f = got, float
     return ("mgrpo vs TRL GRPOTrainer, same tiny workload", f"`{d['command']}`",
             f"median step {f(m['median_step_s']):.3f} s vs {f(t['median_step_s']):.3f} s "
             f"(**{f(ratio['median_step_s']):.2f}x**), CPU per step {f(ratio['cpu_s_per_step']):.2f}x; response "
@@ -301,6 +308,43 @@ def row_trl():
             f"{f(t['peak_rss_tree_mib']):,.0f}), {int(f(m['max_processes']))} processes vs "
             f"{int(f(t['max_processes']))}; mean reward over the last steps {f(m['final_reward']):.3f} vs "
             f"{f(t['final_reward']):.3f}; at load ~{_load(d['machine'])}. See `benchmarks/README.md`")
+
+
+def row_trl_qwen3vocab():
+    got = _trl_results("grpo_vs_trl_qwen3vocab")
+    if got is None:
+        return None
+    (d, t, m, ratio), f = got, float
+    w = d["workload"]
+    return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
+            f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens)", f"`{d['command']}`",
+            f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
+            f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
+            f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
+            f"{f(t['peak_pss_tree_mib']):,.0f} MiB (**{f(ratio['peak_pss_tree_mib']):.2f}x**); "
+            f"{w['timed_steps']} timed steps after {w['warmup_steps']} warm-up, at load ~{_load(d['machine'])}. Per-phase split in `benchmarks/results/grpo_vs_trl_qwen3vocab.json`")
+
+
+def _scaling_row(factor: str, what: str) -> Row:
+    """A scaling plot (benchmarks/scaling.py) with its first and last point per system."""
+    def row():
+        d, rows = _json("scaling.json"), _csv(f"scaling_{factor}.csv")
+        if d is None or rows is None or factor not in d["factors"]:
+            return None
+        fd = d["factors"][factor]
+        mem = "peak_extra_mib" if factor == "kernel" else "peak_pss_tree_mib"
+        parts = []
+        for system in dict.fromkeys(r["system"] for r in rows):
+            pts = [r for r in rows if r["system"] == system]
+            a, b = pts[0], pts[-1]
+            parts.append(f"{system}: {a['value']} -> {b['value']}: {float(a['median_step_s']):.2f} -> "
+                         f"{float(b['median_step_s']):.2f} s, {float(a[mem]):,.0f} -> {float(b[mem]):,.0f} MiB")
+        loads = sorted({float(r["loadavg_start"]) for r in rows})
+        return (what, f"`{fd['command']}`",
+                f"![scaling_{factor}](benchmarks/results/scaling_{factor}.png) " + "; ".join(parts)
+                + f" (`benchmarks/results/scaling_{factor}.csv`: growth exponents and why, in scaling.json); at load "
+                f"~{loads[0]:.0f}-{loads[-1]:.0f}")
+    return row
 
 
 def row_convert():
@@ -357,6 +401,10 @@ ROWS: list[Row] = [
     row_kernel,
     row_kernel_support,
     row_trl,
+    row_trl_qwen3vocab,
+    _scaling_row("kernel", "log-prob kernel's working memory vs tokens T (H=256, V=151,936, fp32, fwd+bwd)"),
+    _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL"),
+    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL"),
     row_convert,
     row_test_suite,
 ]

@@ -13,10 +13,50 @@ from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from mgrpo.models.registry import hf_named_tensors
 from mgrpo.rollout.routes import generated_routes
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+
+
+class TokenLogprobs(LogitsProcessor):
+    """Each sampled token's log-prob under log_softmax(raw logits / T), the tempered distribution before
+    top-p/top-k truncation: what the trainer recomputes for the same tokens.
+
+    transformers applies a caller's processors before its temperature / top-k / top-p warpers, so this one
+    sees every decode step's raw logits. Which token was sampled shows only in the next step's input_ids,
+    so one step's logits wait for it; `result` takes the last column. At most one step of [rows x vocab]
+    is held (`output_logits=True` would keep all of them: rows x steps x vocab, 5 GB for 64 rows of 128
+    tokens at Qwen3's 151,936-token vocabulary, and stacking them and their log-softmax tripled it).
+    """
+
+    def __init__(self, temperature: float):
+        self.inv_t = 1.0 / temperature
+        self.columns: list[torch.Tensor] = []
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (logits, lse)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._take(input_ids[:, -1])
+        # log-sum-exp of scores / T with a single [rows x vocab] temporary (torch.logsumexp makes several)
+        m = scores.amax(dim=-1, keepdim=True)
+        lse = torch.sub(scores, m).mul_(self.inv_t).exp_().sum(dim=-1).log_() + m.squeeze(-1) * self.inv_t
+        self.pending = (scores, lse)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        logits, lse = self.pending
+        self.columns.append(logits.gather(-1, tokens[:, None]).squeeze(-1).float() * self.inv_t - lse)
+        self.pending = None
+
+    def result(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, steps] log-probs of `new_tokens` (the generated columns)."""
+        if self.pending is not None:
+            self._take(new_tokens[:, len(self.columns)])
+        if len(self.columns) != new_tokens.shape[1]:
+            raise RuntimeError(f"{len(self.columns)} decode steps seen for {new_tokens.shape[1]} generated tokens")
+        return torch.stack(self.columns, dim=1)
 
 
 class HFRolloutEngine:
@@ -77,25 +117,23 @@ class HFRolloutEngine:
         if sampling.return_routed_experts and self.routes is None:
             raise ValueError("return_routed_experts was asked, but the engine was built without "
                              "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
+        # Without supports each sampled token's log-prob is read from its own decode step's logits (one step
+        # held); supports need every step's processed scores.
+        step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
         capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
         with capture as forwards:
-            out = self._sample(ids, mask, sampling, supports)
+            out = self._sample(ids, mask, sampling, supports, step_logprobs)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
             # top-k and top-p warpers (in that order) set every token outside the support to -inf. Their
             # log-softmax is the behaviour log-prob over the support; the finite entries are the support.
             scores = torch.stack(out.scores, dim=1).float()
-            logprobs = torch.log_softmax(scores, dim=-1)
             token_supports = _supports(torch.isfinite(scores))
+            token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         else:
-            # Raw logits (before temperature / top-p / top-k processors) -> log-probs of the tempered
-            # distribution, exactly what the trainer recomputes for the same tokens.
-            logits = torch.stack(out.logits, dim=1).float()
-            temperature = sampling.temperature if sample else 1.0
-            logprobs = torch.log_softmax(logits / temperature, dim=-1)
             token_supports = None
-        token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+            token_logprobs = step_logprobs.result(new_tokens)
         results = []
         eos = set(self.eos_token_ids)
         for i, (r, toks, lps) in enumerate(zip(chunk, new_tokens.tolist(), token_logprobs.tolist())):
@@ -113,7 +151,8 @@ class HFRolloutEngine:
                 results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)
         return results
 
-    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool):
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
+                step_logprobs: Optional[TokenLogprobs]):
         sample = not sampling.greedy
         return self.model.generate(
             input_ids=ids,
@@ -125,8 +164,8 @@ class HFRolloutEngine:
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            output_logits=not supports,
             output_scores=supports,
+            logits_processor=LogitsProcessorList([step_logprobs]) if step_logprobs is not None else None,
             return_dict_in_generate=True,
         )
 
