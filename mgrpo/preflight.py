@@ -63,12 +63,12 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
 
 def engine_errors(cfg: MGRPOConfig) -> list[str]:
     """What the rollout engine would refuse on every request (better said now than at the first step)."""
+    r = cfg.rollout
+    if r.engine != "sglang" or cfg.algorithm.logprob_support != "sampled":
+        return []  # before the imports: they bring torch, which mgrpo-plan does not otherwise load
     from mgrpo.rollout.sglang.generate_io import needs_mask
     from mgrpo.rollout.types import SamplingParams
 
-    r = cfg.rollout
-    if r.engine != "sglang" or cfg.algorithm.logprob_support != "sampled":
-        return []
     try:  # SGLang returns a sampling support only for a finite top_k (its --sampling-mask-max-tokens)
         needs_mask(SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, return_support=True))
     except ValueError as err:
