@@ -1,7 +1,9 @@
 """recipe=gsm8k-tiny-cpu learns what it says it learns: on the real data path (mgrpo-prepare's records, the
 real Qwen3 tokenizer and chat template, the GSM8K judge with veRL's format credit) the tiny random model goes
 from answering with a number a third of the time to always, in 12 steps. The responses are judged again
-here with the judge's own answer extraction, independently of the reward the run logged."""
+here with the judge's own answer extraction, independently of the reward the run logged. The same run checks
+the path itself: the records, the Qwen3 vocabulary and chat template, evaluation's mean@n/pass@n, step-1
+agreement of engine and trainer."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def test_gsm8k_tiny_cpu_recipe_learns_to_answer_with_a_number(tmp_path):
             f"data.val_files=[{data_dir}/test.parquet]", f"trainer.output_dir={run_dir}", "trainer.save_hf=false"]))
     assert (cfg.reward.gsm8k.method, cfg.reward.gsm8k.format_score, cfg.trainer.total_training_steps) == \
         ("flexible", 0.1, 12)
+    assert cfg.model.vocab_size == 151936 and cfg.model.tokenizer == "qwen3"
     Trainer(cfg).fit()
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -45,7 +48,13 @@ def test_gsm8k_tiny_cpu_recipe_learns_to_answer_with_a_number(tmp_path):
         _mean([train[s]["critic/score/mean"] for s in (10, 11, 12)])
     assert first < 0.05 and last >= 0.095, (first, last)
     assert val[0] < 0.06 and val[12] >= 0.095, val
-    assert train[1]["rollout/entropy"] > 11.9 and train[12]["rollout/entropy"] < 2.0
+    # A random model's entropy over Qwen3's vocabulary is close to log(151936) = 11.93.
+    assert 11.9 < train[1]["rollout/entropy"] < 11.94 and train[12]["rollout/entropy"] < 2.0
+    assert train[1]["rollout/logprob_abs_diff"] < 1e-4
+    first_val = next(m for m in metrics if m["step"] == 0 and "val/openai/gsm8k/score" in m)
+    assert {"val/openai/gsm8k/mean@2", "val/openai/gsm8k/pass@2"} <= set(first_val)
+    row = json.loads(open(run_dir / "trajectories.jsonl").readline())
+    assert row["prompt"].startswith("<|im_start|>user\n") and row["data_source"] == "openai/gsm8k"
 
     # the same, judged again from the responses: how many hold an answer (a number) at all
     answered = {}
