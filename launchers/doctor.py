@@ -41,10 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--engine-dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     lay.add_argument("--trainer-dtype", default="float32", help="float32 (default) | bfloat16")
     lay.add_argument("--temperature", type=float, default=1.0, help="the rollout temperature (default 1)")
-    lay.add_argument("--engine-support", default="full", choices=SUPPORTS,
-                     help="what the engine's log-probs are normalised over: full (the whole tempered distribution, "
-                          "the default) or sampled (each token's top-k / top-p support)")
-    lay.add_argument("--trainer-support", default="full", choices=SUPPORTS,
+    lay.add_argument("--engine-support", default="full",
+                     help="what the engine's log-probs are normalised over (" + " | ".join(SUPPORTS) + "): full "
+                          "(the whole tempered distribution, the default) or sampled (each token's top-k / top-p "
+                          "support)")
+    lay.add_argument("--trainer-support", default="full",
                      help="the same for the trainer (algorithm.logprob_support)")
     lay.add_argument("--top-k", type=int, default=-1, help="the rollout's top_k (for a sampled support)")
     lay.add_argument("--top-p", type=float, default=1.0, help="the rollout's top_p (for a sampled support)")

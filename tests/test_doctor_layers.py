@@ -199,6 +199,8 @@ def test_the_command_names_the_layer_and_refuses_bad_input(clean, tmp_path):
         (["--engine", hf_dir, "--tokens", "1,2", "--prompt-len", "1", "--engine-dtype", "int8"], "not one of"),
         (["--engine", hf_dir, "--tokens", "1,2", "--prompt-len", "1", "--engine-support", "sampled"],
          "support 'sampled' needs --top-k K"),
+        (["--engine", hf_dir, "--tokens", "1,2", "--prompt-len", "1", "--trainer-support", "top"],
+         "support 'top' is not one of ['full', 'sampled']"),
     ]
     for args, message in bad:
         out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120)
