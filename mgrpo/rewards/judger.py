@@ -201,8 +201,7 @@ class Judger:
                 w.kill()  # closes its pipes
         result.worker_restarts += len(self._workers) - len(alive)
         self._workers = alive
-        retried: set[int] = set()
-        """Requests already sent again after their worker died: a second death scores them 0."""
+        retried: set[int] = set()  # requests sent again after their worker died: a second death scores them 0
         while len(self._workers) < self.cfg.num_workers:
             self._workers.append(_Worker(self.cfg))
         for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
