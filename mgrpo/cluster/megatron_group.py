@@ -14,6 +14,7 @@ import ray
 
 from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
+from mgrpo.cluster.heap import arena_env, trim_heap
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 from mgrpo.rollout.types import WeightDeliveryError
@@ -59,14 +60,25 @@ class MegatronRank(EngineSlot):
         return self.impl.info()
 
     # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
+    # Each returns what its call freed to the system (cluster/heap.py): the rank holds its live tensors
+    # between calls, not the last call's peak.
     def compute_logprobs(self, batch, which: str, temperature: float, keep: bool = False):
-        return self.impl.compute_logprobs(batch, which, temperature, keep=keep)
+        try:
+            return self.impl.compute_logprobs(batch, which, temperature, keep=keep)
+        finally:
+            trim_heap()
 
     def train_mini_batch(self, batch, temperature: float) -> dict:
-        return self.impl.train_mini_batch(batch, temperature)
+        try:
+            return self.impl.train_mini_batch(batch, temperature)
+        finally:
+            trim_heap()
 
     def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
-        return self.impl.sync_weights(receivers, bucket_bytes, finish_version)
+        try:
+            return self.impl.sync_weights(receivers, bucket_bytes, finish_version)
+        finally:
+            trim_heap()
 
     def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
         self.impl.save_hf(out_dir, tokenizer_dir)
@@ -87,7 +99,8 @@ class MegatronGroup:
         self.world = layout.megatron_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
-        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        # one malloc arena for the rank's threads (cluster/heap.py)
+        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **arena_env()}
         self.ranks = [
             MegatronRank.options(num_cpus=threads, num_gpus=placement.megatron_gpus,
                                 scheduling_strategy=placement.megatron.strategy(i),

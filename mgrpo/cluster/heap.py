@@ -1,0 +1,54 @@
+"""The C heap of a process that trains and generates: freed memory goes back to the system between calls.
+
+A Megatron rank (and a hybrid engine inside it) allocates and frees hundreds of MB per call: activations,
+the log-prob kernel's chunk of logits, the optimizer's temporaries, one `[rows x vocab]` logits tensor per
+decode step. torch's CPU allocator hands these to glibc's malloc, which keeps what is freed: per thread arena
+(Ray runs a rank's calls on several threads: its default one, and the `engine` concurrency group's four),
+and, below its adaptive mmap threshold (up to 32 MiB: a 16-row decode step's logits at Qwen3's vocabulary
+are 9.7 MB), in heaps it trims only at their top. On the qwen3vocab workload (benchmarks/README.md) the
+rank's RSS grew by ~400 MB a step and reached 3.6 GiB PSS for ~1.5 GiB of live tensors.
+
+Two measures, both glibc's own:
+- `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: Ray's
+  runtime_env): every thread allocates from the one main arena, so what one call frees the next call reuses,
+  whichever thread runs it.
+- `trim_heap()` (`malloc_trim(0)`) at the end of each call: the free pages inside the heap, not only at its
+  top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's peak.
+
+Elsewhere (musl, macOS) both are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+
+ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}
+"""Environment of a rank's process; a value the user's environment already sets is kept (`arena_env`)."""
+
+
+def arena_env() -> dict[str, str]:
+    return {k: os.environ.get(k, v) for k, v in ARENA_ENV.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the system; False where the C library has no malloc_trim."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
