@@ -170,7 +170,7 @@ def head_working_set(cfg: MGRPOConfig, shape: Shape, v_local: int, e: int, *, tr
     holds the fp32 dHidden and dWeight the fused loss computes in its forward, and the gathered hidden."""
     a, h = cfg.actor, cfg.model.hidden_size
     n = shape.response_tokens
-    chunk = min(a.logprob_chunk_size, n)
+    chunk = min(a.logprob_chunk_tokens(v_local), n)
     tile = chunk * min(8192, v_local) * 4
     if a.logprob_impl == "naive":
         logits = 3 * n * v_local * 4

@@ -211,8 +211,13 @@ class ActorConfig:
     logprob_impl: LogprobImpl = "chunked"
     """fused (Triton) | chunked (torch, never full logits) | naive (full logits)"""
     logprob_chunk_size: int = 512
-    """Tokens per chunk of the chunked / fused log-prob path. A chunk holds chunk x vocabulary fp32
-    logits: 512 x 151,936 is ~300 MB (measured fastest on CPU in benchmarks/kernel_bench.py)."""
+    """Most tokens per chunk of the chunked / fused log-prob path (fewer where `logprob_chunk_mb` says so)."""
+    logprob_chunk_mb: Optional[float] = 128.0
+    """Cap on one chunk's fp32 logits (chunk x this rank's vocabulary rows), in MiB: the token chunk is
+    the smaller of `logprob_chunk_size` and what fits (`logprob_chunk_tokens`). A 16-token vocabulary keeps
+    512 tokens; Qwen3's 151,936 gets 220 (128 MiB instead of 297 MiB at 512; at H=256 on CPU the kernel's
+    time is the same within noise, its peak 283 instead of 461 MiB: benchmarks/kernel_bench.py). None:
+    always `logprob_chunk_size`."""
     recompute: Optional[Recompute] = None
     """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |
     selective (core attention only). Trades compute for activation memory (mgrpo-plan shows how much)."""
@@ -225,6 +230,13 @@ class ActorConfig:
     actor/router/agreement: the share of (token, layer) routings the trainer's router, left to itself,
     would have chosen the same as the replayed ones."""
     seed: int = 1
+
+    def logprob_chunk_tokens(self, v_local: int) -> int:
+        """Tokens per log-prob kernel chunk on a rank holding `v_local` vocabulary rows."""
+        if self.logprob_chunk_mb is None:
+            return self.logprob_chunk_size
+        fits = int(self.logprob_chunk_mb * 2**20) // (4 * max(v_local, 1))
+        return max(1, min(self.logprob_chunk_size, fits))
 
 
 @dataclass

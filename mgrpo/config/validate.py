@@ -122,6 +122,9 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
         e.append("actor.use_distributed_optimizer=True needs CUDA tensors in megatron-core; "
                  "on trainer.device=cpu use actor.use_distributed_optimizer=false")
     _choice(e, "actor.logprob_impl", a.logprob_impl, LogprobImpl)
+    if a.logprob_chunk_size < 1 or (a.logprob_chunk_mb is not None and a.logprob_chunk_mb <= 0):
+        e.append(f"actor.logprob_chunk_size={a.logprob_chunk_size} and actor.logprob_chunk_mb={a.logprob_chunk_mb} "
+                 "must be positive (logprob_chunk_mb=null: no cap)")
     _choice(e, "actor.router_replay", a.router_replay, RouterReplay)  # which families route: preflight
     _choice(e, "actor.dtype", a.dtype, Dtype)
     if a.dtype == Dtype.bf16 and t.device == Device.cpu:

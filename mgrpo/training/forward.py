@@ -61,7 +61,7 @@ class LogProbHead:
         return dict(
             temperature=temperature,
             impl=self.cfg.actor.logprob_impl,
-            chunk_size=self.cfg.actor.logprob_chunk_size,
+            chunk_size=self.cfg.actor.logprob_chunk_tokens(v_local),
             tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None,
             vocab_start=self.ctx.tp_rank * v_local,
             vocab_size=self.cfg.model.vocab_size,
