@@ -19,6 +19,7 @@ class Recording(Trainer):
         super()._start(prepared)
         self.hosts = [e._actor_id.hex() for e in self.parts.experiences.rollout.engines]
         self.ranks = [r._actor_id.hex() for r in self.parts.actor.group.ranks]
+        self.shared = [i.get("engine_shared_bytes") for i in self.parts.actor.group.info]
 
 
 def _run(run_dir: str, mode: str, **actor) -> tuple[Recording, list[dict]]:
@@ -35,6 +36,8 @@ def test_hybrid_engine_trains_exactly_like_an_engine_of_its_own(tmp_path):
     hyb, m_hyb = _run(str(tmp_path / "hybrid"), "hybrid")
     assert not set(own.hosts) & set(own.ranks)  # colocated: an engine process of its own
     assert hyb.hosts == hyb.ranks[:1]  # hybrid: the engine's host is Megatron rank 0
+    # hybrid: the engine uses the rank's parameters that export as they are (embedding, norms) in place of copies
+    assert own.shared == [None] and hyb.shared[0] > 0
     assert [x["step"] for x in m_hyb] == list(range(1, STEPS + 1))
     for a, b in zip(m_own, m_hyb):  # same seeds, same engine code: the same samples and updates
         for key in COMPARED:

@@ -57,7 +57,12 @@ class MegatronRank(EngineSlot):
         from mgrpo.training.actor import MegatronActor
 
         self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
-        return self.impl.info()
+        info = self.impl.info()
+        share = getattr(self.engine, "share", None)  # rollout.mode=hybrid: the engine in this process
+        if share is not None:
+            info["engine_shared_bytes"] = share(self.impl.shareable_weights())
+        trim_heap()
+        return info
 
     # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
     # Each returns what its call freed to the system (cluster/heap.py): the rank holds its live tensors

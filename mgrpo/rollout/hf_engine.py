@@ -183,8 +183,31 @@ class HFRolloutEngine:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, engine expects "
                                  f"{tuple(param.shape)}")
-            param.copy_(tensor)
+            if param.data_ptr() != tensor.data_ptr():  # a tensor shared with the trainer (`share`) is already there
+                param.copy_(tensor)
             self._received.add(name)
+
+    @torch.no_grad()
+    def share(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Use the given tensors' memory as this engine's parameters of the same name, shape and dtype; return
+        the bytes freed. For an engine inside the trainer's process (rollout.mode=hybrid, one trainer shard
+        per weight): the trainer's parameters that export to HF as they are (the embedding above all: at
+        Qwen3's vocabulary it is most of a small model) then exist once. The trainer updates them in place
+        before each weight sync, which copies the other tensors; generation never runs between the two."""
+        by_ptr = {p.data_ptr(): p for p in self.model.parameters()}
+        freed = 0
+        with self._lock:
+            for name, tensor in named_tensors:
+                view = self._params.get(name)
+                param = by_ptr.get(view.data_ptr()) if view is not None else None
+                if (param is None or param.shape != tensor.shape or param.dtype != tensor.dtype
+                        or param.device != tensor.device or not tensor.is_contiguous()
+                        or param.data_ptr() == tensor.data_ptr()):
+                    continue
+                freed += param.numel() * param.element_size()
+                param.data = tensor.detach()  # tied weights are one Parameter: both names follow
+            self._params = hf_named_tensors(self.model)
+        return freed
 
     def finish_weight_update(self, version: int) -> None:
         missing = sorted(set(self._params) - self._received)

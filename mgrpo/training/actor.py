@@ -300,6 +300,16 @@ class MegatronActor:
                                    pp_size=c.pp, ep_group=c.ep_group, ep_size=c.ep, dense=c.exports_weights,
                                    experts=experts)
 
+    def shareable_weights(self) -> list:
+        """(HF name, tensor) of the weights that export as this rank's own parameter memory (no TP, PP or EP
+        split, no conversion: the embedding, norms, output projections), for an engine in this process to
+        use in place of its copies (`HFRolloutEngine.share`); empty elsewhere."""
+        c = self.ctx
+        if c.tp * c.pp * c.ep != 1 or not c.exports_weights:
+            return []
+        ptrs = {p.data_ptr() for p in self.gpt.parameters()}
+        return [(n, t) for n, t in self._export_stream() if t.data_ptr() in ptrs]
+
     @torch.no_grad()
     def sync_weights(self, receivers: Sequence, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
         """Stream this stage's weights in HF layout to every rollout engine.
