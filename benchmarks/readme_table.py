@@ -310,19 +310,24 @@ def row_trl():
             f"{f(t['final_reward']):.3f}; at load ~{_load(d['machine'])}. See `benchmarks/README.md`")
 
 
-def row_trl_qwen3vocab():
-    got = _trl_results("grpo_vs_trl_qwen3vocab")
-    if got is None:
-        return None
-    (d, t, m, ratio), f = got, float
-    w = d["workload"]
-    return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
-            f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens)", f"`{d['command']}`",
-            f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
-            f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
-            f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
-            f"{f(t['peak_pss_tree_mib']):,.0f} MiB (**{f(ratio['peak_pss_tree_mib']):.2f}x**); "
-            f"{w['timed_steps']} timed steps after {w['warmup_steps']} warm-up, at load ~{_load(d['machine'])}. Per-phase split in `benchmarks/results/grpo_vs_trl_qwen3vocab.json`")
+def row_trl_qwen3vocab(name: str) -> Row:
+    """grpo_vs_trl.py --workload qwen3vocab's results <name>.{json,csv} (one row per batch size measured)."""
+    def row():
+        got = _trl_results(name)
+        if got is None:
+            return None
+        (d, t, m, ratio), f = got, float
+        w = d["workload"]
+        return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
+                f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens, TRL micro-batch {w['trl_micro_batch']} "
+                f"rows)", f"`{d['command']}`",
+                f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
+                f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
+                f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
+                f"{f(t['peak_pss_tree_mib']):,.0f} MiB (**{f(ratio['peak_pss_tree_mib']):.2f}x**); {w['timed_steps']} "
+                f"timed steps after {w['warmup_steps']} warm-up, at load ~{_load(d['machine'])}. Per-phase split in "
+                f"`benchmarks/results/{name}.json`")
+    return row
 
 
 def _scaling_row(factor: str, what: str) -> Row:
@@ -401,7 +406,8 @@ ROWS: list[Row] = [
     row_kernel,
     row_kernel_support,
     row_trl,
-    row_trl_qwen3vocab,
+    row_trl_qwen3vocab("grpo_vs_trl_qwen3vocab"),
+    row_trl_qwen3vocab("grpo_vs_trl_qwen3vocab_p4"),
     _scaling_row("kernel", "log-prob kernel's working memory vs tokens T (H=256, V=151,936, fp32, fwd+bwd)"),
     _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL"),
     _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL"),
