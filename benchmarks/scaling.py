@@ -123,11 +123,13 @@ NOTES = {
         "tile covers only its 1,064 positions. The totals grow sublinearly because the runtimes do not grow. The "
         "logits are never whole on either side."),
     "prompts": (
-        "More prompts per step (x 8 samples) grow time linearly: generation is batched but on CPU a batch of "
-        "rows costs about rows x the work of one, and every log-prob forward and the update are linear in "
-        "tokens. mgrpo's memory grows only slowly (token-budget micro-batches, one decode step of logits per "
-        "row); TRL's grows with the rows it generates at once and their KV cache, while its training "
-        "micro-batch stays fixed (gradient accumulation)."),
+        "More prompts per step (x 8 samples) grow time linearly on both sides: generation is batched but on CPU a "
+        "batch of rows costs about rows x the work of one, and every log-prob forward and the update are linear in "
+        "tokens. mgrpo's memory grows with the update's micro-batch until it reaches actor.max_tokens_per_gpu "
+        "(8,192 tokens: 32 rows of ~233 positions are 7,456, still one micro-batch, so 1 -> 4 prompts holds 4x the "
+        "activations; beyond the budget it would stay flat); the kernel's chunk and the engine's one decode step "
+        "of logits do not grow. TRL's micro-batch is fixed here (8 rows, gradient accumulation), so its training "
+        "memory stops growing from 2 prompts on; what grows is generation's batch and KV cache."),
     "ranks": (
         "On this 2-core machine more ranks cannot make a step faster: TP splits every matmul but adds gloo "
         "all-reduces per layer and kernel chunk (and the weight export all-gathers each tensor); DP replicates "
@@ -361,7 +363,10 @@ def main(argv=None) -> None:
         add_growth(rows, factor)
         csv_path, png_path = (os.path.join(a.out_dir, f"scaling_{factor}.{ext}") for ext in ("csv", "png"))
         write_csv(Path(csv_path), rows)
-        plot(factor, rows, png_path)
+        try:
+            plot(factor, rows, png_path)
+        except ImportError as err:  # the measurements are kept; `--replot` draws them once matplotlib is there
+            print(f"{factor}: no plot ({err}); the CSV and JSON are written", flush=True)
         summary["factors"][factor] = {"unit": spec["unit"], "values": values, "note": NOTES[factor],
                                       "wall_s": round(time.time() - t0), "rows": rows}
         print(f"{factor}: wrote {csv_path} and {png_path} ({time.time() - t0:.0f}s)", flush=True)
