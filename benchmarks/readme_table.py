@@ -330,8 +330,8 @@ def row_trl_qwen3vocab(name: str) -> Row:
     return row
 
 
-def _scaling_row(factor: str, what: str) -> Row:
-    """A scaling plot (benchmarks/scaling.py) with its first and last point per system."""
+def _scaling_row(factor: str, what: str, image: bool = True) -> Row:
+    """A scaling factor (benchmarks/scaling.py) with its first and last point per system, and its plot."""
     def row():
         d, rows = _json("scaling.json"), _csv(f"scaling_{factor}.csv")
         if d is None or rows is None or factor not in d["factors"]:
@@ -346,7 +346,7 @@ def _scaling_row(factor: str, what: str) -> Row:
                          f"{float(b['median_step_s']):.2f} s, {float(a[mem]):,.0f} -> {float(b[mem]):,.0f} MiB")
         loads = sorted({float(r["loadavg_start"]) for r in rows})
         return (what, f"`{fd['command']}`",
-                f"![scaling_{factor}](benchmarks/results/scaling_{factor}.png) " + "; ".join(parts)
+                (f"![scaling_{factor}](benchmarks/results/scaling_{factor}.png) " if image else "") + "; ".join(parts)
                 + f" (`benchmarks/results/scaling_{factor}.csv`: growth exponents and why, in scaling.json); at load "
                 f"~{loads[0]:.0f}-{loads[-1]:.0f}")
     return row
@@ -409,8 +409,12 @@ ROWS: list[Row] = [
     row_trl_qwen3vocab("grpo_vs_trl_qwen3vocab"),
     row_trl_qwen3vocab("grpo_vs_trl_qwen3vocab_p4"),
     _scaling_row("kernel", "log-prob kernel's working memory vs tokens T (H=256, V=151,936, fp32, fwd+bwd)"),
-    _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL"),
-    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL"),
+    _scaling_row("prompts", "GRPO step vs prompts per step at V=151,936 (x 8 samples, 128 tokens), mgrpo and TRL"),
+    _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL (before the rank's memory fixes)",
+                 image=False),
+    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL (before the rank's memory fixes)", image=False),
+    _scaling_row("engines", "GRPO step vs rollout engines (SGLang-protocol CPU servers), mgrpo", image=False),
+    _scaling_row("ranks", "GRPO step vs Megatron ranks (TP, DP over gloo), mgrpo", image=False),
     row_convert,
     row_test_suite,
 ]
