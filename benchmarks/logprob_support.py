@@ -174,7 +174,7 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
 
     cfg = MGRPOConfig()
     tok = synthetic_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
     def mu(ids: list[int], target: int) -> float:
         with torch.no_grad():
