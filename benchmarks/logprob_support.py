@@ -10,8 +10,14 @@ Runs (each `mgrpo-train rollout=hf_cpu ...` to the end, 150 steps):
   full-k5p09[-seedS], sampled-k5p09-seedS  the same setting, full vs sampled, seeds 1 (default), 2, 3
   {full,sampled}-k20p09[-seedS]  top_k=20 (more than the 16-token vocabulary: top_p does the cutting),
                              top_p=0.9, logprob_support full vs sampled, seeds 1, 2, 3: learning, step time
-  sampled-k5p09-n16-t15[-sglang[-tp2|-cp2|-seedS]]  the same cut with rollout.n=16 and temperature 1.5 (what
-                             makes it learn), in-process and on the default engine (the SGLang-protocol server)
+  sampled-k5p09-n16-t15[-sglang[-tp2|-cp2|-seedS]]  the same cut with rollout.n=16 and temperature 1.5,
+                             in-process and on the default engine (the SGLang-protocol server)
+  sampled-k5p09-sglang[-seedS]  the issue's command as is on the default engine, seeds 1-3
+  sampled-k5p09-n16-lr3e4-sglang[-tp2|-cp2|-seedS]  the same with rollout.n=16 actor.lr=3e-4 (what makes it learn
+                             on every seed), at TP 1, TP 2, CP 2 (packed); seeds 1-3
+  Every *-sglang run of k5p09 also reports which answers its final policy can still draw under the cut
+  (`reachable`): prompts whose answer is outside the support score 0 in every sample, so no group baseline
+  gives them a gradient.
 The bias of `full`, measured on policies of the k5p09 and k20p09 runs (the initial random one, and each
 run's final one, at that run's top_k / top_p): the in-process engine samples the default job's prompts (every prompt, 32 samples each)
 twice with the same seed, once returning full-distribution log-probs and once the behaviour log-probs
@@ -64,6 +70,19 @@ RUNS["sampled-k5p09-n16-t15-sglang-cp2"] = ["rollout=sglang_cpu", *EXPLORE, "act
 for _seed in (2, 3):
     RUNS[f"sampled-k5p09-n16-t15-sglang-seed{_seed}"] = ["rollout=sglang_cpu", *EXPLORE, f"trainer.seed={_seed}",
                                                          f"data.seed={_seed}", f"actor.seed={_seed}"]
+# The issue's own command on the default engine (the SGLang-protocol server, whose top-p reads the whole
+# distribution's mass), seeds 1-3; and what makes it learn there: more samples per prompt, a gentler step.
+K5 = ["rollout=sglang_cpu", "rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled"]
+K5_LEARNS = [*K5, "rollout.n=16", "actor.lr=3e-4"]
+RUNS["sampled-k5p09-sglang"] = K5
+RUNS["sampled-k5p09-n16-lr3e4-sglang"] = K5_LEARNS
+RUNS["sampled-k5p09-n16-lr3e4-sglang-tp2"] = [*K5_LEARNS, "actor.tp=2"]
+RUNS["sampled-k5p09-n16-lr3e4-sglang-cp2"] = [*K5_LEARNS, "actor.cp=2", "actor.pack_sequences=true"]
+for _seed in (2, 3):
+    for _name, _base in (("sampled-k5p09-sglang", K5), ("sampled-k5p09-n16-lr3e4-sglang", K5_LEARNS)):
+        RUNS[f"{_name}-seed{_seed}"] = [*_base, f"trainer.seed={_seed}", f"data.seed={_seed}", f"actor.seed={_seed}"]
+REACH_RUNS = {name: (5, 0.9) for name in RUNS if name.startswith("sampled-k5p09-") and "-sglang" in name}
+"""Runs whose final policy is asked which answers it can still draw (`reachable`)."""
 BIAS_RUNS = {"full-k5p09": (5, 0.9), "sampled-k5p09": (5, 0.9), "full-k20p09": (20, 0.9), "sampled-k20p09": (20, 0.9)}
 
 
@@ -140,6 +159,45 @@ def bias(hf_dir: str, top_k: int, top_p: float, samples: int = 32) -> dict:
     }
 
 
+def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -> dict:
+    """Which answers the policy in `hf_dir` can still draw under SGLang's cut (the default engine's): per
+    prompt of the sum task, the probability mu(answer) * mu(EOS | answer) of the one rewarded response under
+    the truncated, renormalised sampler, and whether it is 0 because the answer (or the EOS after it) lies
+    outside its token's support. A group of such a prompt always scores 0: its advantage is 0 under every
+    group baseline, so only what the model learns on other prompts can bring the answer into the support."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.data import PromptDataset, synthetic_tokenizer
+    from mgrpo.rollout.sglang.cpu_model import CPUModel
+
+    cfg = MGRPOConfig()
+    tok = synthetic_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+    def mu(ids: list[int], target: int) -> float:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        weights, order = CPUModel.truncate(torch.softmax(logits / temperature, -1), top_k, top_p)
+        kept = dict(zip(order.tolist(), (weights / weights.sum()).tolist()))
+        return kept.get(target, 0.0)
+
+    per_prompt = {}
+    for it in PromptDataset(cfg.data, tok).items:
+        answer = tok.encode(it.ground_truth)
+        p_answer, ids = 1.0, list(it.prompt_ids)
+        for t in answer:
+            p_answer *= mu(ids, t)
+            ids.append(t)
+        per_prompt[it.prompt_text] = {"mu_answer": p_answer, "mu_correct": p_answer * mu(ids, tok.eos_token_id)}
+    unreachable = [p for p, v in per_prompt.items() if v["mu_correct"] == 0.0]
+    return {"prompts": len(per_prompt), "unreachable": unreachable,
+            "answer_outside_support": [p for p, v in per_prompt.items() if v["mu_answer"] == 0.0],
+            "expected_reward": sum(v["mu_correct"] for v in per_prompt.values()) / len(per_prompt),
+            "per_prompt": per_prompt}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma list of runs (default: all): " + ", ".join(RUNS))
@@ -165,6 +223,11 @@ def main(argv=None) -> None:
                     print(f"  bias at {key}: mean |dlogp| {v['mean_abs_logprob_diff']:.4f}, ratio mean "
                           f"{v['ratio_mean']:.4f} min {v['ratio_min']:.4f}, outside [0.8, 1.2] "
                           f"{v['ratio_outside_clip_0.2']:.3f}, cut {v['tokens_cut']:.3f}", flush=True)
+            if name in REACH_RUNS:
+                v = result["runs"][name]["reachable"] = reachable(os.path.join(run_dir, "hf"), *REACH_RUNS[name])
+                print(f"  final policy: {len(v['unreachable'])} of {v['prompts']} prompts can no longer draw their "
+                      f"answer ({len(v['answer_outside_support'])} with the answer outside the first token's "
+                      f"support); expected reward under the cut {v['expected_reward']:.3f}", flush=True)
     if merging:
         for name in names:
             result["runs"][name]["loadavg_1min"] = f"{load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"

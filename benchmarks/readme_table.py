@@ -282,7 +282,25 @@ def row_logprob_support():
             f"{r['sampled-k5p09-n16-t15']['reward_last10']:.2f}; on the SGLang-protocol server seeds 1-3 "
             + ", ".join(f"{r[f'sampled-k5p09-n16-t15-sglang{s}']['reward_last10']:.2f}" for s in ("", "-seed2", "-seed3"))
             + f", TP 2 {r['sampled-k5p09-n16-t15-sglang-tp2']['reward_last10']:.2f}, "
-            f"CP 2 {r['sampled-k5p09-n16-t15-sglang-cp2']['reward_last10']:.2f} (load 10-40)")
+            f"CP 2 {r['sampled-k5p09-n16-t15-sglang-cp2']['reward_last10']:.2f} (load 10-40). " + _k5_default_engine(r))
+
+
+def _k5_default_engine(r: dict) -> str:
+    """The issue's command as is on the default engine, and with rollout.n=16 actor.lr=3e-4."""
+    def runs(name, suffixes):
+        return ", ".join(f"{r[name + s]['reward_first10']:.2f} -> {r[name + s]['reward_last10']:.2f}" for s in suffixes)
+
+    seeds = ("", "-seed2", "-seed3")
+    stuck = [len(r["sampled-k5p09-sglang" + s]["reachable"]["unreachable"]) for s in seeds]
+    return (f"The default job with top_k=5, top_p=0.9, sampled (default engine), first-10 -> last-10, seeds 1-3: "
+            f"{runs('sampled-k5p09-sglang', seeds)}; its final policies cannot draw the answer of "
+            f"{', '.join(map(str, stuck))} of 25 prompts under the cut. With rollout.n=16 actor.lr=3e-4: seeds 1-3 "
+            f"{runs('sampled-k5p09-n16-lr3e4-sglang', seeds)}, TP 2 {runs('sampled-k5p09-n16-lr3e4-sglang', ('-tp2',))}, "
+            f"CP 2 {runs('sampled-k5p09-n16-lr3e4-sglang', ('-cp2',))}; step-1 `rollout/logprob_abs_diff` "
+            + ", ".join(f"{r['sampled-k5p09-n16-lr3e4-sglang' + s]['logprob_abs_diff_step1']:.1e}"
+                        for s in ("", "-tp2", "-cp2"))
+            + f" (TP 1, TP 2, CP 2), `actor/ppo_kl` {r['sampled-k5p09-n16-lr3e4-sglang']['ppo_kl_step1']} "
+            f"(load {r['sampled-k5p09-sglang'].get('loadavg_1min', '?')})")
 
 
 def _trl_results(name: str) -> Optional[tuple[dict, dict, dict, dict]]:

@@ -10,3 +10,8 @@ def dense_sum_reward(data_source, solution_str, ground_truth, extra_info=None) -
     if not digits:
         return 0.0
     return 1.0 - abs(int(digits[0]) - int(ground_truth)) / 9.0
+
+
+def solved_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """Every response scores 1: every prompt group scores alike, as in a run that has solved its data."""
+    return 1.0

@@ -30,6 +30,8 @@ def test_group_accumulator_fills_batch_over_rounds():
     assert m["dynamic_sampling/num_gen_batches"] == 2
     assert m["dynamic_sampling/kept_groups"] == 4
     assert m["dynamic_sampling/filtered_groups"] == 1
+    # the policy's reward is over all 10 responses generated, the filtered ones included: 5.7 / 10
+    assert abs(m["dynamic_sampling/score_all_mean"] - 0.57) < 1e-12
     assert m["dynamic_sampling/surplus_groups"] == 1   # the 4th kept group did not fit
     assert m["dynamic_sampling/batch_groups"] == 3
 

@@ -223,6 +223,23 @@ def test_algorithm_variants_run_end_to_end(tmp_path, groups):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_with_no_group_left_trains_unfiltered(tmp_path):
+    """Every group scores alike (a run that solved its data): dynamic sampling keeps nothing in its rounds,
+    and the step trains on the last round as it is, said and counted, instead of ending the run."""
+    cfg = small_config(str(tmp_path), algorithm={"filter_groups": FilterGroupsConfig(enable=True, max_num_gen_batches=2)})
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(
+        cfg.reward, custom_functions={"mgrpo/sum": "tests.reward_fns:solved_reward"}))
+    Trainer(cfg).fit()
+    m = read_metrics(str(tmp_path))
+    assert len(m) == 2
+    for i, x in enumerate(m, start=1):
+        assert x["dynamic_sampling/num_gen_batches"] == 2 and x["dynamic_sampling/kept_groups"] == 0
+        assert x["dynamic_sampling/unfiltered_steps"] == 1 and x["dynamic_sampling/unfiltered_steps_total"] == i
+        assert x["rollout/samples"] == 8 * 4 and x["dynamic_sampling/score_all_mean"] == 1.0
+        assert x["critic/advantages/mean"] == 0.0
+
+
+@pytest.mark.slow
 def test_default_job_learns(tmp_path):
     """The README's main job, as is: mean reward of the first 10 steps <= 0.3, of the last 10 >= 0.8."""
     run_dir = str(tmp_path)

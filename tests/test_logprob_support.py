@@ -114,6 +114,16 @@ def test_experience_keeps_supports_as_csr_and_refuses_missing_ones():
         SampleSupport.from_tokens([[1], []])
 
 
+def test_support_metrics_count_cut_and_single_id_tokens():
+    """Five tokens: two cut to one id (greedy: no gradient over their support), one cut to three, two
+    drawn from the whole vocabulary."""
+    from mgrpo.observe.metrics import support_metrics
+
+    m = support_metrics([SampleSupport.from_tokens([[3], [1, 2, 5], None]), SampleSupport.from_tokens([None, [7]])])
+    assert m == {"rollout/support_size/mean": (1 + 3 + 1) / 3, "rollout/support_cut_frac": 3 / 5,
+                 "rollout/support_single_frac": 2 / 5}
+
+
 def test_gather_tokens_picks_rows_in_any_order():
     g = torch.Generator().manual_seed(0)
     rows = [[sorted(torch.randperm(20, generator=g)[:int(k)].tolist()) or None

@@ -54,6 +54,9 @@ class GroupAccumulator:
     num_kept_groups: int = 0
     num_surplus_groups: int = 0
     """Kept groups beyond train_batch_size, dropped by `take` (the last round overshot)."""
+    score_sum: float = 0.0
+    num_samples: int = 0
+    """Every generated response's score, kept or not: the policy's reward (the batch's is biased upward)."""
     _groups: dict[tuple[int, Hashable], list[Any]] = field(default_factory=dict, init=False, repr=False)
 
     def add(self, samples: Sequence[Any], scores: Sequence[float], group_ids: Sequence[Hashable]) -> int:
@@ -68,6 +71,8 @@ class GroupAccumulator:
             if g in keep:
                 self._groups.setdefault((r, g), []).append(s)
         self.num_gen_batches += 1
+        self.score_sum += float(sum(scores))
+        self.num_samples += len(scores)
         self.num_filtered_groups += dropped
         self.num_kept_groups += len(kept)
         return len(kept)
@@ -94,6 +99,7 @@ class GroupAccumulator:
             "dynamic_sampling/filtered_groups": float(self.num_filtered_groups),
             "dynamic_sampling/surplus_groups": float(self.num_surplus_groups),
             "dynamic_sampling/batch_groups": float(min(len(self._groups), self.train_batch_size)),
+            "dynamic_sampling/score_all_mean": self.score_sum / max(self.num_samples, 1),
         }
 
 

@@ -1,7 +1,8 @@
 """Sampling supports of response tokens (algorithm.logprob_support=sampled), kept compactly.
 
 With rollout.top_k / rollout.top_p the engine samples each token from the tempered distribution
-truncated to a support (top-k, then top-p of what is left) and renormalised over it. With
+truncated to a support (SGLang: the top-k tokens whose preceding mass in the whole distribution is
+at most top_p; transformers: top-p of the renormalised top-k) and renormalised over it. With
 logprob_support=sampled the trainer's old, reference and current log-probs, and the entropy, are
 renormalised over the same supports (mgrpo_kernels does the arithmetic), so the importance ratio is the
 ratio of the policies that actually sampled; with `full` (the default) they are those of the whole

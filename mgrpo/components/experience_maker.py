@@ -123,8 +123,13 @@ class ExperienceMaker:
         groups = acc.take()
         metrics.update(acc.metrics())
         if not groups:
-            raise RuntimeError(f"dynamic sampling kept no prompt group in {acc.num_gen_batches} rounds "
-                               "(algorithm.filter_groups.max_num_gen_batches)")
+            # Every group of every round scored alike (all solved, or all failed): no sample carries an
+            # advantage. veRL raises here; a run that has learned its data would then die. The step trains on
+            # the last round as it is (zero advantages: only the KL term moves the weights), said and counted.
+            log.warning("step %d: dynamic sampling kept no prompt group in %d rounds (every group scored alike); "
+                        "training on the last round unfiltered", step + 1, acc.num_gen_batches)
+            self.count({"dynamic_sampling/unfiltered_steps": 1}, metrics)
+            return rounds[-1]
         return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups])
 
     def _judged(self, items, n: int, sampling: SamplingParams, metrics: dict) -> Experience:

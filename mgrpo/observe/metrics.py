@@ -35,7 +35,20 @@ def experience_metrics(exp, *, max_response_length: int) -> dict:
     }
     if exp.entropy:
         out["rollout/entropy"] = _mean(x for e in exp.entropy for x in e)
+    if exp.support is not None:
+        out.update(support_metrics(exp.support))
     return out
+
+
+def support_metrics(supports) -> dict:
+    """How much top-k / top-p cut (algorithm.logprob_support=sampled). A token whose support is one id was
+    drawn with probability 1 and, over that support, carries no gradient at all: a share of them that
+    grows towards 1 means the sampler has become greedy and the policy can no longer explore."""
+    lens = [n for s in supports for n in s.lens]
+    cut = [n for n in lens if n > 0]  # 0: nothing was cut, the whole vocabulary
+    return {"rollout/support_size/mean": _mean(cut),
+            "rollout/support_cut_frac": len(cut) / max(len(lens), 1),
+            "rollout/support_single_frac": sum(n == 1 for n in cut) / max(len(lens), 1)}
 
 
 def step_metrics(exp, metrics: dict, cfg, layout, train_data, counters: dict) -> dict:

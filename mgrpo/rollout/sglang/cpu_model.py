@@ -204,18 +204,26 @@ class CPUModel:
                 r.masks.append([tok])
                 r.mask_logprobs.append([0.0] if r.mask_mode == "support" else 0.0)
             return tok, float(logp[tok])
-        # SGLang's torch sampler (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch):
-        # sort once, zero ranks >= top_k and tokens whose preceding mass already exceeds top_p.
-        probs_sort, probs_idx = logp.exp().sort(descending=True)
-        probs_sum = probs_sort.cumsum(0)
-        if r.top_k > 0:
-            probs_sort[r.top_k:] = 0.0
-        probs_sort[(probs_sum - probs_sort) > r.top_p] = 0.0
+        probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
         pick = int(torch.multinomial(probs_sort, 1, generator=gen))
         tok = int(probs_idx[pick])
         if r.mask_mode is not None:
             CPUModel._keep_support(r, probs_sort, probs_idx, pick)
         return tok, float(logp[tok])
+
+    @staticmethod
+    def truncate(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's torch sampler (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch): sort
+        once, zero ranks >= top_k and tokens whose preceding mass already exceeds top_p. Note that top-p
+        reads the whole distribution's mass, not the mass left after top-k (transformers' warpers, and so
+        the in-process engine, renormalise after top-k and cut more). (weights by decreasing probability,
+        their token ids); the support is the ids of the non-zero weights."""
+        probs_sort, probs_idx = probs.sort(descending=True)
+        probs_sum = probs_sort.cumsum(0)
+        if top_k > 0:
+            probs_sort[top_k:] = 0.0
+        probs_sort[(probs_sum - probs_sort) > top_p] = 0.0
+        return probs_sort, probs_idx
 
     @staticmethod
     def _keep_support(r: Req, probs_sort: torch.Tensor, probs_idx: torch.Tensor, pick: int) -> None:
