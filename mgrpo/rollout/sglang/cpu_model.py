@@ -213,11 +213,11 @@ class CPUModel:
 
     @staticmethod
     def truncate(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """SGLang's torch sampler (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch): sort
-        once, zero ranks >= top_k and tokens whose preceding mass already exceeds top_p. Note that top-p
-        reads the whole distribution's mass, not the mass left after top-k (transformers' warpers, and so
-        the in-process engine, renormalise after top-k and cut more). (weights by decreasing probability,
-        their token ids); the support is the ids of the non-zero weights."""
+        """(weights by decreasing probability, their token ids) of SGLang's torch sampler
+        (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch): sort once, zero ranks >= top_k
+        and tokens whose preceding mass already exceeds top_p; the support is the ids of the non-zero weights.
+        Top-p reads the whole distribution's mass, not the mass left after top-k (transformers' warpers, and
+        so the in-process engine, renormalise after top-k and cut more)."""
         probs_sort, probs_idx = probs.sort(descending=True)
         probs_sum = probs_sort.cumsum(0)
         if top_k > 0:
