@@ -470,6 +470,9 @@ def main(argv=None) -> None:
                          "makes up the batch)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the workload's)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (default: the workload's)")
+    ap.add_argument("--mgrpo", action="append", default=[], metavar="OVERRIDE",
+                    help="an mgrpo-train override added to the workload's (repeatable), e.g. "
+                         "actor.max_tokens_per_gpu=2048; recorded in the JSON's mgrpo_overrides")
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv and <out>.json (default "
                     "benchmarks/results/grpo_vs_trl[_<workload>])")
     ap.add_argument("--workdir", default=None, help="scratch folder, kept (default: a temp dir, removed)")
@@ -493,6 +496,8 @@ def main(argv=None) -> None:
         if getattr(a, opt):
             w = w.with_changes(**{fld: getattr(a, opt)})
     w = w.with_changes(trl_micro_batch=min(w.trl_micro_batch, w.rows))
+    if a.mgrpo:
+        w = w.with_changes(mgrpo_overrides=tuple(w.mgrpo_overrides) + tuple(a.mgrpo))
     if a.warmup < 1 or a.steps < 2 or a.rounds < 1 or w.rows % w.trl_micro_batch:
         ap.error("need --warmup >= 1, --steps >= 2, --rounds >= 1 and a TRL micro-batch that divides "
                  f"{w.rows} rows")

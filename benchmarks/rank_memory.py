@@ -25,9 +25,10 @@ import tempfile
 BENCH = os.path.dirname(os.path.abspath(__file__))
 
 SITECUSTOMIZE = r'''
-import functools, importlib.abc, importlib.util, json, os, sys, time
+import functools, importlib.abc, importlib.util, json, os, sys, threading, time
 OUT = os.environ["RANK_MEMORY_OUT"]
 _stack = []
+_active = {}  # thread id -> labels of the wrapped calls it is inside (for the trace)
 
 def _status():
     with open("/proc/self/status") as f:
@@ -46,6 +47,7 @@ def _wrap(owner, name, label, depth):
         if _stack:
             _stack[-1] = max(_stack[-1], before["VmHWM"])
         _stack.append(0.0)
+        _active.setdefault(threading.get_ident(), []).append(label)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         t0 = time.time()
@@ -53,6 +55,7 @@ def _wrap(owner, name, label, depth):
             return fn(*a, **k)
         finally:
             after = _status()
+            _active[threading.get_ident()].pop()
             peak = max(after["VmHWM"], _stack.pop())
             if _stack:
                 _stack[-1] = max(_stack[-1], peak)
@@ -65,8 +68,23 @@ def _wrap(owner, name, label, depth):
                                     "pss_after_mib": round(_pss()), "pid": os.getpid()}) + "\n")
     setattr(owner, name, inner)
 
+def _trace(every_s):
+    # RSS every `every_s`, with the wrapped calls each thread is inside: where in a call its peak falls, and
+    # whether another thread's work overlaps it
+    t0 = time.time()
+    with open(OUT + ".trace", "a") as f:
+        while True:
+            calls = {str(k): list(v) for k, v in list(_active.items()) if v}
+            f.write(json.dumps({"t": round(time.time() - t0, 3), "rss_mib": round(_status()["VmRSS"]),
+                                "calls": calls}) + "\n")
+            f.flush()
+            time.sleep(every_s)
+
 def _actor(m):
     import torch, mgrpo_kernels
+    if os.environ.get("RANK_MEMORY_TRACE_MS"):
+        threading.Thread(target=_trace, args=(float(os.environ["RANK_MEMORY_TRACE_MS"]) / 1000,),
+                         daemon=True).start()
     for n in ("__init__", "compute_logprobs", "train_mini_batch", "sync_weights"):
         _wrap(m.MegatronActor, n, "actor." + n.strip("_"), 0)
     _wrap(torch.optim.AdamW, "step", "optimizer step", 1)
@@ -124,6 +142,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir, removed)")
     ap.add_argument("--out", default=None, help="JSON with every call's row (default: print only)")
+    ap.add_argument("--trace-ms", type=float, default=0,
+                    help="also sample the rank's RSS every this many ms with the calls running then (0: off); "
+                         "prints the largest samples, and the JSON keeps the trace")
     ap.add_argument("overrides", nargs="*", help="extra mgrpo-train overrides")
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -139,6 +160,8 @@ def main(argv=None) -> None:
     from proctree import machine
 
     env = dict(os.environ, RANK_MEMORY_OUT=rows_path, TOKENIZERS_PARALLELISM="false")
+    if a.trace_ms:
+        env["RANK_MEMORY_TRACE_MS"] = str(a.trace_ms)
     env["PYTHONPATH"] = os.pathsep.join([tmp, child_pythonpath(env)])
     load0 = os.getloadavg()
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--workload", a.workload, "--prompts",
@@ -150,6 +173,13 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{'  ' * r['depth'] + r['call']:34} {r['seconds']:7.2f} {r['rss_before_mib']:10} {r['peak_rss_mib']:7} "
               f"{r['rss_after_mib']:7} {r['anon_after_mib']:7} {r['pss_after_mib']:9}")
+    trace = []
+    if a.trace_ms and os.path.exists(rows_path + ".trace"):
+        with open(rows_path + ".trace") as f:
+            trace = [json.loads(line) for line in f]
+        print("\nlargest RSS samples (s since the rank's actor module loaded; calls running, by thread):")
+        for s in sorted(trace, key=lambda s: -s["rss_mib"])[:8]:
+            print(f"  t={s['t']:8.2f}s  RSS {s['rss_mib']:6} MiB  {' | '.join(' > '.join(v) for v in s['calls'].values())}")
     if a.out:
         m = machine()
         m.update(loadavg_at_start=load0, loadavg_at_end=os.getloadavg())
@@ -157,7 +187,7 @@ def main(argv=None) -> None:
         with open(a.out, "w") as f:
             json.dump({"command": " ".join(["python", "benchmarks/rank_memory.py", *argv_shown]), "machine": m,
                        "units": "MiB of the rank process (RSS from /proc/self/status, PSS from smaps_rollup)",
-                       "calls": rows}, f, indent=1)
+                       "calls": rows, **({"trace": trace} if trace else {})}, f, indent=1)
         print(f"wrote {a.out}")
     shutil.rmtree(tmp, ignore_errors=True)
 

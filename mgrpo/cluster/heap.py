@@ -8,10 +8,18 @@ and, below its adaptive mmap threshold (up to 32 MiB: a 16-row decode step's log
 are 9.7 MB), in heaps it trims only at their top. On the qwen3vocab workload (benchmarks/README.md) the
 rank's RSS grew by ~400 MB a step and reached 3.6 GiB PSS for ~1.5 GiB of live tensors.
 
-Two measures, both glibc's own:
+Three measures, all glibc's own:
 - `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: Ray's
   runtime_env): every thread allocates from the one main arena, so what one call frees the next call reuses,
   whichever thread runs it.
+- `MALLOC_MMAP_THRESHOLD_=4 MiB` there too: every block of 4 MiB or more is a mapping of its own, given back
+  the moment it is freed. glibc's default starts at 128 KiB but raises the threshold to the size of each mapped
+  block freed (up to 32 MiB), after which the 19 MB `[32 x vocab]` logits of every decode step, and the KV
+  cache growing by a column each step, are carved from the heap; interleaved with small long-lived blocks
+  they fragment it, and the heap holds 1.4 GB more by the end of one `generate` (rank_memory.py --trace-ms,
+  4 prompts x 8: generate's peak 2,517 -> 1,148-1,630 MiB, the rank's peak 2,517 -> 1,920 MiB). A fixed
+  threshold turns the adaptation off. Blocks this big are rare and each is written in full by the op that
+  makes it, so the cost (a fresh mapping's page faults) is small beside the op: step time within noise.
 - `trim_heap()` (`malloc_trim(0)`) at the end of each call: the free pages inside the heap, not only at its
   top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's peak.
 
@@ -25,7 +33,7 @@ import ctypes.util
 import functools
 import os
 
-ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}
+ARENA_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
 """Environment of a rank's process; a value the user's environment already sets is kept (`arena_env`)."""
 
 
