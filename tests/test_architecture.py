@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FLOORS = {
     # the floor: what everything may use
-    "config": 0, "net": 0,
+    "config": 0, "net": 0, "heap": 0,
     # rooms that implement one thing each, on config alone
     "data": 1, "rewards": 1, "algorithms": 1, "models": 1, "kernels": 1, "observe": 1,
     # a Megatron rank's work; the rollout engines; the other projects' front doors

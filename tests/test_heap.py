@@ -1,9 +1,10 @@
-"""The Megatron rank's heap settings (mgrpo/cluster/heap.py) do what they are there for, in a process of their own.
+"""The Megatron rank's heap measures (mgrpo/heap.py) do what they are there for, in a process of their own.
 
 The child allocates what a decode loop allocates: a 19 MB `[32 x vocab]` logits block each step, a slightly bigger
 one after it (a growing KV cache), and small blocks that stay alive in between. Under glibc's adaptive mmap
 threshold the big blocks are carved from the heap once the first is freed, and the small survivors pin it: the
-process keeps ~1 GB it no longer uses. Under the rank's environment (`arena_env()`) it keeps almost nothing.
+process keeps ~1 GB it no longer uses, with one arena as without. Trimmed every DECODE_TRIM_EVERY steps, as the
+in-process engine's decode loop is (`TrimHeap`), it keeps at most those steps' holes.
 """
 
 from __future__ import annotations
@@ -13,45 +14,60 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from mgrpo.cluster.heap import arena_env, trim_heap
+from mgrpo.heap import DECODE_TRIM_EVERY, arena_env, trim_heap
+from mgrpo.rollout import hf_engine
 
 CHILD = r"""
-import torch
+import sys, torch
+from mgrpo.heap import trim_heap
+every = int(sys.argv[1])
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
-keep, base = [], rss()
-for step in range(64):
+keep, base, top = [], rss(), 0
+for step in range(1, 129):
     big = torch.ones(32, 151936)
     keep.append(torch.ones(256))
     bigger = torch.ones(32, 151936 + step)
     del big
     keep.append(torch.ones(256))
     del bigger
-print(rss() - base)
+    if every and step % every == 0:
+        trim_heap()
+    top = max(top, rss() - base)
+print(top)
 """
 
 pytestmark = pytest.mark.skipif(not trim_heap(), reason="glibc only (malloc_trim, MALLOC_* variables)")
 
 
-def held_mib(env: dict) -> int:
+def peak_held_mib(env: dict, trim_every: int) -> int:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", CHILD], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(trim_every)], env={**clean, **env}, capture_output=True,
+                         text=True, check=True, timeout=180)
     return int(out.stdout.strip())
 
 
-def test_rank_environment_returns_freed_logits_blocks_glibc_default_keeps_them():
-    default = held_mib({})
-    arena_only = held_mib({"MALLOC_ARENA_MAX": "1"})
-    rank = held_mib(arena_env())
-    # 64 steps x 2 blocks of 19 MB: the default keeps most of them (measured 1,115 MiB), one arena alone too
-    assert default > 500 and arena_only > 500, (default, arena_only)
-    assert rank < 50, rank  # measured 2 MiB
+def test_decode_loop_trims_bound_what_the_heap_holds():
+    untrimmed = peak_held_mib(arena_env(), 0)
+    trimmed = peak_held_mib(arena_env(), DECODE_TRIM_EVERY)
+    # 128 steps x 2 blocks of 19 MB: untrimmed the heap keeps most of them (measured ~2.2 GiB); trimmed every 16
+    # steps it peaks at about 16 steps' worth (2 x 16 x 19 MB = 0.6 GB at most)
+    assert untrimmed > 1500, untrimmed
+    assert trimmed < 700 and trimmed < untrimmed / 2.5, (trimmed, untrimmed)
+
+
+def test_trim_heap_processor_trims_every_n_steps_and_leaves_scores(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hf_engine, "trim_heap", lambda: calls.append(1))
+    p = hf_engine.TrimHeap(every=4)
+    scores = torch.randn(2, 7)
+    outs = [p(torch.zeros(2, 3, dtype=torch.long), scores) for _ in range(10)]
+    assert len(calls) == 2 and all(o is scores for o in outs)
 
 
 def test_user_setting_wins(monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    env = arena_env()
-    assert env == {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert arena_env() == {"MALLOC_ARENA_MAX": "4"}

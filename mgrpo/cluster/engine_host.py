@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ray
 
-from mgrpo.cluster.heap import trim_heap
+from mgrpo.heap import trim_heap
 from mgrpo.rollout.factory import build_engine
 
 ENGINE_GROUPS = {"engine": 4, "health": 1}
@@ -38,7 +38,7 @@ class EngineSlot:
         try:
             return self.engine.generate(requests, sampling)
         finally:
-            trim_heap()  # an in-process engine's decode steps freed their logits (cluster/heap.py)
+            trim_heap()  # an in-process engine's decode steps freed their logits (mgrpo/heap.py)
 
     @ray.method(concurrency_group="engine")
     def update_weights(self, named_tensors):

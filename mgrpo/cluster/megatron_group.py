@@ -14,7 +14,7 @@ import ray
 
 from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
-from mgrpo.cluster.heap import arena_env, trim_heap
+from mgrpo.heap import arena_env, trim_heap
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 from mgrpo.rollout.types import WeightDeliveryError
@@ -65,7 +65,7 @@ class MegatronRank(EngineSlot):
         return info
 
     # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
-    # Each returns what its call freed to the system (cluster/heap.py): the rank holds its live tensors
+    # Each returns what its call freed to the system (mgrpo/heap.py): the rank holds its live tensors
     # between calls, not the last call's peak.
     def compute_logprobs(self, batch, which: str, temperature: float, keep: bool = False):
         try:
@@ -104,7 +104,7 @@ class MegatronGroup:
         self.world = layout.megatron_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
-        # one malloc arena for the rank's threads (cluster/heap.py)
+        # one malloc arena for the rank's threads (mgrpo/heap.py)
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **arena_env()}
         self.ranks = [
             MegatronRank.options(num_cpus=threads, num_gpus=placement.megatron_gpus,

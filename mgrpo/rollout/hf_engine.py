@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
 from mgrpo.rollout.routes import generated_routes
 from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
@@ -57,6 +58,21 @@ class TokenLogprobs(LogitsProcessor):
         if len(self.columns) != new_tokens.shape[1]:
             raise RuntimeError(f"{len(self.columns)} decode steps seen for {new_tokens.shape[1]} generated tokens")
         return torch.stack(self.columns, dim=1)
+
+
+class TrimHeap(LogitsProcessor):
+    """Returns the process's free heap pages every `every` decode steps (mgrpo/heap.py: the decode loop's
+    blocks fragment the heap within one `generate`, 1.4 GB at 32 rows of 128 tokens at Qwen3's vocabulary).
+    Leaves the scores as they are."""
+
+    def __init__(self, every: int = DECODE_TRIM_EVERY):
+        self.every, self.steps = every, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.steps += 1
+        if self.steps % self.every == 0:
+            trim_heap()
+        return scores
 
 
 class HFRolloutEngine:
@@ -165,7 +181,7 @@ class HFRolloutEngine:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             output_scores=supports,
-            logits_processor=LogitsProcessorList([step_logprobs]) if step_logprobs is not None else None,
+            logits_processor=LogitsProcessorList([p for p in (step_logprobs, TrimHeap()) if p is not None]),
             return_dict_in_generate=True,
         )
 

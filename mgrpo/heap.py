@@ -12,18 +12,17 @@ Three measures, all glibc's own:
 - `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: Ray's
   runtime_env): every thread allocates from the one main arena, so what one call frees the next call reuses,
   whichever thread runs it.
-- `MALLOC_MMAP_THRESHOLD_=4 MiB` there too: every block of 4 MiB or more is a mapping of its own, given back
-  the moment it is freed. glibc's default starts at 128 KiB but raises the threshold to the size of each mapped
-  block freed (up to 32 MiB), after which the 19 MB `[32 x vocab]` logits of every decode step, and the KV
-  cache growing by a column each step, are carved from the heap; interleaved with small long-lived blocks
-  they fragment it, and the heap holds 1.4 GB more by the end of one `generate` (rank_memory.py --trace-ms,
-  4 prompts x 8: generate's peak 2,517 -> 1,148-1,630 MiB, the rank's peak 2,517 -> 1,920 MiB). A fixed
-  threshold turns the adaptation off. Blocks this big are rare and each is written in full by the op that
-  makes it, so the cost (a fresh mapping's page faults) is small beside the op: step time within noise.
 - `trim_heap()` (`malloc_trim(0)`) at the end of each call: the free pages inside the heap, not only at its
   top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's peak.
+- `trim_heap()` every `DECODE_TRIM_EVERY` decode steps of an in-process engine (rollout/hf_engine.py): within
+  one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
+  cache growing by a column) come from the heap once glibc has raised its threshold, small long-lived blocks
+  pin the holes, and at 4 prompts x 8 the heap held 1.4 GB more by the call's end (rank_memory.py --trace-ms:
+  generate's peak 2,423-2,517 MiB from 981 at its start; trimmed every 16 steps: 1,450-1,548 MiB).
+  A fixed `MALLOC_MMAP_THRESHOLD_=4MiB` bounds it as well (1,148-1,630 MiB) but maps and faults in every
+  decode step's logits afresh: `generate` 30% slower in a side-by-side run, so it is not used.
 
-Elsewhere (musl, macOS) both are no-ops.
+Elsewhere (musl, macOS) all are no-ops.
 """
 
 from __future__ import annotations
@@ -33,7 +32,10 @@ import ctypes.util
 import functools
 import os
 
-ARENA_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
+DECODE_TRIM_EVERY = 16
+"""Decode steps between an in-process engine's heap trims (a trim returns ~16 steps' holes: ~0.2 GB at 4 x 8 rows)."""
+
+ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}
 """Environment of a rank's process; a value the user's environment already sets is kept (`arena_env`)."""
 
 
