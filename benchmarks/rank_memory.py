@@ -2,6 +2,7 @@
 
     python benchmarks/rank_memory.py                                  # qwen3vocab, 2 prompts x 8, 3 steps
     python benchmarks/rank_memory.py --prompts 4 --steps 4 --out benchmarks/results/rank_memory_qwen3vocab.json
+    python benchmarks/rank_memory.py --prompts 4 --steps 2 --trace-ms 50 actor.max_tokens_per_gpu=2048
 
 Runs `Trainer(config).fit()` with the workload's overrides (grpo_vs_trl.py's mgrpo side, no lockstep, no TRL) and,
 inside the rank's process (a Ray actor: reached through a `sitecustomize` module on its PYTHONPATH, this run only),
@@ -9,7 +10,9 @@ wraps the rank's calls: the engine's start and `generate`, the actor's start, `c
 forward), `train_mini_batch` (forward + backward + optimizer) with, inside it, the log-prob kernel and the optimizer
 step, and `sync_weights`. Per call: resident size before and after, and the peak during it (VmHWM, reset through
 /proc/self/clear_refs at the call's start: exact, no sampling), anonymous / file-backed RSS and PSS after.
-Peaks of inner calls are carried into the enclosing call's. Linux only.
+Peaks of inner calls are carried into the enclosing call's. With --trace-ms, a thread of the rank also samples its
+RSS every that many ms with the calls each thread is inside: where within a call its peak falls (it printed the
+decode loop's heap growing to the end of `generate`, mgrpo/heap.py). Linux only.
 """
 
 from __future__ import annotations

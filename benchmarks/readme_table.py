@@ -336,9 +336,11 @@ def row_trl_qwen3vocab(name: str) -> Row:
             return None
         (d, t, m, ratio), f = got, float
         w = d["workload"]
+        extra = "".join(", mgrpo " + o for o in re.findall(r"--mgrpo (\S+)", d["command"]))  # its own settings
         return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
                 f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens, TRL micro-batch {w['trl_micro_batch']} "
-                f"rows)", f"`{d['command']}`",
+                f"rows{extra})",
+                f"`{d['command']}`",
                 f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
                 f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
                 f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
@@ -348,8 +350,9 @@ def row_trl_qwen3vocab(name: str) -> Row:
     return row
 
 
-def _scaling_row(factor: str, what: str, image: bool = True) -> Row:
-    """A scaling factor (benchmarks/scaling.py) with its first and last point per system, and its plot."""
+def _scaling_row(factor: str, what: str, image: bool = True, every_point: bool = False) -> Row:
+    """A scaling factor (benchmarks/scaling.py) with its first and last point per system (or every point: the
+    ranks, whose points are not a line), and its plot."""
     def row():
         d, rows = _json("scaling.json"), _csv(f"scaling_{factor}.csv")
         if d is None or rows is None or factor not in d["factors"]:
@@ -359,6 +362,10 @@ def _scaling_row(factor: str, what: str, image: bool = True) -> Row:
         parts = []
         for system in dict.fromkeys(r["system"] for r in rows):
             pts = [r for r in rows if r["system"] == system]
+            if every_point:
+                parts.append(f"{system}: " + ", ".join(f"{str(r['value']).upper()} {float(r['median_step_s']):.2f} s "
+                                                       f"{float(r[mem]):,.0f} MiB" for r in pts))
+                continue
             a, b = pts[0], pts[-1]
             parts.append(f"{system}: {a['value']} -> {b['value']}: {float(a['median_step_s']):.2f} -> "
                          f"{float(b['median_step_s']):.2f} s, {float(a[mem]):,.0f} -> {float(b[mem]):,.0f} MiB")
@@ -432,7 +439,7 @@ ROWS: list[Row] = [
                  image=False),
     _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL (before the rank's memory fixes)", image=False),
     _scaling_row("engines", "GRPO step vs rollout engines (SGLang-protocol CPU servers), mgrpo", image=False),
-    _scaling_row("ranks", "GRPO step vs Megatron ranks (TP, DP over gloo), mgrpo", image=False),
+    _scaling_row("ranks", "GRPO step vs Megatron ranks (TP, DP over gloo), mgrpo", image=False, every_point=True),
     row_convert,
     row_test_suite,
 ]

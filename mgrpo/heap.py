@@ -20,7 +20,8 @@ Three measures, all glibc's own:
   pin the holes, and at 4 prompts x 8 the heap held 1.4 GB more by the call's end (rank_memory.py --trace-ms:
   generate's peak 2,423-2,517 MiB from 981 at its start; trimmed every 16 steps: 1,450-1,548 MiB).
   A fixed `MALLOC_MMAP_THRESHOLD_=4MiB` bounds it as well (1,148-1,630 MiB) but maps and faults in every
-  decode step's logits afresh: `generate` 30% slower in a side-by-side run, so it is not used.
+  decode step's logits afresh: 6.4x the page faults of glibc's default, against +13% for the trims
+  (benchmarks/decode_heap.py), so it is not used.
 
 Elsewhere (musl, macOS) all are no-ops.
 """
