@@ -18,7 +18,8 @@ Three measures, all glibc's own:
   one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
   cache growing by a column) come from the heap once glibc has raised its threshold, small long-lived blocks
   pin the holes, and at 4 prompts x 8 the heap held 1.4 GB more by the call's end (rank_memory.py --trace-ms:
-  generate's peak 2,423-2,517 MiB from 981 at its start; trimmed every 16 steps: 1,450-1,548 MiB).
+  generate's peak 2,423-2,517 MiB from 981 at its start; trimmed every 16 steps: 1,164-1,720 MiB,
+  benchmarks/results/rank_memory_qwen3vocab_p4*.json).
   A fixed `MALLOC_MMAP_THRESHOLD_=4MiB` bounds it as well (1,148-1,630 MiB) but maps and faults in every
   decode step's logits afresh: 6.4x the page faults of glibc's default, against +13% for the trims
   (benchmarks/decode_heap.py), so it is not used.
