@@ -437,7 +437,7 @@ ROWS: list[Row] = [
     _scaling_row("length", "GRPO step vs response length at V=151,936, mgrpo and TRL (TRL to 512 tokens)"),
     _scaling_row("prompts", "GRPO step vs prompts per step at V=151,936 (x 8 samples, 128 tokens), mgrpo and TRL",
                  image=False),
-    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL (before the rank's memory fixes)", image=False),
+    _scaling_row("vocab", "GRPO step vs vocabulary size, mgrpo and TRL", image=False),
     _scaling_row("engines", "GRPO step vs rollout engines (SGLang-protocol CPU servers), mgrpo", image=False),
     _scaling_row("ranks", "GRPO step vs Megatron ranks (TP, DP over gloo), mgrpo", image=False, every_point=True),
     row_convert,

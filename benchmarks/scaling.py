@@ -118,18 +118,18 @@ NOTES = {
         "alone took 130 s a step)."),
     "vocab": (
         "At a small vocabulary the body and the fixed per-step costs (Ray round trips, process hand-offs, the "
-        "optimizer) dominate, and both sides are at parity. From a few thousand tokens on the LM head and the "
+        "optimizer) dominate, and both sides take about a second. From a few thousand tokens on the LM head and the "
         "embedding take over: every token's log-prob needs all V logits, in generation, in the reference forward "
         "and in the update, so the V-dependent part of a step is linear in V; the measured exponent between "
-        "16,384 and 151,936 (0.5-0.75) is below 1 because the fixed part still counts at this small body. TRL's "
-        "time grows faster than mgrpo's there: its chunked LM head scores every padded position (prompt too), "
-        "mgrpo's kernel the response positions only. Memory's V-dependent part is the tied V x H fp32 embedding "
-        "in every copy: mgrpo's rank holds 6 (actor, gradient buffer, two Adam moments, reference, engine), TRL's "
-        "process 5. At this tiny batch (8 rows x 132 positions) mgrpo's total is about 1.1 GB above TRL's at V=151,936: "
-        "one more weight copy (0.15 GB), its processes' runtimes (0.45 GB, the gap at V=16) and the kernel's working "
-        "set, which does not shrink with the batch (0.3-0.45 GB at H=256, the kernel plot), while TRL's LM-head "
-        "tile covers only its 1,064 positions. The totals grow sublinearly because the runtimes do not grow. The "
-        "logits are never whole on either side."),
+        "16,384 and 151,936 (0.74-0.78) is below 1 because the fixed part still counts at this small body. TRL "
+        "spends more there: its chunked LM head scores every padded position (prompt too), mgrpo's kernel the "
+        "response positions only. Memory's V-dependent part is the tied V x H fp32 embedding in every copy: "
+        "mgrpo's rank holds 5 (actor, gradient buffer, two Adam moments, reference; the hybrid engine shares the "
+        "actor's), TRL's process 5. At V=16 mgrpo's tree is ~430 MiB above TRL's one process (its driver and Ray's "
+        "processes, each a runtime); at V=151,936, after the rank's heap changes, it is below it (2,137 vs 2,283 MiB): "
+        "the rank returns what each call frees, and the kernel holds one chunk of 220 tokens x V while TRL's "
+        "LM-head tiles cover its 1,064 positions. Measured before those changes, mgrpo's was 3,546 MiB. The totals "
+        "grow sublinearly because the runtimes do not grow. The logits are never whole on either side."),
     "prompts": (
         "More prompts per step (x 8 samples) grow time linearly on both sides: generation is batched but on CPU a "
         "batch of rows costs about rows x the work of one, and every log-prob forward and the update are linear in "
