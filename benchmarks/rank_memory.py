@@ -153,6 +153,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a._child:
         return child(a)
+    if a.trace_ms < 0:
+        ap.error(f"--trace-ms must be >= 0 (0: off), got {a.trace_ms}")
     tmp = tempfile.mkdtemp(prefix="rank-memory-")
     a.workdir = a.workdir or os.path.join(tmp, "work")
     with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
