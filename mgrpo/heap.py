@@ -35,7 +35,7 @@ import functools
 import os
 
 DECODE_TRIM_EVERY = 16
-"""Decode steps between an in-process engine's heap trims (a trim returns ~16 steps' holes: ~0.2 GB at 4 x 8 rows)."""
+"""Decode steps between an in-process engine's heap trims: the heap holds at most these steps' holes."""
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}
 """Environment of a rank's process; a value the user's environment already sets is kept (`arena_env`)."""
