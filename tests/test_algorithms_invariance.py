@@ -18,7 +18,7 @@ from mgrpo.algorithms.aggregation import global_counts, metric_weights, token_we
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn, policy_loss
 from mgrpo.algorithms.registry import AGGREGATION_MODES
 from mgrpo.config import AlgorithmConfig
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 V, H, N, L = 11, 8, 8, 6
 LENGTHS = [6, 3, 1, 5, 0, 2, 6, 4]  # row 4 fully masked (e.g. overlong-filtered): must not count
@@ -153,7 +153,7 @@ def _dp_rank(rank, world, port):
         dist.destroy_process_group()
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_gradient_invariant_across_data_parallel_ranks():
     results = run_ranks(_dp_rank, 2)
     for i, (mode, cfg) in enumerate(DP_CASES):

@@ -41,7 +41,7 @@ def sample(model, prompts, max_len, eos, pad):
     return seq[:, prompts.shape[1]:], lens
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_grpo_learns_the_sum_task():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: threading only adds overhead (and the run stays deterministic)

@@ -10,13 +10,13 @@ import tempfile
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import LOSS_KEYS, read_metrics, small_config, trajectories
-from tests.test_resume_kill import kill_everything, train, wait_for_checkpoint
+from tests.helpers.runs import LOSS_KEYS, read_metrics, small_config, trajectories
+from tests.helpers.runs import kill_everything, train, wait_for_checkpoint
 
 ASYNC = {"mode": "disaggregated", "async_mode": "one_step_off"}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
     run_dir = str(tmp_path)
     Trainer(small_config(run_dir, rollout=ASYNC, trainer={"total_training_steps": 5, "n_gpus_per_node": 2})).fit()
@@ -47,7 +47,7 @@ class RunsAhead(Trainer):
         self.parts.experiences.lookahead = 3
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_samples_beyond_the_staleness_bound_are_dropped_never_trained(tmp_path):
     run_dir = str(tmp_path)
     cfg = small_config(run_dir, rollout={"mode": "disaggregated", "async_mode": "bounded_staleness",
@@ -62,7 +62,7 @@ def test_samples_beyond_the_staleness_bound_are_dropped_never_trained(tmp_path):
     assert all(x["rollout/staleness_max"] <= 1 for x in m)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_kill_with_the_pipeline_full_resumes_each_step_once(tmp_path):
     """SIGKILL once the step-2 checkpoint is published (the next batch ready in the pipeline): the ready batches
     were saved with the checkpoint and are replayed, so the resumed run equals the uninterrupted one."""

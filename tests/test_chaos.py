@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.procs import pids_where
+from tests.helpers.procs import pids_where
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, BATCH, N = 20, 8, 4
@@ -41,7 +41,7 @@ def test_schedule_is_seeded_and_covers_every_kind():
         chaos.make_schedule(0, 200, 3, list(chaos.KINDS))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
     chaos = load_chaos()
     lines: list[str] = []

@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.test_packing_common import answer, assert_same_run, max_diff, rank_runs, run_config
+from tests.helpers.distributed import run_ranks
+from tests.helpers.packing import answer, assert_same_run, max_diff, rank_runs, run_config
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.integration
 
 SEQS = [8, 12, 4]  # global slots of three packed sequences (multiples of 2*cp = 4)
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -236,7 +236,7 @@ def test_cp_ranks_sync_and_save_the_same_weights(runs):
     assert max_diff(runs["resumed"]["before"]["logprobs"], answer(ranks)["after"]["logprobs"]) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_tp2_cp2_and_pp2_cp2_packed_reproduce_cp1(runs, tmp_path):
     """Four ranks: TP=2 x CP=2, then PP=2 x CP=2 (several packs of different lengths through the
     pipeline, each split over the CP ranks of its stage)."""

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import read_metrics, small_config
+from tests.helpers.runs import read_metrics, small_config
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def test_cp2_packed_default_job_steps(tmp_path):

@@ -17,7 +17,8 @@ from mgrpo.models import (bucketize, check_hf_config, init_hf_checkpoint, iter_m
 from mgrpo.models.layout import hf_from_shards, shard_from_hf
 from mgrpo.models.qwen3 import hf_config, hf_shapes, stage_weights
 from mgrpo.models.shapes import Dims, local_shape, padded_vocab_size
-from tests.test_convert_common import hf_state, make_hf_checkpoint, tiny_cfg
+from tests.helpers.convert import hf_state, make_hf_checkpoint, tiny_cfg
+from tests.helpers.convert import _tokenizer
 
 
 def _reader(state):
@@ -260,18 +261,6 @@ def test_unsupported_configs_are_named(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # writing
-
-
-def _tokenizer(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "a", "b", "c"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
-    fast.save_pretrained(path)
-    return fast
 
 
 def test_sharded_save_loads_in_transformers(tmp_path):

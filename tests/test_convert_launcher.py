@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from mgrpo_launchers.convert import main
-from tests.test_convert_common import hf_state, make_hf_checkpoint, tiny_cfg
+from tests.helpers.convert import hf_state, make_hf_checkpoint, tiny_cfg
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_round_trip_through_the_cli(tmp_path, capsys):
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    from tests.test_convert_hf import _tokenizer
+    from tests.helpers.convert import _tokenizer
 
     cfg = tiny_cfg(tie_word_embeddings=True)
     hf = make_hf_checkpoint(str(tmp_path / "hf"), cfg, seed=11)

@@ -1,7 +1,7 @@
 """HF <-> Megatron conversion on gloo ranks: logits parity with transformers, bit-exact round trips,
 distributed-checkpoint resharding, and refusals that name what is wrong.
 
-Every multi-rank case runs in freshly spawned processes (tests/distributed.py). Each rank loads an
+Every multi-rank case runs in freshly spawned processes (tests/helpers/distributed.py). Each rank loads an
 HF directory (or a megatron checkpoint) into its pipeline stage, runs megatron's forward-only
 schedule, compares the real-vocabulary logits with transformers' Qwen3ForCausalLM, and streams
 its stage back to HF tensors that must equal the original safetensors bit for bit.
@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.test_convert_common import (build_stage, export_kwargs, hf_logits, hf_state, init_rank, layout_kwargs,
+from tests.helpers.distributed import run_ranks
+from tests.helpers.convert import (build_stage, export_kwargs, hf_logits, hf_state, init_rank, layout_kwargs,
                                        make_hf_checkpoint, megatron_logits, tiny_cfg, token_ids)
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.integration
 TOL = 1e-4
 
 

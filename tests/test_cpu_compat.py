@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mgrpo.training.cpu_compat import MOE_PATCHES, PATCHES
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 
 @pytest.mark.parametrize("patch", PATCHES + MOE_PATCHES, ids=[p.name for p in PATCHES + MOE_PATCHES])

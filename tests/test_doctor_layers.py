@@ -27,7 +27,7 @@ from mgrpo.doctor.compare import compare, verdict_line
 from mgrpo.doctor.engine_side import Support, engine_trace, sites
 from mgrpo.doctor.layers import layers, support_hint
 from mgrpo.doctor.trainer_side import resolve_trainer, trainer_trace
-from tests.test_convert_common import make_hf_checkpoint, tiny_cfg
+from tests.helpers.convert import make_hf_checkpoint, tiny_cfg
 
 PROMPT = 8
 

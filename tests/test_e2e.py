@@ -16,41 +16,9 @@ import time
 
 import pytest
 
-from mgrpo.config import FilterGroupsConfig, MGRPOConfig, OverlongBufferConfig
+from mgrpo.config import FilterGroupsConfig, OverlongBufferConfig
 from mgrpo.loop import Trainer
-
-
-def small_config(run_dir: str, **groups) -> MGRPOConfig:
-    """The default job, shortened to 8 prompts x 4 samples per step, with a dense user reward and a
-    small entropy bonus so that losses and gradients are non-zero from the first step (the exact-match
-    reward of a random model is almost always 0 at this batch size, which would make every
-    comparison below one of zeros)."""
-    cfg = MGRPOConfig()
-    cfg = dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, train_batch_size=8),
-        rollout=dataclasses.replace(cfg.rollout, n=4),
-        algorithm=dataclasses.replace(cfg.algorithm, entropy_coeff=0.01),
-        reward=dataclasses.replace(cfg.reward, custom_functions={"mgrpo/sum": "tests.reward_fns:dense_sum_reward"}),
-        trainer=dataclasses.replace(cfg.trainer, output_dir=run_dir, device="cpu", total_training_steps=2,
-                                    logger=["tensorboard"], save_hf=False),
-    )
-    for group, fields in groups.items():
-        cfg = dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
-    return cfg
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def trajectories(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+from tests.helpers.runs import small_config, read_metrics, trajectories, LOSS_KEYS
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +44,7 @@ def test_step0_invariants(tp1_run):
     assert metrics[1]["rollout/logprob_abs_diff"] < 1e-4
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("layout", [
     {"actor": {"tp": 2}},
     {"actor": {"pp": 2, "max_tokens_per_gpu": 40}},
@@ -108,7 +76,7 @@ def test_parallel_layouts_match_tp1(tp1_run, tmp_path, layout):
         assert (a[name] - b[name]).abs().max().item() < 1e-4, name
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_triton_kernel_in_training_matches_chunked(tp1_run, tmp_path, monkeypatch):
     """actor.logprob_impl=fused runs the Triton kernels inside the Megatron trainer (here under the
     Triton interpreter, which Ray's workers inherit from the driver's environment) and reproduces the
@@ -189,7 +157,7 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert steps[:3] == [1, 2, 3]  # everything logged before the interrupt is on disk
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("groups", [
     {"actor": {"ppo_epochs": 2, "ppo_mini_batch_size": 4}},
     {"algorithm": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "use_kl_loss": False}},
@@ -222,13 +190,13 @@ def test_algorithm_variants_run_end_to_end(tmp_path, groups):
         assert "response_length/overlong_filtered" in m[0]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_dynamic_sampling_with_no_group_left_trains_unfiltered(tmp_path):
     """Every group scores alike (a run that solved its data): dynamic sampling keeps nothing in its rounds,
     and the step trains on the last round as it is, said and counted, instead of ending the run."""
     cfg = small_config(str(tmp_path), algorithm={"filter_groups": FilterGroupsConfig(enable=True, max_num_gen_batches=2)})
     cfg = dataclasses.replace(cfg, reward=dataclasses.replace(
-        cfg.reward, custom_functions={"mgrpo/sum": "tests.reward_fns:solved_reward"}))
+        cfg.reward, custom_functions={"mgrpo/sum": "tests.helpers.reward_fns:solved_reward"}))
     Trainer(cfg).fit()
     m = read_metrics(str(tmp_path))
     assert len(m) == 2
@@ -239,7 +207,7 @@ def test_dynamic_sampling_with_no_group_left_trains_unfiltered(tmp_path):
         assert x["critic/advantages/mean"] == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_default_job_learns(tmp_path):
     """The README's main job, as is: mean reward of the first 10 steps <= 0.3, of the last 10 >= 0.8."""
     run_dir = str(tmp_path)

@@ -17,8 +17,8 @@ import requests
 from mgrpo.cluster.rollout_group import NodeLocalDelivery
 from mgrpo.loop import Trainer
 from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
-from tests.procs import pids_where
-from tests.test_e2e import read_metrics, small_config
+from tests.helpers.procs import pids_where
+from tests.helpers.runs import read_metrics, small_config
 
 STEPS = 5
 
@@ -31,7 +31,7 @@ class Recording(Trainer):
         self.receivers = self.parts.experiences.rollout.receivers()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("mode, tp", [("colocated", 1), ("disaggregated", 1), ("colocated", 2),
                                       ("disaggregated", 2), ("hybrid", 1)])
 def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp, caplog):
@@ -92,7 +92,7 @@ def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list, limit: i
     return th
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "colocated"), (signal.SIGSTOP, "colocated"),
                                        (signal.SIGKILL, "hybrid")], ids=["killed", "hung", "killed-hybrid"])
 def test_engine_fault_mid_run_is_recovered(tmp_path, sig, mode):
@@ -134,7 +134,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_two_engines_behind_the_router_survive_a_killed_engine(tmp_path):
     """rollout.num_engines=2: SGLang's router (the real sglang-router) fronts both engines and every
     generation request goes through it; one engine killed mid-run is restarted and re-registered."""

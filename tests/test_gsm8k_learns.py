@@ -25,7 +25,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.skipif(not os.path.isdir(GSM8K_RAW), reason="../shared/data/gsm8k is not beside the checkout")
 def test_gsm8k_tiny_cpu_recipe_learns_to_answer_with_a_number(tmp_path):
     data_dir = tmp_path / "gsm8k"

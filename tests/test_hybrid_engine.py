@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import read_metrics, small_config
+from tests.helpers.runs import read_metrics, small_config
 
 STEPS = 3
 COMPARED = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/rewards/mean",
@@ -30,7 +30,7 @@ def _run(run_dir: str, mode: str, **actor) -> tuple[Recording, list[dict]]:
     return t, read_metrics(run_dir)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_hybrid_engine_trains_exactly_like_an_engine_of_its_own(tmp_path):
     own, m_own = _run(str(tmp_path / "colocated"), "colocated")
     hyb, m_hyb = _run(str(tmp_path / "hybrid"), "hybrid")
@@ -47,7 +47,7 @@ def test_hybrid_engine_trains_exactly_like_an_engine_of_its_own(tmp_path):
         assert x["perf/update_weights_bytes"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_hybrid_engine_takes_every_pipeline_stage(tmp_path):
     """actor.pp=2: rank 0 hands its stage to its own engine in memory while rank 1's stage arrives through
     rank 0's engine calls (their own concurrency group: rank 0 is busy streaming meanwhile). A missing
@@ -83,7 +83,7 @@ class Ordered(Trainer):
         group.compute_logprobs, judger.score = compute_logprobs, judged
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("recompute", [False, True], ids=["one-update", "old-forward"])
 def test_log_prob_forwards_run_while_the_driver_judges(tmp_path, recompute):
     """Generation done, the step's log-prob forwards (reference; old policy when the update needs it) are

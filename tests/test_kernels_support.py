@@ -24,8 +24,8 @@ import torch
 import mgrpo_kernels as K
 from mgrpo_kernels.reference import full_logprobs
 from mgrpo_kernels.support import chunk_columns, support_mask
-from tests.distributed import run_ranks
-from tests.test_kernels import SMALL_CHUNKS, grpo_fn, make_problem
+from tests.helpers.distributed import run_ranks
+from tests.helpers.kernels import SMALL_CHUNKS, grpo_fn, make_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -280,13 +280,13 @@ def _check_tp(results, impls):
                 assert max(abs(m[k] - m0[k].item()) for k in m0) < TOL, where
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_tp2_chunked_and_naive_match_reference():
     impls = ("chunked", "naive")
     _check_tp(run_ranks(_tp_rank, 2, impls, timeout_s=180), impls)
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_tp2_triton_interpreted_matches_reference():
     pytest.importorskip("triton")
     impls = ("fused",)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.test_kernels import SMALL_CHUNKS, grpo_fn, make_problem, rel_err
+from tests.helpers.distributed import run_ranks
+from tests.helpers.kernels import SMALL_CHUNKS, grpo_fn, make_problem, rel_err
 
 CASES = {"padded": (64, 45), "empty_shard": (64, 30)}
 LOSS_CFG = dict(clip_ratio_c=3.0, kl_loss_type="low_var_kl", kl_coef=0.1, entropy_coeff=0.01)
@@ -106,13 +106,13 @@ def _check(results, impls):
                         assert all(abs(rest[1][k].item() - rest0[1][k].item()) < 1e-5 for k in rest0[1]), where
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_tp2_equals_tp1_chunked_and_naive():
     impls = ("chunked", "naive")
     _check(run_ranks(_tp_rank, 2, impls, timeout_s=120), impls)
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_tp2_equals_tp1_triton_interpreted():
     pytest.importorskip("triton")
     impls = ("fused",)

@@ -24,7 +24,7 @@ LOSS_CASES = [(kl, c) for kl in ("k1", "k2", "k3", "low_var_kl") for c in (None,
 
 def _child() -> None:
     import mgrpo_kernels as K
-    from tests.test_kernels import grpo_fn, make_problem, rel_err, run_logprobs, run_loss
+    from tests.helpers.kernels import grpo_fn, make_problem, rel_err, run_logprobs, run_loss
 
     def errs(got, want):
         out = {"lp": (got[0] - want[0]).abs().max().item(), "gh": rel_err(got[2], want[2]),

@@ -122,7 +122,7 @@ def test_a_run_over_the_bound_stops_with_exit_2_and_the_doctor_reads_it(tmp_path
     assert "mgrpo-doctor layers --engine" in doc.stdout and "init_hf" in doc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_each_sample_names_the_engine_that_made_it(tmp_path, monkeypatch):
     """Two engines that the rollout group dispatches to (in-process transformers engines, no router): chunk k of
     a step's requests goes to engine k % 2, and each trajectory line says which one answered it. Then the
@@ -131,7 +131,7 @@ def test_each_sample_names_the_engine_that_made_it(tmp_path, monkeypatch):
     import ray
 
     from mgrpo.loop import Trainer
-    from tests.test_e2e import small_config
+    from tests.helpers.runs import small_config
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     run_dir = str(tmp_path)

@@ -16,7 +16,7 @@ from mgrpo.config import AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfi
 from mgrpo.experience import Experience
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
 from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch
-from tests.test_convert_common import make_hf_checkpoint, tiny_cfg
+from tests.helpers.convert import make_hf_checkpoint, tiny_cfg
 
 
 # --- the in-process transformers engine --------------------------------------------------------------

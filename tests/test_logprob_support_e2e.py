@@ -15,9 +15,9 @@ import math
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import read_metrics, small_config
+from tests.helpers.runs import read_metrics, small_config
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 HF = {"engine": "hf", "mode": "hybrid"}
 SGLANG = {"engine": "sglang"}  # the default path: the CPU server answers SGLang's return_sampling_mask

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mgrpo.config import MGRPOConfig
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 LR, MIN_LR = 1e-3, 1e-4
 

@@ -21,8 +21,8 @@ from mgrpo.config import ConfigError, MGRPOConfig
 from mgrpo.preflight import preflight
 from mgrpo.models import qwen3
 from mgrpo.models.registry import FAMILIES, family_of, param_counts
-from tests.distributed import run_ranks
-from tests.test_convert_common import build_stage, init_rank, layout_kwargs, megatron_logits, tiny_cfg, token_ids
+from tests.helpers.distributed import run_ranks
+from tests.helpers.convert import build_stage, init_rank, layout_kwargs, megatron_logits, tiny_cfg, token_ids
 
 TOY = "toy_llama"
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")

@@ -16,8 +16,8 @@ import torch
 
 from mgrpo.config import ModelConfig
 from mgrpo.models.registry import FAMILIES, family_of, param_counts
-from tests.distributed import run_ranks
-from tests.test_convert_common import hf_state, init_rank, layout_kwargs, megatron_logits, token_ids, tiny_cfg
+from tests.helpers.distributed import run_ranks
+from tests.helpers.convert import hf_state, init_rank, layout_kwargs, megatron_logits, token_ids, tiny_cfg
 
 
 def odd_cfg(**kw) -> ModelConfig:
@@ -235,7 +235,7 @@ def _rank_logits(rank, world, port, cfg, hf_dir, layouts):
     return out
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_logits_match_transformers_at_tp_pp_ep(tmp_path):
     cfg = odd_cfg()
     hf_dir = make_moe_checkpoint(str(tmp_path / "hf"), cfg, seed=5)
@@ -260,7 +260,7 @@ def test_logits_match_transformers_at_tp_pp_ep(tmp_path):
 # mgrpo-convert
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_round_trip_bit_exact_through_the_cli_at_tp_pp_ep(tmp_path, capsys):
     from mgrpo_launchers.convert import main
 
@@ -295,7 +295,7 @@ def test_convert_refuses_layouts_by_name(tmp_path, capsys):
                                                                 str(tmp_path / "o"), "--ep", "4")
     assert "--tp=4 does not divide model num_attention_heads=6" in err("hf-to-megatron", "--hf-dir", hf, "--out",
                                                                        str(tmp_path / "o"), "--tp", "4")
-    from tests.test_convert_common import make_hf_checkpoint
+    from tests.helpers.convert import make_hf_checkpoint
 
     dense = make_hf_checkpoint(str(tmp_path / "dense"), tiny_cfg())
     assert "--ep=2 splits experts, but model family 'qwen3' has none" in err(
@@ -337,7 +337,7 @@ def _rank_replay(rank, world, port, cfg, hf_dir):
                 moved=(moved - plain).abs().max().item())
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_routing_replay_can_be_switched_on(tmp_path):
     """routing_replay=True builds megatron's RouterReplay in every router: the experts each token was routed
     to can be recorded, and replaying them reproduces the logits (what actor.router_replay builds on,

@@ -14,21 +14,10 @@ import os
 import pytest
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import LOSS_KEYS, read_metrics, small_config
+from tests.helpers.runs import LOSS_KEYS, read_metrics, small_config
+from tests.helpers.moe import HF_ENGINE, tiny_moe
 
-pytestmark = pytest.mark.slow
-# rollout=hf_cpu: the in-process transformers engine, inside trainer rank 0 (the SGLang-protocol CPU server
-# learns to serve Qwen3-MoE elsewhere)
-HF_ENGINE = {"engine": "hf", "mode": "hybrid"}
-
-
-def tiny_moe(**kw) -> dict:
-    from mgrpo_launchers.plan import compose_config
-
-    model = compose_config(["model=tiny-moe"]).model
-    return {**{f: getattr(model, f) for f in ("name", "family", "num_experts", "moe_ffn_hidden_size",
-                                               "moe_router_topk", "norm_topk_prob")},
-            "router_aux_loss_coef": 0.0, **kw}
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")

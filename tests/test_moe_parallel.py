@@ -15,38 +15,18 @@ value is checked against Qwen3's router logits computed by transformers.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from mgrpo.config import MGRPOConfig
-from tests.distributed import run_ranks
-from tests.test_convert_common import tiny_cfg
-from tests.test_packing_common import PROMPTS, RESPONSES, make_batch, max_diff
+from tests.helpers.distributed import run_ranks
+from tests.helpers.packing import PROMPTS, RESPONSES, make_batch, max_diff
+from tests.helpers.moe import AUX, moe_cfg, run_config
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.integration
 
-AUX = 0.05  # large enough that a wrong load-balancing gradient shows at 1e-5
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl")
-
-
-def moe_cfg(**kw):
-    """tiny_cfg's attention (GQA, head_dim 24 != 64/4, 4 layers, untied, vocabulary 100) with 6 experts of
-    width 40, 2 per token."""
-    return tiny_cfg(family="qwen3_moe", num_experts=6, moe_ffn_hidden_size=40, moe_router_topk=2,
-                    max_position_embeddings=128, **kw)
-
-
-def run_config(*, tp=1, pp=1, cp=1, ep=1, packed=True, budget=256, aux=0.0) -> MGRPOConfig:
-    cfg = MGRPOConfig()
-    return dataclasses.replace(
-        cfg, model=moe_cfg(router_aux_loss_coef=aux),
-        algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=True, kl_coef=0.05, entropy_coeff=0.01),
-        actor=dataclasses.replace(cfg.actor, tp=tp, pp=pp, cp=cp, ep=ep, pack_sequences=packed,
-                                  max_tokens_per_gpu=budget, lr=1e-2, grad_clip=1e9),
-        trainer=dataclasses.replace(cfg.trainer, device="cpu"))
 
 
 class _Receiver:
@@ -242,7 +222,7 @@ def test_ep2_checkpoint_resumes_and_exports_the_same_weights(runs):
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-4
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_pp2_ep2_reproduces_one_rank(runs):
     """Four ranks: two pipeline stages, each stage's two data-parallel ranks splitting its experts; a
     32-token budget cuts every replica's half of the batch into several packs."""

@@ -8,8 +8,8 @@ import torch
 
 from mgrpo.data.packing import pack_by_tokens, pack_micro_batches
 from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, fp8_token_multiple
-from tests.distributed import run_ranks
-from tests.test_packing_common import answer, assert_same_run, rank_runs, run_config
+from tests.helpers.distributed import run_ranks
+from tests.helpers.packing import answer, assert_same_run, rank_runs, run_config
 
 # three samples: prompt lengths 2, 1, 3; responses 3, 2, 4 tokens
 BATCH = RankBatch(input_ids=[[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37]], prompt_lens=[2, 1, 3],
@@ -115,7 +115,7 @@ def hf_dir(tmp_path_factory):
     return init_hf_checkpoint(str(tmp_path_factory.mktemp("hf")), run_config().model, seed=3)
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_packed_matches_padded_tp1(hf_dir):
     """A 40-token budget cuts the 8 samples into 3 padded micro-batches and 2 packed ones; the
     log-probs (before and after one optimizer step, and the reference's), the loss and the gradient
@@ -127,8 +127,8 @@ def test_packed_matches_padded_tp1(hf_dir):
     assert_same_run(pk, pad, label="tp1")
 
 
-@pytest.mark.dist
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.system
 def test_packed_matches_padded_tp2_and_pp2(hf_dir):
     layouts = [dict(tp=2), dict(tp=2, packed=True), dict(pp=2, budget=40), dict(pp=2, budget=40, packed=True)]
     res = run_ranks(rank_runs, 2, hf_dir, layouts)

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from mgrpo.loop import Trainer
-from tests.test_e2e import read_metrics, small_config
+from tests.helpers.runs import read_metrics, small_config
 
 
 class Recording(Trainer):
@@ -31,7 +31,7 @@ def run_on_logical_gpus(cfg, gpus: int) -> Recording:
     return trainer
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_colocated_engines_share_their_trainer_ranks_gpus(tmp_path):
     cfg = small_config(str(tmp_path), trainer={"n_gpus_per_node": 2}, rollout={"mode": "colocated"},
                        actor={"tp": 2})
@@ -46,7 +46,7 @@ def test_colocated_engines_share_their_trainer_ranks_gpus(tmp_path):
     assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_disaggregated_engines_get_gpus_of_their_own(tmp_path):
     cfg = small_config(str(tmp_path), trainer={"n_gpus_per_node": 3}, rollout={"mode": "disaggregated", "num_engines": 2})
     t = run_on_logical_gpus(cfg, gpus=3)
@@ -61,7 +61,7 @@ def test_disaggregated_engines_get_gpus_of_their_own(tmp_path):
     assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_hybrid_engines_live_in_their_trainer_ranks(tmp_path):
     """rollout.mode=hybrid: no engine process and no rollout bundles; engine i is hosted by Megatron rank
     i*rollout.tp (the same actor), whose whole GPU it shares, and its server would use that rank's GPU."""

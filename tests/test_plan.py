@@ -219,7 +219,7 @@ def test_gpu_memory_option_and_check_fits(capsys):
 def test_hf_path_plans_from_config_json_alone(tmp_path, capsys):
     """A checkpoint directory with only config.json (no weights): the plan uses its architecture and
     warns where model.* disagrees."""
-    from tests.test_verl_cli import QWEN3_8B_CONFIG
+    from tests.helpers.verl_scripts import QWEN3_8B_CONFIG
 
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B_CONFIG, "num_hidden_layers": 18}))
     p = plan_json(capsys, "recipe=qwen3-8b-gsm8k-grpo", f"model.hf_path={tmp_path}", "actor.tp=8")

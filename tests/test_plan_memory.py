@@ -9,15 +9,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.plan_memory import _measure, _check
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 # (hidden, ffn, heads, kv heads, head_dim, sequences, sequence length)
 SHAPES = [(128, 256, 4, 2, 32, 4, 64),    # GQA, 2 kv heads
@@ -70,28 +67,12 @@ def test_layer_activation_formula_equals_what_autograd_saves(tp):
         assert layer_activations(m, Shape(b * s, b, s, 0, 1), tp, 4, "local") == got, (h, f, nq, nkv, hd, b, s)
 
 
-def _measure(case: str) -> list[dict]:
-    sys.path.insert(0, BENCH)  # also for the spawned ranks, which unpickle the benchmark's rank function
-    try:
-        import plan_memory_cpu
-
-        with tempfile.TemporaryDirectory() as work:
-            return plan_memory_cpu.measure(case, work, malloc="mmap")
-    finally:
-        sys.path.remove(BENCH)
-
-
-def _check(rows):
-    for r in rows:
-        assert abs(r["estimate_over_measured"] - 1) <= 0.25, r  # the estimate within 25% of the measured peak
-
-
 def test_cpu_estimate_matches_measured_peak_tiny():
     """tiny model, TP=1, 2 micro-batches of 16 x 256 tokens: activations dominate (~0.2 GiB)."""
     _check(_measure("tiny-tp1pp1"))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("case", ["tiny-tp2pp1", "tiny-tp1pp2"])
 def test_cpu_estimate_matches_measured_peak_tiny_parallel(case):
     _check(_measure(case))

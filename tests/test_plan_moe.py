@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
-from tests.distributed import run_ranks
-from tests.test_plan_memory import _check, _measure
+from tests.helpers.distributed import run_ranks
+from tests.helpers.plan_memory import _check, _measure
 
 # (hidden, expert width, experts, top-k, heads, kv heads, head_dim, sequences, sequence length)
 SHAPES = [(128, 64, 8, 2, 4, 2, 32, 4, 64), (128, 96, 16, 4, 4, 2, 32, 4, 64), (256, 64, 8, 2, 8, 2, 32, 2, 96)]
@@ -64,7 +64,7 @@ def _saved_per_layer(rank, world, port, tp, shapes, aux):
     return out
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 @pytest.mark.parametrize("tp, aux", [(1, 0.0), (1, 0.01), (2, 0.0)], ids=["tp1", "tp1-aux", "tp2-sp"])
 def test_moe_layer_activations_equal_what_autograd_saves(tp, aux):
     from mgrpo.cluster.memory_plan import Shape, layer_activations
@@ -109,7 +109,7 @@ def test_qwen3_30b_a3b_verdicts_on_8x80gib_nodes():
     ways fits, which the planner finds and checks."""
     import sys
 
-    from tests.test_plan_memory import BENCH
+    from tests.helpers.plan_memory import BENCH
 
     sys.path.insert(0, BENCH)
     try:
@@ -124,13 +124,13 @@ def test_qwen3_30b_a3b_verdicts_on_8x80gib_nodes():
         assert "actor.ep=16" in r["suggestion"] and r["suggested_peak_gib"] <= 80
 
 
-@pytest.mark.dist
+@pytest.mark.integration
 def test_cpu_estimate_matches_measured_peak_tiny_moe():
     """The tiny MoE, one rank, 2 micro-batches of 16 x 256 tokens."""
     _check(_measure("tiny-moe-ep1"))
 
 
-@pytest.mark.dist
-@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.system
 def test_cpu_estimate_matches_measured_peak_tiny_moe_ep2():
     _check(_measure("tiny-moe-ep2"))

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.procs import kill, pids_where
-from tests.test_e2e import read_metrics
+from tests.helpers.procs import kill, pids_where
+from tests.helpers.runs import read_metrics
 
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 
@@ -74,7 +74,7 @@ def train(nodes: TwoNodes, run_dir: str, *args: str) -> subprocess.Popen:
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_default_job_learns_over_two_ray_nodes(two_nodes, tmp_path):
     run_dir = str(tmp_path)
     p = train(two_nodes, run_dir)
@@ -88,7 +88,7 @@ def test_default_job_learns_over_two_ray_nodes(two_nodes, tmp_path):
     assert first <= 0.3 and last >= 0.8, (first, last)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_worker_node_death_fails_naming_the_node_and_the_rerun_resumes(two_nodes, tmp_path):
     run_dir = str(tmp_path)
     args = ("trainer.total_training_steps=6", "trainer.save_freq=2", "data.train_batch_size=8", "rollout.n=4")

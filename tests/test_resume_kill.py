@@ -7,62 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 
-from tests.procs import kill, pids_where
-from tests.test_e2e import LOSS_KEYS, read_metrics
+from tests.helpers.runs import LOSS_KEYS, read_metrics
+from tests.helpers.runs import train, kill_everything, published, wait_for_checkpoint
 
 STEPS, BATCH, N = 5, 8, 4
-ARGS = ["trainer.total_training_steps=5", "trainer.save_freq=2", "trainer.save_hf=false", "data.train_batch_size=8",
-        "rollout.n=4", "algorithm.entropy_coeff=0.01", "trainer.logger=[tensorboard]", "trainer.max_ckpt_to_keep=1"]
 
 
-def train(run_dir: str, ray_tmp: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
-    return subprocess.Popen([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *ARGS,
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-
-
-def kill_everything(proc: subprocess.Popen, marker: str) -> int:
-    """SIGKILL the driver's process group and every process of its private Ray (found by its temp dir):
-    nothing gets to clean up, as when a node dies."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    killed = 1 + kill(pids_where(marker, f"RAY_TMPDIR={marker}", environ=True))
-    proc.wait(timeout=60)
-    return killed
-
-
-def published(run_dir: str) -> str:
-    """The checkpoint `checkpoints/latest` names (written once the checkpoint is complete), or ''."""
-    try:
-        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
-
-
-def wait_for_checkpoint(run_dir: str, name: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    """Wait until `latest` names checkpoint `name` (or a later one): the kill must land past it. Timed off
-    the published checkpoint, not off metrics lines, so however the machine is loaded it waits for the
-    right thing."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if published(run_dir) >= name:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early (rc={proc.returncode}):\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"checkpoint {name} not published within {timeout_s}s (latest: {published(run_dir)!r})")
-
-
-@pytest.mark.slow
+@pytest.mark.system
 def test_sigkill_mid_run_resumes_exactly(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="mgrpo-kill-", dir="/tmp")
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")

@@ -19,7 +19,7 @@ from mgrpo.config.schema import ModelConfig
 from mgrpo.models.hf_io import init_hf_checkpoint
 from mgrpo.rollout.hf_engine import HFRolloutEngine
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import VOCAB, Reference, tiny_checkpoint
+from tests.helpers.sglang_cpu import VOCAB, Reference, tiny_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG_VOCAB = 32768

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_sglang_moe import LAYERS, REQS, TOP_K, moe_checkpoint, recomputed_routes
+from tests.helpers.moe import LAYERS, REQS, TOP_K, moe_checkpoint, recomputed_routes
 
 
 def test_hf_engine_returns_the_routers_choice(tmp_path):
@@ -100,7 +100,7 @@ def _mean_abs(a, b) -> float:
     return sum(d) / len(d)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_disagreeing_engine_router_shows_in_the_agreement_and_replay_restores_the_log_probs(tmp_path):
     """The CPU server runs the checkpoint with noise (5% of their std) on its routers' gate weights, so it
     routes some tokens elsewhere than the trainer would. Without replay the trainer's log-probs of the sampled
@@ -116,8 +116,8 @@ def test_a_disagreeing_engine_router_shows_in_the_agreement_and_replay_restores_
     from mgrpo.experience import Experience
     from mgrpo.models import init_hf_checkpoint
     from mgrpo.rollout.types import GenerateRequest, SamplingParams
-    from tests.distributed import run_ranks
-    from tests.sglang_cpu import launch
+    from tests.helpers.distributed import run_ranks
+    from tests.helpers.sglang_cpu import launch
 
     model = tiny_moe_model()
     hf = init_hf_checkpoint(str(tmp_path / "hf"), model, seed=1)
@@ -156,12 +156,12 @@ def test_a_disagreeing_engine_router_shows_in_the_agreement_and_replay_restores_
 
 
 def _tiny_moe_fields(**kw) -> dict:
-    from tests.test_moe_e2e import tiny_moe
+    from tests.helpers.moe import tiny_moe
 
     return tiny_moe(**kw)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("actor,rollout", [({"router_replay": "rollout"}, {}),
                                            ({"router_replay": "old", "ep": 2}, {"engine": "hf", "mode": "hybrid"})],
                          ids=["rollout-sglang", "old-ep2-hf"])
@@ -172,7 +172,7 @@ def test_replay_in_the_loop(tmp_path, actor, rollout):
     in-process engine: the old-policy forward runs, records, and the update replays it (agreement 1.0 where
     the update follows exactly one old-policy forward with the same weights)."""
     from mgrpo.loop import Trainer
-    from tests.test_e2e import read_metrics, small_config
+    from tests.helpers.runs import read_metrics, small_config
 
     Trainer(small_config(str(tmp_path), model=_tiny_moe_fields(router_aux_loss_coef=0.001), actor=actor,
                          rollout=rollout)).fit()

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.test_moe_parallel import AUX, moe_cfg, run_config
-from tests.test_packing_common import PROMPTS, RESPONSES, make_batch, max_diff
+from tests.helpers.distributed import run_ranks
+from tests.helpers.moe import AUX, moe_cfg, run_config
+from tests.helpers.packing import PROMPTS, RESPONSES, make_batch, max_diff
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.integration
 
 KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
         "actor/moe_load_balancing_loss")

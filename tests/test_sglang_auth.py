@@ -19,7 +19,7 @@ from mgrpo.rollout.sglang.auth import ADMIN_OPTIONAL, decide_fallback, resolve_a
 from mgrpo.rollout.sglang.cpu_guard import Guard, Refusals
 from mgrpo.rollout.sglang.http import SGLangAuthError
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import Reference, launch, perturbed, tiny_checkpoint
+from tests.helpers.sglang_cpu import Reference, launch, perturbed, tiny_checkpoint
 
 API, ADMIN = "api-key-AAAA", "admin-key-BBBB"
 

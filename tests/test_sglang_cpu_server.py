@@ -17,8 +17,7 @@ from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
 from mgrpo.rollout.sglang.client import build_generate_payload
 from mgrpo.rollout.sglang.server import CPU_MODULE, sglang_runtime_missing
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import VOCAB, FaultProxy, launch, perturbed, post
-from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
+from tests.helpers.sglang_cpu import VOCAB, FaultProxy, launch, perturbed, post
 
 
 def _requests(n=6):  # prompts of different lengths: the server pads them in one batch

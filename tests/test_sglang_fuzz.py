@@ -25,8 +25,7 @@ from mgrpo.rollout.sglang.cpu_guard import MAX_BODY_BYTES
 from mgrpo.rollout.sglang.http import SGLangBadResponseError
 from mgrpo.rollout.sglang.weights_tensor import serialize
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import VOCAB, FaultProxy, post
-from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
+from tests.helpers.sglang_cpu import VOCAB, FaultProxy, post
 
 SEED = 1234
 GOOD = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["good-a", "good-b"], "return_logprob": True,
@@ -165,7 +164,7 @@ class _Evil:
         return (os.system, (f"touch {MARKER.format(pid=os.getpid())}",))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_fuzz_every_endpoint_answers_4xx_and_the_server_stays_healthy(engine):
     rng = random.Random(SEED)
     fuzz = Fuzz(engine.url)

@@ -16,50 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError
 from mgrpo.rollout.sglang.generate_io import checkpoint_tensor_names
-from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import launch, post, tiny_checkpoint
+from mgrpo.rollout.types import SamplingParams
+from tests.helpers.sglang_cpu import launch, post, tiny_checkpoint
+from tests.helpers.moe import LAYERS, REQS, TOP_K, moe_checkpoint, recomputed_routes
 
-LAYERS, EXPERTS, TOP_K = 2, 8, 2
-REQS = [GenerateRequest(uid=i, prompt_ids=[1, 3 + i, 5, 7, 2][: 2 + i % 4]) for i in range(5)]
-
-
-def moe_checkpoint(out_dir: str, seed: int = 0) -> str:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=128,
-                         tie_word_embeddings=False, eos_token_id=15, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # routers far from uniform, so no top-k choice is a near tie
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 1.0)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def recomputed_routes(ckpt: str, ids: list[int]) -> np.ndarray:
-    """The router's top-k for every position of `ids`, from the checkpoint's own `mlp.gate.weight` tensors:
-    softmax(x W^T) then top-k, where x is each layer's router input (its post-attention RMSNorm output) from
-    a plain full-sequence transformers forward."""
-    from transformers import AutoModelForCausalLM
-
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    gates = {k: v for k, v in tensors.items() if k.endswith("mlp.gate.weight")}
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.post_attention_layernorm.register_forward_hook(
-        lambda m, a, out, i=i: inputs.__setitem__(i, out[0])) for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    rows = []
-    for i in range(LAYERS):
-        probs = torch.softmax(inputs[i] @ gates[f"model.layers.{i}.mlp.gate.weight"].T, dim=-1)
-        rows.append(torch.topk(probs, TOP_K, dim=-1).indices)
-    return torch.stack(rows, dim=1).numpy().astype(np.int32)  # [seq, layers, top_k]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +35,7 @@ def moe_engine(moe_ckpt, tmp_path_factory):
 
 
 def _reference(ckpt):
-    from tests.sglang_cpu import Reference
+    from tests.helpers.sglang_cpu import Reference
 
     return Reference(ckpt)
 

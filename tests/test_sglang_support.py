@@ -14,8 +14,7 @@ import torch
 from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
 from mgrpo.rollout.sglang.client import build_generate_payload
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import VOCAB, post
-from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
+from tests.helpers.sglang_cpu import VOCAB, post
 
 REQS = [GenerateRequest(uid=i, prompt_ids=[1, (3 + i) % VOCAB, 5, 7][: 2 + i % 3]) for i in range(5)]
 

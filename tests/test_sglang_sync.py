@@ -16,8 +16,7 @@ import pytest
 
 from mgrpo.rollout.sglang import DistributedWeightSender, TensorWeightSender
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
-from tests.sglang_cpu import perturbed, post, torch_shm_segments
-from tests.sglang_cpu import ckpt, engine, ref  # noqa: F401  (module-scoped fixtures)
+from tests.helpers.sglang_cpu import perturbed, post, torch_shm_segments
 
 SYNCS = 5
 

@@ -26,6 +26,8 @@ from mgrpo.cluster.slurm import (
     node_ip,
 )
 from mgrpo.cluster.ray_nodes import missing_hosts
+from mgrpo.net import free_port
+from tests.helpers.procs import processes_mentioning
 
 
 # --- node lists ---------------------------------------------------------------------------------------
@@ -172,21 +174,6 @@ def test_missing_hosts_matching_rules():
 
 
 # --- against a real Ray head ------------------------------------------------------------------------------
-from mgrpo.net import free_port  # noqa: E402  (re-exported for the other SLURM tests)
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains `text` (our private Ray temp dir): ours to clean up."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def stop_process_group(proc: subprocess.Popen, marker: str) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm import free_port, processes_mentioning
+from mgrpo.net import free_port
+from tests.helpers.procs import processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm" / "train.sbatch"
@@ -31,7 +32,7 @@ JOB_NAME = "mgrpo-test-real"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def _run(*args: str, timeout: float = 60, check: bool = True) -> str:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_slurm import free_port, processes_mentioning
+from mgrpo.net import free_port
+from tests.helpers.procs import processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm" / "train.sbatch"
@@ -135,7 +136,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
         pytest.fail(f"train.sbatch still running after {timeout}s")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_names_the_node_that_never_joined(tmp_path):
     """Allocation 'this host,ghost-node-7': the worker step (run here, so a second Ray node joins from this
     machine) is real, ghost-node-7 never appears, and the job stops naming it."""
@@ -159,7 +160,7 @@ def test_names_the_node_that_never_joined(tmp_path):
         job.cleanup(proc)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_every_job_gets_its_own_rollout_key(tmp_path):
     """A one-node job: the script makes a fresh rollout key (not one from the submitting shell), hands it to
     the Ray processes of its srun steps (so to every node) and to the training command through the

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mgrpo.config import MGRPOConfig
-from tests.distributed import run_ranks
-from tests.test_convert_common import V, tiny_cfg
+from tests.helpers.distributed import run_ranks
+from tests.helpers.convert import V, tiny_cfg
 
 PROMPTS = [5, 3, 8, 2, 6, 4, 7, 3]
 RESPONSES = [3, 17, 6, 1, 25, 9, 2, 12]
@@ -141,13 +141,13 @@ def test_timer_other_is_the_step_outside_its_named_phases():
     assert set(single.metrics()) == {"timing_s/reward"}  # nothing inside: no 'other'
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_training_run_with_and_without_the_old_forward(tmp_path):
     """Two steps of the default job (shortened) through the whole stack: skipping the old-policy forward
     changes no loss, metric or gradient norm; the rollout-vs-trainer check still compares the engine's
     log-probs with the trainer's (now from the update's forward) and still holds at every step."""
     from mgrpo.loop import Trainer
-    from tests.test_e2e import LOSS_KEYS, read_metrics, small_config
+    from tests.helpers.runs import LOSS_KEYS, read_metrics, small_config
 
     runs = {}
     for name, recompute in (("skip", False), ("recompute", True)):

@@ -16,6 +16,7 @@ import yaml
 
 from mgrpo.compat.verl import VerlKeyError, translate
 from mgrpo_launchers.plan import compose_config
+from tests.helpers.verl_scripts import QWEN3_8B_CONFIG
 
 # examples/grpo_trainer/run_qwen3-8b.sh
 RUN_QWEN3_8B = """
@@ -97,14 +98,6 @@ RUN_SGL_MEGATRON = """
     trainer.test_freq=5
     trainer.total_epochs=15
 """
-
-# Qwen/Qwen3-8B config.json (architecture fields as published on the Hub).
-QWEN3_8B_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ their headers): FSDP GRPO (run_qwen3-8b.sh), Megatron GRPO with --config-path/--
 (run_qwen2-7b_math_megatron.sh), DAPO on 16 nodes (the recipe's run_dapo_qwen2.5_32b.sh, through `ray job
 submit`), GSPO as a SLURM batch script on 2 nodes (test_gspo_3b_math.sh), and Qwen3-MoE on Megatron with expert
 parallelism and DAPO's current overlong keys (run_qwen3moe-30b_megatron_96gb.sh). bash runs each with
-stand-ins for python3/ray/conda (tests/verl_scripts.py), which gives the exact argument list veRL's trainer
+stand-ins for python3/ray/conda (tests/helpers/verl_scripts.py), which gives the exact argument list veRL's trainer
 would get.
 
 Each line, as the script writes it, is refused by both doors with the same list of keys, each named with its
@@ -22,15 +22,14 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import yaml
 
 from mgrpo.compat.verl.translate import schema_keys
-from tests.test_verl_cli import QWEN3_8B_CONFIG
-from tests.verl_scripts import replace_args, verl_argv
+from tests.helpers.verl_scripts import QWEN3_8B_CONFIG
+from tests.helpers.verl_scripts import replace_args, verl_argv
 
 A, R, F, M = ("actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref.",
               "actor_rollout_ref.model.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from mgrpo.net import free_port
 from mgrpo.training.spawn import RankError, spawn_ranks
 
+
 __all__ = ["free_port", "run_ranks"]
 
 

@@ -4,8 +4,6 @@ a transformers model holding the same weights, scored by one full forward."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import threading
 import time
@@ -18,6 +16,7 @@ import torch
 from mgrpo.config.schema import ModelConfig
 from mgrpo.models.hf_io import init_hf_checkpoint
 from mgrpo.rollout.sglang import SGLangEngine
+
 
 VOCAB = ModelConfig().vocab_size  # the tiny model: 16 tokens
 
@@ -149,21 +148,3 @@ class FaultProxy:
 
 def post(url: str, path: str, body: Optional[dict] = None, timeout: float = 60) -> requests.Response:
     return requests.post(url + path, json=body if body is not None else {}, timeout=timeout)
-
-
-# --- module-scoped fixtures shared by the CPU-server test files (imported there by name) ---------------
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def engine(ckpt, tmp_path_factory):
-    eng = launch(ckpt, str(tmp_path_factory.mktemp("logs")))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return Reference(ckpt)

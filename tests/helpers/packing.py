@@ -14,7 +14,8 @@ import math
 import torch
 
 from mgrpo.config import MGRPOConfig
-from tests.test_convert_common import tiny_cfg
+from tests.helpers.convert import tiny_cfg
+
 
 # prompt and response lengths of the batch: mixed, long-tailed, some sharing a length
 PROMPTS = [5, 3, 8, 2, 6, 4, 7, 3]

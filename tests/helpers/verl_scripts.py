@@ -8,7 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent / "data" / "verl_scripts"
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "data" / "verl_scripts"
 ENTRY_POINTS = ("verl.trainer.main_ppo", "recipe.dapo.main_dapo")
 
 # python3 -m <veRL entry point> ARGS...: ARGS go to $VERL_ARGV_OUT, one per NUL-terminated record.
@@ -67,3 +68,12 @@ def replace_args(argv: list[str], changes: dict[str, str | None]) -> list[str]:
 
 def environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()}
+
+
+# Qwen/Qwen3-8B config.json (architecture fields as published on the Hub).
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}

@@ -39,3 +39,17 @@ def kill(pids, sig: int = signal.SIGKILL) -> int:
         except ProcessLookupError:
             pass
     return sent
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains `text` (our private Ray temp dir): ours to clean up."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids

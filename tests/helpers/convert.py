@@ -15,6 +15,7 @@ import torch
 
 from mgrpo.config import ModelConfig
 
+
 V = 100  # not a multiple of 128: exercises vocabulary padding at every TP size
 
 
@@ -127,3 +128,15 @@ def megatron_logits(model, ctx, cfg: ModelConfig, ids: torch.Tensor):
 
 def cfg_dict(cfg: ModelConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def _tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "a", "b", "c"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return fast

@@ -1,0 +1,220 @@
+"""Test tiers by cost, enforced (DESIGN.md section 10).
+
+- `unit` (the default for an unmarked test): in-process only. Starting a process (subprocess, multiprocessing,
+  fork, spawn), a torch.distributed group (gloo) or a listening server fails the test, naming the marker to use.
+- `integration`: one process tree per test, one case per parallel axis. The README's test command runs
+  unit + integration (`python -m pytest -m "not system"`).
+- `system`: learning runs, soaks, chaos, SLURM, fuzz, full layout matrices, kill/stop matrices. `.ci/run` runs
+  it after the README's command.
+
+Every run writes each test's tier, outcome, seconds and what it started to `outputs/tests/durations.json`,
+so that tiers move by data (`python -m benchmarks.tools.test_suite` keeps a committed summary). pytest-timeout is
+the backstop against a hang: each tier has a default budget per test, a `@pytest.mark.timeout(...)` overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+
+import _posixsubprocess
+import pytest
+
+from tests.helpers.sglang_cpu import Reference, launch, tiny_checkpoint
+
+pytest_plugins = ["pytester"]  # tests/test_tiers.py runs a suite of its own
+
+TIERS = ("unit", "integration", "system")
+# Per-test backstops (seconds), well above the slowest test of each tier as measured; a hang ends, named.
+TIMEOUT_S = {"unit": 120, "integration": 900, "system": 2400}
+DURATIONS = os.environ.get("MGRPO_TEST_DURATIONS") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "tests", "durations.json")
+
+# MGRPO_TIER_AUDIT=1 records what each test starts without failing any or timing any out: how tiers are first
+# assigned by data.
+AUDIT = os.environ.get("MGRPO_TIER_AUDIT") == "1"
+
+MARKER_HELP = ("unit tests run in-process only. Mark it @pytest.mark.integration (one process tree per test) or "
+               "@pytest.mark.system (learning runs, soaks, chaos, SLURM, fuzz, full matrices): see tests/conftest.py")
+
+
+class TierViolation(BaseException):
+    """Raised where a unit test starts a process, group or server. A BaseException, so that code under test
+    that catches `Exception` (retry loops, health checks) cannot swallow it; the hook below also fails the test
+    from its record in case something catches even this."""
+
+
+def pytest_configure(config):
+    # Also registered in pyproject.toml; here too, so that a suite run with this conftest alone knows them.
+    for line in ("unit: in-process only (the default)", "integration: one process tree per test",
+                 "system: learning runs, soaks, chaos, SLURM, fuzz, full matrices"):
+        config.addinivalue_line("markers", line)
+
+
+def tier_of(item) -> str:
+    # The closest marker wins: a function's marker overrides its module's `pytestmark`.
+    for mark in item.iter_markers():
+        if mark.name in TIERS:
+            return mark.name
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # tryfirst: the tier marker must be on each item before `-m` deselects by it.
+    for item in items:
+        tier = tier_of(item)
+        if not any(m.name in TIERS for m in item.iter_markers()):
+            item.add_marker(tier)
+        if item.get_closest_marker("timeout") is None and not AUDIT:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a test starts. The patches wrap the lowest-level entry points, so every route is seen: subprocess.Popen
+# (and so asyncio, Ray's launcher, shell-outs) reaches `subprocess._fork_exec`; multiprocessing's spawn and
+# forkserver reach `_posixsubprocess.fork_exec`; its fork context reaches `os.fork`; uvicorn, http.server and
+# socketserver reach `socket.socket.listen`; gloo groups start at `torch.distributed.init_process_group`.
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Watch:
+    def __init__(self):
+        self.enforce = False
+        self.started: list[str] = []
+
+    def saw(self, what: str):
+        self.started.append(what)
+        if self.enforce:
+            raise TierViolation(f"this test started {what}: {MARKER_HELP}")
+
+
+_watch = _Watch()
+_originals: dict = {}
+
+
+def _wrap(owner, name: str, describe):
+    original = getattr(owner, name)
+    _originals[(owner, name)] = original
+
+    def wrapper(*args, **kwargs):
+        _watch.saw(describe(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    wrapper.__wrapped__ = original
+    setattr(owner, name, wrapper)
+
+
+def _argv(args) -> str:
+    return " ".join(os.fsdecode(a) for a in (args or [])[:4])
+
+
+def _install():
+    if _originals:
+        return
+    _wrap(subprocess, "_fork_exec", lambda args, *a, **k: f"a process ({_argv(args)})")
+    _wrap(_posixsubprocess, "fork_exec", lambda args, *a, **k: f"a process ({_argv(args)})")
+    _wrap(os, "fork", lambda *a, **k: "a process (os.fork)")
+    _wrap(os, "posix_spawn", lambda path, *a, **k: f"a process (posix_spawn {path})")
+    _wrap(os, "posix_spawnp", lambda path, *a, **k: f"a process (posix_spawnp {path})")
+    _wrap(os, "system", lambda cmd, *a, **k: f"a process (os.system {cmd[:60]})")
+    _wrap(socket.socket, "listen", lambda sock, *a, **k: f"a server (listening on {sock.getsockname()})")
+    import torch.distributed as dist
+    if dist.is_available():
+        describe = lambda *a, backend=None, **k: f"a torch.distributed group ({backend or (a[0] if a else '')})"
+        _wrap(dist, "init_process_group", describe)
+        _wrap(dist.distributed_c10d, "init_process_group", describe)
+
+
+def _uninstall():
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+
+
+_records: dict[str, dict] = {}
+
+
+def pytest_sessionstart(session):
+    _install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _uninstall()
+    records = _records
+    if not records:
+        return
+    totals = {t: round(sum(r["seconds"] for r in records.values() if r["tier"] == t), 1) for t in TIERS}
+    # One file per selection, so the README's command and the system tier keep theirs side by side.
+    selection = session.config.option.markexpr
+    path = DURATIONS if not selection else DURATIONS.replace(".json", "_" + re.sub(r"\W+", "_", selection) + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "selection": selection or "",
+                   "load_1m_at_end": os.getloadavg()[0],
+                   "tier_seconds": totals, "tests": records}, f, indent=1)
+
+
+def _record(item) -> dict:
+    return _records.setdefault(
+        item.nodeid, {"tier": tier_of(item), "outcome": "passed", "seconds": 0.0, "started": []})
+
+
+def _run_watched(item):
+    _watch.enforce = tier_of(item) == "unit" and not AUDIT
+    _watch.started = []
+    try:
+        result = yield
+    finally:
+        _watch.enforce = False
+        started = list(dict.fromkeys(_watch.started))
+        rec = _record(item)
+        rec["started"] = list(dict.fromkeys(rec["started"] + [s.split(" (")[0] for s in started]))
+    if tier_of(item) == "unit" and started and not AUDIT:
+        # Reached when the code under test caught the TierViolation: still a failure of the tier rule.
+        pytest.fail(f"this test started {started[0]}: {MARKER_HELP}", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _run_watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _run_watched(item))
+
+
+def pytest_runtest_logreport(report):
+    rec = _records.get(report.nodeid)
+    if rec is None:
+        return
+    rec["seconds"] = round(rec["seconds"] + report.duration, 3)
+    if report.outcome != "passed" and rec["outcome"] == "passed":
+        rec["outcome"] = f"{report.outcome} in {report.when}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared fixtures. The CPU rollout server (a subprocess launched as the rollout group starts it), one per test
+# module that asks for it, with a transformers reference on the same weights.
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt, tmp_path_factory):
+    eng = launch(ckpt, str(tmp_path_factory.mktemp("logs")))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    return Reference(ckpt)
