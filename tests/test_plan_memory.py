@@ -4,20 +4,17 @@
    for a decoder layer of megatron's GPTModel (saved_tensors_hooks, unique storages), under GQA,
    without GQA, with one key/value head per TP rank, at TP 1 and 2.
 2. The whole CPU estimate of a rank against the measured peak RSS of the Megatron actor running a
-   step's phases (benchmarks/plan_memory_cpu.py): within 25%.
+   step's phases (benchmarks/measure/plan_memory_cpu.py): within 25%.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 
 import pytest
 
 from tests.distributed import run_ranks
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 # (hidden, ffn, heads, kv heads, head_dim, sequences, sequence length)
 SHAPES = [(128, 256, 4, 2, 32, 4, 64),    # GQA, 2 kv heads
@@ -71,14 +68,10 @@ def test_layer_activation_formula_equals_what_autograd_saves(tp):
 
 
 def _measure(case: str) -> list[dict]:
-    sys.path.insert(0, BENCH)  # also for the spawned ranks, which unpickle the benchmark's rank function
-    try:
-        import plan_memory_cpu
+    from benchmarks.measure import plan_memory_cpu
 
-        with tempfile.TemporaryDirectory() as work:
-            return plan_memory_cpu.measure(case, work, malloc="mmap")
-    finally:
-        sys.path.remove(BENCH)
+    with tempfile.TemporaryDirectory() as work:
+        return plan_memory_cpu.measure(case, work, malloc="mmap")
 
 
 def _check(rows):

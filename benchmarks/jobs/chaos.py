@@ -2,8 +2,8 @@
 resuming (as a SLURM requeue would), and at the end the same records and the same final weights as the run
 without faults.
 
-    python benchmarks/chaos.py                          # both jobs, 200 steps, 12 faults each
-    python benchmarks/chaos.py --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
+    python -m benchmarks.jobs.chaos                     # both jobs, 200 steps, 12 faults each
+    python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
 
 Per job, the harness first runs the job once without faults (the reference), then again under the schedule.
 A fault fires once the run's console has shown step `at_step` (of the attempt running), `delay_s` later
@@ -47,8 +47,8 @@ import threading
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import machine
 
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
@@ -462,7 +462,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     ap.add_argument("--batch", type=int, default=32, help="data.train_batch_size (the default job's 32)")
     ap.add_argument("--n", type=int, default=8, help="rollout.n (the default job's 8)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "chaos_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "chaos_cpu.json"))
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
     args = ap.parse_args(argv)
