@@ -1,8 +1,8 @@
 """The README's main job, measured: wall time, peak memory of the whole process tree (driver, Ray's
 processes, Megatron ranks, rollout engine, reward workers) and the learning numbers it must show.
 
-    python -m benchmarks.jobs.main_job                     # mgrpo-train with its defaults
-    python -m benchmarks.jobs.main_job -- actor.tp=2            # extra Hydra overrides after --
+    python -m benchmarks.jobs.main_job                # mgrpo-train with its defaults
+    python -m benchmarks.jobs.main_job -- actor.tp=2  # extra Hydra overrides after --
 
 Writes benchmarks/results/main_job_cpu.json (or --out) and prints a summary.
 """

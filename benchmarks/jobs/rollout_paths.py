@@ -2,9 +2,9 @@
 generation time of the in-process engine vs the SGLang protocol path (colocated, disaggregated, two
 engines behind SGLang's router), and synchronous vs one-step-off asynchronous rollout.
 
-    python -m benchmarks.jobs.rollout_paths            # every variant, 150 steps each
-    python -m benchmarks.jobs.rollout_paths --only async    # variants whose name contains 'async'
-    python -m benchmarks.jobs.rollout_paths --pin           # Megatron rank on core 0, engine on core 1
+    python -m benchmarks.jobs.rollout_paths               # every variant, 150 steps each
+    python -m benchmarks.jobs.rollout_paths --only async  # variants whose name contains 'async'
+    python -m benchmarks.jobs.rollout_paths --pin         # Megatron rank on core 0, engine on core 1
 
 With --pin the Megatron rank's and the engine's processes (found by their Ray process titles and the
 CPU server's command line) are given one core each, so that overlapping generation with training has

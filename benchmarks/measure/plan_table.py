@@ -1,8 +1,8 @@
 """The planner's verdict for Qwen3-8B and Qwen3-32B on 1, 2 and 8 nodes, and for Qwen3-30B-A3B (MoE) on
 1, 2 and 4 nodes, of 8 x 80 GiB GPUs.
 
-    python -m benchmarks.measure.plan_table             # prints the tables; writes outputs/benchmarks/
-    python -m benchmarks.measure.plan_table --update-results    # also replaces benchmarks/results/plan_qwen3_*8x80gb.*
+    python -m benchmarks.measure.plan_table                   # prints the tables; writes outputs/benchmarks/
+    python -m benchmarks.measure.plan_table --update-results  # also replaces benchmarks/results/plan_qwen3_*8x80gb.*
 
 Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe as it ships: its
 batch, sequence lengths, token budget, parallel layout, colocated SGLang share; Qwen3-30B-A3B at actor.tp=4,

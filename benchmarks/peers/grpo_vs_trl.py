@@ -1,8 +1,8 @@
 """mgrpo vs TRL's GRPOTrainer on the same GRPO workload, on CPU, in one run.
 
-    python -m benchmarks.peers.grpo_vs_trl                 # tiny workload: 3 warm-up + 30 timed steps, 2 rounds
+    python -m benchmarks.peers.grpo_vs_trl                        # tiny workload: 3 warm-up + 30 timed steps, 2 rounds
     python -m benchmarks.peers.grpo_vs_trl --steps 10 --warmup 2 --rounds 1 --out /tmp/quick
-    python -m benchmarks.peers.grpo_vs_trl --workload qwen3vocab # GSM8K, Qwen3 tokenizer, 151,936-token vocabulary
+    python -m benchmarks.peers.grpo_vs_trl --workload qwen3vocab  # GSM8K, Qwen3 tokenizer, 151,936-token vocabulary
 
 Workloads (benchmarks/peers/grpo_workloads.py):
 - tiny (the default job's): a ~0.3M-parameter Qwen3-shaped model (16-token vocabulary, hidden 128, 2 layers,

@@ -1,9 +1,9 @@
 """The README's measured numbers, rendered from the committed results files (benchmarks/results/), so the
 README says what the files say and nothing else.
 
-    python -m benchmarks.tools.readme_table      # show what would change
-    python -m benchmarks.tools.readme_table --write    # rewrite the README's rendered blocks
-    python -m benchmarks.tools.readme_table --check    # exit 1 when the README and the files disagree
+    python -m benchmarks.tools.readme_table          # show what would change
+    python -m benchmarks.tools.readme_table --write  # rewrite the README's rendered blocks
+    python -m benchmarks.tools.readme_table --check  # exit 1 when the README and the files disagree
 
 Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in README.md:
   main-job  the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
