@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .support import NEG, ChunkColumns, all_columns, chunk_columns
 
-# Tuned with benchmarks/kernel_bench.py on 2 CPU cores, H=1024, V=151936: the fused path keeps chunk x V_local
+# Tuned with benchmarks/peers/kernel_bench.py on 2 CPU cores, H=1024, V=151936: the fused path keeps chunk x V_local
 # fp32 logits alive (311 MB here, ~0.9 GB peak with dWeight vs ~11.9 GB for full logits); 512 tokens
 # ran ~7% faster than 256 and ~15% faster than 128 (larger GEMMs), for +150 MB per doubling.
 DEFAULT_CHUNK_SIZE = 512

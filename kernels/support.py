@@ -21,8 +21,8 @@ not per-token gathers or a vocabulary-wide mask:
     approaches the whole shard, and when it covers more than half of it (or any token of the chunk is
     'full') the chunk simply runs over every row, contiguous and ungathered: the GEMMs are the full
     path's, plus O(nnz) bookkeeping (a scatter of the ids, the label check).
-  Measured (benchmarks/kernel_bench.py --support, chunked fused loss fwd+bwd, T=1024, H=1024, V=151,936, fp32, 2 CPU
-  cores, random ids, the worst case for the union): full vocabulary 5.7 s / 594 MiB peak; top_k=50
+  Measured (benchmarks/peers/kernel_bench.py --support, chunked fused loss fwd+bwd, T=1024, H=1024, V=151,936, fp32,
+  2 CPU cores, random ids, the worst case for the union): full vocabulary 5.7 s / 594 MiB peak; top_k=50
   1.3 s / 594 MiB; a 30% nucleus (45,580 ids a token, 47M in all) 7.9 s / 1,246 MiB
   (benchmarks/results/kernel_support_cpu.csv).
   - Nothing is [T x V]: a chunk's membership is one [chunk x columns] boolean matrix (at most

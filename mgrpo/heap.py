@@ -22,7 +22,7 @@ Three measures, all glibc's own:
   benchmarks/results/rank_memory_qwen3vocab_p4*.json).
   A fixed `MALLOC_MMAP_THRESHOLD_=4MiB` bounds it as well (1,148-1,630 MiB) but maps and faults in every
   decode step's logits afresh: 6.4x the page faults of glibc's default, against +13% for the trims
-  (benchmarks/decode_heap.py), so it is not used.
+  (benchmarks/measure/decode_heap.py), so it is not used.
 
 Elsewhere (musl, macOS) all are no-ops.
 """

@@ -1,5 +1,5 @@
-"""The chaos soak in short (benchmarks/chaos.py runs the long one): one 20-step run of the default job with
-two engines behind SGLang's router takes three faults of three kinds in sequence — an engine server
+"""The chaos soak in short (`python -m benchmarks.jobs.chaos` runs the long one): one 20-step run of the default
+job with two engines behind SGLang's router takes three faults of three kinds in sequence — an engine server
 SIGKILLed (healed in the run), the router SIGKILLed (healed: a new router in front of the engines) and the
 driver SIGKILLed (fatal: the harness resumes with trainer.resume=auto, as a SLURM requeue does). At the end
 every step is in metrics.jsonl, TensorBoard and trajectories.jsonl exactly once with all its samples,
@@ -8,29 +8,16 @@ harness's events) and the final HF export equals a run without faults, bit for b
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
+from tests.helpers import chaos
 from tests.helpers.procs import pids_where
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, BATCH, N = 20, 8, 4
 KINDS = ["engine_kill", "router_kill", "driver_kill"]
 
 
-def load_chaos():
-    spec = importlib.util.spec_from_file_location("chaos", ROOT / "benchmarks" / "chaos.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_schedule_is_seeded_and_covers_every_kind():
-    chaos = load_chaos()
     a = chaos.make_schedule(0, 200, 12, list(chaos.KINDS))
     assert a == chaos.make_schedule(0, 200, 12, list(chaos.KINDS))  # the seed decides everything
     assert a != chaos.make_schedule(1, 200, 12, list(chaos.KINDS))
@@ -43,7 +30,6 @@ def test_schedule_is_seeded_and_covers_every_kind():
 
 @pytest.mark.system
 def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
-    chaos = load_chaos()
     lines: list[str] = []
     r = chaos.soak_job("default", [], steps=STEPS, faults=3, seed=0, kinds=KINDS, batch=BATCH, n=N,
                        workdir=str(tmp_path), log=lines.append)

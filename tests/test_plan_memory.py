@@ -4,7 +4,7 @@
    for a decoder layer of megatron's GPTModel (saved_tensors_hooks, unique storages), under GQA,
    without GQA, with one key/value head per TP rank, at TP 1 and 2.
 2. The whole CPU estimate of a rank against the measured peak RSS of the Megatron actor running a
-   step's phases (benchmarks/plan_memory_cpu.py): within 25%.
+   step's phases (benchmarks/measure/plan_memory_cpu.py): within 25%.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
    alltoall dispatch, SequentialMLP experts, with and without the load-balancing loss) equal what
    autograd saves for megatron's layer (saved_tensors_hooks, unique storages, 2 layers minus 1).
 2. Expert weights and their optimizer states divided by EP and by the expert-data-parallel ranks,
-   by hand, for Qwen3-30B-A3B; the verdicts of benchmarks/plan_table.py.
+   by hand, for Qwen3-30B-A3B; the verdicts of benchmarks/measure/plan_table.py.
 3. The CPU estimate of the tiny MoE against the measured peak RSS of the Megatron actor at EP 1 and 2
-   (benchmarks/plan_memory_cpu.py), within 25%.
+   (benchmarks/measure/plan_memory_cpu.py), within 25%.
 """
 
 from __future__ import annotations
@@ -107,17 +107,9 @@ def test_qwen3_30b_a3b_verdicts_on_8x80gib_nodes():
     """One node holds no layout of the full fine-tune (weights, grads and Adam of 30.5B over 8 GPUs are
     ~70 GiB before the reference, activations and SGLang); from two nodes on, splitting the experts 16
     ways fits, which the planner finds and checks."""
-    import sys
+    from benchmarks.measure import plan_table
 
-    from tests.helpers.plan_memory import BENCH
-
-    sys.path.insert(0, BENCH)
-    try:
-        import plan_table
-
-        table = plan_table.rows(plan_table.MOE)
-    finally:
-        sys.path.remove(BENCH)
+    table = plan_table.rows(plan_table.MOE)
     assert [r["nodes"] for r in table] == [1, 2, 4] and not any(r["fits"] for r in table)
     assert table[0]["suggestion"] == ""
     for r in table[1:]:

@@ -67,8 +67,7 @@ def test_hf_engine_logprobs_of_rows_that_stop_early(tiny):
 
 PROBE = r"""
 import json, sys, torch
-sys.path.insert(0, "benchmarks")  # the kernel benchmark's peak-memory probe (VmHWM reset), run from the repo root
-from kernel_bench import PeakMemory
+from benchmarks.peers.kernel_bench import PeakMemory  # the kernel benchmark's probe (VmHWM reset); cwd: the repo
 kind, ckpt, rows, new, plen, vocab = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)

@@ -27,15 +27,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def bootstrap() -> None:
-    """Make the working tree importable without installing it.
+    """Make the working tree's kernels importable without installing it.
 
-    The device machine gets a copy of the tree but not necessarily an install of it: `mgrpo` is
-    found at the repository root, and `mgrpo_kernels` (the import name of `kernels/`, given by
+    The device machine gets a copy of the tree but not necessarily an install of it. Every part runs as
+    `python -m benchmarks.gpu.<part>` from the repository root, so the root is already first on the
+    path and `mgrpo` is found there; `mgrpo_kernels` (the import name of `kernels/`, given by
     pyproject's package-dir) is loaded from `kernels/` when no install provides it. An installed
     copy that is not this tree would run stale code, so the tree's own `kernels/` wins then too.
     """
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     if "mgrpo_kernels" in sys.modules:
         return
     spec = importlib.util.find_spec("mgrpo_kernels")
@@ -65,7 +64,7 @@ def importable(module: str) -> bool:
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) live with the kernel benchmark.
 def bf16_peak(device_name: str):
-    from benchmarks.kernel_bench import BF16_PEAK_TFLOPS
+    from benchmarks.peers.kernel_bench import BF16_PEAK_TFLOPS
 
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_name), None)
 

@@ -1,4 +1,4 @@
-"""Part 2: the kernel benchmark at Qwen3-8B's output layer, through benchmarks/kernel_bench.py.
+"""Part 2: the kernel benchmark at Qwen3-8B's output layer, through benchmarks/peers/kernel_bench.py.
 
 GPU: H=4096, V=151,936, bf16, T in {4096, 16384} timed (1 warm-up + 3 rounds, interleaved) and
 T=32768 for memory only (one call each). Implementations: ours (fused = Triton, chunked = torch),
@@ -21,7 +21,7 @@ bootstrap()
 
 import torch  # noqa: E402
 
-from benchmarks import kernel_bench as bench  # noqa: E402
+from benchmarks.peers import kernel_bench as bench  # noqa: E402
 from mgrpo_kernels import capabilities  # noqa: E402
 
 GPU_PLAN = dict(H=4096, V=151936, dtype="bf16", liger_seq=512, ratio_T=16384,

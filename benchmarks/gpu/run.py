@@ -25,10 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python benchmarks/gpu/run.py` as well as `python -m benchmarks.gpu.run`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.gpu.common import REPO, describe_machine, write_json  # noqa: E402
+from benchmarks.gpu.common import REPO, describe_machine, write_json
 
 # part -> (module, extra args, time cap on GPU s, time cap in the dry run s)
 PARTS = {

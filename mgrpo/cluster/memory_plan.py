@@ -59,7 +59,7 @@ SGLANG_RELEASED_GIB = 1.5
 and graph pools). An assumption, not measured here."""
 CPU_RUNTIME_MIB = 16.0
 """A CPU rank's gloo process groups and megatron state beyond its imports (measured 15-19 MiB by
-benchmarks/plan_memory_cpu.py)."""
+benchmarks/measure/plan_memory_cpu.py)."""
 ALLOCATOR_SLACK = 0.05
 """PyTorch's caching allocator holds more than the live tensors (fragmentation): 5% on cuda."""
 
@@ -292,7 +292,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                 if payload:
                     p["routing_payload"] = payload
         # A bucket never holds more than the stage's weights. At TP > 1 every tensor is gathered whole
-        # (measured: twice the largest one at the peak, benchmarks/plan_memory_cpu.py); at TP = 1 the
+        # (measured: twice the largest one at the peak, benchmarks/measure/plan_memory_cpu.py); at TP = 1 the
         # iteration hands out views of the parameters.
         sync = {"weight_sync_buckets": min(r.update_weights_bucket_mb * MIB, n * w),
                 "tp_gather": 2 * largest_full * w if a.tp > 1 else 0}

@@ -216,7 +216,7 @@ class ActorConfig:
     """Cap on one chunk's fp32 logits (chunk x this rank's vocabulary rows), in MiB: the token chunk is
     the smaller of `logprob_chunk_size` and what fits (`logprob_chunk_tokens`). A 16-token vocabulary keeps
     512 tokens; Qwen3's 151,936 gets 220 (128 MiB instead of 297 MiB at 512; at H=256 on CPU the kernel's
-    time is the same within noise, its peak 283 instead of 461 MiB: benchmarks/kernel_bench.py). None:
+    time is the same within noise, its peak 283 instead of 461 MiB: benchmarks/peers/kernel_bench.py). None:
     always `logprob_chunk_size`."""
     recompute: Optional[Recompute] = None
     """Activation recompute: None | full (every layer recomputed in backward, one layer per checkpoint) |

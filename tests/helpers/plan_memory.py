@@ -3,23 +3,14 @@ estimate must meet."""
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
-
 def _measure(case: str) -> list[dict]:
-    sys.path.insert(0, BENCH)  # also for the spawned ranks, which unpickle the benchmark's rank function
-    try:
-        import plan_memory_cpu
+    from benchmarks.measure import plan_memory_cpu
 
-        with tempfile.TemporaryDirectory() as work:
-            return plan_memory_cpu.measure(case, work, malloc="mmap")
-    finally:
-        sys.path.remove(BENCH)
+    with tempfile.TemporaryDirectory() as work:
+        return plan_memory_cpu.measure(case, work, malloc="mmap")
 
 
 def _check(rows):

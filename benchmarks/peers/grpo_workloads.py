@@ -20,8 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+from benchmarks import REPO
+
 GSM8K_RAW = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
 SEED = 1
 
@@ -211,8 +211,9 @@ def load_reward(w: Workload):
 
 
 def child_pythonpath(env: dict) -> str:
-    """The repository (mgrpo's launchers) and benchmarks/ (the shared reward module) first on the path."""
-    return os.pathsep.join([REPO, BENCH_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    """The repository first on the path: mgrpo and its launchers from this tree, and the `benchmarks` package (a
+    child runs as `python -m benchmarks...`, from its own working folder)."""
+    return os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
 def dumps(w: Workload) -> str:

@@ -1,8 +1,8 @@
 """algorithm.logprob_support: how far `full` and `sampled` are apart under top-k / top-p, and the
 default job learning with `sampled`.
 
-    python benchmarks/logprob_support.py                     # every run below (~40 min on 2 shared cores)
-    python benchmarks/logprob_support.py --only full-k20p09,sampled-k20p09
+    python -m benchmarks.jobs.logprob_support                # every run below (~40 min on 2 shared cores)
+    python -m benchmarks.jobs.logprob_support --only full-k20p09,sampled-k20p09
 
 Runs (each `mgrpo-train rollout=hf_cpu ...` to the end, 150 steps):
   sampled-k5p09[-tp2|-cp2]   top_k=5, top_p=0.9, logprob_support=sampled at TP 1, TP 2, CP 2 (packed):
@@ -40,8 +40,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import machine
 
 BASE = ["rollout=hf_cpu", "trainer.save_freq=0"]
 RUNS = {
@@ -201,7 +201,7 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma list of runs (default: all): " + ", ".join(RUNS))
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "logprob_support_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "logprob_support_cpu.json"))
     args = ap.parse_args(argv)
     names = args.only.split(",") if args.only else list(RUNS)
     result = {"runs": {}, "bias": {}}

@@ -1,8 +1,8 @@
 """The planner's verdict for Qwen3-8B and Qwen3-32B on 1, 2 and 8 nodes, and for Qwen3-30B-A3B (MoE) on
 1, 2 and 4 nodes, of 8 x 80 GiB GPUs.
 
-    python benchmarks/plan_table.py                     # prints the tables; writes outputs/benchmarks/
-    python benchmarks/plan_table.py --update-results    # also replaces benchmarks/results/plan_qwen3_*8x80gb.*
+    python -m benchmarks.measure.plan_table                   # prints the tables; writes outputs/benchmarks/
+    python -m benchmarks.measure.plan_table --update-results  # also replaces benchmarks/results/plan_qwen3_*8x80gb.*
 
 Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe as it ships: its
 batch, sequence lengths, token budget, parallel layout, colocated SGLang share; Qwen3-30B-A3B at actor.tp=4,
@@ -10,7 +10,7 @@ the most its 4 key/value heads allow, and expert-parallel size 1) and the change
 (its knobs include actor.ep for a MoE model). These are the planner's estimates (mgrpo/cluster/memory_plan.py),
 not measurements: no GPU was used. Writes plan_qwen3_8x80gb.{csv,json} and plan_qwen3_moe_8x80gb.{csv,json}
 to --out (default outputs/benchmarks/, untracked); the committed copies under benchmarks/results/ (what the
-README's tables are rendered from, benchmarks/readme_table.py) change only with --update-results.
+README's tables are rendered from, benchmarks/tools/readme_table.py) change only with --update-results.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import json
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks import REPO, RESULTS
+
 GIB = 1024**3
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--update-results", action="store_true",
                     help="write to benchmarks/results/ (tracked; the README's table is rendered from it)")
     args = ap.parse_args(argv)
-    folder = os.path.join(REPO, "benchmarks", "results") if args.update_results else args.out
+    folder = RESULTS if args.update_results else args.out
     os.makedirs(folder, exist_ok=True)
     for cases, name in ((DENSE, "plan_qwen3_8x80gb"), (MOE, "plan_qwen3_moe_8x80gb")):
         table = rows(cases)
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
             w.writeheader()
             w.writerows(table)
         with open(out + ".json", "w") as f:
-            json.dump({"command": "python benchmarks/plan_table.py --update-results", "gpu_memory_gib": 80,
+            json.dump({"command": "python -m benchmarks.measure.plan_table --update-results", "gpu_memory_gib": 80,
                        "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements",
                        "recipe": recipe_settings(), "rows": table}, f, indent=1)
         print(markdown(table) + "\n")

@@ -1,7 +1,7 @@
 """mgrpo-doctor on the README's main job: the run's mismatch report, and its worst sequence layer by layer.
 
-    python benchmarks/doctor_main_job.py                     # runs mgrpo-train (defaults) in a temp folder first
-    python benchmarks/doctor_main_job.py --run-dir outputs/mgrpo/sum-tiny     # an existing run of the default job
+    python -m benchmarks.jobs.doctor_main_job                # runs mgrpo-train (defaults) in a temp folder first
+    python -m benchmarks.jobs.doctor_main_job --run-dir outputs/mgrpo/sum-tiny     # an existing run of the default job
 
 Writes benchmarks/results/doctor_main_job_cpu.json (the `run` report without its per-token lists, the `layers`
 verdicts for the engine in float32 and in bfloat16 against the fp32 trainer) and doctor_main_job_cpu.txt (what
@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import machine
 
 
 def _doctor(*args: str) -> str:
@@ -33,7 +33,7 @@ def _doctor(*args: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", help="an existing run folder of the default job (else one is made and removed)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "doctor_main_job_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "doctor_main_job_cpu.json"))
     args = ap.parse_args(argv)
     run_dir, made = args.run_dir, False
     if run_dir is None:

@@ -1,8 +1,8 @@
 """The test suite as CI runs it (`python -m pytest`, the README's command): how many tests passed, skipped and
 failed, and how long it took. Writes benchmarks/results/test_suite_cpu.json (or --out), which the README's
-Results table is rendered from (benchmarks/readme_table.py). Takes 25+ minutes on the 2-core machine.
+Results table is rendered from (benchmarks/tools/readme_table.py). Takes 25+ minutes on the 2-core machine.
 
-    python benchmarks/test_suite.py
+    python -m benchmarks.tools.test_suite
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import REPO, RESULTS
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "test_suite_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "test_suite_cpu.json"))
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,

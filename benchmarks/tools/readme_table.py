@@ -1,13 +1,13 @@
 """The README's measured numbers, rendered from the committed results files (benchmarks/results/), so the
 README says what the files say and nothing else.
 
-    python benchmarks/readme_table.py            # show what would change
-    python benchmarks/readme_table.py --write    # rewrite the README's rendered blocks
-    python benchmarks/readme_table.py --check    # exit 1 when the README and the files disagree
+    python -m benchmarks.tools.readme_table          # show what would change
+    python -m benchmarks.tools.readme_table --write  # rewrite the README's rendered blocks
+    python -m benchmarks.tools.readme_table --check  # exit 1 when the README and the files disagree
 
 Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in README.md:
   main-job  the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
-  plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/plan_table.py)
+  plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/measure/plan_table.py)
   results   the Results table; a row whose results file is missing is left out (its command makes the file)
 tests/test_readme_results.py fails when README.md is not what this renders.
 """
@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import csv
 import difflib
+import glob
 import json
 import os
 import re
 import sys
 from typing import Callable, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(REPO, "benchmarks", "results")
+from benchmarks import REPO, RESULTS
+
 README = os.path.join(REPO, "README.md")
 
 
@@ -44,6 +45,19 @@ def _csv(name: str) -> Optional[list[dict]]:
         return list(csv.DictReader(f))
 
 
+def _command(recorded: str) -> str:
+    """A results file's command as it runs today, in backquotes. Files written before benchmarks/ became a
+    package record `python benchmarks/<name>.py ...`; the script is now `benchmarks/<folder>/<name>.py`, run
+    as `python -m benchmarks.<folder>.<name> ...` (the files themselves stay as they were measured)."""
+    def today(m: re.Match) -> str:
+        found = glob.glob(os.path.join(REPO, "benchmarks", "*", m.group(1) + ".py"))
+        if len(found) != 1:
+            return m.group(0)
+        return f"python -m benchmarks.{os.path.basename(os.path.dirname(found[0]))}.{m.group(1)}"
+
+    return "`" + re.sub(r"\bpython benchmarks/(\w+)\.py\b", today, recorded) + "`"
+
+
 def _load(machine: dict) -> str:
     """The 1-minute load average a run started at, as the results file recorded it."""
     for key in ("loadavg_at_start", "load_avg_1m_at_start"):
@@ -58,7 +72,7 @@ def main_job_block() -> str:
     m, hf = _json("main_job_cpu.json"), _json("rollout_hf_inprocess_cpu.json")
     text = (f"mean reward {m['reward_first10']:.3f} over the first 10 steps and {m['reward_last10']:.3f} over the last "
             f"10 (`rollout=sglang_cpu`, the default; {m['wall_s']:.0f} s of wall time at load "
-            f"~{_load(m['machine'])}, `python benchmarks/main_job.py`).")
+            f"~{_load(m['machine'])}, `python -m benchmarks.jobs.main_job`).")
     if hf:
         r = hf["rows"][0]
         text += (f" With the in-process engine (`mgrpo-train rollout=hf_cpu`) the same job reaches "
@@ -80,7 +94,7 @@ def plan_block() -> str:
                    + f", a {r['actor.max_tokens_per_gpu']:,}-token budget, {colocated}, "
                    + ("no recompute" if not r["actor.recompute"] else f"recompute {r['actor.recompute']}") + " and "
                    + ("the" if r["actor.use_distributed_optimizer"] else "no") + " distributed optimizer")
-    lines = [f"(`{p['command']}`{shipped}):", "",
+    lines = [f"({_command(p['command'])}{shipped}):", "",
              "| model | nodes x 8 GPUs | peak per GPU (recipe) | verdict | largest term | change that fits (peak) |",
              "|---|---|---|---|---|---|"]
     for row in p["rows"]:
@@ -113,7 +127,7 @@ def row_main_job():
     m = _json("main_job_cpu.json")
     if m is None:
         return None
-    return ("main job learns (production rollout path, the default)", "`python benchmarks/main_job.py`",
+    return ("main job learns (production rollout path, the default)", "`python -m benchmarks.jobs.main_job`",
             f"{m['steps']} steps; mean reward {m['reward_first10']:.3f} over the first 10, {m['reward_last10']:.3f} "
             f"over the last 10; step-1 `rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e}, `actor/ppo_kl` "
             f"{m['ppo_kl_step1']}; median step {m['median_step_s']:.2f} s, {m['wall_s']:.0f} s wall, peak "
@@ -127,7 +141,7 @@ def row_async():
         return None
     sync, one = (next(r for r in d["rows"] if r["variant"] == v) for v in ("sync-disaggregated", "async-one-step-off"))
     pinned = ", trainer and engine pinned to a core each" if one["pinned"] else ""
-    return ("asynchronous rollout", "`python benchmarks/rollout_paths.py --only sync --pin`",
+    return ("asynchronous rollout", "`python -m benchmarks.jobs.rollout_paths --only sync --pin`",
             f"one-step-off vs synchronous, disaggregated SGLang-protocol engine{pinned}: "
             f"**{one['response_tokens_per_s']:,.0f} vs {sync['response_tokens_per_s']:,.0f} response tokens/s "
             f"({d['async_over_sync_response_tokens_per_s']:.2f}x)**, median step {one['median_step_s']:.2f} vs "
@@ -154,7 +168,7 @@ def row_chaos():
         parts.append(f"{label}: {j['steps']} steps, {len(j['faults'])} faults of {len(j['fault_kinds'])} kinds in "
                      f"{len(j['attempts'])} attempts, {once}, final HF export vs the run without faults {exact}; "
                      f"{j['chaos_wall_s']:.0f} s wall at load ~{j['loadavg_at_start'][0]:.0f}")
-    return ("chaos soak", "`python benchmarks/chaos.py`", "; ".join(parts))
+    return ("chaos soak", "`python -m benchmarks.jobs.chaos`", "; ".join(parts))
 
 
 def row_weight_sync():
@@ -163,7 +177,8 @@ def row_weight_sync():
         return None
     rows = {r["transport"]: r for r in d["rows"] if r["preset"] == "qwen3-0.6b"}
     t, g, c = rows["tensor"], rows["distributed"], rows["memcpy"]
-    return (f"weight sync into the server (Qwen3-0.6B shape, fp32, {t['bytes'] / 1e9:.2f} GB)", f"`{d['command']}`",
+    return (f"weight sync into the server (Qwen3-0.6B shape, fp32, {t['bytes'] / 1e9:.2f} GB)",
+            _command(d["command"]),
             f"shared-memory tensors {t['seconds_median']:.1f} s ({t['gb_s']:.2f} GB/s), gloo broadcast "
             f"{g['seconds_median']:.1f} s ({g['gb_s']:.2f} GB/s), plain memory copy {c['seconds_median']:.1f} s "
             f"({c['gb_s']:.2f} GB/s); at load {d['machine']['load_avg_1m_at_start']:.0f}-"
@@ -199,7 +214,7 @@ def row_doctor():
             f"{max(fp32.values()):.0e} at most")
     if bf16:
         text += f"; the engine in bf16 within {max(bf16.values()):.0e} on this 2-layer model"
-    return ("engine vs trainer, token by token (the default job)", "`python benchmarks/doctor_main_job.py`",
+    return ("engine vs trainer, token by token (the default job)", "`python -m benchmarks.jobs.doctor_main_job`",
             text + " (`benchmarks/results/doctor_main_job_cpu.{json,txt}`; numbers, not timings)")
 
 
@@ -217,7 +232,7 @@ def row_seeds():
     if d is None:
         return None
     rows = d["rows"]
-    return ("learning across seeds", f"`{d['command']}`",
+    return ("learning across seeds", _command(d["command"]),
             "last-10 mean reward " + " / ".join(f"{r['reward_last10']:.2f}" for r in rows) + " for seeds "
             + " / ".join(str(r["seed"]) for r in rows) + f" at {rows[0]['steps']} steps (first-10 "
             + " / ".join(f"{r['reward_first10']:.3f}" for r in rows) + f"); at load ~"
@@ -240,8 +255,8 @@ def row_kernel():
                  f"({float(liger['time_vs_naive']):.2f}x) / {float(liger['peak_extra_mib']):,.0f} MiB "
                  f"({100 * float(liger['mem_vs_naive']):.1f}%)")
     return (f"fused kernel vs full logits and Liger (T={a['T']}, H={a['H']}, V={a['V']:,}, {a['dtype']}, fwd+bwd)",
-            f"`python benchmarks/kernel_bench.py --T {a['T']} --H {a['H']} --V {a['V']} --dtype {a['dtype']} --repeats "
-            f"{a['repeats']}`", text + f"; at load ~{d['loadavg_at_end'][0]:.0f}")
+            f"`python -m benchmarks.peers.kernel_bench --T {a['T']} --H {a['H']} --V {a['V']} --dtype {a['dtype']} "
+            f"--repeats {a['repeats']}`", text + f"; at load ~{d['loadavg_at_end'][0]:.0f}")
 
 
 def row_kernel_support():
@@ -252,8 +267,8 @@ def row_kernel_support():
     parts = [f"{'full vocabulary' if r['support'] == 'none' else r['support']} {float(r['median_s']):.1f} s / "
              f"{float(r['peak_extra_mib']):,.0f} MiB" for r in rows]
     return (f"fused loss over sampling supports (T={a['T']}, H={a['H']}, V={a['V']:,}, {a['dtype']}, fwd+bwd, chunked)",
-            f"`python benchmarks/kernel_bench.py --T {a['T']} --H {a['H']} --V {a['V']} --impls {a['impls']} --support "
-            f"{a['support']}`", "; ".join(parts) + f" (random ids: the worst case for a chunk's union); at load "
+            f"`python -m benchmarks.peers.kernel_bench --T {a['T']} --H {a['H']} --V {a['V']} --impls {a['impls']} "
+            f"--support {a['support']}`", "; ".join(parts) + f" (random ids: the worst case for a chunk's union); at load "
             f"~{d['loadavg_at_start'][0]:.0f}")
 
 
@@ -271,7 +286,7 @@ def row_logprob_support():
                          for s in ("", "-seed2", "-seed3"))
 
     p09, k5 = b["top_k=20 top_p=0.9, initial policy"], b["top_k=5 top_p=0.9, initial policy"]
-    return ("log-probs over the sampling support (top-k / top-p)", "`python benchmarks/logprob_support.py`",
+    return ("log-probs over the sampling support (top-k / top-p)", "`python -m benchmarks.jobs.logprob_support`",
             f"`algorithm.logprob_support=sampled` at top_k=5, top_p=0.9: step-1 `rollout/logprob_abs_diff` {diffs}, "
             f"at most {worst:.1e} per token over 150 steps; `actor/ppo_kl` {r['sampled-k5p09']['ppo_kl_step1']}. "
             f"What `full` gets wrong: pi_full/pi_sampled {p09['ratio_mean']:.2f} on every token at top_p=0.9 "
@@ -317,7 +332,7 @@ def row_trl():
     if got is None:
         return None
     (d, t, m, ratio), f = got, float
-    return ("mgrpo vs TRL GRPOTrainer, same tiny workload", f"`{d['command']}`",
+    return ("mgrpo vs TRL GRPOTrainer, same tiny workload", _command(d["command"]),
             f"median step {f(m['median_step_s']):.3f} s vs {f(t['median_step_s']):.3f} s "
             f"(**{f(ratio['median_step_s']):.2f}x**), CPU per step {f(ratio['cpu_s_per_step']):.2f}x; response "
             f"tokens/s {f(m['response_tokens_per_s']):,.0f} vs {f(t['response_tokens_per_s']):,.0f}; peak tree PSS "
@@ -340,7 +355,7 @@ def row_trl_qwen3vocab(name: str) -> Row:
         return (f"mgrpo vs TRL GRPOTrainer at Qwen3's vocabulary (GSM8K, V=151,936, {w['prompts_per_step']} prompts x "
                 f"{w['samples_per_prompt']}, <= {w['max_new_tokens']} tokens, TRL micro-batch {w['trl_micro_batch']} "
                 f"rows{extra})",
-                f"`{d['command']}`",
+                _command(d["command"]),
                 f"median step {f(m['median_step_s']):.1f} s vs {f(t['median_step_s']):.1f} s "
                 f"(**{f(ratio['median_step_s']):.2f}x**); response tokens/s {f(m['response_tokens_per_s']):,.1f} vs "
                 f"{f(t['response_tokens_per_s']):,.1f}; peak tree PSS {f(m['peak_pss_tree_mib']):,.0f} vs "
@@ -351,7 +366,7 @@ def row_trl_qwen3vocab(name: str) -> Row:
 
 
 def _scaling_row(factor: str, what: str, image: bool = True, every_point: bool = False) -> Row:
-    """A scaling factor (benchmarks/scaling.py) with its first and last point per system (or every point: the
+    """A scaling factor (benchmarks/peers/scaling.py) with its first and last point per system (or every point: the
     ranks, whose points are not a line), and its plot."""
     def row():
         d, rows = _json("scaling.json"), _csv(f"scaling_{factor}.csv")
@@ -370,7 +385,7 @@ def _scaling_row(factor: str, what: str, image: bool = True, every_point: bool =
             parts.append(f"{system}: {a['value']} -> {b['value']}: {float(a['median_step_s']):.2f} -> "
                          f"{float(b['median_step_s']):.2f} s, {float(a[mem]):,.0f} -> {float(b[mem]):,.0f} MiB")
         loads = sorted({float(r["loadavg_start"]) for r in rows})
-        return (what, f"`{fd['command']}`",
+        return (what, _command(fd["command"]),
                 (f"![scaling_{factor}](benchmarks/results/scaling_{factor}.png) " if image else "") + "; ".join(parts)
                 + f" (`benchmarks/results/scaling_{factor}.csv`: growth exponents and why, in scaling.json); at load "
                 f"~{loads[0]:.0f}-{loads[-1]:.0f}")
@@ -389,14 +404,14 @@ def row_convert():
         text += (f"; at TP=2 {two['iter_gb_s']:.2f} GB/s, bounded by gloo's all-gather on CPU "
                  f"({float(two['gloo_gather_floor_s']):.1f} s for the bare gather)")
     return (f"weight streaming (Qwen3-0.6B shape, {one['bytes'] / 1e9:.1f} GB {one['dtype'].replace('float', 'fp')})",
-            f"`{d['command']}`", text + f"; at load ~{d['machine']['load_avg_1m_at_start']:.0f}")
+            _command(d["command"]), text + f"; at load ~{d['machine']['load_avg_1m_at_start']:.0f}")
 
 
 def row_test_suite():
     d = _json("test_suite_cpu.json")
     if d is None:
         return None
-    return ("test suite, as CI runs it", f"`{d['command']}`",
+    return ("test suite, as CI runs it", _command(d["command"]),
             f"{d['passed']} passed, {d['skipped']} skipped, {d['failed']} failed in {d['wall_s'] / 60:.0f} min at "
             f"commit {d['commit'][:10]}, load ~{d['load_1m_at_start']:.0f}")
 
@@ -409,10 +424,11 @@ def _static(what: str, command: str, result: str) -> Row:
 ROWS: list[Row] = [
     row_main_job,
     _rollout_row("rollout_hf_inprocess_cpu.json", "same job, in-process engine",
-                 "python benchmarks/rollout_paths.py --only hf-inprocess",
+                 "python -m benchmarks.jobs.rollout_paths --only hf-inprocess",
                  lambda r: f" (generation {r['median_gen_s']:.3f} s)"),
     _rollout_row("rollout_router_cpu.json", "two engines behind SGLang's router",
-                 "python benchmarks/rollout_paths.py --only router", lambda r: " (one request per POST through the router)"),
+                 "python -m benchmarks.jobs.rollout_paths --only router",
+                 lambda r: " (one request per POST through the router)"),
     row_async,
     _static("SGLang path, every mode", "`python -m pytest tests/test_e2e_sglang.py`",
             "colocated and disaggregated at trainer TP 1 and 2: 5 syncs per run, rollout vs trainer log-probs within "

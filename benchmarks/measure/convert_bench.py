@@ -1,6 +1,6 @@
 """How fast Qwen3 weights move between HF and Megatron layouts on this machine.
 
-    python benchmarks/convert_bench.py [--preset qwen3-0.6b] [--tp 1 2] [--bucket-mb 256] [--repeats 3]
+    python -m benchmarks.measure.convert_bench [--preset qwen3-0.6b] [--tp 1 2] [--bucket-mb 256] [--repeats 3]
 
 A randomly initialised model of the preset's architecture (transformers' init, seeded) is written
 as an HF checkpoint, then for each TP size (PP=1, gloo ranks on CPU):
@@ -27,8 +27,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks import REPO, RESULTS
 
 
 def machine() -> dict:
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "convert_cpu"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "convert_cpu"))
     p.add_argument("--workdir", default=None, help="scratch space (several GB); default a temporary directory")
     args = p.parse_args(argv)
 
@@ -198,8 +197,8 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     with open(args.out + ".json", "w") as f:
-        json.dump({"machine": info, "command": " ".join(["python", "benchmarks/convert_bench.py", *(argv or sys.argv[1:])]),
-                   "rows": rows}, f, indent=2)
+        json.dump({"machine": info, "command": " ".join(["python", "-m", "benchmarks.measure.convert_bench",
+                                                         *(argv or sys.argv[1:])]), "rows": rows}, f, indent=2)
     print(f"wrote {args.out}.csv and {args.out}.json")
     if not args.workdir:
         import shutil

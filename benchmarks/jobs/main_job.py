@@ -1,8 +1,8 @@
 """The README's main job, measured: wall time, peak memory of the whole process tree (driver, Ray's
 processes, Megatron ranks, rollout engine, reward workers) and the learning numbers it must show.
 
-    python benchmarks/main_job.py                          # mgrpo-train with its defaults
-    python benchmarks/main_job.py -- actor.tp=2            # extra Hydra overrides after --
+    python -m benchmarks.jobs.main_job                # mgrpo-train with its defaults
+    python -m benchmarks.jobs.main_job -- actor.tp=2  # extra Hydra overrides after --
 
 Writes benchmarks/results/main_job_cpu.json (or --out) and prints a summary.
 """
@@ -18,13 +18,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, TreeMonitor, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import TreeMonitor, machine
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "main_job_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "main_job_cpu.json"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
 

@@ -1,8 +1,8 @@
 """How mgrpo's cost grows as one factor of the work grows and the rest stay fixed (and TRL's, where it runs).
 
-    python benchmarks/scaling.py --quick                # 2-3 points per factor (kernel 3 min, vocab 11 min at load 10-40)
-    python benchmarks/scaling.py                        # every point (not timed here: hours on 2 cores)
-    python benchmarks/scaling.py --factors kernel,vocab # some factors only
+    python -m benchmarks.peers.scaling --quick          # 2-3 points per factor (kernel 3 min, vocab 11 min at load 10-40)
+    python -m benchmarks.peers.scaling                  # every point (not timed here: hours on 2 cores)
+    python -m benchmarks.peers.scaling --factors kernel,vocab  # some factors only
 
 Factors (each a CSV + PNG under benchmarks/results/, scaling_<factor>.{csv,png}, and all of them in scaling.json):
 - length:  response tokens (max_new_tokens) 64 -> 1024; mgrpo and TRL
@@ -11,7 +11,8 @@ Factors (each a CSV + PNG under benchmarks/results/, scaling_<factor>.{csv,png},
 - ranks:   Megatron ranks over gloo: TP 1, 2, 4 and DP 2, 4; mgrpo
 - engines: SGLang-protocol CPU servers, 1 or 2 behind SGLang's router; mgrpo
 - kernel:  the log-prob kernel's working memory and time against tokens T at fixed H=256, V=151,936:
-           full logits (naive) vs the chunked kernel (benchmarks/kernel_bench.py's measurement, forward + backward)
+           full logits (naive) vs the chunked kernel (benchmarks/peers/kernel_bench.py's measurement, forward +
+           backward)
 
 Every training point runs the lockstep harness of grpo_vs_trl.py (one framework's step at a time, the order
 flipping every step; --warmup steps excluded, --steps timed) on the qwen3vocab workload's model (a Qwen3 shape with
@@ -38,14 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_vs_trl import prepare, run_round  # noqa: E402
-from grpo_vs_trl_report import summarize  # noqa: E402
-from grpo_workloads import REPO, SEED, TINY_MODEL, WORKLOADS, Workload  # noqa: E402
-from gpu.common import write_csv  # noqa: E402  (rows of different keys: the header is their union)
-from proctree import machine  # noqa: E402
+from benchmarks import RESULTS
+from benchmarks.gpu.common import write_csv  # rows of different keys: the header is their union
+from benchmarks.peers.grpo_vs_trl import prepare, run_round
+from benchmarks.peers.grpo_vs_trl_report import summarize
+from benchmarks.peers.grpo_workloads import SEED, TINY_MODEL, WORKLOADS, Workload
+from benchmarks.tools.proctree import machine
 
-RESULTS = os.path.join(REPO, "benchmarks", "results")
 BASE = WORKLOADS["qwen3vocab"].with_changes(name="scaling", prompts_per_step=1, trl_micro_batch=8)
 KERNEL_H, KERNEL_V = 256, 151936
 
@@ -201,7 +201,7 @@ def run_point(factor: str, value, w: Workload, sides: list[str], a, workdir: str
 
 
 def run_kernel_point(T: int, a) -> list[dict]:
-    from kernel_bench import measure, parse_args
+    from benchmarks.peers.kernel_bench import measure, parse_args
 
     impls = "naive,chunked" if T <= a.naive_max_t else "chunked"
     bargs = parse_args(["--T", str(T), "--H", str(KERNEL_H), "--V", str(KERNEL_V), "--impls", impls,
@@ -352,7 +352,7 @@ def main(argv=None) -> None:
     keep = a.workdir is not None
     workdir = a.workdir or tempfile.mkdtemp(prefix="scaling-")
     os.makedirs(a.out_dir, exist_ok=True)
-    summary = {"command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
+    summary = {"command": " ".join(["python", "-m", "benchmarks.peers.scaling"] + sys.argv[1:]),
                "machine": machine(), "base_point": {**BASE.to_dict(), "model_label": BASE.model_label()},
                "seed": SEED, "factors": {}}
     t_all = time.time()

@@ -1,6 +1,6 @@
 """Padding work and training-step time of padded vs packed (THD) micro-batches on GSM8K-like lengths.
 
-    python benchmarks/packing_bench.py [--samples 64] [--budget 4096] [--steps 3] [--threads 1]
+    python -m benchmarks.measure.packing_bench [--samples 64] [--budget 4096] [--steps 3] [--threads 1]
 
 Lengths: a seeded random draw of `--samples` GSM8K training records (../shared/data/gsm8k), the
 question rendered with the real Qwen3 tokenizer's chat template as the prompt (what
@@ -31,11 +31,10 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks import REPO, RESULTS
+
 DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "train.jsonl")
 
 
@@ -147,10 +146,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192, help="model vocabulary (token ids are folded into it)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "packing_cpu"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "packing_cpu"))
     args = ap.parse_args()
 
-    from benchmarks.convert_bench import machine
+    from benchmarks.measure.convert_bench import machine
     from mgrpo.models import init_hf_checkpoint
     from mgrpo.training.spawn import spawn_ranks
 

@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import REPO
 
 
 # ======================================================================================================

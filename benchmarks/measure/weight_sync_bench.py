@@ -1,6 +1,6 @@
 """How fast weights reach a rollout server over each transport, on this machine (CPU).
 
-    python benchmarks/weight_sync_bench.py [--presets tiny qwen3-0.6b] [--bucket-mb 256] [--syncs 3]
+    python -m benchmarks.measure.weight_sync_bench [--presets tiny qwen3-0.6b] [--bucket-mb 256] [--syncs 3]
 
 For each preset, a randomly initialised model of that architecture (transformers' init, seeded) is
 written as an HF checkpoint and served by the CPU rollout server (`SGLangEngine.launch`, a
@@ -30,10 +30,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from convert_bench import machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.measure.convert_bench import machine
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
@@ -131,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="+", default=["tiny", "qwen3-0.6b"])
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--syncs", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "weight_sync_cpu"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "weight_sync_cpu"))
     p.add_argument("--workdir", default=None, help="scratch space (several GB); default a temporary directory")
     args = p.parse_args(argv)
     info = machine()
@@ -145,7 +143,7 @@ def main(argv=None) -> int:
     info["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": "python benchmarks/weight_sync_bench.py " + " ".join(argv or sys.argv[1:]),
+        json.dump({"command": "python -m benchmarks.measure.weight_sync_bench " + " ".join(argv or sys.argv[1:]),
                    "machine": info, "dtype": "float32", "rows": rows}, f, indent=2)
     with open(args.out + ".csv", "w", newline="") as f:
         cols = [k for k in rows[0] if k != "seconds_all"]

@@ -1,7 +1,7 @@
 """The planner's CPU memory estimate against the measured peak of the real Megatron actor.
 
-    python benchmarks/plan_memory_cpu.py                 # every case that fits this machine
-    python benchmarks/plan_memory_cpu.py --cases tiny-tp1pp1 tiny-moe-ep2
+    python -m benchmarks.measure.plan_memory_cpu         # every case that fits this machine
+    python -m benchmarks.measure.plan_memory_cpu --cases tiny-tp1pp1 tiny-moe-ep2
 
 Each case runs MegatronActor (mgrpo/training/actor.py) on its gloo ranks (tp x pp, x 2 data-parallel
 ranks for the mixture-of-experts case at expert-parallel size 2) spawned by
@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from benchmarks import RESULTS
+
 MIB = 1024**2
 PHASES = ("build", "logprobs", "train", "sync")
 
@@ -194,8 +194,7 @@ def available_memory() -> int:
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from proctree import machine
+    from benchmarks.tools.proctree import machine
 
     from mgrpo.cluster.memory_plan import estimate_stages
     from mgrpo.config import layout
@@ -203,7 +202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--malloc", nargs="*", default=["mmap", "default"], choices=list(MALLOC_ENV))
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "plan_vs_measured_cpu"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "plan_vs_measured_cpu"))
     parser.add_argument("--reestimate", action="store_true",
                         help="measure nothing: recompute the estimate columns of the stored rows with this planner")
     args = parser.parse_args()
@@ -243,7 +242,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
-    run = {"command": "python benchmarks/plan_memory_cpu.py " + " ".join(sys.argv[1:]),
+    run = {"command": "python -m benchmarks.measure.plan_memory_cpu " + " ".join(sys.argv[1:]),
            "machine": machine(packages=("torch", "megatron-core", "psutil"))}
     if args.reestimate:
         run["note"] = "estimate columns recomputed by the planner of this commit; measured columns from earlier runs"

@@ -1,7 +1,7 @@
 """Benchmark forward+backward of the GRPO loss over an output layer: naive vs chunked vs Triton vs Liger.
 
-    python benchmarks/kernel_bench.py --T 4096 --H 1024 --V 151936 --dtype fp32
-    python benchmarks/kernel_bench.py --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
+    python -m benchmarks.peers.kernel_bench --T 4096 --H 1024 --V 151936 --dtype fp32
+    python -m benchmarks.peers.kernel_bench --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
 
 It lives here, not in kernels/: the kernels are loss-agnostic (they run whatever token loss they are
 handed) and this measures them with the loss production trains with, mgrpo.algorithms' (the kernel room

@@ -1,10 +1,10 @@
 """mgrpo vs TRL's GRPOTrainer on the same GRPO workload, on CPU, in one run.
 
-    python benchmarks/grpo_vs_trl.py                       # tiny workload: 3 warm-up + 30 timed steps, 2 rounds
-    python benchmarks/grpo_vs_trl.py --steps 10 --warmup 2 --rounds 1 --out /tmp/quick
-    python benchmarks/grpo_vs_trl.py --workload qwen3vocab # GSM8K, Qwen3 tokenizer, 151,936-token vocabulary
+    python -m benchmarks.peers.grpo_vs_trl                        # tiny workload: 3 warm-up + 30 timed steps, 2 rounds
+    python -m benchmarks.peers.grpo_vs_trl --steps 10 --warmup 2 --rounds 1 --out /tmp/quick
+    python -m benchmarks.peers.grpo_vs_trl --workload qwen3vocab  # GSM8K, Qwen3 tokenizer, 151,936-token vocabulary
 
-Workloads (benchmarks/grpo_workloads.py):
+Workloads (benchmarks/peers/grpo_workloads.py):
 - tiny (the default job's): a ~0.3M-parameter Qwen3-shaped model (16-token vocabulary, hidden 128, 2 layers,
   4 heads / 2 KV heads, head_dim 32, ffn 256, tied embeddings, fp32) learning single-digit sums ("a+b=" -> the
   digits of a+b then EOS); 32 prompts x 8 samples per step, at most 4 response tokens, lr 5e-4.
@@ -50,14 +50,13 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import TreeMonitor, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
-from grpo_vs_trl_report import per_step, render_table, summarize, write_outputs  # noqa: E402
-from grpo_workloads import (SEED, WORKLOADS, Workload, child_pythonpath, load_reward, make_initial_model,  # noqa: E402
-                            model_key, prepare_data, prompt_schedule)
-from grpo_workloads import mgrpo_overrides as workload_overrides  # noqa: E402
-RESULTS = os.path.join(REPO, "benchmarks", "results")
+from benchmarks import RESULTS
+from benchmarks.peers.grpo_vs_trl_report import per_step, render_table, summarize, write_outputs
+from benchmarks.peers.grpo_workloads import (SEED, WORKLOADS, Workload, child_pythonpath, load_reward,
+                                             make_initial_model, model_key, prepare_data, prompt_schedule)
+from benchmarks.peers.grpo_workloads import mgrpo_overrides as workload_overrides
+from benchmarks.tools.proctree import TreeMonitor, machine
+
 
 def what_each_side_does(w: Workload) -> dict:
     rows, p = w.rows, w.prompts_per_step
@@ -266,7 +265,7 @@ def run_mgrpo(spec: dict, gate: Gate) -> dict:
     import dataclasses
     import logging
 
-    from grpo_workloads import compose_mgrpo
+    from benchmarks.peers.grpo_workloads import compose_mgrpo
     from mgrpo.loop import Trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -328,8 +327,8 @@ class Side:
         self.t_launch = time.time()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--_child", kind, spec_path,
-                 str(go_r), str(ready_w)],
+                [sys.executable, "-X", "faulthandler", "-m", "benchmarks.peers.grpo_vs_trl", "--_child", kind,
+                 spec_path, str(go_r), str(ready_w)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env, pass_fds=(go_r, ready_w))
         os.close(go_r)
         os.close(ready_w)  # so a dead child reads as EOF here
@@ -502,7 +501,7 @@ def main(argv=None) -> None:
         ap.error("need --warmup >= 1, --steps >= 2, --rounds >= 1 and a TRL micro-batch that divides "
                  f"{w.rows} rows")
 
-    meta = {"command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
+    meta = {"command": " ".join(["python", "-m", "benchmarks.peers.grpo_vs_trl"] + sys.argv[1:]),
             "machine": machine()}
     keep = a.workdir is not None
     workdir = a.workdir or tempfile.mkdtemp(prefix="grpo_vs_trl-")

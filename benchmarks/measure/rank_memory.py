@@ -1,8 +1,8 @@
 """Where a Megatron rank's memory goes, call by call: mgrpo alone on a grpo_vs_trl.py workload.
 
-    python benchmarks/rank_memory.py                                  # qwen3vocab, 2 prompts x 8, 3 steps
-    python benchmarks/rank_memory.py --prompts 4 --steps 4 --out benchmarks/results/rank_memory_qwen3vocab.json
-    python benchmarks/rank_memory.py --prompts 4 --steps 2 --trace-ms 50 actor.max_tokens_per_gpu=2048
+    python -m benchmarks.measure.rank_memory                          # qwen3vocab, 2 prompts x 8, 3 steps
+    python -m benchmarks.measure.rank_memory --prompts 4 --steps 4 --out benchmarks/results/rank_memory_qwen3vocab.json
+    python -m benchmarks.measure.rank_memory --prompts 4 --steps 2 --trace-ms 50 actor.max_tokens_per_gpu=2048
 
 Runs `Trainer(config).fit()` with the workload's overrides (grpo_vs_trl.py's mgrpo side, no lockstep, no TRL) and,
 inside the rank's process (a Ray actor: reached through a `sitecustomize` module on its PYTHONPATH, this run only),
@@ -24,8 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-
-BENCH = os.path.dirname(os.path.abspath(__file__))
 
 SITECUSTOMIZE = r'''
 import functools, importlib.abc, importlib.util, json, os, sys, threading, time
@@ -124,9 +122,8 @@ def child(a) -> None:
     """The mgrpo run itself (in a process whose PYTHONPATH starts with the sitecustomize folder)."""
     import logging
 
-    sys.path.insert(0, BENCH)
-    import grpo_vs_trl as g
-    from grpo_workloads import WORKLOADS, compose_mgrpo
+    from benchmarks.peers import grpo_vs_trl as g
+    from benchmarks.peers.grpo_workloads import WORKLOADS, compose_mgrpo
     from mgrpo.loop import Trainer
 
     w = WORKLOADS[a.workload].with_changes(prompts_per_step=a.prompts)
@@ -160,16 +157,15 @@ def main(argv=None) -> None:
     with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
         f.write(SITECUSTOMIZE)
     rows_path = os.path.join(tmp, "calls.jsonl")
-    sys.path.insert(0, BENCH)
-    from grpo_workloads import child_pythonpath
-    from proctree import machine
+    from benchmarks.peers.grpo_workloads import child_pythonpath
+    from benchmarks.tools.proctree import machine
 
     env = dict(os.environ, RANK_MEMORY_OUT=rows_path, TOKENIZERS_PARALLELISM="false")
     if a.trace_ms:
         env["RANK_MEMORY_TRACE_MS"] = str(a.trace_ms)
     env["PYTHONPATH"] = os.pathsep.join([tmp, child_pythonpath(env)])
     load0 = os.getloadavg()
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", "--workload", a.workload, "--prompts",
+    cmd = [sys.executable, "-m", "benchmarks.measure.rank_memory", "--_child", "--workload", a.workload, "--prompts",
            str(a.prompts), "--steps", str(a.steps), "--workdir", a.workdir, *a.overrides]
     subprocess.run(cmd, env=env, check=True)
     with open(rows_path) as f:
@@ -190,7 +186,8 @@ def main(argv=None) -> None:
         m.update(loadavg_at_start=load0, loadavg_at_end=os.getloadavg())
         argv_shown = sys.argv[1:] if argv is None else argv
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join(["python", "benchmarks/rank_memory.py", *argv_shown]), "machine": m,
+            json.dump({"command": " ".join(["python", "-m", "benchmarks.measure.rank_memory", *argv_shown]),
+                       "machine": m,
                        "units": "MiB of the rank process (RSS from /proc/self/status, PSS from smaps_rollup)",
                        "calls": rows, **({"trace": trace} if trace else {})}, f, indent=1)
         print(f"wrote {a.out}")

@@ -2,14 +2,15 @@
 `HFRolloutEngine.generate` (the in-process engine, rollout=hf_cpu) and `CPUModel.generate` (the model side of the
 SGLang-protocol CPU server), as the working tree has them and as an earlier commit had them.
 
-    python benchmarks/engine_logprob_memory.py --before 50f15eb          # 16 rows x 128 tokens, qwen3vocab model
-    python benchmarks/engine_logprob_memory.py --rows 8 --tokens 32 --out /tmp/engines
+    python -m benchmarks.measure.engine_logprob_memory --before 50f15eb  # 16 rows x 128 tokens, qwen3vocab model
+    python -m benchmarks.measure.engine_logprob_memory --rows 8 --tokens 32 --out /tmp/engines
 
 Each (engine, version) runs in a fresh process: the engine is built from a seeded random Qwen3 checkpoint of the
-qwen3vocab workload's shape (benchmarks/grpo_workloads.py), warmed up with one short call, then one timed call
+qwen3vocab workload's shape (benchmarks/peers/grpo_workloads.py), warmed up with one short call, then one timed call
 generates --rows responses to GSM8K-length prompts (--prompt-len tokens) of exactly --tokens tokens (EOS is never
 sampled: the model is random). Peak extra memory is the process's high-water mark of resident memory during the
-call minus its resident size before (VmHWM reset through /proc/self/clear_refs: `benchmarks/kernel_bench.py`'s PeakMemory).
+call minus its resident size before (VmHWM reset through /proc/self/clear_refs:
+`benchmarks/peers/kernel_bench.py`'s PeakMemory).
 The earlier version is the engine module read from git at --before, imported under another name.
 Outputs <out>.csv and <out>.json; asserts nothing.
 """
@@ -26,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_workloads import REPO, WORKLOADS, make_initial_model  # noqa: E402
-from gpu.common import write_csv  # noqa: E402
-from proctree import machine  # noqa: E402
+from benchmarks import REPO, RESULTS
+from benchmarks.gpu.common import write_csv
+from benchmarks.peers.grpo_workloads import WORKLOADS, make_initial_model
+from benchmarks.tools.proctree import machine
 
 MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu_model.py"}
 
@@ -52,7 +53,7 @@ def load_module(engine: str, rev: str | None, scratch: str):
 def measure_one(engine: str, rev: str | None, ckpt: str, rows: int, tokens: int, prompt_len: int, scratch: str) -> dict:
     import torch
 
-    from kernel_bench import PeakMemory
+    from benchmarks.peers.kernel_bench import PeakMemory
 
     torch.set_num_threads(1)
     mod = load_module(engine, rev, scratch)
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=120)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "engine_logprob_memory"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "engine_logprob_memory"))
     ap.add_argument("--_one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._one:
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
         print(json.dumps(measure_one(engine, None if rev == "-" else rev, ckpt, a.rows, a.tokens, a.prompt_len,
                                      os.path.dirname(ckpt))))
         return
-    meta = {"command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:]),
+    meta = {"command": " ".join(["python", "-m", "benchmarks.measure.engine_logprob_memory"] + sys.argv[1:]),
             "machine": machine(), "model": WORKLOADS["qwen3vocab"].model_label()}
     rows = []
     with tempfile.TemporaryDirectory(prefix="engine_mem-") as tmp:
@@ -107,9 +108,9 @@ def main(argv=None) -> None:
         make_initial_model(WORKLOADS["qwen3vocab"], ckpt)
         for engine in a.engines.split(","):
             for rev in ([a.before] if a.before else []) + ["-"]:
-                cmd = [sys.executable, os.path.abspath(__file__), "--rows", str(a.rows), "--tokens", str(a.tokens),
-                       "--prompt-len", str(a.prompt_len), "--_one", engine, rev, ckpt]
-                p = subprocess.run(cmd, capture_output=True, text=True)
+                cmd = [sys.executable, "-m", "benchmarks.measure.engine_logprob_memory", "--rows", str(a.rows),
+                       "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--_one", engine, rev, ckpt]
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
                 if p.returncode != 0:
                     row = {"engine": engine, "version": rev, "error": p.stderr.strip().splitlines()[-1][:300]}
                 else:

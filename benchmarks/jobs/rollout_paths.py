@@ -2,9 +2,9 @@
 generation time of the in-process engine vs the SGLang protocol path (colocated, disaggregated, two
 engines behind SGLang's router), and synchronous vs one-step-off asynchronous rollout.
 
-    python benchmarks/rollout_paths.py                 # every variant, 150 steps each
-    python benchmarks/rollout_paths.py --only async    # variants whose name contains 'async'
-    python benchmarks/rollout_paths.py --pin           # Megatron rank on core 0, engine on core 1
+    python -m benchmarks.jobs.rollout_paths               # every variant, 150 steps each
+    python -m benchmarks.jobs.rollout_paths --only async  # variants whose name contains 'async'
+    python -m benchmarks.jobs.rollout_paths --pin         # Megatron rank on core 0, engine on core 1
 
 With --pin the Megatron rank's and the engine's processes (found by their Ray process titles and the
 CPU server's command line) are given one core each, so that overlapping generation with training has
@@ -24,8 +24,8 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import machine
 
 DISAGG = ("rollout.mode=disaggregated", "trainer.n_gpus_per_node=2")
 VARIANTS = {
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--only", default="")
     ap.add_argument("--pin", action="store_true")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "rollout_paths_cpu"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "rollout_paths_cpu"))
     args = ap.parse_args()
     rows = []
     for name, overrides in VARIANTS.items():

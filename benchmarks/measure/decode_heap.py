@@ -1,7 +1,7 @@
 """What each way of bounding the decode loop's heap costs in time: transformers `generate` on the qwen3vocab model.
 
-    python benchmarks/decode_heap.py                    # 32 rows x 48 tokens, 3 calls per setting, settings alternated
-    python benchmarks/decode_heap.py --rows 32 --tokens 128 --rounds 2
+    python -m benchmarks.measure.decode_heap            # 32 rows x 48 tokens, 3 calls per setting, settings alternated
+    python -m benchmarks.measure.decode_heap --rows 32 --tokens 128 --rounds 2
 
 Settings, each in a fresh process with one malloc arena (what a Megatron rank has, mgrpo/heap.py):
 - `adaptive`: glibc's own mmap threshold (raised to each freed mapped block's size, up to 32 MiB);
@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import RESULTS
+
 SETTINGS = {"adaptive": {}, "trim16": {}, "mmap4mib": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}}
 
 CHILD = r"""
@@ -31,7 +32,7 @@ from mgrpo.rollout.hf_engine import TrimHeap
 rows, tokens, calls, trim = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.set_num_threads(1)
 torch.manual_seed(0)
-# the qwen3vocab workload's model (benchmarks/grpo_workloads.py: QWEN3VOCAB_MODEL)
+# the qwen3vocab workload's model (benchmarks/peers/grpo_workloads.py: QWEN3VOCAB_MODEL)
 cfg = Qwen3Config(vocab_size=151936, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=32, intermediate_size=768, tie_word_embeddings=True,
                   max_position_embeddings=2048)
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--calls", type=int, default=3, help="generate calls per process")
     ap.add_argument("--rounds", type=int, default=2, help="processes per setting, the settings alternated")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "decode_heap_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "decode_heap_cpu.json"))
     a = ap.parse_args(argv)
     load0 = os.getloadavg()
     got: dict[str, list[dict]] = {s: [] for s in SETTINGS}
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
         print(f"{s:9}: median call {v['median_call_s']:.2f} s ({v['time_vs_adaptive']:.2f}x), "
               f"{v['minor_faults_per_process']:,} minor faults per process")
     with open(a.out, "w") as f:
-        json.dump({"command": " ".join(["python", "benchmarks/decode_heap.py", *(sys.argv[1:] if argv is None else argv)]),
+        json.dump({"command": " ".join(["python", "-m", "benchmarks.measure.decode_heap",
+                                        *(sys.argv[1:] if argv is None else argv)]),
                    "rows": a.rows, "tokens": a.tokens, "calls": a.calls, "rounds": a.rounds,
                    "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(), "summary": summary, "runs": got},
                   f, indent=1)

@@ -1,9 +1,9 @@
-"""The main job under other seeds: does it learn whatever the seed? Runs benchmarks/main_job.py once per seed
-(trainer.seed, data.seed and actor.seed all set to it) and writes benchmarks/results/seeds_cpu.json (or --out):
-per seed the mean reward over the first and last 10 steps, wall time and the machine's load.
+"""The main job under other seeds: does it learn whatever the seed? Runs benchmarks/jobs/main_job.py once per
+seed (trainer.seed, data.seed and actor.seed all set to it) and writes benchmarks/results/seeds_cpu.json (or
+--out): per seed the mean reward over the first and last 10 steps, wall time and the machine's load.
 
-    python benchmarks/seeds.py                # seeds 1 2 3, the default 150 steps
-    python benchmarks/seeds.py --seeds 1 2 3 4
+    python -m benchmarks.jobs.seeds           # seeds 1 2 3, the default 150 steps
+    python -m benchmarks.jobs.seeds --seeds 1 2 3 4
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proctree import REPO, machine  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks import REPO, RESULTS
+from benchmarks.tools.proctree import machine
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "seeds_cpu.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "seeds_cpu.json"))
     args = ap.parse_args(argv)
     rows = []
     for seed in args.seeds:
@@ -30,14 +30,14 @@ def main(argv=None) -> None:
             out = os.path.join(tmp, "run.json")
             overrides = [f"trainer.seed={seed}", f"data.seed={seed}", f"actor.seed={seed}"]
             load = os.getloadavg()[0]
-            subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "main_job.py"), "--out", out, "--",
+            subprocess.run([sys.executable, "-m", "benchmarks.jobs.main_job", "--out", out, "--",
                             *overrides], check=True, cwd=REPO)
             with open(out) as f:
                 run = json.load(f)
         rows.append({"seed": seed, "command": run["command"], "steps": run["steps"],
                      "reward_first10": run["reward_first10"], "reward_last10": run["reward_last10"],
                      "wall_s": run["wall_s"], "load_1m_at_start": load, "load_1m_at_end": os.getloadavg()[0]})
-    command = "python benchmarks/seeds.py" + ("" if args.seeds == [1, 2, 3] else
+    command = "python -m benchmarks.jobs.seeds" + ("" if args.seeds == [1, 2, 3] else
                                               " --seeds " + " ".join(map(str, args.seeds)))
     result = {"command": command, "rows": rows,
               "machine": machine(packages=("torch", "ray", "megatron-core", "transformers"))}
