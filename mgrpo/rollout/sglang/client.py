@@ -28,12 +28,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.net import free_port
+from mgrpo.net import free_port, node_ip
 from mgrpo.rollout.sglang.auth import key_config_file, remove_key_config
 from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
 from mgrpo.rollout.sglang.generate_io import (build_generate_payload, checkpoint_moe_shape, checkpoint_tensor_names,
                                               parse_generate_item)
-from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError, node_ip
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError
 from mgrpo.rollout.sglang.schema import MEMORY_TAGS
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_server, terminate_group, url_of)

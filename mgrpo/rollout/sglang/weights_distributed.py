@@ -41,8 +41,8 @@ import torch
 
 from mgrpo.rollout.sglang.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format, dtype_name,
                                           flat_layout, flatten_bucket)
-from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, node_ip, require_cuda
-from mgrpo.net import free_port
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, require_cuda
+from mgrpo.net import free_port, node_ip
 from mgrpo.rollout.sglang.session import WeightSession
 
 log = logging.getLogger(__name__)
