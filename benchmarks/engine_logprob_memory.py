@@ -31,7 +31,7 @@ from grpo_workloads import REPO, WORKLOADS, make_initial_model  # noqa: E402
 from gpu.common import write_csv  # noqa: E402
 from proctree import machine  # noqa: E402
 
-MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu_model.py"}
+MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu/model.py"}
 
 
 def load_module(engine: str, rev: str | None, scratch: str):

@@ -18,7 +18,7 @@ from mgrpo.rollout.sglang.auth import bearer
 
 ENGINE_HINT = ("SGLang's own server (rollout.engine=sglang on GPU) needs the `sglang` package with its kernels and "
                "a CUDA device on the rollout workers; without them SGLangEngine.launch runs the CPU server "
-               "(mgrpo.rollout.sglang.cpu_server), which speaks the same protocol")
+               "(mgrpo.rollout.sglang.cpu.server), which speaks the same protocol")
 
 
 class SGLangUnavailableError(RuntimeError):
