@@ -13,7 +13,7 @@ It composes and validates the config as mgrpo-train does (an invalid config exit
 the validator's message), except that data files need not exist yet. It prints: nodes x accelerators;
 the trainer's world and its TP/PP/CP/DP split; which bundle (rank) goes to which node and local
 accelerator; the rollout engines; the batch arithmetic of one step; and the memory of one accelerator
-(mgrpo.cluster.memory_plan: weights, grads, optimizer states, reference, activations at the token
+(mgrpo.plan.memory: weights, grads, optimizer states, reference, activations at the token
 budget with and without recompute, the log-prob head's working set, weight-sync buckets, the colocated
 SGLang share, the CUDA context) per phase of a step, in the dtype the trainer will use (bf16 weights with
 fp32 master weights on cuda, fp32 on cpu), with the verdict: FITS, or DOES NOT FIT with the largest
@@ -68,8 +68,8 @@ def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
 
 def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                 gpu_mem_gb: Optional[float] = None) -> dict:
-    """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.cluster.memory_plan)."""
-    from mgrpo.cluster.memory_plan import verdict
+    """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.plan.memory)."""
+    from mgrpo.plan.memory import verdict
 
     v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
     m = v.memory
@@ -202,7 +202,7 @@ def _size(nbytes: float) -> str:
 
 
 def render_memory(me: dict) -> list[str]:
-    from mgrpo.cluster.memory_plan import LABELS
+    from mgrpo.plan.memory import LABELS
 
     per = "GPU" if me["device"] == "cuda" else "rank"
     dtype = "bf16 weights, fp32 grads and master weights" if me["dtype"] == "bf16" else "fp32"

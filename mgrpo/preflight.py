@@ -101,7 +101,7 @@ class Checked:
     layout: Layout
     """How the accelerators are split."""
     memory: Optional[object]
-    """The memory plan's verdict (`mgrpo.cluster.memory_plan.Verdict`); None when not asked for."""
+    """The memory plan's verdict (`mgrpo.plan.memory.Verdict`); None when not asked for."""
 
 
 def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True) -> Checked:
@@ -111,7 +111,7 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg))
     memory = None
     if check_memory:
-        from mgrpo.cluster.memory_plan import check_fits
+        from mgrpo.plan.memory import check_fits
 
         memory = check_fits(cfg)
     return Checked(layout(cfg), memory)

@@ -68,7 +68,7 @@ def test_sglang_path_syncs_exactly_every_step(tmp_path, mode, tp, caplog):
 
 def _server_pids(model_dir: str) -> list[int]:
     """The CPU servers serving `model_dir` (each run's initial weights have their own folder)."""
-    return pids_where(f"mgrpo.rollout.sglang.cpu_server\0--model-path\0{model_dir}\0")
+    return pids_where(f"mgrpo.rollout.sglang.cpu.server\0--model-path\0{model_dir}\0")
 
 
 def _fault_during_run(run_dir: str, sig: int, at_step: int, hits: list, limit: int = 1) -> threading.Thread:

@@ -199,7 +199,7 @@ def test_qwen3_8b_terms_by_hand(capsys):
 
 
 def test_gpu_memory_option_and_check_fits(capsys):
-    from mgrpo.cluster.memory_plan import check_fits
+    from mgrpo.plan.memory import check_fits
     from mgrpo.config import ConfigError
 
     big = plan_json(capsys, "recipe=qwen3-8b-gsm8k-grpo", "actor.tp=4", "--gpu-mem-gb", "141")

@@ -58,7 +58,7 @@ def _saved_per_layer(rank, world, port, tp, shapes):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_layer_activation_formula_equals_what_autograd_saves(tp):
-    from mgrpo.cluster.memory_plan import Shape, layer_activations
+    from mgrpo.plan.memory import Shape, layer_activations
     from mgrpo.config import ModelConfig
 
     measured = run_ranks(_saved_per_layer, tp, tp, SHAPES)[0]

@@ -1,4 +1,4 @@
-"""The planner for mixture-of-experts models (mgrpo/cluster/moe_memory.py) against the real thing.
+"""The planner for mixture-of-experts models (mgrpo/plan/moe.py) against the real thing.
 
 1. A Qwen3-MoE layer's activations (its attention, sequence parallel at TP 2, and its MoE block: router,
    alltoall dispatch, SequentialMLP experts, with and without the load-balancing loss) equal what
@@ -67,7 +67,7 @@ def _saved_per_layer(rank, world, port, tp, shapes, aux):
 @pytest.mark.integration
 @pytest.mark.parametrize("tp, aux", [(1, 0.0), (1, 0.01), (2, 0.0)], ids=["tp1", "tp1-aux", "tp2-sp"])
 def test_moe_layer_activations_equal_what_autograd_saves(tp, aux):
-    from mgrpo.cluster.memory_plan import Shape, layer_activations
+    from mgrpo.plan.memory import Shape, layer_activations
 
     measured = run_ranks(_saved_per_layer, tp, tp, SHAPES, aux)[0]
     for (h, i, e, k, nq, nkv, hd, b, s), got in zip(SHAPES, measured):
@@ -79,7 +79,7 @@ def test_moe_layer_activations_equal_what_autograd_saves(tp, aux):
 
 
 def test_experts_split_by_ep_and_their_optimizer_states_by_expert_data_parallel():
-    from mgrpo.cluster.memory_plan import estimate
+    from mgrpo.plan.memory import estimate
     from mgrpo.models.registry import param_counts
     from mgrpo_launchers.plan import compose_config
 

@@ -79,7 +79,7 @@ if kind == "hf":
     call = lambda n, t: eng.generate([GenerateRequest(uid=i, prompt_ids=p) for i, p in enumerate(prompts[:n])],
                                      SamplingParams(temperature=1.0, max_new_tokens=t, seed=1))
 else:
-    from mgrpo.rollout.sglang.cpu_model import CPUModel, Req
+    from mgrpo.rollout.sglang.cpu.model import CPUModel, Req
     eng = CPUModel(ckpt)
     call = lambda n, t: eng.generate([Req(rid=str(i), input_ids=p, max_new_tokens=t, seed=i, ignore_eos=True)
                                       for i, p in enumerate(prompts[:n])])

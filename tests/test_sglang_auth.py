@@ -14,10 +14,13 @@ import sys
 import pytest
 import requests
 
-from mgrpo.rollout.sglang import auth, schema
-from mgrpo.rollout.sglang.auth import ADMIN_OPTIONAL, decide_fallback, resolve_api_key
-from mgrpo.rollout.sglang.cpu_guard import Guard, Refusals
+from mgrpo.rollout.sglang import auth
+from mgrpo.rollout.sglang.auth import resolve_api_key
+from mgrpo.rollout.sglang.cpu.auth import decide_fallback
+from mgrpo.rollout.sglang.cpu.guard import Guard, Refusals
 from mgrpo.rollout.sglang.http import SGLangAuthError
+from mgrpo.rollout.sglang.protocol import wheel
+from mgrpo.rollout.sglang.protocol.tables import ADMIN_OPTIONAL
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 from tests.helpers.sglang_cpu import Reference, launch, perturbed, tiny_checkpoint
 
@@ -25,7 +28,7 @@ API, ADMIN = "api-key-AAAA", "admin-key-BBBB"
 
 
 def _wheel_file(*parts):
-    path = schema._wheel_file(*parts)
+    path = wheel.wheel_file(*parts)
     if path is None:
         pytest.skip("sglang wheel not installed (pip install --no-deps -r requirements-sglang.txt)")
     return path
@@ -33,8 +36,8 @@ def _wheel_file(*parts):
 
 def _served_routes() -> dict[str, set[str]]:
     """path -> methods of every route the CPU server defines (read from its source, as the app builds them)."""
-    import mgrpo.rollout.sglang.cpu_server as srv
-    import mgrpo.rollout.sglang.cpu_weights as wts
+    import mgrpo.rollout.sglang.cpu.server as srv
+    import mgrpo.rollout.sglang.cpu.weights as wts
 
     routes: dict[str, set[str]] = {}
     for mod in (srv, wts):
@@ -75,7 +78,7 @@ def test_admin_table_is_sglangs_for_every_route_the_cpu_server_serves():
 
 
 def test_fallback_decides_exactly_as_sglangs_decide_request_auth():
-    mod = auth.wheel_auth()
+    mod = wheel.auth_rules()
     if mod is None:
         pytest.skip("sglang wheel not installed")
     headers = [None, "", "Bearer", f"Bearer {API}", f"bearer {API}", f"Bearer {ADMIN}", "Bearer wrong", f"Basic {API}",
@@ -270,7 +273,7 @@ def test_router_requires_the_key_and_counts_refusals(keyed, tmp_path):
 
 def test_cpu_server_reads_keys_from_config_like_sglang(tmp_path):
     """`--config` YAML: SGLang's merger (dash-spelled keys become flags); the command line wins."""
-    from mgrpo.rollout.sglang.cpu_server import parse_args
+    from mgrpo.rollout.sglang.cpu.server import parse_args
 
     cfg = tmp_path / "k.yaml"
     cfg.write_text("api-key: from-file\nadmin-api-key: admin-file\nenable-return-routed-experts: true\n")
@@ -279,7 +282,7 @@ def test_cpu_server_reads_keys_from_config_like_sglang(tmp_path):
     assert (args.api_key, args.admin_api_key, args.enable_return_routed_experts) == ("from-file", "admin-file", True)
     assert parse_args(base + ["--config", str(cfg), "--api-key", "cli"]).api_key == "cli"
     cfg.write_text("no-such-option: 1\n")
-    r = subprocess.run([sys.executable, "-m", "mgrpo.rollout.sglang.cpu_server", *base, "--config", str(cfg)],
+    r = subprocess.run([sys.executable, "-m", "mgrpo.rollout.sglang.cpu.server", *base, "--config", str(cfg)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--no-such-option" in r.stderr
 

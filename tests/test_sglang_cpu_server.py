@@ -13,8 +13,9 @@ import pytest
 import requests
 import torch
 
-from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
+from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError
 from mgrpo.rollout.sglang.client import build_generate_payload
+from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.sglang.server import CPU_MODULE, sglang_runtime_missing
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 from tests.helpers.sglang_cpu import VOCAB, FaultProxy, launch, perturbed, post
@@ -74,7 +75,7 @@ def test_stop_tokens_end_a_response_and_are_kept(engine, ckpt):
 
 
 def test_answers_follow_sglangs_own_contract(engine):
-    contract = schema.contract()
+    contract = wheel.contract()
     if contract is None:
         pytest.skip("sglang wheel or msgspec missing (pip install --no-deps -r requirements-sglang.txt)")
     body = build_generate_payload(_requests(3), SamplingParams(temperature=0.5, max_new_tokens=4, seed=1),

@@ -2,7 +2,7 @@
 
 The request/answer shapes were read in sglang 0.5.23 (`srt/entrypoints/http_server.py`,
 `srt/managers/io_struct.py`, `api/v1/api_types.py`, `tokenizer_manager.py`); where the sglang wheel
-is installed, SGLang's own JSON contract checks our payloads (mgrpo/rollout/sglang/schema.py).
+is installed, SGLang's own JSON contract checks our payloads (mgrpo/rollout/sglang/protocol/).
 Everything that needs a server runs against the real CPU server: test_sglang_cpu_server.py and
 test_sglang_sync.py.
 """
@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from mgrpo.rollout.sglang import schema
 from mgrpo.rollout.sglang.client import (SGLangEngine, build_generate_payload, checkpoint_tensor_names,
                                          parse_generate_item)
 from mgrpo.rollout.sglang.http import SGLangRequestError, SGLangUnavailableError
+from mgrpo.rollout.sglang.protocol import tables, wheel
 from mgrpo.net import free_port
 from mgrpo.rollout.sglang.server import check_host, start_server
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
@@ -44,7 +44,7 @@ def test_generate_payload_fields():
     assert sps[0]["no_stop_trim"] is True and sps[0]["skip_special_tokens"] is False
     assert sps[0]["stop_token_ids"] == [EOS]
     assert len({sp["sampling_seed"] for sp in sps}) == 4  # n copies of a prompt must not share a seed
-    assert set(sps[0]) <= schema.SAMPLING_FIELDS
+    assert set(sps[0]) <= tables.SAMPLING_FIELDS
 
 
 def test_generate_without_seed_sends_one_sampling_dict_and_greedy_as_temperature_zero():
@@ -55,7 +55,7 @@ def test_generate_without_seed_sends_one_sampling_dict_and_greedy_as_temperature
 
 
 def test_payload_passes_sglang_json_contract():
-    contract = schema.contract()
+    contract = wheel.contract()
     if contract is None:
         pytest.skip("sglang wheel or msgspec not installed (pip install --no-deps -r requirements-sglang.txt)")
     body = build_generate_payload(_requests(3), SamplingParams(temperature=1.0, top_k=5, seed=3), rids=["a", "b", "c"],
@@ -134,7 +134,7 @@ def test_checkpoint_tensor_names(tmp_path):
 
 
 def test_cpu_server_takes_sglangs_command_line(capsys):
-    from mgrpo.rollout.sglang.cpu_server import parse_args
+    from mgrpo.rollout.sglang.cpu.server import parse_args
     from mgrpo.rollout.sglang.server import CPU_MODULE, launch_command
 
     cmd = launch_command(CPU_MODULE, "/ckpt", tp=1, host="127.0.0.1", port=30000, mem_fraction_static=0.7,

@@ -21,7 +21,7 @@ import requests
 import torch
 
 from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError
-from mgrpo.rollout.sglang.cpu_guard import MAX_BODY_BYTES
+from mgrpo.rollout.sglang.cpu.guard import MAX_BODY_BYTES
 from mgrpo.rollout.sglang.http import SGLangBadResponseError
 from mgrpo.rollout.sglang.weights_tensor import serialize
 from mgrpo.rollout.types import GenerateRequest, SamplingParams

@@ -1,4 +1,4 @@
-"""Our knowledge of SGLang's protocol (mgrpo/rollout/sglang/schema.py) against SGLang's own code,
+"""Our knowledge of SGLang's protocol (mgrpo/rollout/sglang/protocol/) against SGLang's own code,
 read from the installed sglang wheel (the test extra installs it: requirements-sglang.txt), and
 the fallbacks the CPU server uses where the wheel is missing."""
 
@@ -9,13 +9,14 @@ import pickle
 import pytest
 import torch
 
-from mgrpo.rollout.sglang import schema
-from mgrpo.rollout.sglang.schema import RequestError, check_generate, check_request
+from mgrpo.rollout.sglang.cpu import receive
+from mgrpo.rollout.sglang.cpu.receive import RequestError, check_generate, check_request
+from mgrpo.rollout.sglang.protocol import tables, wheel
 from mgrpo.rollout.sglang.weights_tensor import tensor_payloads
 
 
 def _wheel():
-    classes = schema.request_classes()
+    classes = wheel.request_classes()
     if classes is None:
         pytest.skip("sglang wheel or msgspec not installed (pip install --no-deps -r requirements-sglang.txt)")
     return classes
@@ -25,7 +26,7 @@ def test_the_installed_wheel_is_the_version_the_shapes_were_read_from():
     _wheel()
     from importlib.metadata import version
 
-    assert version("sglang") == schema.SGLANG_VERSION
+    assert version("sglang") == tables.SGLANG_VERSION
 
 
 def test_field_tables_match_sglangs_request_classes():
@@ -33,9 +34,9 @@ def test_field_tables_match_sglangs_request_classes():
 
     for path, cls in _wheel().items():
         real = {f.name for f in msgspec.structs.fields(cls)}
-        assert real == schema.REQUESTS[path][1] | schema.BASE_FIELDS, path
-    sampling = schema.contract().SamplingParams
-    assert {f.name for f in msgspec.structs.fields(sampling)} == schema.SAMPLING_FIELDS
+        assert real == tables.REQUESTS[path][1] | tables.BASE_FIELDS, path
+    sampling = wheel.contract().SamplingParams
+    assert {f.name for f in msgspec.structs.fields(sampling)} == tables.SAMPLING_FIELDS
 
 
 def test_sglangs_classes_check_types_and_required_fields():
@@ -53,10 +54,10 @@ def test_sglangs_classes_check_types_and_required_fields():
 
 def test_fallbacks_without_the_wheel(monkeypatch):
     """What the CPU server does where the wheel is not installed: field tables, our unpickler."""
-    monkeypatch.setattr(schema, "request_classes", lambda: None)
-    monkeypatch.setattr(schema, "_adapter", lambda path: None)
-    monkeypatch.setattr(schema, "contract", lambda: None)
-    monkeypatch.setattr(schema, "common", lambda: None)
+    monkeypatch.setattr(receive, "request_classes", lambda: None)
+    monkeypatch.setattr(receive, "_adapter", lambda path: None)
+    monkeypatch.setattr(receive, "contract", lambda: None)
+    monkeypatch.setattr(receive, "common", lambda: None)
     check_request("/update_weight_version", {"new_version": "3"})
     with pytest.raises(RequestError, match=r"unknown fields \['new_versoin'\]"):
         check_request("/update_weight_version", {"new_versoin": "3"})
@@ -64,11 +65,11 @@ def test_fallbacks_without_the_wheel(monkeypatch):
         check_generate({"input_ids": [[1]], "sampling_params": [{"temprature": 1.0}]})
     t = torch.arange(6, dtype=torch.float32)
     payloads, keep = tensor_payloads([("w", t)], 1, None)
-    (name, back), = schema.deserialize(payloads[0])
+    (name, back), = receive.deserialize(payloads[0])
     assert name == "w" and torch.equal(back, t)
     evil = pickle.dumps(pickle.loads)  # a global outside the allow-list
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
-        schema.deserialize(evil)
+        receive.deserialize(evil)
 
 
 def test_unknown_fields_are_refused_even_where_sglang_would_ignore_them():
@@ -85,7 +86,7 @@ def _sglang_cli_flags() -> set[str]:
     import glob
     import os
 
-    root = schema.sglang_dir()
+    root = wheel.sglang_dir()
     if root is None:
         pytest.skip("sglang wheel not installed")
     flags: set[str] = set()
@@ -116,7 +117,7 @@ def _sglang_cli_flags() -> set[str]:
 def test_launch_command_and_cpu_server_flags_are_sglangs():
     """What SGLangEngine.launch runs (every option on) and every flag the CPU server takes exist in
     SGLang's ServerArgs, under the same spelling."""
-    from mgrpo.rollout.sglang.cpu_server import build_parser
+    from mgrpo.rollout.sglang.cpu.server import build_parser
     from mgrpo.rollout.sglang.server import SGLANG_MODULE, launch_command
 
     flags = _sglang_cli_flags()
@@ -135,10 +136,10 @@ def test_generate_fields_are_sglangs():
     import ast
     import os
 
-    from mgrpo.rollout.sglang.cpu_generate import GENERATE_FIELDS, SAMPLING_DEFAULTS, SAMPLING_IMPLEMENTED, \
+    from mgrpo.rollout.sglang.cpu.generate import GENERATE_FIELDS, SAMPLING_DEFAULTS, SAMPLING_IMPLEMENTED, \
         SAMPLING_TEXT_ONLY
 
-    root = schema.sglang_dir()
+    root = wheel.sglang_dir()
     if root is None:
         pytest.skip("sglang wheel not installed")
     tree = ast.parse(open(os.path.join(root, "srt", "managers", "io_struct.py")).read())
@@ -146,4 +147,4 @@ def test_generate_fields_are_sglangs():
     fields = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
     assert GENERATE_FIELDS <= fields, sorted(GENERATE_FIELDS - fields)
     # every sampling parameter of SGLang's contract is implemented, text-only, or refused unless at its default
-    assert SAMPLING_IMPLEMENTED | SAMPLING_TEXT_ONLY | set(SAMPLING_DEFAULTS) == schema.SAMPLING_FIELDS
+    assert SAMPLING_IMPLEMENTED | SAMPLING_TEXT_ONLY | set(SAMPLING_DEFAULTS) == tables.SAMPLING_FIELDS

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError, schema
+from mgrpo.rollout.sglang import SGLangEngine, SGLangRequestError
 from mgrpo.rollout.sglang.client import build_generate_payload
+from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 from tests.helpers.sglang_cpu import VOCAB, post
 
@@ -75,8 +76,8 @@ def test_answer_is_sglangs(engine):
                                 {"temperature": 1.0, "top_k": 10, "top_p": 0.95, "max_new_tokens": 7,
                                  "ignore_eos": True, "sampling_seed": 1}] * 2,
             "return_sampling_mask": True, "sampling_logprobs_mode": ["selected", "selected", "support", "support"]}
-    if schema.contract() is not None:
-        schema.contract().GenerateRequest.from_json_value(body)
+    if wheel.contract() is not None:
+        wheel.contract().GenerateRequest.from_json_value(body)
     r = post(engine.url, "/generate", body)
     assert r.status_code == 200, r.text
     outputs = r.json()
@@ -97,7 +98,7 @@ def test_answer_is_sglangs(engine):
                 assert mask == [output_id] and logprob == ([0.0] if request_idx >= 2 else 0.0)
         if request_idx == 3:  # SGLang packs a support by decreasing probability
             assert all(a >= b for lp in logprobs for a, b in zip(lp, lp[1:]))
-    mod = schema.sampling_mask()
+    mod = wheel.sampling_mask()
     if mod is not None:  # the wire form: SGLang's chunk of int32 ids and float32 log-probs, read back
         import numpy as np
 

@@ -1,7 +1,7 @@
 """The payloads SGLang deserialises and the senders' pure parts, without a server.
 
 SGLang's own unpickler (sglang/srt/utils/common.py, read from the installed wheel by
-mgrpo/rollout/sglang/schema.py) decodes what we serialise. Transfers into a real server process,
+mgrpo/rollout/sglang/cpu/receive.py) decodes what we serialise. Transfers into a real server process,
 over both transports, are in test_sglang_sync.py."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import pickle
 import pytest
 import torch
 
-from mgrpo.rollout.sglang.buckets import dtype_name, flatten_bucket
+from mgrpo.rollout.sglang.cpu.receive import deserialize as deserialize_payload
 from mgrpo.rollout.sglang.http import SGLangUnavailableError
-from mgrpo.rollout.sglang.schema import common as sglang_common
-from mgrpo.rollout.sglang.schema import deserialize as deserialize_payload
+from mgrpo.rollout.sglang.protocol.buckets import dtype_name, flatten_bucket
+from mgrpo.rollout.sglang.protocol.tables import PAYLOAD_GLOBALS
+from mgrpo.rollout.sglang.protocol.wheel import common as sglang_common
 from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender, default_backend
-from mgrpo.rollout.sglang.weights_tensor import PAYLOAD_GLOBALS, IPCWeightSender, TensorWeightSender, tensor_payloads
+from mgrpo.rollout.sglang.weights_tensor import IPCWeightSender, TensorWeightSender, tensor_payloads
 
 
 def _bucket(seed: int = 0):

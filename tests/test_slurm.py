@@ -23,10 +23,9 @@ from mgrpo.cluster.slurm import (
     expand_hostlist,
     gpus_per_node,
     hostnames,
-    node_ip,
 )
 from mgrpo.cluster.ray_nodes import missing_hosts
-from mgrpo.net import free_port
+from mgrpo.net import NodeAddressError, free_port, node_ip
 from tests.helpers.procs import processes_mentioning
 
 
@@ -146,9 +145,49 @@ def test_env_shell_output_evaluates_in_bash():
 
 
 def test_node_ip_is_not_loopback_for_this_host():
-    ip = node_ip()
+    ip = node_ip(environ={})  # the rule itself ($MGRPO_NODE_IP, which local runs set to loopback, aside)
     socket.inet_aton(ip)
     assert not ip.startswith("127.") or _only_loopback()
+
+
+def _resolving(monkeypatch, table: dict, route="10.9.9.9"):
+    """`socket.gethostbyname` answers from `table` (OSError for other names); the default route is `route`."""
+    import mgrpo.net as net
+
+    def lookup(name):
+        if name in table:
+            return table[name]
+        raise OSError(f"unknown host {name}")
+
+    monkeypatch.setattr(net.socket, "gethostbyname", lookup)
+    monkeypatch.setattr(net.socket, "gethostname", lambda: "me")
+    monkeypatch.setattr(net.socket, "getfqdn", lambda: "me.cluster")
+    monkeypatch.setattr(net, "route_ip", lambda: route)
+
+
+def test_node_ip_precedence_for_this_node(monkeypatch):
+    """One rule (mgrpo/net.py) for SLURM discovery, the servers and the weight senders: $MGRPO_NODE_IP, else
+    the host name's address unless loopback, else the default route's source, else the loopback address."""
+    _resolving(monkeypatch, {"me": "10.0.0.5"})
+    assert node_ip(environ={"MGRPO_NODE_IP": "127.0.0.1"}) == "127.0.0.1"
+    assert node_ip("me.cluster", environ={"MGRPO_NODE_IP": "10.1.1.1"}) == "10.1.1.1"  # own name: this node
+    assert node_ip(environ={}) == "10.0.0.5"
+    _resolving(monkeypatch, {"me": "127.0.1.1"})
+    assert node_ip(environ={}) == "10.9.9.9"
+    _resolving(monkeypatch, {"me": "127.0.1.1"}, route=None)
+    assert node_ip(environ={}) == "127.0.1.1"
+    _resolving(monkeypatch, {}, route=None)
+    with pytest.raises(NodeAddressError, match="'me'"):
+        node_ip(environ={})
+
+
+def test_node_ip_of_another_node_is_what_its_name_resolves_to(monkeypatch):
+    _resolving(monkeypatch, {"gpu-02": "10.0.0.2", "gpu-03": "127.0.0.1"})
+    env = {"MGRPO_NODE_IP": "10.1.1.1"}  # this node's address: never another node's
+    assert node_ip("gpu-02", environ=env) == "10.0.0.2"
+    assert node_ip("gpu-03", environ=env) == "127.0.0.1"  # no route fallback for another node
+    with pytest.raises(NodeAddressError, match="gpu-04"):
+        node_ip("gpu-04", environ=env)
 
 
 def _only_loopback() -> bool:

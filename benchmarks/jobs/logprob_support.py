@@ -170,7 +170,7 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
 
     from mgrpo.config import MGRPOConfig
     from mgrpo.data import PromptDataset, synthetic_tokenizer
-    from mgrpo.rollout.sglang.cpu_model import CPUModel
+    from mgrpo.rollout.sglang.cpu.model import CPUModel
 
     cfg = MGRPOConfig()
     tok = synthetic_tokenizer()

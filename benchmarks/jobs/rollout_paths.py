@@ -47,7 +47,7 @@ def pin_processes(stop: threading.Event) -> None:
                     cmd = f.read().decode(errors="replace")
                 if "MegatronRank" in cmd:
                     os.sched_setaffinity(int(pid), {0})
-                elif "EngineHost" in cmd or "sglang.cpu_server" in cmd:
+                elif "EngineHost" in cmd or "sglang.cpu.server" in cmd:
                     os.sched_setaffinity(int(pid), {1})
             except OSError:
                 continue

@@ -32,7 +32,7 @@ from benchmarks.gpu.common import write_csv
 from benchmarks.peers.grpo_workloads import WORKLOADS, make_initial_model
 from benchmarks.tools.proctree import machine
 
-MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu_model.py"}
+MODULES = {"hf": "mgrpo/rollout/hf_engine.py", "sglang_cpu": "mgrpo/rollout/sglang/cpu/model.py"}
 
 
 def load_module(engine: str, rev: str | None, scratch: str):

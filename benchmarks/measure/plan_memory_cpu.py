@@ -10,7 +10,7 @@ buffer, reference), old-policy and reference log-probs, one optimizer step on a 
 max-length sequences, and the weight-sync iteration (buckets built, sent nowhere). Per rank the peak
 resident memory (VmHWM) above a baseline is read after each phase: the baseline is the RSS once
 torch, megatron-core and mgrpo are imported, and the peak is reset to the current RSS
-(/proc/self/clear_refs) before the first phase. The planner (mgrpo.cluster.memory_plan.estimate_stages)
+(/proc/self/clear_refs) before the first phase. The planner (mgrpo.plan.memory.estimate_stages)
 estimates the same config; results go to benchmarks/results/plan_vs_measured_cpu.{csv,json}.
 A benchmark reports numbers; tests/test_plan_memory.py asserts the agreement on the fast cases.
 """
@@ -138,7 +138,7 @@ MALLOC_ENV = {"default": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC
 def measure(name: str, work: str, extra: tuple = (), malloc: str = "mmap") -> list[dict]:
     """Run one case; per rank the peak above baseline after each phase, and the planner's estimate.
     `malloc`: 'mmap' (RSS follows live tensors) or 'default' (glibc's defaults, what a run gets)."""
-    from mgrpo.cluster.memory_plan import estimate_stages
+    from mgrpo.plan.memory import estimate_stages
     from mgrpo.config import layout
     from mgrpo.models import init_hf_checkpoint
     from mgrpo.training.spawn import spawn_ranks
@@ -196,7 +196,7 @@ def available_memory() -> int:
 def main() -> None:
     from benchmarks.tools.proctree import machine
 
-    from mgrpo.cluster.memory_plan import estimate_stages
+    from mgrpo.plan.memory import estimate_stages
     from mgrpo.config import layout
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

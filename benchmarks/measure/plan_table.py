@@ -7,7 +7,7 @@
 Each row is `mgrpo-plan recipe=qwen3-8b-gsm8k-grpo [model=...] trainer.nnodes=N` (the recipe as it ships: its
 batch, sequence lengths, token budget, parallel layout, colocated SGLang share; Qwen3-30B-A3B at actor.tp=4,
 the most its 4 key/value heads allow, and expert-parallel size 1) and the change the planner finds that fits
-(its knobs include actor.ep for a MoE model). These are the planner's estimates (mgrpo/cluster/memory_plan.py),
+(its knobs include actor.ep for a MoE model). These are the planner's estimates (mgrpo/plan/memory.py),
 not measurements: no GPU was used. Writes plan_qwen3_8x80gb.{csv,json} and plan_qwen3_moe_8x80gb.{csv,json}
 to --out (default outputs/benchmarks/, untracked); the committed copies under benchmarks/results/ (what the
 README's tables are rendered from, benchmarks/tools/readme_table.py) change only with --update-results.
@@ -31,7 +31,7 @@ MOE = [("qwen3-30b-a3b", nodes, ["actor.tp=4"]) for nodes in (1, 2, 4)]
 
 
 def rows(cases=DENSE) -> list[dict]:
-    from mgrpo.cluster.memory_plan import LABELS
+    from mgrpo.plan.memory import LABELS
     from mgrpo_launchers.plan import build_plan, compose_config
 
     out = []
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
             w.writerows(table)
         with open(out + ".json", "w") as f:
             json.dump({"command": "python -m benchmarks.measure.plan_table --update-results", "gpu_memory_gib": 80,
-                       "note": "planner estimates (mgrpo/cluster/memory_plan.py), not measurements",
+                       "note": "planner estimates (mgrpo/plan/memory.py), not measurements",
                        "recipe": recipe_settings(), "rows": table}, f, indent=1)
         print(markdown(table) + "\n")
         print(f"wrote {out}.csv and .json", file=sys.stderr)

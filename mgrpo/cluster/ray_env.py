@@ -41,7 +41,7 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # One machine: the rollout servers, the router and the weight-update groups listen on loopback only
-    # (http.py::node_ip reads this; Ray's workers inherit it).
+    # (mgrpo/net.py::node_ip reads this; Ray's workers inherit it).
     os.environ.setdefault("MGRPO_NODE_IP", "127.0.0.1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray would report usage over the network
     tmp = os.environ.get("RAY_TMPDIR")

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from mgrpo.cluster.slurm import _resolve_all, _short
+from mgrpo.net import resolve_all, short_name
 
 
 class NodesMissingError(TimeoutError):
@@ -23,15 +23,15 @@ class NodesMissingError(TimeoutError):
 
 
 def missing_hosts(expected: Sequence[str], nodes: Iterable[Mapping], *,
-                  resolve: Callable[[str], set[str]] = _resolve_all) -> list[str]:
+                  resolve: Callable[[str], set[str]] = resolve_all) -> list[str]:
     """The expected hosts without an alive Ray node. A host matches a node by name (short names
     compared, so 'gpu-01' matches 'gpu-01.cluster'), by the node's IP, or by what the host resolves to."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
-    names = {_short(str(n.get("NodeManagerHostname", ""))) for n in alive}
+    names = {short_name(str(n.get("NodeManagerHostname", ""))) for n in alive}
     ips = {str(n.get("NodeManagerAddress", "")) for n in alive}
     missing = []
     for host in expected:
-        if _short(host) in names or host in ips:
+        if short_name(host) in names or host in ips:
             continue
         if resolve(host) & ips:
             continue
@@ -122,7 +122,7 @@ def wait_for_nodes(address: Optional[str], expected_hosts: Sequence[str], timeou
 
         def resolve(h: str) -> set[str]:
             if h not in resolved:
-                resolved[h] = _resolve_all(h)
+                resolved[h] = resolve_all(h)
             return resolved[h]
 
         last_report = 0.0

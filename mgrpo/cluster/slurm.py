@@ -4,7 +4,7 @@
 
     python -m mgrpo.cluster.slurm env --shell       # MGRPO_SLURM_HEAD=... (KEY=value lines for eval)
     python -m mgrpo.cluster.slurm hostnames 'gpu-[01-03,7]'
-    python -m mgrpo.cluster.slurm ip                # this node's address on the cluster network
+    python -m mgrpo.cluster.slurm ip                # this node's address on the cluster network (mgrpo.net.node_ip)
     python -m mgrpo.cluster.slurm wait --address 10.0.0.1:6379 --hosts gpu-01 gpu-02 --timeout 600
 
 `SlurmEnv.from_env(os.environ)` reads the allocation (job id, expanded node list, GPUs and CPUs per
@@ -21,12 +21,13 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional, Sequence
+
+from mgrpo.net import NodeAddressError, is_this_host, node_ip
 
 
 class SlurmEnvError(RuntimeError):
@@ -239,52 +240,6 @@ class SlurmEnv:
         return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in values.items())
 
 
-# --- addresses ----------------------------------------------------------------------------------------
-def _short(name: str) -> str:
-    return name.split(".")[0].lower()
-
-
-def _is_this_host(name: str) -> bool:
-    return _short(name) in {_short(socket.gethostname()), _short(socket.getfqdn())}
-
-
-def _route_ip() -> Optional[str]:
-    """Source address of the default route (a UDP connect sends no packet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return None
-
-
-def node_ip(host: Optional[str] = None) -> str:
-    """A node's address on the cluster network: what its SLURM name resolves to, unless that is a
-    loopback address (many distributions map the own hostname to 127.0.1.1 in /etc/hosts); then,
-    for this node, the source address of the default route."""
-    name = host or socket.gethostname()
-    try:
-        ip = socket.gethostbyname(name)
-    except OSError:
-        ip = None
-    if ip and not ip.startswith("127."):
-        return ip
-    if host is None or _is_this_host(name):
-        route = _route_ip()
-        if route:
-            return route
-    if ip:
-        return ip
-    raise SlurmEnvError(f"cannot resolve the address of node {name!r}; set MGRPO_HEAD_IP")
-
-
-def _resolve_all(name: str) -> set[str]:
-    try:
-        return set(socket.gethostbyname_ex(name)[2])
-    except OSError:
-        return set()
-
-
 # --- command line -------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mgrpo.cluster.ray_nodes import NodesMissingError, wait_for_nodes
@@ -313,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.cmd == "env":
             env = SlurmEnv.from_env()
             if args.shell:
-                head_ip = os.environ.get("MGRPO_HEAD_IP") or node_ip(None if _is_this_host(env.head) else env.head)
+                head_ip = os.environ.get("MGRPO_HEAD_IP") or node_ip(None if is_this_host(env.head) else env.head)
                 sys.stdout.write(env.shell(head_ip))
             else:
                 print(json.dumps(asdict(env) | {"head": env.head, "workers": env.workers}, indent=1))
@@ -330,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"in {time.monotonic() - t0:.1f}s:", file=sys.stderr)
             for j in joined:
                 print(f"  {j['host']:<24} {j['ip']:<16} CPU {j['cpus']:g}  GPU {j['gpus']:g}", file=sys.stderr)
-    except (SlurmEnvError, NodesMissingError, ValueError) as err:
+    except (SlurmEnvError, NodeAddressError, NodesMissingError, ValueError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 1
     return 0

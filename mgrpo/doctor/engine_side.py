@@ -1,6 +1,6 @@
 """The engine's side of `mgrpo-doctor layers`: one sequence through transformers, every layer hooked.
 
-The model is built as the CPU server (`rollout/sglang/cpu_model.py`) and the in-process engine
+The model is built as the CPU server (`rollout/sglang/cpu/model.py`) and the in-process engine
 (`rollout/hf_engine.py`) build it: `AutoModelForCausalLM.from_pretrained(dir, dtype=...)`, eval mode. The
 log-probs are theirs too: the logits in float32, log_softmax(logits / T) (over the top-k / top-p support with
 `Support('sampled', ...)`, as transformers' warpers cut it), the sampled token's entry. One

@@ -82,7 +82,7 @@ def returns_routes(cfg: MGRPOConfig) -> bool:
 # --- SGLang servers (or the CPU server speaking their protocol) -----------------------------------
 def _build_sglang(hf_dir: str, kw: dict):
     from mgrpo.rollout.sglang.client import SGLangEngine
-    from mgrpo.rollout.sglang.http import node_ip
+    from mgrpo.net import node_ip
 
     kw = dict(kw)
     kw.setdefault("host", node_ip())  # this node's cluster address, never 0.0.0.0
@@ -114,7 +114,7 @@ def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int, api
 
 
 def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
-    from mgrpo.rollout.sglang.http import node_ip
+    from mgrpo.net import node_ip
     from mgrpo.rollout.sglang.router import RoutedClient
 
     r = cfg.rollout

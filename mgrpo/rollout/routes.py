@@ -1,5 +1,5 @@
 """The experts each token was routed to, captured from a transformers mixture-of-experts model's own routers:
-what the CPU server (sglang/cpu_model.py) and the in-process engine (hf_engine.py) return as
+what the CPU server (sglang/cpu/model.py) and the in-process engine (hf_engine.py) return as
 `GenerateResult.routed_experts`, as SGLang 0.5.23 returns them (srt/state_capturer/routed_experts.py,
 layers/moe/topk.py: per layer, the top-k expert ids the router chose for every token the model computed).
 

@@ -133,7 +133,7 @@ def targets(kind: Kind, run_dir: str, marker: str, driver: int) -> list[int]:
     if kind.target == "driver":
         return [driver]
     if kind.target == "engine":
-        tag = f"mgrpo.rollout.sglang.cpu_server\0--model-path\0{os.path.join(run_dir, 'init_hf')}\0"
+        tag = f"mgrpo.rollout.sglang.cpu.server\0--model-path\0{os.path.join(run_dir, 'init_hf')}\0"
         return [p for p in _pids() if tag in _proc(p, "cmdline")]
     mine = marked(marker)
     if kind.target == "router":  # it renames itself (sglang::router), which overwrites its environment

@@ -1,16 +1,24 @@
-"""The SGLang rollout path: one client for SGLang's HTTP server (GPU) and for the CPU server that
-speaks its protocol over transformers.
+"""The SGLang rollout path: our client for SGLang's HTTP server (GPU), the CPU stand-in for that server, and
+SGLang's protocol that both speak.
 
+Our client (this folder):
 - `http.py`      HTTP client with bounded retries, errors, capability checks
+- `auth.py`      the run's key: resolved from rollout.api_key, delivered in a private file, sent as a header
 - `server.py`    which server to run, its command line, start/readiness/watchdog/stop
 - `client.py`    `SGLangEngine`: generate, health, memory release/resume, abort, finish_weight_update
+- `generate_io.py`  /generate payloads and answers (sampling masks, routed experts, weight versions)
 - `session.py`   the weight-update session (begin/end, version, cache flush)
-- `buckets.py`   flattened weight buckets as SGLang lays them out
 - `weights_tensor.py`       colocated sync: `update_weights_from_tensor` (CUDA IPC / shared memory)
 - `weights_distributed.py`  disaggregated sync: a process group (NCCL / gloo) + broadcasts
-- `schema.py`    SGLang's own request classes and unpickler, read from the installed wheel
-- `cpu_server.py` (HTTP, arguments), `cpu_model.py` (sampling, weights, memory), `cpu_weights.py`
-  (both weight transports, receiving side): the CPU server, `python -m mgrpo.rollout.sglang.cpu_server`
+- `router.py`    SGLang's router in front of several engines, and a client through it
+`protocol/`: SGLang's protocol, what both sides read (the leaf: it imports nothing else of this folder)
+- `tables.py`    request fields, memory tags, the routes' key levels, the payload allow-list (sglang 0.5.23)
+- `wheel.py`     SGLang's own request classes, JSON contract, unpickler, key rules, read from the wheel
+- `buckets.py`   flattened weight buckets as SGLang lays them out
+- `group.py`     the weight-update process group, made as SGLang makes its side
+`cpu/`: the CPU server, SGLang's HTTP server over transformers: `python -m mgrpo.rollout.sglang.cpu.server`
+  (cpu/__init__.py lists its files). It imports protocol/, never the client; the client launches it by
+  module name only.
 """
 
 from mgrpo.rollout.sglang.client import SGLangEngine

@@ -1,4 +1,4 @@
-"""The rollout fleet's key: the run's secret, SGLang's rules for it, and how it reaches a server.
+"""The rollout fleet's key, our side: the run's secret, and how it reaches a server and its requests.
 
 Anyone who can reach an engine's port could otherwise replace the model (`/update_weights_from_tensor`
 unpickles its payload) or its memory. SGLang 0.5.23 takes `--api-key` (every endpoint but health,
@@ -8,37 +8,23 @@ clients) and control-plane keys. One secret per run serves as all of them.
 
 - `resolve_api_key`: `rollout.api_key` -> the secret (auto: $MGRPO_ROLLOUT_API_KEY, which
   slurm/train.sbatch makes once per job and every node inherits, else a fresh random one), or None.
-- `decide` / `AuthLevel`: SGLang's own `decide_request_auth` (srt/utils/auth.py, read from the wheel),
-  or the same rules written from it where the wheel is missing (tests compare the two).
-- `ADMIN_OPTIONAL`: the endpoints the CPU server serves that SGLang marks `AuthLevel.ADMIN_OPTIONAL`
-  (tests compare with the wheel's http_server.py).
 - `key_config_file`: the secret in a private YAML file that SGLang's `--config` (and the CPU server)
   reads, so that it never appears on a command line `ps` shows.
+- `bearer`: the header every request carries.
+The server's side, SGLang's rules for which request a key admits, is cpu/auth.py (the CPU server) and
+protocol/tables.py (the routes' levels).
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import os
 import secrets
 import tempfile
-from dataclasses import dataclass
 from typing import Mapping, Optional
 
 ENV_KEY = "MGRPO_ROLLOUT_API_KEY"
 """Where `rollout.api_key=auto` finds a secret made outside the driver (slurm/train.sbatch, once per job)."""
 DISABLED = "none"
-
-ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
-"""SGLang lets these through without a key (probes and Prometheus), matched by prefix."""
-
-ADMIN_OPTIONAL = frozenset({
-    "/flush_cache", "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
-    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request"})
-"""SGLang 0.5.23 (entrypoints/http_server.py): `@auth_level(AuthLevel.ADMIN_OPTIONAL)` routes the CPU server
-serves. With an admin key set they take only that key; the others (/generate, /model_info) take the API key."""
 
 
 def resolve_api_key(setting: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -69,74 +55,6 @@ def _usable(key: str, where: str) -> str:
         # SGLang's --config turns the key into `--api-key <key>`, which argparse reads as a flag
         raise ValueError(f"{where}: a key may not start with '-' (SGLang would read it as an option)")
     return key
-
-
-# --- SGLang's decision ---------------------------------------------------------------------------------
-class _Level(str, enum.Enum):
-    NORMAL = "normal"
-    ADMIN_OPTIONAL = "admin_optional"
-    ADMIN_FORCE = "admin_force"
-
-
-@dataclass(frozen=True)
-class _Decision:
-    allowed: bool
-    error_status_code: int = 401
-
-
-def _check_bearer(header: Optional[str], expected: str) -> bool:
-    if not header:
-        return False
-    parts = header.split(" ", 1)
-    if len(parts) != 2 or parts[0].lower() != "bearer":
-        return False
-    return secrets.compare_digest(parts[1], expected)
-
-
-def decide_fallback(*, method: str, path: str, authorization_header: Optional[str], api_key: Optional[str],
-                    admin_api_key: Optional[str], auth_level) -> _Decision:
-    """sglang/srt/utils/auth.py::decide_request_auth (0.5.23), for where the wheel is missing."""
-    if method == "OPTIONS" or path.startswith(ALWAYS_OPEN_PREFIXES):
-        return _Decision(True)
-    level = _Level(getattr(auth_level, "value", auth_level))
-    if level == _Level.ADMIN_FORCE:
-        if not admin_api_key:
-            return _Decision(False, 403)
-        return _Decision(_check_bearer(authorization_header, admin_api_key))
-    if level == _Level.ADMIN_OPTIONAL:
-        if admin_api_key:
-            return _Decision(_check_bearer(authorization_header, admin_api_key))
-        if api_key:
-            return _Decision(_check_bearer(authorization_header, api_key))
-        return _Decision(True)
-    if api_key:
-        return _Decision(_check_bearer(authorization_header, api_key))
-    return _Decision(True)
-
-
-@functools.lru_cache(None)
-def wheel_auth():
-    """sglang/srt/utils/auth.py from the installed wheel (it imports nothing heavy), or None."""
-    from mgrpo.rollout.sglang import schema
-
-    path = schema._wheel_file("srt", "utils", "auth.py")
-    return schema._load_file("_mgrpo_sglang_auth", path) if path else None
-
-
-def decide(method: str, path: str, authorization: Optional[str], api_key: Optional[str],
-           admin_api_key: Optional[str]) -> tuple[bool, int]:
-    """(allowed, status when refused) for a request to one of the CPU server's routes, by SGLang's rules."""
-    admin = path in ADMIN_OPTIONAL
-    mod = wheel_auth()
-    if mod is not None:
-        level = mod.AuthLevel.ADMIN_OPTIONAL if admin else mod.AuthLevel.NORMAL
-        d = mod.decide_request_auth(method=method, path=path, authorization_header=authorization, api_key=api_key,
-                                    admin_api_key=admin_api_key, auth_level=level)
-    else:
-        d = decide_fallback(method=method, path=path, authorization_header=authorization, api_key=api_key,
-                            admin_api_key=admin_api_key,
-                            auth_level=_Level.ADMIN_OPTIONAL if admin else _Level.NORMAL)
-    return d.allowed, d.error_status_code
 
 
 # --- delivery --------------------------------------------------------------------------------------------

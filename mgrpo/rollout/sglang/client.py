@@ -2,7 +2,7 @@
 
 It implements `RolloutEngine` (types.py), so the rollout group does not care which engine it
 hosts. The server is SGLang itself on GPU or the CPU server speaking its protocol
-(`cpu_server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same
+(`cpu/server.py`); `SGLangEngine.launch` picks one by capability, and this client is the same
 for both. Request and response shapes are SGLang 0.5.23's (`sglang/srt/entrypoints/http_server.py`,
 `sglang/srt/managers/io_struct.py`, the JSON contract in
 `sglang/api/v1/api_types.py`, and `meta_info` as built in `managers/tokenizer_manager.py`).
@@ -28,13 +28,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.net import free_port
+from mgrpo.net import free_port, node_ip
 from mgrpo.rollout.sglang.auth import key_config_file, remove_key_config
-from mgrpo.rollout.sglang.buckets import FLATTENED, bucket_bytes
 from mgrpo.rollout.sglang.generate_io import (build_generate_payload, checkpoint_moe_shape, checkpoint_tensor_names,
                                               parse_generate_item)
-from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError, node_ip
-from mgrpo.rollout.sglang.schema import MEMORY_TAGS
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError
+from mgrpo.rollout.sglang.protocol.buckets import FLATTENED, bucket_bytes
+from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
@@ -111,7 +111,7 @@ class SGLangEngine:
                return_routed_experts: bool = False, **engine_kwargs) -> "SGLangEngine":
         """Start a rollout server on this node's cluster address and wait until /health_generate
         answers: `python -m sglang.launch_server` where SGLang can run (its package and kernels, a
-        CUDA device), else `python -m mgrpo.rollout.sglang.cpu_server`, with the same arguments.
+        CUDA device), else `python -m mgrpo.rollout.sglang.cpu.server`, with the same arguments.
         `server` forces one ('sglang' | 'cpu'). `api_key`: the server's API and admin key, handed over in
         a private file its `--config` reads (never on the command line), and sent by this client.
         `ep`: SGLang's --ep-size. `return_routed_experts`: --enable-return-routed-experts.

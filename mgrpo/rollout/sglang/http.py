@@ -8,8 +8,6 @@ Also the capability checks that keep SGLang-only paths from failing obscurely on
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -20,7 +18,7 @@ from mgrpo.rollout.sglang.auth import bearer
 
 ENGINE_HINT = ("SGLang's own server (rollout.engine=sglang on GPU) needs the `sglang` package with its kernels and "
                "a CUDA device on the rollout workers; without them SGLangEngine.launch runs the CPU server "
-               "(mgrpo.rollout.sglang.cpu_server), which speaks the same protocol")
+               "(mgrpo.rollout.sglang.cpu.server), which speaks the same protocol")
 
 
 class SGLangUnavailableError(RuntimeError):
@@ -61,20 +59,6 @@ def require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise SGLangUnavailableError(f"{what}: no CUDA device is visible (torch.cuda.is_available() is False). "
                                      f"{ENGINE_HINT}.")
-
-
-def node_ip() -> str:
-    """This node's cluster address: $MGRPO_NODE_IP, else the address of the interface that routes
-    outward (a UDP connect sends nothing), else the host name's address."""
-    ip = os.environ.get("MGRPO_NODE_IP")
-    if ip:
-        return ip
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 def _transient_status(status: int) -> bool:

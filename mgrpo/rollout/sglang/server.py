@@ -2,7 +2,7 @@
 
 Two servers speak the same HTTP protocol and take the same command line:
 - `sglang.launch_server` (SGLang itself; needs CUDA and SGLang's GPU kernels),
-- `mgrpo.rollout.sglang.cpu_server` (transformers on CPU; tests, CI and the CPU job).
+- `mgrpo.rollout.sglang.cpu.server` (transformers on CPU; tests, CI and the CPU job).
 `choose_server` picks one by capability at call time; the client does not know which it talks to.
 """
 
@@ -21,7 +21,7 @@ from mgrpo.rollout.sglang.http import ENGINE_HINT, SGLangUnavailableError
 
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 SGLANG_MODULE = "sglang.launch_server"
-CPU_MODULE = "mgrpo.rollout.sglang.cpu_server"
+CPU_MODULE = "mgrpo.rollout.sglang.cpu.server"
 SERVERS = {"sglang": SGLANG_MODULE, "cpu": CPU_MODULE}
 
 def sglang_runtime_missing() -> Optional[str]:

@@ -34,15 +34,15 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format, dtype_name,
-                                          flat_layout, flatten_bucket)
-from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, node_ip, require_cuda
-from mgrpo.net import free_port
+from mgrpo.net import free_port, node_ip
+from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError, require_cuda
+from mgrpo.rollout.sglang.protocol.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format,
+                                                   dtype_name, flat_layout, flatten_bucket)
+from mgrpo.rollout.sglang.protocol.group import new_weight_update_group
 from mgrpo.rollout.sglang.session import WeightSession
 
 log = logging.getLogger(__name__)
@@ -54,25 +54,6 @@ def default_backend() -> str:
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         return "nccl"
     return "gloo"
-
-
-def new_weight_update_group(master_address: str, master_port: int, world_size: int, group_name: str, *,
-                            backend: str = "nccl", rank: int = 0, timeout_s: float = 600.0):
-    """A process group outside the default one, made the way SGLang makes its side
-    (utils/common.py::init_custom_process_group): tcp rendezvous (rank 0 hosts the TCPStore),
-    a PrefixStore named after the group, `_new_process_group_helper`, identity rank map."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    timeout = timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 _LIVE_SENDERS: dict[str, "DistributedWeightSender"] = {}

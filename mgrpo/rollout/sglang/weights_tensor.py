@@ -36,26 +36,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket, check_load_format,
-                                          flat_layout, flatten_bucket)
+from mgrpo.rollout.sglang.protocol.buckets import (FLATTENED, Bucket, bucket_bytes, check_bucket,
+                                                   check_load_format, flat_layout, flatten_bucket)
 from mgrpo.rollout.sglang.http import HTTPClient
 from mgrpo.rollout.sglang.session import WeightSession
-
-# Globals our payloads may contain; each is in SGLang's SafeUnpickler.ALLOWED_GLOBALS
-# (utils/common.py). tests/test_sglang_weights.py checks both statements.
-PAYLOAD_GLOBALS = frozenset({
-    ("types", "SimpleNamespace"), ("torch", "Size"), ("torch", "Tensor"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("multiprocessing.resource_sharer", "DupFd"),
-}) | frozenset(("torch", str(d).removeprefix("torch.")) for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 # --- serialisation --------------------------------------------------------------------------------

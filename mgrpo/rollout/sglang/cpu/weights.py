@@ -1,7 +1,7 @@
 """The weight-update routes of the CPU server: both transports, as an SGLang engine receives them.
 
 - `/update_weights_from_tensor`: every TP rank deserialises its own entry of
-  `serialized_named_tensors` with SGLang's unpickler (schema.deserialize); rank 0's tensors are
+  `serialized_named_tensors` with SGLang's unpickler (receive.deserialize); rank 0's tensors are
   loaded (one process holds the whole model), the other ranks' are decoded and dropped, which
   releases their shared-memory references as SGLang's ranks would.
 - `/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`:
@@ -19,8 +19,8 @@ import time
 import torch
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
-from mgrpo.rollout.sglang import schema
-from mgrpo.rollout.sglang.buckets import FLATTENED, distributed_layout, unflatten
+from mgrpo.rollout.sglang.cpu import receive
+from mgrpo.rollout.sglang.protocol.buckets import FLATTENED, distributed_layout, unflatten
 
 log = logging.getLogger("mgrpo.cpu_server")
 
@@ -40,7 +40,7 @@ def receive_tensor(state, body: dict) -> int:
                          "(one per TP rank)")
     named = None
     for rank, payload in enumerate(payloads):
-        data = schema.deserialize(payload)
+        data = receive.deserialize(payload)
         if rank == 0:
             named = _named_from_payload(data, body.get("load_format"))
         del data
@@ -122,7 +122,7 @@ def add_routes(app, state, body_of, result) -> None:
                                  f"master_port {port} (the engine joins as a rank in [1, world_size))")
         try:  # blocks until the trainer joins: off the model thread, so generation goes on meanwhile
             state.groups[name] = await asyncio.to_thread(
-                schema.join_group, body["master_address"], body["master_port"], body["rank_offset"],
+                receive.join_group, body["master_address"], body["master_port"], body["rank_offset"],
                 body["world_size"], name, backend)
         except Exception as e:  # noqa: BLE001
             log.exception("init_weights_update_group failed")

@@ -24,8 +24,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mgrpo.rollout.sglang import schema
-from mgrpo.rollout.sglang.schema import SAMPLING_FIELDS, RequestError
+from mgrpo.rollout.sglang.cpu.receive import RequestError
+from mgrpo.rollout.sglang.protocol import wheel
+from mgrpo.rollout.sglang.protocol.tables import SAMPLING_FIELDS
 
 SAMPLING_EPS = 1e-6  # srt/sampling/sampling_params.py _SAMPLING_EPS
 TOP_K_ALL = 1 << 30  # srt/sampling/sampling_params.py: top_k -1 = the whole vocabulary
@@ -141,7 +142,7 @@ def check_sampling(sp: Any, index: int) -> dict:
 
 def parse(body: Any, limits: Limits):
     """The body of one POST /generate -> (Reqs, single, per-request return_logprob)."""
-    from mgrpo.rollout.sglang.cpu_model import Req
+    from mgrpo.rollout.sglang.cpu.model import Req
 
     if not isinstance(body, dict):
         raise RequestError(f"/generate: the body must be a JSON object, got {type(body).__name__}")
@@ -255,7 +256,7 @@ def mask_lists(masks: list, logprobs: list, support: bool) -> tuple[list, list]:
     (int32 ids, float32 log-probs) and read back with `to_lists`, where the wheel is installed."""
     import numpy as np
 
-    mod = schema.sampling_mask()
+    mod = wheel.sampling_mask()
     if mod is None:
         return [list(m) for m in masks], list(logprobs)
     flat = [v for row in logprobs for v in row] if support else list(logprobs)

@@ -1,18 +1,18 @@
 """A CPU rollout server speaking SGLang's HTTP protocol over transformers.
 
-    python -m mgrpo.rollout.sglang.cpu_server --model-path D --tp-size 1 --host H --port P \\
+    python -m mgrpo.rollout.sglang.cpu.server --model-path D --tp-size 1 --host H --port P \\
         --mem-fraction-static F --weight-version V [--enable-memory-saver] [--config KEYS.yaml] ...
 
 It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either with the same
 arguments) and serves the native endpoints the rollout path uses, with SGLang 0.5.23's request
 and answer shapes (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
 `tokenizer_manager.py`, `scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang.
-Requests are checked with SGLang's own classes where the wheel is installed (schema.py). It is
+Requests are checked with SGLang's own classes where the wheel is installed (receive.py, ../protocol/). It is
 stricter than SGLang where SGLang would silently do the wrong thing: unknown fields, generating
 with released or not-yet-reloaded weights, releasing memory with requests in flight. API keys
 (`--api-key`, `--admin-api-key`, or both from a `--config` YAML file, SGLang's way of keeping them off
-the command line) are enforced by SGLang's rules before any route runs (cpu_guard.py); `/generate`
-is checked and answered as SGLang does (cpu_generate.py), with sampling masks and routed experts.
+the command line) are enforced by SGLang's rules before any route runs (guard.py); `/generate`
+is checked and answered as SGLang does (generate.py), with sampling masks and routed experts.
 
 Not served: text prompts (the trainer tokenises), streaming, the OpenAI routes, `--tp-size` > 1 for
 the distributed transport (the tensor transport accepts one payload per TP rank, as SGLang does).
@@ -32,9 +32,11 @@ from typing import Any, Optional
 
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
-from mgrpo.rollout.sglang import cpu_generate, schema
-from mgrpo.rollout.sglang.cpu_guard import BodyTooLarge, Guard, Refusals
-from mgrpo.rollout.sglang.schema import RequestError
+from mgrpo.rollout.sglang.cpu import generate as cpu_generate
+from mgrpo.rollout.sglang.cpu import receive
+from mgrpo.rollout.sglang.cpu.guard import BodyTooLarge, Guard, Refusals
+from mgrpo.rollout.sglang.cpu.receive import RequestError
+from mgrpo.rollout.sglang.protocol import wheel
 
 log = logging.getLogger("mgrpo.cpu_server")
 
@@ -66,7 +68,7 @@ def _merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
     installed, the same conversion (scalars and store_true flags) otherwise."""
     if "--config" not in argv:
         return argv
-    merger = schema.config_merger()
+    merger = wheel.config_merger()
     if merger is not None:
         try:
             return merger.ConfigArgumentMerger(parser).merge_config_with_args(argv)
@@ -90,7 +92,7 @@ def _merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu_server", allow_abbrev=False,
+    p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu.server", allow_abbrev=False,
                 description="CPU rollout server speaking SGLang's HTTP protocol (transformers underneath).")
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
     p.add_argument("--tokenizer-path", default=None, help="reported by /model_info only (input is token ids)")
@@ -165,7 +167,7 @@ class State:
         return await fut
 
     async def _drain(self) -> None:
-        from mgrpo.rollout.sglang.cpu_model import ModelError
+        from mgrpo.rollout.sglang.cpu.model import ModelError
 
         try:
             while self.queue:
@@ -212,7 +214,7 @@ def build_app(state: State):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-    from mgrpo.rollout.sglang.cpu_model import ModelError
+    from mgrpo.rollout.sglang.cpu.model import ModelError
 
     app = FastAPI(title="mgrpo CPU rollout server (SGLang protocol)")
     app.add_middleware(Guard, api_key=state.args.api_key, admin_api_key=state.args.admin_api_key,
@@ -242,14 +244,14 @@ def build_app(state: State):
             raise RequestError(f"{path}: the body is not JSON: {e}", validation=True) from e
 
     async def body_of(request: Request, path: str) -> dict:
-        return schema.check_request(path, await json_body(request, path))
+        return receive.check_request(path, await json_body(request, path))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         t0 = time.monotonic()
         body = await json_body(request, "/generate")
         try:
-            schema.check_generate(body)
+            receive.check_generate(body)
         except RequestError as e:  # SGLang's contract error: {"error": "<message>"}
             return JSONResponse({"error": str(e)}, status_code=400)
         reqs, single, logprob = cpu_generate.parse(body, state.limits)
@@ -273,7 +275,7 @@ def build_app(state: State):
         tic = time.monotonic()
         if model.released or model.stale:
             return Response(status_code=200)
-        from mgrpo.rollout.sglang.cpu_model import Req
+        from mgrpo.rollout.sglang.cpu.model import Req
 
         probe = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], temperature=0.0, max_new_tokens=1)
         job = asyncio.ensure_future(state.on_model(model.generate, [probe]))
@@ -333,7 +335,7 @@ def build_app(state: State):
         state.session_open = False
         return result(True, "Success")
 
-    from mgrpo.rollout.sglang import cpu_weights
+    from mgrpo.rollout.sglang.cpu import weights as cpu_weights
 
     cpu_weights.add_routes(app, state, body_of, result)
 
@@ -362,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         stream=sys.stdout)
     import uvicorn
 
-    from mgrpo.rollout.sglang.cpu_model import CPUModel
+    from mgrpo.rollout.sglang.cpu.model import CPUModel
 
     t0 = time.monotonic()
     try:
@@ -371,11 +373,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                          enable_weights_cpu_backup=args.enable_weights_cpu_backup,
                          return_routed_experts=args.enable_return_routed_experts)
     except ValueError as e:
-        sys.exit(f"python -m mgrpo.rollout.sglang.cpu_server: {e}")
+        sys.exit(f"python -m mgrpo.rollout.sglang.cpu.server: {e}")
     state = State(args, model)
     log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s; API key: %s", args.model_path,
              model.info()["parameters"], time.monotonic() - t0,
-             "checked with the installed wheel" if schema.request_classes() else "field tables only (no sglang wheel)",
+             "checked with the installed wheel" if wheel.request_classes() else "field tables only (no sglang wheel)",
              "required" if args.api_key or args.admin_api_key else "NONE (anyone who reaches the port may use it)")
     uvicorn.run(build_app(state), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
 

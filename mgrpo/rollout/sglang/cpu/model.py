@@ -1,5 +1,5 @@
 """The model side of the CPU rollout server: batched sampling with per-token log-probs, weight
-loading, memory release. No HTTP here (cpu_server.py); every call runs on the server's single
+loading, memory release. No HTTP here (server.py); every call runs on the server's single
 model thread, so generation and weight loads never interleave.
 
 Sampling follows SGLang's per-request semantics: each request has its own sampling params and, when
@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.sglang.schema import MEMORY_TAGS
+from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
 
 
 @dataclass
@@ -58,7 +58,7 @@ class CPUModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from mgrpo.rollout.routes import RouteCapture
-        from mgrpo.rollout.sglang.cpu_moe import weight_targets
+        from mgrpo.rollout.sglang.cpu.moe import weight_targets
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32", "float") else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()

@@ -1,4 +1,4 @@
-"""Memory terms of a mixture-of-experts model (model.num_experts > 0) for the planner (memory_plan.py).
+"""Memory terms of a mixture-of-experts model (model.num_experts > 0) for the planner (memory.py).
 
 No torch. A MoE layer runs sequence parallel at TP > 1 (mgrpo.models.gpt), so a rank's MoE block sees
 T' = T / tp of a micro-batch's T tokens; each is routed to k of E experts, and with the routing balanced
@@ -12,7 +12,7 @@ counted from what autograd saves (tests/test_plan_memory.py checks them byte for
                    + 6 E B              with the load-balancing loss (its fp32 scores and map)
 The Transformer Engine spec (grouped GEMM, fused SwiGLU) is assumed to keep e (h + 3 I) per routed row,
 as its dense MLP keeps 3f per token (not measured: no GPU here). The attention part is the dense layer's
-(memory_plan.layer_activations with no MLP) with its norm and residual terms split tp ways.
+(memory.layer_activations with no MLP) with its norm and residual terms split tp ways.
 
 Beyond activations: the dispatcher's send and receive buffers of one layer (T' k rows of h, twice), the
 weight sync's gather of one local expert over the EP group, the optimizer states of the experts sharded

@@ -32,7 +32,7 @@ RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens
     e T (4h + 3f/t + 3 dq/t + 3 dkv/t)
   full recompute (uniform, one layer per checkpoint): e T h per layer + one layer's full set.
 Mixture-of-experts models (experts split over actor.ep, their MoE blocks, dispatcher buffers, the EP
-gather of the weight sync, the routing-replay payload): moe_memory.py.
+gather of the weight sync, the routing-replay payload): moe.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from mgrpo.cluster.moe_memory import (dispatch_buffers, ep_gather, is_moe, largest_exported, largest_layer_param,
+from mgrpo.plan.moe import (dispatch_buffers, ep_gather, is_moe, largest_exported, largest_layer_param,
                                       moe_backward_working_set, moe_block_activations, optimizer_states,
                                       routing_payload)
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
@@ -112,7 +112,7 @@ def micro_batch_shape(cfg: MGRPOConfig, lay: Layout, device: str) -> Shape:
 def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
     """Bytes autograd keeps for one decoder layer of one micro-batch (formulas in the module doc; a
     mixture-of-experts layer: its attention as a dense layer's without the MLP, sequence parallel at
-    TP > 1, plus its MoE block, see moe_memory.py)."""
+    TP > 1, plus its MoE block, see moe.py)."""
     h, nq, nkv, hd = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     moe = is_moe(m)
     f = 0 if moe else m.ffn_hidden_size

@@ -17,7 +17,7 @@ import threading
 from collections import Counter
 from typing import Optional
 
-from mgrpo.rollout.sglang.auth import decide
+from mgrpo.rollout.sglang.cpu.auth import decide
 
 log = logging.getLogger("mgrpo.cpu_server")
 
