@@ -9,6 +9,7 @@ Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAM
   main-job  the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
   plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/measure/plan_table.py)
   results   the Results table; a row whose results file is missing is left out (its command makes the file)
+  test-tiers the test tiers' commands, counts and wall times (test_suite_cpu.json, from benchmarks/tools/test_suite.py)
 tests/test_readme_results.py fails when README.md is not what this renders.
 """
 
@@ -407,13 +408,22 @@ def row_convert():
             _command(d["command"]), text + f"; at load ~{d['machine']['load_avg_1m_at_start']:.0f}")
 
 
-def row_test_suite():
+def test_tiers_block() -> str:
+    """The README's tier table: each tier's command, count, wall time against its budget, and the load."""
     d = _json("test_suite_cpu.json")
     if d is None:
-        return None
-    return ("test suite, as CI runs it", _command(d["command"]),
-            f"{d['passed']} passed, {d['skipped']} skipped, {d['failed']} failed in {d['wall_s'] / 60:.0f} min at "
-            f"commit {d['commit'][:10]}, load ~{d['load_1m_at_start']:.0f}")
+        return "(not measured yet: `python -m benchmarks.tools.test_suite`)"
+    lines = ["Measured with `python -m benchmarks.tools.test_suite` on the 2-core machine:", "",
+             "| command | tests | wall time (budget) | load | commit |", "|---|---|---|---|---|"]
+    for name in ("unit", "readme", "system"):
+        t = d["tiers"].get(name)
+        if t is None:
+            continue
+        budget = f" ({t['budget_s'] / 60:.0f} min)" if t.get("budget_s") else ""
+        lines.append(f"| `{t['command']}` | {t['passed']} passed, {t['skipped']} skipped, {t['failed']} failed | "
+                     f"{t['wall_s'] / 60:.1f} min{budget} | {t['load_1m_at_start']:.1f}-{t['load_1m_at_end']:.1f} | "
+                     f"{t['commit'][:10]} |")
+    return "\n".join(lines)
 
 
 def _static(what: str, command: str, result: str) -> Row:
@@ -457,7 +467,6 @@ ROWS: list[Row] = [
     _scaling_row("engines", "GRPO step vs rollout engines (SGLang-protocol CPU servers), mgrpo", image=False),
     _scaling_row("ranks", "GRPO step vs Megatron ranks (TP, DP over gloo), mgrpo", image=False, every_point=True),
     row_convert,
-    row_test_suite,
 ]
 
 
@@ -470,7 +479,7 @@ def results_block() -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block}
+BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block, "test-tiers": test_tiers_block}
 
 
 def render(readme: str) -> str:
