@@ -28,6 +28,7 @@ def write(path, lines: list[str]) -> str:
     return str(path)
 
 
+@pytest.mark.integration
 def test_reward_help_shows_an_input_line_that_scores_as_shown(tmp_path):
     help_text = run("mgrpo-reward", "--help", cwd=tmp_path).stdout
     lines = help_text.splitlines()
@@ -39,6 +40,7 @@ def test_reward_help_shows_an_input_line_that_scores_as_shown(tmp_path):
     assert json.loads((tmp_path / "out.jsonl").read_text()) == json.loads(scored)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("lines, needles", [
     ([json.dumps(GOOD), '{"data_source": "openai/gsm8k", "response": '], ["in.jsonl:2:", "not valid JSON"]),
     ([json.dumps({"data_source": "openai/gsm8k", "response": "#### 7", "reward_model": {"style": "rule"}})],
@@ -53,6 +55,7 @@ def test_reward_bad_input(tmp_path, lines, needles):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.integration
 def test_reward_record_form_and_unwritable_output(tmp_path):
     record = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "3+4?"}], "response": "#### 7",
               "reward_model": {"ground_truth": "7", "style": "rule"}}
@@ -63,6 +66,7 @@ def test_reward_record_form_and_unwritable_output(tmp_path):
     assert_clean_error(out, "--out", "cannot write")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("lines, needles", [
     ([json.dumps({"question": "q", "answer": "#### 1"}), '{"question": "q"'], ["train.jsonl:2:", "not valid JSON"]),
     ([json.dumps({"question": "q"})], ["train.jsonl:1:", "field 'answer' missing"]),
@@ -78,6 +82,7 @@ def test_prepare_bad_input(tmp_path, lines, needles):
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
+@pytest.mark.integration
 def test_prepare_unwritable_output(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()

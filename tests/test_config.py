@@ -166,6 +166,7 @@ def test_every_logprob_impl_choice_reaches_a_kernel_path():
         mgrpo_kernels.linear_logprobs(h, w, labels, impl="fast")
 
 
+@pytest.mark.integration
 def test_cli_rejects_bad_config_before_spawning_anything():
     out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "actor.tp=3"],
                          capture_output=True, text=True, timeout=120)

@@ -73,6 +73,7 @@ def _train_two_steps(rank, world, port, tp, pp):
     return norms
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
 def test_training_step_runs_on_cpu(tp, pp):
     norms = run_ranks(_train_two_steps, tp * pp, tp, pp)
@@ -98,6 +99,7 @@ def test_eager_jit_module_matches_megatrons():
     assert defined == set(JIT_NAMES)
 
 
+@pytest.mark.integration
 def test_megatron_imports_without_torch_compile_on_cpu():
     """lean_megatron_import() first (as a Megatron rank does) keeps megatron-core's fusions eager on CPU: no TorchDynamo or
     Inductor in the process (~70 MiB per Megatron rank), and megatron sees a fuser that changes nothing;

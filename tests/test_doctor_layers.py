@@ -65,6 +65,7 @@ def _rel(c, site):
     return next(s["rel"] for s in c["sites"] if s["name"] == site)
 
 
+@pytest.mark.integration
 def test_same_weights_agree(clean):
     hf_dir, ids, trainer = clean
     assert list(trainer) == sites(4)
@@ -74,6 +75,7 @@ def test_same_weights_agree(clean):
     assert 0 < _rel(c, "log-probs") < 1e-6  # the trainer's chunked kernel against a full log_softmax
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tensor, site", [
     ("model.layers.2.mlp.down_proj.weight", "layer 2 mlp"),
     ("model.layers.1.self_attn.k_proj.weight", "layer 1 attention"),
@@ -91,6 +93,7 @@ def test_a_perturbed_layer_is_named(clean, tmp_path, tensor, site):
     assert verdict_line(c, ids, PROMPT).startswith(f"PARTS AT {site.upper()}")
 
 
+@pytest.mark.integration
 def test_a_wrong_rope_theta_parts_at_the_first_attention(clean, tmp_path):
     hf_dir, ids, trainer = clean
     engine = _copy(hf_dir, str(tmp_path / "engine"))
@@ -106,6 +109,7 @@ def test_a_wrong_rope_theta_parts_at_the_first_attention(clean, tmp_path):
     assert worst > 0  # position 0 is not rotated: a RoPE fault shows from position 1 on
 
 
+@pytest.mark.integration
 def test_a_bf16_engine_grows_gradually_with_no_single_place(clean):
     hf_dir, ids, trainer = clean
     c = _doctor(hf_dir, ids, trainer, dtype="bfloat16")
@@ -148,6 +152,7 @@ def _support_reference(logits: torch.Tensor, tokens: list[int], k: int, p: float
     return torch.stack(out)
 
 
+@pytest.mark.integration
 def test_a_support_mismatch_parts_at_the_log_probs_and_is_named(clean, sampled_ids):
     hf_dir, _, _ = clean
     ids = sampled_ids
@@ -169,6 +174,7 @@ def test_a_support_mismatch_parts_at_the_log_probs_and_is_named(clean, sampled_i
     assert hint.startswith("\nSUPPORT MISMATCH") and "sampled (top_k=5, top_p=0.9)" in hint and "over full" in hint
 
 
+@pytest.mark.integration
 def test_the_command_names_the_layer_and_refuses_bad_input(clean, tmp_path):
     """The whole path once through `mgrpo-doctor layers` (its own rank process), then its refusals."""
     hf_dir, ids, _ = clean
@@ -208,6 +214,7 @@ def test_the_command_names_the_layer_and_refuses_bad_input(clean, tmp_path):
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2
 
 
+@pytest.mark.integration
 def test_other_layer_counts_are_refused_before_any_model_runs(clean, tmp_path):
     hf_dir, ids, _ = clean
     other = make_hf_checkpoint(str(tmp_path / "two"), tiny_cfg(num_layers=2), seed=1)

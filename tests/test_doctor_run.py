@@ -99,6 +99,7 @@ def test_missing_log_probs_are_counted_not_averaged(tmp_path):
     assert rep["tokens"]["max"] == pytest.approx(1e-6, rel=1e-6)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"),
     ("no_file", "has no trajectories.jsonl"),

@@ -28,6 +28,7 @@ def tp1_run(tmp_path_factory):
     return run_dir, read_metrics(run_dir)
 
 
+@pytest.mark.integration
 def test_step0_invariants(tp1_run):
     """Same weights, same tokens: the engine and Megatron agree on log-probs, and the first update of
     a step starts exactly on-policy."""
@@ -94,6 +95,7 @@ def test_triton_kernel_in_training_matches_chunked(tp1_run, tmp_path, monkeypatc
             assert got[step][key] == pytest.approx(ref[step][key], abs=1e-5), (step, key)
 
 
+@pytest.mark.integration
 def test_run_artifacts(tp1_run):
     run_dir, metrics = tp1_run
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
@@ -115,6 +117,7 @@ def test_run_artifacts(tp1_run):
     assert {r["weight_version"] for r in rows if r["step"] == 2} == {1}
 
 
+@pytest.mark.integration
 def test_resume_continues_exactly(tmp_path):
     """A run that died after logging step 3 but whose last checkpoint is step 2 resumes from step 2 and
     logs what the uninterrupted run logs for steps 3-4, with no duplicate rows."""
@@ -135,6 +138,7 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == sorted(steps) and steps.count(3) == 8 * 4
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_cleanly(tmp_path):
     run_dir = str(tmp_path)
     proc = subprocess.Popen(

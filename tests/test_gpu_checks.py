@@ -49,6 +49,7 @@ def part(out: Path, name: str) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
+@pytest.mark.integration
 def test_says_it_is_a_dry_run_and_summarises(dry_run):
     out, stdout, _ = dry_run
     assert "no CUDA device found" in stdout and "DRY RUN" in stdout
@@ -64,6 +65,7 @@ def test_says_it_is_a_dry_run_and_summarises(dry_run):
         assert (out / "logs" / f"{name}.log").stat().st_size > 0
 
 
+@pytest.mark.integration
 def test_kernel_correctness_rows(dry_run):
     out, _, _ = dry_run
     rows = read_csv(out / "kernel_correctness.csv")
@@ -87,6 +89,7 @@ def test_kernel_correctness_rows(dry_run):
         assert "interpreter" in part(out, "kernels")["result"]["skipped"]["fused/bf16"]
 
 
+@pytest.mark.integration
 def test_kernel_bench_rows(dry_run):
     out, _, _ = dry_run
     rows = read_csv(out / "kernel_bench.csv")
@@ -105,6 +108,7 @@ def test_kernel_bench_rows(dry_run):
     assert all(v > 0 for v in res["time_ratios_at_ratio_T"].values())
 
 
+@pytest.mark.integration
 def test_training_step_matches_cpu_reference(dry_run):
     out, _, _ = dry_run
     res = part(out, "train")["result"]
@@ -124,6 +128,7 @@ def test_training_step_matches_cpu_reference(dry_run):
     assert len(batch["responses"]) == 16
 
 
+@pytest.mark.integration
 def test_te_part_says_why_it_did_not_run(dry_run):
     out, _, _ = dry_run
     rec = part(out, "te")

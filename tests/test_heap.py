@@ -50,6 +50,7 @@ def peak_held_mib(env: dict, trim_every: int) -> int:
     return int(out.stdout.strip())
 
 
+@pytest.mark.integration
 def test_decode_loop_trims_bound_what_the_heap_holds():
     untrimmed = peak_held_mib(arena_env(), 0)
     trimmed = peak_held_mib(arena_env(), DECODE_TRIM_EVERY)

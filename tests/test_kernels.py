@@ -116,6 +116,7 @@ def test_dispatch_errors(monkeypatch):
         assert K.capabilities()["fused"] is False
 
 
+@pytest.mark.integration
 def test_imports_and_runs_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"

@@ -225,6 +225,7 @@ def triton_results():
     return json.loads(line[len("RESULTS"):])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["logprobs", "loss"])
 @pytest.mark.parametrize("temperature,vocab_size", CASES)
 def test_triton_interpreted_matches_reference(triton_results, kind, temperature, vocab_size):

@@ -75,11 +75,13 @@ def _assert_within(e):
     assert e.get("ent", 0.0) < 1e-4, e
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("temperature,vocab_size", LOGPROB_CASES)
 def test_triton_linear_logprobs(results, temperature, vocab_size):
     _assert_within(results[f"logprobs/{temperature}/{vocab_size}"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kl_loss_type,clip_ratio_c", LOSS_CASES)
 def test_triton_fused_loss(results, kl_loss_type, clip_ratio_c):
     e = results[f"loss/{kl_loss_type}/{clip_ratio_c}"]
@@ -87,6 +89,7 @@ def test_triton_fused_loss(results, kl_loss_type, clip_ratio_c):
     assert e["loss"] < 1e-5 and e["metrics"] < 1e-5, e
 
 
+@pytest.mark.integration
 def test_triton_frozen_weight_without_entropy(results):
     e = results["frozen_weight_no_entropy"]
     assert e["gh"] < 1e-4 and e["ent_is_none"] == 0.0, e

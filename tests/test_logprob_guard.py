@@ -84,6 +84,7 @@ def test_defaults_by_dtype_and_off_and_validation():
     assert any("trainer.logprob_diff_patience=-1" in e for e in errors)
 
 
+@pytest.mark.integration
 def test_a_run_over_the_bound_stops_with_exit_2_and_the_doctor_reads_it(tmp_path):
     """The real stack: fp32 on CPU differs by ~1e-7 per token, so a bound of 1e-12 stops the run after
     `patience` steps; the steps it ran are on disk with token log-probs and the engine that made them."""

@@ -90,6 +90,7 @@ def _actor_lrs(rank, world, port, hf_dir, total_rl_steps):
     return lrs, reported, sizes
 
 
+@pytest.mark.integration
 def test_actor_steps_the_schedule_once_per_update(tmp_path):
     """3 RL steps x (2 mini-batches x 2 epochs): warm-up over the first 4 updates, cosine decay to
     min_lr at update 12. (Sized in RL steps, as before the fix, warm-up ended after 1 update and the

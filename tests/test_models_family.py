@@ -144,6 +144,7 @@ def _rank_round_trip(rank, world_size, port, cfg, hf_dir):
                                                                    for k in original))
 
 
+@pytest.mark.integration
 def test_hf_checkpoint_round_trip_through_megatron(toy, tmp_path):
     from mgrpo.models import check_hf_config, init_hf_checkpoint, model_config_from_hf
 

@@ -130,6 +130,7 @@ def test_batch_arithmetic(capsys):
     assert b["micro_batches_per_dp_rank_per_mini_batch_at_most"] == 16
 
 
+@pytest.mark.integration
 def test_invalid_config_exits_2_naming_the_field():
     out = subprocess.run(["mgrpo-plan", "actor.tp=3"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
@@ -144,6 +145,7 @@ def test_unknown_key_exits_2(capsys):
     assert "actor.not_a_key" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_plan_does_not_start_ray_or_import_torch():
     code = ("import sys; from mgrpo_launchers.plan import main; main(['actor.tp=2']); "
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules, sorted(sys.modules)")
@@ -152,6 +154,7 @@ def test_plan_does_not_start_ray_or_import_torch():
 
 
 # --- the verdict -------------------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_recipe_without_data_gives_a_verdict_and_a_change_that_fits(tmp_path):
     """The 8B recipe names data/gsm8k/*.parquet; planning needs none of it. Its verdict on 8 x 80 GiB
     at actor.tp=2 (colocated SGLang at 0.6, no recompute, no distributed optimizer; the recipe ships the

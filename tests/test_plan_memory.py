@@ -56,6 +56,7 @@ def _saved_per_layer(rank, world, port, tp, shapes):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tp", [1, 2])
 def test_layer_activation_formula_equals_what_autograd_saves(tp):
     from mgrpo.plan.memory import Shape, layer_activations
@@ -67,6 +68,7 @@ def test_layer_activation_formula_equals_what_autograd_saves(tp):
         assert layer_activations(m, Shape(b * s, b, s, 0, 1), tp, 4, "local") == got, (h, f, nq, nkv, hd, b, s)
 
 
+@pytest.mark.integration
 def test_cpu_estimate_matches_measured_peak_tiny():
     """tiny model, TP=1, 2 micro-batches of 16 x 256 tokens: activations dominate (~0.2 GiB)."""
     _check(_measure("tiny-tp1pp1"))

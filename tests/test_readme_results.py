@@ -37,6 +37,7 @@ def test_a_changed_results_file_changes_the_readme(tmp_path, monkeypatch):
         readme_table.render(text.replace("<!-- /readme_table:results -->", ""))
 
 
+@pytest.mark.integration
 def test_plan_table_writes_tracked_files_only_when_asked(tmp_path):
     import subprocess
     import sys

@@ -119,6 +119,7 @@ def _requests():
     ]
 
 
+@pytest.mark.integration
 def test_judger_workers_isolate_failures_and_timeouts(user_module):
     cfg = RewardConfig(custom_functions=user_module, timeout_s=2.0, num_workers=2)
     with Judger(cfg) as judger:
@@ -136,6 +137,7 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
         assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
 
 
+@pytest.mark.integration
 def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
     """A step's requests reach each worker as one message (not one round trip per response), and the
     answers come back to the right requests."""
@@ -153,6 +155,7 @@ def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
         assert sorted(sent[2:]) == [1, 2]
 
 
+@pytest.mark.integration
 def test_judger_replaces_a_worker_that_died_while_idle():
     with Judger(RewardConfig(num_workers=1)) as judger:
         assert judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")]).scores == [1.0]
@@ -163,6 +166,7 @@ def test_judger_replaces_a_worker_that_died_while_idle():
         assert res.scores == [1.0] * 3 and res.failed == 0 and res.worker_restarts == 1
 
 
+@pytest.mark.integration
 def test_judger_worker_killed_during_a_call_costs_no_score(user_module):
     """A worker killed from outside while it runs a call (as an OOM kill or a chaos run does): the call and
     the ones queued behind it are scored by a fresh worker, exactly as if nothing had happened; the
@@ -191,6 +195,7 @@ def test_judger_in_process(user_module):
     assert (res.failed, res.timeout) == (2, 1)
 
 
+@pytest.mark.integration
 def test_judger_unknown_source_at_score_time_is_counted():
     with Judger(RewardConfig(num_workers=1)) as judger:
         res = judger.score([ScoreRequest("nobody/knows", "x", "y"), ScoreRequest("openai/gsm8k", "#### 2", "2")])
@@ -215,6 +220,7 @@ def test_eval_metrics_by_hand():
 
 # --- mgrpo-reward --------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_reward_cli(tmp_path, capsys, user_module):
     from mgrpo_launchers.reward import main
 

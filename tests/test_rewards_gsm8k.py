@@ -94,6 +94,7 @@ def test_equals_verls_scorer():
         assert len(solutions) == 1319 and all(compute_score("openai/gsm8k", r, t) == 1.0 for r, t in solutions)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_the_judger_applies_reward_gsm8k(num_workers):
     requests = [ScoreRequest("openai/gsm8k", r, t) for r, t in
@@ -105,6 +106,7 @@ def test_the_judger_applies_reward_gsm8k(num_workers):
             assert judger.score(requests).scores == pytest.approx(want), (method, credit)
 
 
+@pytest.mark.integration
 def test_reward_gsm8k_is_a_config_key():
     base = dict(capture_output=True, text=True, timeout=120, env=dict(os.environ))
     out = subprocess.run(["mgrpo-train", "reward.gsm8k.method=flexible", "reward.gsm8k.format_score=0.1",

@@ -98,6 +98,7 @@ def peak_extra_bytes(kind: str, ckpt: str, rows: int, new_tokens: int) -> int:
     return json.loads(p.stdout.strip().splitlines()[-1])["peak"]
 
 
+@pytest.mark.integration
 def test_hf_engine_holds_one_decode_step_of_logits(big_vocab):
     all_steps = ROWS * NEW_TOKENS * BIG_VOCAB * 4  # every step's logits, fp32: 100 MB
     one_step = ROWS * BIG_VOCAB * 4  # 2 MB
@@ -108,6 +109,7 @@ def test_hf_engine_holds_one_decode_step_of_logits(big_vocab):
     assert longer < peak + 4 * one_step, (peak, longer)
 
 
+@pytest.mark.integration
 def test_cpu_server_prefill_keeps_only_the_last_positions_logits(big_vocab):
     every_position = ROWS * PROMPT_LEN * BIG_VOCAB * 4  # 420 MB
     peak = peak_extra_bytes("sglang", big_vocab, ROWS, 4)

@@ -182,6 +182,7 @@ def _send(url, method, path, key):
                             headers=headers, timeout=30)
 
 
+@pytest.mark.integration
 def test_every_endpoint_refuses_missing_and_wrong_keys(keyed):
     eng, _ = keyed
     before = eng.refused_requests()
@@ -202,6 +203,7 @@ def test_every_endpoint_refuses_missing_and_wrong_keys(keyed):
     assert right.status_code == 400 and "not JSON" in right.text  # with the key the body is parsed, and refused
 
 
+@pytest.mark.integration
 def test_the_right_keys_serve(keyed):
     eng, ckpt = keyed
     from mgrpo.rollout.sglang import SGLangEngine, TensorWeightSender
@@ -226,6 +228,7 @@ def test_the_right_keys_serve(keyed):
     assert out[0].weight_version == 7 and ref.max_diff([1, 2], out[0], 0.0) < 1e-5
 
 
+@pytest.mark.integration
 def test_launch_keeps_the_key_off_every_command_line(tmp_path):
     ckpt = tiny_checkpoint(str(tmp_path / "tiny"))
     key = "do-not-show-this-key-0123456789"
@@ -244,6 +247,7 @@ def test_launch_keeps_the_key_off_every_command_line(tmp_path):
 
 
 # --- the router ----------------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_router_requires_the_key_and_counts_refusals(keyed, tmp_path):
     pytest.importorskip("sglang_router")
     from mgrpo.rollout.sglang.router import RoutedClient
@@ -271,6 +275,7 @@ def test_router_requires_the_key_and_counts_refusals(keyed, tmp_path):
     assert front.router.process.poll() is not None
 
 
+@pytest.mark.integration
 def test_cpu_server_reads_keys_from_config_like_sglang(tmp_path):
     """`--config` YAML: SGLang's merger (dash-spelled keys become flags); the command line wins."""
     from mgrpo.rollout.sglang.cpu.server import parse_args
@@ -287,6 +292,7 @@ def test_cpu_server_reads_keys_from_config_like_sglang(tmp_path):
     assert r.returncode == 2 and "--no-such-option" in r.stderr
 
 
+@pytest.mark.integration
 def test_key_file_goes_when_the_launcher_dies_mid_start(tmp_path):
     """A launcher SIGKILLed while its server starts (a Ray actor killed during a restart) runs no cleanup:
     the server's watchdog removes the key file with the server."""

@@ -25,12 +25,14 @@ def _requests(n=6):  # prompts of different lengths: the server pads them in one
     return [GenerateRequest(uid=i, prompt_ids=[1, (3 + i) % VOCAB, 5, 7][: 2 + i % 3]) for i in range(n)]
 
 
+@pytest.mark.integration
 def test_launch_runs_the_cpu_server_where_sglang_cannot(engine):
     assert sglang_runtime_missing() is not None  # this machine: no CUDA
     assert engine.server_module == CPU_MODULE and engine.process.poll() is None
     assert engine.health().ok
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=6),
                                       SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7, seed=3),
                                       SamplingParams(temperature=1.3, max_new_tokens=5, seed=4)],
@@ -50,6 +52,7 @@ def test_generated_logprobs_match_a_transformers_forward(engine, ref, sampling):
             assert int(ranks.max()) < sampling.top_k
 
 
+@pytest.mark.integration
 def test_seeded_requests_do_not_depend_on_the_batch(engine):
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
     batch = engine.generate(_requests(6), sp)
@@ -60,6 +63,7 @@ def test_seeded_requests_do_not_depend_on_the_batch(engine):
     assert len({tuple(r.token_ids) for r in same_prompt}) > 1  # n copies of one prompt get different seeds
 
 
+@pytest.mark.integration
 def test_stop_tokens_end_a_response_and_are_kept(engine, ckpt):
     stops = list(range(3, VOCAB))  # almost every token stops: responses end at once
     body = build_generate_payload(_requests(4), SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
@@ -74,6 +78,7 @@ def test_stop_tokens_end_a_response_and_are_kept(engine, ckpt):
     assert any(it["meta_info"]["finish_reason"]["type"] == "stop" for it in items)
 
 
+@pytest.mark.integration
 def test_answers_follow_sglangs_own_contract(engine):
     contract = wheel.contract()
     if contract is None:
@@ -93,6 +98,7 @@ def test_answers_follow_sglangs_own_contract(engine):
     contract.GetModelInfoResponse.from_json_value(info)
 
 
+@pytest.mark.integration
 def test_bad_requests_are_refused_with_the_reason(engine):
     r = post(engine.url, "/generate", {"input_ids": [[1, 2]], "sampling_params": {"temprature": 1.0}})
     assert r.status_code == 400 and "temprature" in r.text
@@ -106,6 +112,7 @@ def test_bad_requests_are_refused_with_the_reason(engine):
     assert r.status_code == 400 and "selectr" in r.text
 
 
+@pytest.mark.integration
 def test_transient_5xx_is_retried_then_served(engine):
     with FaultProxy(engine.url) as proxy:
         proxy.inject["/generate"] = [503, 502]
@@ -118,6 +125,7 @@ def test_transient_5xx_is_retried_then_served(engine):
             eng.generate(_requests(1), SamplingParams())
 
 
+@pytest.mark.integration
 def test_timed_out_batch_is_aborted_on_the_server_then_resent(engine):
     """The client gives up on a slow answer, aborts its rids on the server (so that no second copy
     runs), and resends under fresh rids; the held-back first copy then arrives aborted."""
@@ -130,6 +138,7 @@ def test_timed_out_batch_is_aborted_on_the_server_then_resent(engine):
         assert proxy.seen.count("/abort_request") == 2 and proxy.seen.count("/generate") == 2
 
 
+@pytest.mark.integration
 def test_batches_split_and_reassemble_in_uid_order(engine):
     with FaultProxy(engine.url) as proxy:
         eng = SGLangEngine.connect(proxy.url, batch_size=3, concurrency=2)
@@ -144,6 +153,7 @@ def _long_body(n: int, rids):
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}}
 
 
+@pytest.mark.integration
 def test_abort_one_request_mid_generation(engine):
     rids = [f"long{i}" for i in range(24)]
     box = {}
@@ -159,6 +169,7 @@ def test_abort_one_request_mid_generation(engine):
                for i, it in enumerate(items) if i != 3)
 
 
+@pytest.mark.integration
 def test_client_resends_what_the_server_aborted(engine, ref):
     eng = SGLangEngine.connect(engine.url, max_retries=2)
     reqs = [GenerateRequest(uid=i, prompt_ids=[1, 2 + i % 5]) for i in range(24)]
@@ -175,6 +186,7 @@ def test_client_resends_what_the_server_aborted(engine, ref):
     assert ref.max_diff(reqs[5].prompt_ids, out[5], 1.0) < 1e-5
 
 
+@pytest.mark.integration
 def test_release_and_resume_memory(engine, ref):
     engine.release_memory()
     h = engine.health()
@@ -195,6 +207,7 @@ def test_release_and_resume_memory(engine, ref):
     assert max(ref.max_diff(q.prompt_ids, r, 0.0) for q, r in zip(_requests(3), out)) < 1e-5
 
 
+@pytest.mark.integration
 def test_health_detects_a_hung_and_a_killed_server(ckpt, tmp_path):
     eng = launch(ckpt, str(tmp_path), health_timeout_s=1.0)
     try:
@@ -215,6 +228,7 @@ def test_health_detects_a_hung_and_a_killed_server(ckpt, tmp_path):
         eng.shutdown()
 
 
+@pytest.mark.integration
 def test_shutdown_stops_the_server(engine):
     """Last in the module: the fixture's own shutdown is then a no-op."""
     engine.shutdown()

@@ -106,6 +106,7 @@ def test_forcing_sglang_where_it_cannot_run_says_why(monkeypatch):
         SGLangEngine.launch("/nonexistent", host="127.0.0.1", server="tpu")
 
 
+@pytest.mark.integration
 def test_dead_server_reports_its_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('loading...'); print('RuntimeError: CUDA out of memory', "
            "flush=True); sys.exit(3)"]
@@ -113,6 +114,7 @@ def test_dead_server_reports_its_log_tail(tmp_path):
         start_server(cmd, "http://127.0.0.1:9", str(tmp_path / "s.log"), startup_timeout_s=30, poll_s=0.1)
 
 
+@pytest.mark.integration
 def test_server_that_never_gets_healthy_is_killed(tmp_path):
     cmd = [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(60)"]
     t0 = time.monotonic()

@@ -245,6 +245,7 @@ REQS = [GenerateRequest(uid=i, prompt_ids=[1, 2 + i]) for i in range(3)]
 SP = SamplingParams(temperature=0.0, max_new_tokens=3)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("junk", [b"<html>502 Bad Gateway</html>", b'[{"text": "", "output_ids": [1',
                                   b'{"unexpected": true}', b'[1, 2, 3]', b"[]"],
                          ids=["garbage", "partial-json", "wrong-shape", "wrong-items", "too-few"])
@@ -262,6 +263,7 @@ def test_client_retries_bad_answers_then_fails_by_name(engine, junk):
         assert eng.stats["bad_answer_retries"] == 2
 
 
+@pytest.mark.integration
 def test_client_facing_a_hang_aborts_retries_then_fails(engine):
     with FaultProxy(engine.url) as proxy:
         proxy.delay["/generate"] = [2.0, 2.0]

@@ -40,6 +40,7 @@ def _reference(ckpt):
     return Reference(ckpt)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=6),
                                       SamplingParams(temperature=1.0, top_k=6, max_new_tokens=7, seed=2)],
                          ids=["greedy", "sampled"])
@@ -57,6 +58,7 @@ def test_routes_are_the_routers_choice(moe_engine, moe_ckpt, sampling):
     assert all(r.routed_experts is None for r in plain)
 
 
+@pytest.mark.integration
 def test_start_len_and_its_bounds(moe_engine, moe_ckpt):
     body = {"input_ids": [1, 4, 6, 8], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3},
             "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 2}
@@ -71,6 +73,7 @@ def test_start_len_and_its_bounds(moe_engine, moe_ckpt):
     assert r.status_code == 400 and "is lower than 0" in r.json()["error"]["message"]
 
 
+@pytest.mark.integration
 def test_without_the_server_flag_the_field_is_absent(moe_ckpt, tmp_path):
     eng = launch(moe_ckpt, str(tmp_path))
     try:
@@ -84,12 +87,14 @@ def test_without_the_server_flag_the_field_is_absent(moe_ckpt, tmp_path):
         eng.shutdown()
 
 
+@pytest.mark.integration
 def test_the_flag_on_a_dense_model_is_refused_at_start(tmp_path):
     dense = tiny_checkpoint(str(tmp_path / "dense"))
     with pytest.raises(RuntimeError, match="returns routed experts for MoE models"):
         launch(dense, str(tmp_path / "logs"), return_routed_experts=True)
 
 
+@pytest.mark.integration
 def test_weight_updates_under_sglangs_expert_names(moe_engine, moe_ckpt, tmp_path):
     """The trainer sends per-expert tensors (SGLang's qwen3_moe.py load_weights names, as on disk); the server
     writes them into transformers' fused [E, 2I, H] / [E, H, I] experts. Checked against a model that
@@ -117,6 +122,7 @@ def test_weight_updates_under_sglangs_expert_names(moe_engine, moe_ckpt, tmp_pat
     moe_engine.session.end()
 
 
+@pytest.mark.integration
 def test_connect_reads_the_moe_shape(moe_engine, moe_ckpt):
     eng = SGLangEngine.connect(moe_engine.url, hf_dir=moe_ckpt)
     assert eng.moe_shape == (LAYERS, TOP_K)

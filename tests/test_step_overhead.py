@@ -91,6 +91,7 @@ def runs(tmp_path_factory):
     return run_ranks(_two_updates, 1, hf_dir, VARIANTS)[0]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("pair", [0, 1], ids=["vanilla_tis", "gspo"])
 def test_skipped_old_forward_gives_the_same_updates(runs, pair):
     skip, recompute = runs[2 * pair], runs[2 * pair + 1]

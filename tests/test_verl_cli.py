@@ -192,6 +192,7 @@ def test_values_that_need_two_keys():
         translate(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4", "actor.tp=2"])
 
 
+@pytest.mark.integration
 def test_mgrpo_train_prints_the_translation_and_composes(env):
     args = argv(RUN_SGL_MEGATRON, env, **{
         "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2": ""})
@@ -204,6 +205,7 @@ def test_mgrpo_train_prints_the_translation_and_composes(env):
     assert "actor_rollout_ref.rollout.n=5" in out.stderr and "-> rollout.n=5" in out.stderr
 
 
+@pytest.mark.integration
 def test_mgrpo_train_refuses_an_unhonourable_key_with_exit_2(env):
     args = argv(RUN_SGL_MEGATRON, env)  # keeps virtual_pipeline_model_parallel_size=2
     out = subprocess.run(["mgrpo-train", *args], capture_output=True, text=True, timeout=120,

@@ -213,6 +213,7 @@ def _get(cfg: dict, key: str):
     return cfg
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", CASES, ids=[c.script for c in CASES])
 def test_verl_script_through_both_front_doors(case: Case, hub):
     home = str(hub["tmp"] / "home")
@@ -266,6 +267,7 @@ def test_verl_script_through_both_front_doors(case: Case, hub):
     assert (b["total_training_steps"], b["total_epochs"]) == (case.plan["steps"], case.plan["epochs"])
 
 
+@pytest.mark.integration
 def test_reference_layout_must_equal_the_actors(hub):
     """The MoE script with only the reference's expert parallelism changed: refused by name."""
     case = CASES[-1]
