@@ -146,7 +146,10 @@ def test_ep2_reproduces_one_rank(runs):
     got = merged(ranks)
     assert runs["ref0"]["metrics"]["actor/grad_norm"] > 0.1
     assert "actor/moe_load_balancing_loss" not in got["metrics"]  # router_aux_loss_coef=0: no such term
-    assert_same(got, runs["ref0"], "ep2")
+    # Losses and gradient norm within 1e-5. After the step (Adam, lr 1e-2) an element whose gradient is near Adam's
+    # eps moves by lr * g / (|g| + eps), so the order of the two ranks' sums shows there: 1.8e-5 measured on an
+    # AMD EPYC (the PP2xEP2 case below: 1.6e-5). A wrong expert split moves log-probs by ~lr.
+    assert_same(got, runs["ref0"], "ep2", after_tol=1e-4)
     # one sender: the weight source gathered the other EP rank's experts (3 of the 6 per layer)
     assert [bool(r["synced"]) for r in sorted(ranks, key=lambda r: r["info"]["rank"])] == [True, False]
     assert sum(".mlp.experts." in n for n in got["synced"]) == 4 * 6 * 3
@@ -219,7 +222,10 @@ def test_ep2_checkpoint_resumes_and_exports_the_same_weights(runs):
     a = AutoModelForCausalLM.from_pretrained(str(runs["tmp"] / "one-hf")).state_dict()
     b = AutoModelForCausalLM.from_pretrained(str(runs["tmp"] / "ep2-hf")).state_dict()
     assert a.keys() == b.keys() and any("experts" in k for k in a)
-    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-4
+    # one Adam step of lr 1e-2 apart from the one-rank run's: 1.6e-4 measured (AMD EPYC), a few hundredths of a
+    # step for elements whose gradient is near Adam's eps (see test_ep2_reproduces_one_rank); a misplaced expert
+    # differs by a whole step or more
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-3
 
 
 @pytest.mark.system
