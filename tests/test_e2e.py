@@ -117,7 +117,7 @@ def test_run_artifacts(tp1_run):
     assert {r["weight_version"] for r in rows if r["step"] == 2} == {1}
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_resume_continues_exactly(tmp_path):
     """A run that died after logging step 3 but whose last checkpoint is step 2 resumes from step 2 and
     logs what the uninterrupted run logs for steps 3-4, with no duplicate rows."""
@@ -138,7 +138,7 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == sorted(steps) and steps.count(3) == 8 * 4
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_ctrl_c_stops_cleanly(tmp_path):
     run_dir = str(tmp_path)
     proc = subprocess.Popen(

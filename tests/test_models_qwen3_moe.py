@@ -235,7 +235,7 @@ def _rank_logits(rank, world, port, cfg, hf_dir, layouts):
     return out
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_logits_match_transformers_at_tp_pp_ep(tmp_path):
     cfg = odd_cfg()
     hf_dir = make_moe_checkpoint(str(tmp_path / "hf"), cfg, seed=5)
@@ -260,7 +260,7 @@ def test_logits_match_transformers_at_tp_pp_ep(tmp_path):
 # mgrpo-convert
 
 
-@pytest.mark.integration
+@pytest.mark.system
 def test_round_trip_bit_exact_through_the_cli_at_tp_pp_ep(tmp_path, capsys):
     from mgrpo_launchers.convert import main
 
