@@ -112,11 +112,14 @@ class Trainer:
                     judged = p.experiences.judge(exp)
             if self.cfg.algorithm.overlong_filter:
                 filtered = {"response_length/overlong_filtered": exp.apply_overlong_filter()}
-            forwards.collect(timer)
+            got, waited = forwards.collect()  # what the driver reads of them (timed as old_logprob, ref)
+            timer.took(waited)
+            exp = exp.with_results(got)
             with timer("adv"):
                 exp.compute_advantages(self.cfg)
             with timer("update_actor"):  # one optimizer step per mini-batch, ppo_epochs passes
-                trained = forwards.update(state.step)
+                trained, got = forwards.update(exp, state.step)
+            exp = exp.with_results(got)  # an on-policy update's own log-probs are pi_old
             with timer("update_weights"), p.experiences.idle():  # asynchronous rollout: the batch in flight first
                 state.weight_version += 1
                 synced = p.weights.sync(state.weight_version)

@@ -152,8 +152,7 @@ class MegatronActor:
 
     # --- log-probs ------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, batch: RankBatch, which: str, temperature: float, keep: bool = False
-                         ) -> Optional[dict]:
+    def compute_logprobs(self, batch: RankBatch, which: str, keep: bool = False) -> Optional[dict]:
         """Per-response-token log-probs of `which` in {'actor', 'ref'}, and the actor's entropy (None
         per sample for the reference, whose entropy nothing reads).
 
@@ -169,7 +168,7 @@ class MegatronActor:
         mbs, groups = self._micro_batches(batch)
         routing = self.routing if which == "actor" else self.ref_routing
         action = self._routing_pass(routing, batch, which)
-        step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor",
+        step = forward_only_step(self.head, lambda: output_weight(gpt), entropy=which == "actor",
                                  routing=routing)
         try:
             out = self._run(model, step, mbs, True)
@@ -203,12 +202,9 @@ class MegatronActor:
         return {"logprobs": logprobs, "entropy": entropy}
 
     # --- training -------------------------------------------------------------------------------
-    def train_mini_batch(self, batch: RankBatch, temperature: float) -> dict:
+    def train_mini_batch(self, batch: RankBatch) -> dict:
         """One optimizer step on this rank's share of a mini-batch. Returns the step's metrics from the
         last pipeline stage, already summed over micro-batches and data-parallel ranks.
-
-        `temperature` is the rollout temperature: training log-probs use the same tempered
-        distribution as the rollout and old-policy log-probs.
 
         A batch without old log-probs trains on-policy (pi_old = this forward, detached; see
         `LogProbHead.loss`); the reporting rank then also returns the forward's per-sample log-probs
@@ -230,7 +226,7 @@ class MegatronActor:
         scale = float(len(mbs) * self.ctx.dp)
         t0 = time.perf_counter()
         action = self._routing_pass(self.routing, batch, "update", measure=True)
-        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token,
+        step_fn = train_step(self.head, lambda: output_weight(self.gpt), scale, per_token=per_token,
                              routing=self.routing)
         try:
             metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
