@@ -58,9 +58,8 @@ class MegatronRank(EngineSlot):
 
         self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
         info = self.impl.info()
-        share = getattr(self.engine, "share", None)  # rollout.mode=hybrid: the engine in this process
-        if share is not None:
-            info["engine_shared_bytes"] = share(self.impl.shareable_weights())
+        if self.engine is not None:  # rollout.mode=hybrid: the engine in this process
+            info["engine_shared_bytes"] = self.engine.share(self.impl.shareable_weights())
         trim_heap()
         return info
 
