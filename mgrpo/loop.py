@@ -105,7 +105,7 @@ class Trainer:
         with timer("step"):
             with timer("rollout"):  # generation, or waiting for a batch generated (and judged) ahead
                 exp, made = p.experiences.next(state.step, state.weight_version)
-            released = p.weights.release_engines()  # colocated engines hand the actor their memory
+            released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
             if not exp.judged:
                 with timer("reward"):  # ...and run while the driver judges
