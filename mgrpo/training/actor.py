@@ -180,26 +180,15 @@ class MegatronActor:
         if keep:
             if which != "ref":
                 raise ValueError("only the reference's log-probs are kept for the update")
-            values = self._per_sample(batch, mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
+            values = _by_sample(len(batch), mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
             self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
             return None
         if not self.ctx.reports:
             return None
-        result = self._per_sample(batch, mbs, groups, out)
+        result = _by_sample(len(batch), mbs, groups, out)
         if action == RECORD:  # actor.router_replay=old: what the update replays
             result["routed_experts"] = routes
         return result
-
-    @staticmethod
-    def _per_sample(batch: RankBatch, mbs, groups, out) -> dict:
-        logprobs: list = [None] * len(batch)
-        entropy: list = [None] * len(batch)
-        for mb, idx, res in zip(mbs, groups, out):
-            ents = (split_per_sample(res["entropy"], mb.response_lens) if res["entropy"] is not None
-                    else [None] * len(idx))
-            for i, lp, ent in zip(idx, split_per_sample(res["logprobs"], mb.response_lens), ents):
-                logprobs[i], entropy[i] = lp, ent
-        return {"logprobs": logprobs, "entropy": entropy}
 
     # --- training -------------------------------------------------------------------------------
     def train_mini_batch(self, batch: RankBatch) -> dict:
@@ -389,10 +378,13 @@ def _batch_key(batch: RankBatch) -> tuple:
 
 
 def _by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
-    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order."""
+    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order (the
+    order its `seq_index` names; the actor client restores the experience's order from that). A value
+    a forward did not compute (the reference's entropy) stays None per sample."""
     out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
     for mb, idx, res in zip(mbs, groups, per_mb):
         for key, values in out.items():
-            for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
-                values[i] = v
+            if res[key] is not None:
+                for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
+                    values[i] = v
     return out
