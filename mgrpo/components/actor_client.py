@@ -71,8 +71,8 @@ class ActorClient:
 
     def send_logprobs(self, exp: Experience, which: str, keep: bool = False) -> Callable[[], dict]:
         """Start `which`'s forward over `exp` and return a function that waits for {'logprobs', 'entropy'}
-        per sample.
-        With `keep` the ranks keep the values for the update that follows and the function only waits."""
+        per sample. With `keep` the ranks keep the values for the update that follows and the function only
+        waits."""
         shards = self._shards(exp, range(len(exp)), for_training=False)
         wait = self.group.compute_logprobs(shards, which, keep=keep)
 
