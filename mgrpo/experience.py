@@ -9,7 +9,7 @@ Everything here is per sample, in rollout order: sample i*n + j is the j-th resp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -22,6 +22,19 @@ from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
 from mgrpo.training.batch import compact_routes
+
+
+@dataclass
+class ForwardResults:
+    """What the trainer's forwards over an experience gave back, per sample in the experience's order
+    (`ActorClient`); None: not computed by that call."""
+
+    old_logprobs: Optional[list[list[float]]] = None
+    """pi_old: the weights that sampled, recomputed by the trainer (or the on-policy update's own)."""
+    entropy: Optional[list[list[float]]] = None
+    ref_logprobs: Optional[list[list[float]]] = None
+    routed_experts: Optional[list[np.ndarray]] = None
+    """actor.router_replay=old: the routes the old-policy forward recorded (what the update replays)."""
 
 
 @dataclass
@@ -113,6 +126,10 @@ class Experience:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def with_results(self, got: ForwardResults) -> "Experience":
+        """This experience with the trainer's results that `got` carries (the others as they were)."""
+        return replace(self, **{f.name: getattr(got, f.name) for f in fields(got) if getattr(got, f.name) is not None})
 
     @property
     def judged(self) -> bool:

@@ -20,7 +20,7 @@ from mgrpo.components.checkpoint import RunState
 from mgrpo.components.signals import StopSignal
 from mgrpo.config import MGRPOConfig, output_dir, resolve_device
 from mgrpo.observe.logs import default_logging
-from mgrpo.observe.metrics import step_metrics
+from mgrpo.observe.metrics import step_metrics, summed
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.preflight import preflight
 
@@ -62,7 +62,7 @@ class Trainer:
             p = self.parts
             self.stop.install()  # after Ray's init, which installs a SIGTERM handler of its own
             if p.evaluator.before_training(self.state.step):
-                p.observer.log(p.evaluator.run(), step=0)
+                p.observer.log(self.evaluate(), step=0)
             p.experiences.start(self.state.step, self.state.pending)
             metrics: dict = {}
             first = self.state.step
@@ -83,7 +83,7 @@ class Trainer:
                 if p.checkpointer.due(self.state.step, p.total_steps):
                     self.save_checkpoint()
                 if p.evaluator.due(self.state.step, p.total_steps):
-                    val = p.evaluator.run()
+                    val = self.evaluate()
                     p.observer.log(val, step=self.state.step)
                     metrics.update(val)
             self._finish()
@@ -98,31 +98,35 @@ class Trainer:
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        p, state, timer, metrics = self.parts, self.state, PhaseTimer(), {}
+        """One step. Each part returns what it measured; they are merged once, at the end."""
+        p, state, timer = self.parts, self.state, PhaseTimer()
         version = state.weight_version  # the weights the trainer's log-probs of this step are computed with
+        judged, filtered = {}, {}
         with timer("step"):
             with timer("rollout"):  # generation, or waiting for a batch generated (and judged) ahead
-                exp = p.experiences.next(state.step, state.weight_version, metrics)
-            state.count(p.weights.release_engines(), metrics)  # colocated engines hand the actor their memory
+                exp, made = p.experiences.next(state.step, state.weight_version)
+            released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
             if not exp.judged:
                 with timer("reward"):  # ...and run while the driver judges
-                    p.experiences.judge(exp, metrics)
+                    judged = p.experiences.judge(exp)
             if self.cfg.algorithm.overlong_filter:
-                metrics["response_length/overlong_filtered"] = exp.apply_overlong_filter()
-            forwards.collect(timer)
+                filtered = {"response_length/overlong_filtered": exp.apply_overlong_filter()}
+            got, waited = forwards.collect()  # what the driver reads of them (timed as old_logprob, ref)
+            timer.took(waited)
+            exp = exp.with_results(got)
             with timer("adv"):
                 exp.compute_advantages(self.cfg)
             with timer("update_actor"):  # one optimizer step per mini-batch, ppo_epochs passes
-                metrics.update(forwards.update(state.step))
+                trained, got = forwards.update(exp, state.step)
+            exp = exp.with_results(got)  # an on-policy update's own log-probs are pi_old
             with timer("update_weights"), p.experiences.idle():  # asynchronous rollout: the batch in flight first
                 state.weight_version += 1
                 synced = p.weights.sync(state.weight_version)
-                state.count({"rollout/restarts": synced.pop("rollout/restarts")}, metrics)
-                metrics.update(synced)
-        metrics.update(timer.metrics())
+        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics())
+        state.count(metrics)  # the run-long counters, logged below as <name>_total
         metrics.update(step_metrics(exp, metrics, self.cfg, self.layout, p.experiences.train_data, state.counters))
-        p.guard.measure(exp, version, metrics)
+        metrics.update(p.guard.measure(exp, version))
         p.observer.write_trajectories(state.step + 1, exp)  # the step its metrics are logged under
         return metrics
 
@@ -130,6 +134,11 @@ class Trainer:
     def _start(self, prepared: Prepared) -> None:
         self.parts = build(self.cfg, self.layout, self.run_dir, prepared)
         self.state = self.parts.state
+
+    def evaluate(self) -> dict:
+        val, measured = self.parts.evaluator.run()
+        self.state.count(measured)  # a validation's retries and judge failures count in the run's totals
+        return val
 
     def save_checkpoint(self) -> str:
         p = self.parts

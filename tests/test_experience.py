@@ -44,3 +44,35 @@ def test_balanced_split_is_a_partition_by_length():
     assert sorted(i for p in parts for i in p) == list(range(8))
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert max(loads) - min(loads) <= max(lengths)  # greedy longest-first: within one sample
+
+
+def test_shards_carry_where_their_samples_came_from_and_results_go_back_there():
+    from mgrpo.components.actor_client import ActorClient, in_sample_order
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.experience import ForwardResults
+
+    exp = _experience([7, 3, 9, 1, 4, 4, 8, 2], [True] * 8)
+    sub = [5, 0, 6, 2, 7]  # a mini-batch's samples
+    shards = ActorClient(None, MGRPOConfig(), dp=2)._shards(exp, sub, for_training=False)
+    assert sorted(i for s in shards for i in s.seq_index) == list(range(len(sub)))
+    # each rank answers in its shard's order: one value per sample, here its response length
+    answers = [[len(ids) - p for ids, p in zip(s.input_ids, s.prompt_lens)] for s in shards]
+    assert in_sample_order(shards, answers) == [len(exp.response_ids[i]) for i in sub]
+    # results come back as values; the experience takes them only when asked, and keeps what was not computed
+    got = exp.with_results(ForwardResults(old_logprobs=[[0.0] * len(r) for r in exp.response_ids]))
+    assert exp.old_logprobs is None and got.old_logprobs is not None and got.entropy is None
+
+
+def test_the_pipeline_returns_what_producing_a_batch_measured_and_drops_stale_samples():
+    from mgrpo.components.rollout_pipeline import Produced, RolloutPipeline
+
+    pipe = RolloutPipeline(lambda index: None, max_staleness=1)
+    stale, fresh = _experience([1, 2], [True] * 2), _experience([3, 4], [True] * 2)
+    stale.weight_versions, fresh.weight_versions = [0, 0], [0, 2]
+    pipe.ready = [Produced(0, stale, {"rollout/retries": 1, "timing_s/gen": 0.5}),
+                  Produced(1, fresh, {"rollout/retries": 2, "timing_s/gen": 0.25})]
+    exp, measured = pipe.next(current_version=2)  # the first batch is dropped whole, then one sample of the next
+    assert exp.weight_versions == [2] and pipe.steps_done == 1
+    assert measured == {"rollout/retries": 3, "timing_s/gen": 0.75, "rollout/stale_dropped": 3,
+                        "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/staleness_min": 0.0}
+    assert pipe.may_start(2) and not pipe.may_start(3)  # batch b starts once b <= steps done + max_staleness

@@ -70,10 +70,10 @@ class Ordered(Trainer):
         group, judger = self.parts.actor.group, self.parts.experiences.judger
         send, score = group.compute_logprobs, judger.score
 
-        def compute_logprobs(shards, which, temperature, keep=False):
+        def compute_logprobs(shards, which, keep=False):
             self.events.append(("started", which))
             self.kept.append((which, keep))
-            wait = send(shards, which, temperature, keep=keep)
+            wait = send(shards, which, keep=keep)
             return lambda: (self.events.append(("collected", which)), wait())[1]
 
         def judged(requests):

@@ -38,8 +38,7 @@ def test_streak_of_steps_above_the_bound_stops_the_run_naming_the_doctor():
     steps = [[[1e-4, 3e-4]], [[2e-3, 4e-3]], [[1e-5, 1e-5]], [[5e-3, 1e-3]], [[float("nan"), 0.0]]]
     streaks = []
     for step, diffs in enumerate(steps, start=1):
-        metrics: dict = {}
-        guard.measure(_exp(diffs, [7] * len(diffs)), 7, metrics)
+        metrics = guard.measure(_exp(diffs, [7] * len(diffs)), 7)
         streaks.append(metrics["rollout/logprob_guard_streak"])
         assert metrics["rollout/logprob_guard_diff"] == pytest.approx(sum(map(abs, diffs[0])) / 2, nan_ok=True)
         if step < 5:
@@ -58,12 +57,10 @@ def test_streak_of_steps_above_the_bound_stops_the_run_naming_the_doctor():
 def test_only_samples_of_the_trainers_weights_are_judged():
     """With asynchronous rollout an older sample differs by the policy's own change: not a mismatch."""
     guard = LogprobGuard(_cfg(max_logprob_diff=1e-3, logprob_diff_patience=1), "/runs/a")
-    metrics: dict = {}
-    guard.measure(_exp([[0.5, 0.5], [1e-6, 3e-6]], [3, 4]), 4, metrics)
+    metrics = guard.measure(_exp([[0.5, 0.5], [1e-6, 3e-6]], [3, 4]), 4)
     assert metrics["rollout/logprob_guard_diff"] == pytest.approx(2e-6)
     assert metrics["rollout/logprob_guard_streak"] == 0.0
-    metrics = {}
-    guard.measure(_exp([[0.5, 0.5]], [3]), 4, metrics)  # nothing made with weight version 4
+    metrics = guard.measure(_exp([[0.5, 0.5]], [3]), 4)  # nothing made with weight version 4
     assert metrics == {"rollout/logprob_guard_unchecked": 1.0, "rollout/logprob_guard_streak": 0.0}
     guard.enforce(2)
 
@@ -75,8 +72,7 @@ def test_defaults_by_dtype_and_off_and_validation():
     assert logprob_diff_bound(bf16) == MAX_LOGPROB_DIFF_DEFAULTS["bf16"] == 0.1
     assert logprob_diff_bound(_cfg(max_logprob_diff=0.5)) == 0.5
     off = LogprobGuard(_cfg(logprob_diff_patience=0, max_logprob_diff=1e-9), "/runs/a")
-    metrics: dict = {}
-    off.measure(_exp([[1.0]], [0]), 0, metrics)
+    metrics = off.measure(_exp([[1.0]], [0]), 0)
     off.enforce(1)
     assert metrics == {}
     errors = field_errors(_cfg(max_logprob_diff=0.0, logprob_diff_patience=-1), check_files=False)

@@ -84,7 +84,7 @@ def _actor_lrs(rank, world, port, hf_dir, total_rl_steps):
     lrs, reported = [], []
     for _ in range(total_rl_steps * optimizer_steps_per_step(cfg)):
         lrs.append(actor.optimizer.param_groups[0]["lr"])
-        reported.append(actor.train_mini_batch(batch, temperature=1.0)["actor/lr"])
+        reported.append(actor.train_mini_batch(batch)["actor/lr"])
     sizes = (actor.scheduler.lr_warmup_steps, actor.scheduler.lr_decay_steps, actor.skipped_steps)
     actor.shutdown()
     return lrs, reported, sizes

@@ -59,10 +59,10 @@ def _one_run(rank, world, port, hf_dir, layout: dict):
     full = make_batch(cfg.model.vocab_size)
     mine = [i for i in range(len(full)) if i % c.dp == c.dp_rank]
     batch = full.select(mine)
-    before = actor.compute_logprobs(batch, "actor", 1.0)
-    ref = actor.compute_logprobs(batch, "ref", 1.0)
-    metrics = actor.train_mini_batch(batch, 1.0)
-    after = actor.compute_logprobs(batch, "actor", 1.0)
+    before = actor.compute_logprobs(batch, "actor")
+    ref = actor.compute_logprobs(batch, "ref")
+    metrics = actor.train_mini_batch(batch)
+    after = actor.compute_logprobs(batch, "actor")
     receiver = _Receiver()
     sync = actor.sync_weights([receiver], bucket_bytes=1 << 14)
     if save:

@@ -37,7 +37,7 @@ def test_colocated_engines_share_their_trainer_ranks_gpus(tmp_path):
                        actor={"tp": 2})
     t = run_on_logical_gpus(cfg, gpus=2)
     p = t.parts.placement
-    assert p.gpus and p.shared and p.rollout is None
+    assert p.gpus and p.hosts_in_actor_bundles and p.rollout is None
     assert p.megatron_gpus == pytest.approx(0.8)
     ranks = t.parts.actor.group.devices
     assert sorted(g for d in ranks for g in d["gpu_ids"]) == ["0", "1"]  # one logical GPU per Megatron rank
@@ -51,7 +51,7 @@ def test_disaggregated_engines_get_gpus_of_their_own(tmp_path):
     cfg = small_config(str(tmp_path), trainer={"n_gpus_per_node": 3}, rollout={"mode": "disaggregated", "num_engines": 2})
     t = run_on_logical_gpus(cfg, gpus=3)
     p = t.parts.placement
-    assert p.gpus and not p.shared and p.rollout is not None
+    assert p.gpus and not p.hosts_in_actor_bundles and p.rollout is not None
     assert p.megatron_gpus == 1.0
     trainer_ids = [g for d in t.parts.actor.group.devices for g in d["gpu_ids"]]
     engine_ids = [g for a in t.engine_addresses for g in a["gpu_ids"]]
@@ -68,7 +68,7 @@ def test_hybrid_engines_live_in_their_trainer_ranks(tmp_path):
     cfg = small_config(str(tmp_path), trainer={"n_gpus_per_node": 2}, rollout={"mode": "hybrid"}, actor={"tp": 2})
     t = run_on_logical_gpus(cfg, gpus=2)
     p = t.parts.placement
-    assert p.gpus and p.hybrid and not p.shared and p.rollout is None
+    assert p.gpus and p.hybrid and not p.hosts_in_actor_bundles and p.rollout is None
     assert p.megatron_gpus == 1.0
     ranks = t.parts.actor.group.devices
     assert t.parts.experiences.rollout.devices == [ranks[0]["gpu_ids"]]

@@ -88,9 +88,9 @@ def _rank_forwards(rank, world, port, hf_dir, batch):
                               algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=False))
     actor = MegatronActor(cfg, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                           init_hf_dir=hf_dir, total_steps=1, need_ref=False)
-    plain = actor.compute_logprobs(dataclasses.replace(batch, routed_experts=None), "actor", 1.0)  # records, too
-    replayed = actor.compute_logprobs(batch, "actor", 1.0)
-    metrics = actor.train_mini_batch(batch, 1.0)
+    plain = actor.compute_logprobs(dataclasses.replace(batch, routed_experts=None), "actor")  # records, too
+    replayed = actor.compute_logprobs(batch, "actor")
+    metrics = actor.train_mini_batch(batch)
     return dict(plain=plain["logprobs"], own_routes=plain["routed_experts"], replayed=replayed["logprobs"],
                 metrics={k: v for k, v in metrics.items() if k.startswith("actor/router/agreement")})
 

@@ -55,14 +55,14 @@ def _one_run(rank, world, port, hf_dir, layout: dict, routes: list):
     c = actor.ctx
     mine = [i for i in range(len(PROMPTS)) if i % c.dp == c.dp_rank]
     batch = make_batch(cfg.model.vocab_size).select(mine)
-    recorded = actor.compute_logprobs(batch, "actor", 1.0)  # router_replay=old: the routers' own choice
+    recorded = actor.compute_logprobs(batch, "actor")  # router_replay=old: the routers' own choice
     with_routes = dataclasses.replace(batch, routed_experts=[routes["own"][i] for i in mine])
-    own = actor.compute_logprobs(with_routes, "actor", 1.0)
+    own = actor.compute_logprobs(with_routes, "actor")
     other = dataclasses.replace(batch, routed_experts=[routes["random"][i] for i in mine])
-    before = actor.compute_logprobs(other, "actor", 1.0)
-    ref = actor.compute_logprobs(other, "ref", 1.0)
-    metrics = actor.train_mini_batch(other, 1.0)
-    after = actor.compute_logprobs(other, "actor", 1.0)
+    before = actor.compute_logprobs(other, "actor")
+    ref = actor.compute_logprobs(other, "ref")
+    metrics = actor.train_mini_batch(other)
+    after = actor.compute_logprobs(other, "actor")
     leftover = sum(len(r.replay_backward_list) + (r.target_topk_idx is not None)
                    for routing in (actor.routing, actor.ref_routing) for _, r in routing.layers)
     return dict(info=actor.info(), samples=mine, recorded=recorded, own=own, before=before, ref=ref, after=after,

@@ -34,6 +34,7 @@ def _config(policy_loss: str = "vanilla", tis_cap=None) -> MGRPOConfig:
         algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=True, kl_coef=0.05, entropy_coeff=0.01,
                                       policy_loss=policy_loss, tis_cap=tis_cap),
         actor=dataclasses.replace(cfg.actor, max_tokens_per_gpu=64, lr=1e-2, grad_clip=1e9),
+        rollout=dataclasses.replace(cfg.rollout, temperature=TEMPERATURE),
         trainer=dataclasses.replace(cfg.trainer, device="cpu"))
 
 
@@ -66,11 +67,11 @@ def _two_updates(rank, world, port, hf_dir, variants):
         steps = []
         for step in range(2):
             batch = _batch(cfg.model.vocab_size, seed=step)
-            batch.ref_logprobs = actor.compute_logprobs(batch, "ref", TEMPERATURE)["logprobs"]
-            before = actor.compute_logprobs(batch, "actor", TEMPERATURE)
+            batch.ref_logprobs = actor.compute_logprobs(batch, "ref")["logprobs"]
+            before = actor.compute_logprobs(batch, "actor")
             if not skip:
                 batch.old_logprobs = before["logprobs"]
-            metrics = actor.train_mini_batch(batch, TEMPERATURE)
+            metrics = actor.train_mini_batch(batch)
             steps.append({"metrics": {k: v for k, v in metrics.items() if k != "per_sample"},
                           "per_sample": metrics.get("per_sample"), "separate_forward": before})
         out.append(steps)

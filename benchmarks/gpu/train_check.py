@@ -168,14 +168,14 @@ def one_run(rank: int, world: int, port: int, cfg, hf_dir: str, data: dict, shim
     ids = [p + r for p, r in zip(data["prompts"], data["responses"])]
     batch = RankBatch(input_ids=ids, prompt_lens=[len(p) for p in data["prompts"]],
                       seq_index=list(range(len(ids))))
-    lp0 = actor.compute_logprobs(batch, "actor", TEMPERATURE)
-    ref = actor.compute_logprobs(batch, "ref", TEMPERATURE)
+    lp0 = actor.compute_logprobs(batch, "actor")
+    ref = actor.compute_logprobs(batch, "ref")
     n_tok = sum(len(r) for r in data["responses"])
     train = replace(batch, advantages=[[a] * len(r) for a, r in zip(data["advantages"], data["responses"])],
                     old_logprobs=lp0["logprobs"], ref_logprobs=ref["logprobs"],
                     token_weight=[[1.0 / n_tok] * len(r) for r in data["responses"]], metric_weight=1.0 / n_tok)
-    steps = [actor.train_mini_batch(train, TEMPERATURE) for _ in range(2)]
-    lp2 = actor.compute_logprobs(batch, "actor", TEMPERATURE)
+    steps = [actor.train_mini_batch(train) for _ in range(2)]
+    lp2 = actor.compute_logprobs(batch, "actor")
     out = dict(layer_spec=_layer_spec(actor.gpt), device=str(actor.ctx.device), build_s=round(build_s, 2),
                param_dtype=str(next(actor.gpt.parameters()).dtype).replace("torch.", ""),
                logprob_impl=cfg.actor.logprob_impl, fp8=cfg.actor.fp8,

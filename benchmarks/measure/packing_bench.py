@@ -120,14 +120,14 @@ def _rank_timing(rank, world, port, hf_dir, samples, args_dict):
         for packed in ((False, True) if step % 2 == 0 else (True, False)):
             actor = actors[packed]
             t0 = time.perf_counter()
-            out = actor.compute_logprobs(batch, "actor", 1.0)
+            out = actor.compute_logprobs(batch, "actor")
             t1 = time.perf_counter()
             lps.setdefault(packed, out["logprobs"])
             train = dataclasses.replace(
                 batch, old_logprobs=out["logprobs"], advantages=[torch.randn(r, generator=g).tolist() for r in resp],
                 token_weight=[[1.0 / total] * r for r in resp], metric_weight=1.0 / total)
             t2 = time.perf_counter()
-            actor.train_mini_batch(train, 1.0)
+            actor.train_mini_batch(train)
             t3 = time.perf_counter()
             if step > 0:
                 times[packed]["logprobs"].append(t1 - t0)

@@ -119,8 +119,8 @@ def _measure_rank(rank, world, port, cfg, hf_dir):
         cfg, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, init_hf_dir=hf_dir,
         total_steps=1, need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)))
     actor = holder["a"]
-    phase("logprobs", lambda: [actor.compute_logprobs(batch, which, 1.0) for which in ("actor", "ref")[:1 + bool(actor.ref)]])
-    phase("train", lambda: actor.train_mini_batch(batch, 1.0))
+    phase("logprobs", lambda: [actor.compute_logprobs(batch, which) for which in ("actor", "ref")[:1 + bool(actor.ref)]])
+    phase("train", lambda: actor.train_mini_batch(batch))
     phase("sync", lambda: actor.sync_weights([], cfg.rollout.update_weights_bucket_mb << 20))
     info = {"pp_rank": actor.ctx.pp_rank, "tp_rank": actor.ctx.tp_rank, "ep_rank": actor.ctx.ep_rank,
             "baseline": baseline}

@@ -17,6 +17,7 @@ import ray
 
 from mgrpo.heap import trim_heap
 from mgrpo.rollout.factory import build_engine
+from mgrpo.rollout.types import RolloutEngine
 
 ENGINE_GROUPS = {"engine": 4, "health": 1}
 
@@ -27,7 +28,7 @@ _hosted: dict = {}
 class EngineSlot:
     """The engine-facing calls of a host process (a Ray actor: `EngineHost` or a Megatron rank)."""
 
-    engine = None
+    engine: RolloutEngine = None
 
     def start_engine(self, name: str, hf_dir: str, kwargs: dict) -> None:
         self.engine = build_engine(name, hf_dir, kwargs)
@@ -57,22 +58,20 @@ class EngineSlot:
         """Where the engine is, for weight senders: node, server URL (if any), TP size, the accelerators
         Ray gave its host, the host's actor id, whether the engine has memory to release and whether it
         retries requests itself (the rollout group skips the calls that would return nothing)."""
-        return {"node_ip": ray.util.get_node_ip_address(), "url": getattr(self.engine, "url", None),
-                "tp": getattr(self.engine, "tp", 1), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "actor_id": ray.get_runtime_context().get_actor_id(),
-                "releases_memory": bool(getattr(self.engine, "releases_memory", True)),
-                "counts_retries": hasattr(self.engine, "retries")}
+        e = self.engine
+        return {"node_ip": ray.util.get_node_ip_address(), "url": e.url, "tp": e.tp,
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "actor_id": ray.get_runtime_context().get_actor_id(),
+                "releases_memory": e.releases_memory, "counts_retries": e.retries is not None}
 
     @ray.method(concurrency_group="health")
     def retries(self) -> int:
         """Requests the engine retried itself (HTTP errors, aborted requests) - for metrics."""
-        return int(getattr(self.engine, "retries", 0))
+        return self.engine.retries or 0
 
     @ray.method(concurrency_group="health")
     def refused_requests(self):
         """Requests the engine's server refused for a missing or wrong key (None: it does not count them)."""
-        count = getattr(self.engine, "refused_requests", None)
-        return count() if count is not None else None
+        return self.engine.refused_requests()
 
     @ray.method(concurrency_group="engine")
     def release_memory(self, tags=None):
@@ -85,9 +84,7 @@ class EngineSlot:
     @ray.method(concurrency_group="health")
     def stop_engine(self):
         """Let the engine stop what it owns (a server); the host process stays."""
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.engine.shutdown()
         _hosted.pop(ray.get_runtime_context().get_actor_id(), None)
 
 

@@ -58,24 +58,23 @@ class MegatronRank(EngineSlot):
 
         self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
         info = self.impl.info()
-        share = getattr(self.engine, "share", None)  # rollout.mode=hybrid: the engine in this process
-        if share is not None:
-            info["engine_shared_bytes"] = share(self.impl.shareable_weights())
+        if self.engine is not None:  # rollout.mode=hybrid: the engine in this process
+            info["engine_shared_bytes"] = self.engine.share(self.impl.shareable_weights())
         trim_heap()
         return info
 
     # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
     # Each returns what its call freed to the system (mgrpo/heap.py): the rank holds its live tensors
     # between calls, not the last call's peak.
-    def compute_logprobs(self, batch, which: str, temperature: float, keep: bool = False):
+    def compute_logprobs(self, batch, which: str, keep: bool = False):
         try:
-            return self.impl.compute_logprobs(batch, which, temperature, keep=keep)
+            return self.impl.compute_logprobs(batch, which, keep=keep)
         finally:
             trim_heap()
 
-    def train_mini_batch(self, batch, temperature: float) -> dict:
+    def train_mini_batch(self, batch) -> dict:
         try:
-            return self.impl.train_mini_batch(batch, temperature)
+            return self.impl.train_mini_batch(batch)
         finally:
             trim_heap()
 
@@ -161,12 +160,11 @@ class MegatronGroup:
         args_of = [ray.put(s) if n > 1 else s for s, n in zip(shards, takers)]
         return [call(r, args_of[info["dp_rank"]]) for r, info in zip(self.ranks, self.info)]
 
-    def compute_logprobs(self, shards: list, which: str, temperature: float, keep: bool = False
-                         ) -> Callable[[], list[dict]]:
+    def compute_logprobs(self, shards: list, which: str, keep: bool = False) -> Callable[[], list[dict]]:
         """Start the forward on every rank and return at once; calling the result waits for it and gives
         per-shard {'logprobs', 'entropy'}, in data-parallel order (nothing with `keep`: the ranks keep
         the values for the update that follows)."""
-        refs = self._send_sharded(shards, lambda r, s: r.compute_logprobs.remote(s, which, temperature, keep=keep))
+        refs = self._send_sharded(shards, lambda r, s: r.compute_logprobs.remote(s, which, keep=keep))
 
         def wait() -> list[dict]:
             if keep:
@@ -177,11 +175,11 @@ class MegatronGroup:
 
         return wait
 
-    def train_mini_batch(self, shards: list, temperature: float, while_sent: Optional[Callable] = None) -> dict:
+    def train_mini_batch(self, shards: list, while_sent: Optional[Callable] = None) -> dict:
         """The step's metrics; for on-policy shards (no old log-probs) also 'per_sample': each shard's
         per-sample log-probs and entropy of the training forward, in data-parallel order. `while_sent`
         runs once the update is on its way (waiting for a forward the ranks run before it)."""
-        refs = self._send_sharded(shards, lambda r, s: r.train_mini_batch.remote(s, temperature))
+        refs = self._send_sharded(shards, lambda r, s: r.train_mini_batch.remote(s))
         if while_sent is not None:
             while_sent()
         results = self._gather(refs)

@@ -31,39 +31,41 @@ itself only talks HTTP; the memory split is SGLang's `mem_fraction_static`, Ray 
 class Placement:
     megatron: Bundles
     rollout: Bundles | None
-    """Own bundles of disaggregated engines; None when colocated (engines use the trainer's)."""
+    """Own bundles of disaggregated engines; None when the engines use the trainer's (or live in its ranks)."""
     gpus: bool
     """Bundles carry GPU resources (real GPUs, or logical ones on a CPU test cluster)."""
-    shared: bool
-    """Engine hosts sit in the Megatron bundles (colocated mode with accelerators)."""
+    hosts_in_actor_bundles: bool
+    """Engine hosts sit in the Megatron bundles (rollout.mode=colocated with accelerators)."""
     engine_tp: int
     hybrid: bool = False
     """Engines live in Megatron ranks' processes (rollout.mode=hybrid): no bundles or hosts of their own."""
 
     @property
     def engines_use_actor_gpus(self) -> bool:
-        """Engines' servers must use their Megatron ranks' accelerators (colocated or hybrid, with GPUs)."""
-        return self.gpus and (self.shared or self.hybrid)
+        """Engines' servers must use their Megatron ranks' accelerators (engines that share the actor's
+        devices, `RolloutConfig.shares_actor_devices`, on GPUs)."""
+        return self.gpus and (self.hosts_in_actor_bundles or self.hybrid)
 
     @property
     def megatron_gpus(self) -> float:
         """GPU resource each Megatron rank asks for."""
         if not self.gpus:
             return 0.0
-        return 1.0 - ENGINE_GPU_SHARE if self.shared else 1.0
+        return 1.0 - ENGINE_GPU_SHARE if self.hosts_in_actor_bundles else 1.0
 
     def engine_options(self, index: int, cpus: float) -> dict:
         """Ray options of engine `index`'s host actor: its bundle, CPU and GPU resources. A host sharing a
         Megatron bundle claims no CPU of it (the Megatron rank holds the bundle's CPUs; the host only drives
         its server, whose work is on the accelerators)."""
-        if self.shared:
+        if self.hosts_in_actor_bundles:
             return {"scheduling_strategy": self.megatron.strategy(index * self.engine_tp), "num_cpus": 0,
                     "num_gpus": ENGINE_GPU_SHARE}
         return {"scheduling_strategy": self.rollout.strategy(index), "num_cpus": cpus,
                 "num_gpus": float(self.engine_tp) if self.gpus else 0.0}
 
     def engine_ranks(self, index: int) -> range:
-        """Megatron ranks whose accelerators colocated engine `index` uses."""
+        """Megatron ranks whose accelerators engine `index` uses (`engines_use_actor_gpus`), or whose process
+        hosts it (`hybrid`)."""
         return range(index * self.engine_tp, (index + 1) * self.engine_tp)
 
     def remove(self) -> None:
@@ -85,15 +87,16 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).
-    shared = r.mode == "colocated" and gpus
+    in_actor_bundles = r.mode == "colocated" and gpus
     megatron = reserve(layout.megatron_world, cpus=cpus, gpus=1 if gpus else 0, name="mgrpo-megatron")
-    rollout = None if shared or hybrid else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0,
+    rollout = None if in_actor_bundles or hybrid else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0,
                                                     name="mgrpo-rollout")
-    return Placement(megatron=megatron, rollout=rollout, gpus=gpus, shared=shared, engine_tp=r.tp, hybrid=hybrid)
+    return Placement(megatron=megatron, rollout=rollout, gpus=gpus, hosts_in_actor_bundles=in_actor_bundles,
+                     engine_tp=r.tp, hybrid=hybrid)
 
 
 def engine_gpu_ids(rank_devices: list[dict], ranks: range, index: int) -> list[str]:
-    """The accelerator ids colocated engine `index` must use: those of its Megatron ranks, which must
+    """The accelerator ids engine `index` must use when `engines_use_actor_gpus`: those of its Megatron ranks, which must
     all be on one node (a TP engine cannot span nodes)."""
     picked = [rank_devices[k] for k in ranks]
     nodes = {d["node_ip"] for d in picked}

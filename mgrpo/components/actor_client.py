@@ -14,7 +14,8 @@ from typing import Callable, Optional, Sequence
 
 from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts, token_weights
 from mgrpo.config import MGRPOConfig, seeds
-from mgrpo.experience import Experience
+from mgrpo.experience import Experience, ForwardResults
+from mgrpo.observe.timing import PhaseTimer
 from mgrpo.training.batch import RankBatch
 
 
@@ -29,27 +30,30 @@ class StepForwards:
     """
 
     def __init__(self, client: "ActorClient", exp: Experience, need_ref: bool):
-        self.client, self.exp = client, exp
+        self.client = client
         self.old = client.needs_old_logprobs(exp)
         self.keep_ref = need_ref and not self.old
         self._old = client.send_logprobs(exp, "actor") if self.old else None
         self._ref = client.send_logprobs(exp, "ref", keep=self.keep_ref) if need_ref else None
 
-    def collect(self, timer) -> None:
-        """Wait for the forwards the driver reads (timed as `old_logprob` and `ref`) into the experience."""
+    def collect(self) -> tuple[ForwardResults, dict[str, float]]:
+        """Wait for the forwards the driver reads; return them, and the seconds spent waiting for each
+        (`old_logprob`, `ref`)."""
+        got, timer = ForwardResults(), PhaseTimer()
         if self._old is not None:
             with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
                 out = self._old()
-                self.exp.old_logprobs, self.exp.entropy = out["logprobs"], out["entropy"]
-                if "routed_experts" in out:  # actor.router_replay=old: the routes the update replays
-                    self.exp.routed_experts = out["routed_experts"]
+            got.old_logprobs, got.entropy = out["logprobs"], out["entropy"]
+            got.routed_experts = out.get("routed_experts")  # actor.router_replay=old: the routes the update replays
         if self._ref is not None and not self.keep_ref:
             with timer("ref"):
-                self.exp.ref_logprobs = self._ref()["logprobs"]
+                got.ref_logprobs = self._ref()["logprobs"]
+        return got, timer.seconds
 
-    def update(self, step: int) -> dict:
-        """The step's optimizer updates (`ActorClient.train`); a kept reference forward runs first on the ranks."""
-        return self.client.train(self.exp, step, kept_ref=self._ref if self.keep_ref else None)
+    def update(self, exp: Experience, step: int) -> tuple[dict, ForwardResults]:
+        """The step's optimizer updates over `exp` (with its advantages and what `collect` gave back;
+        `ActorClient.train`); a kept reference forward runs first on the ranks."""
+        return self.client.train(exp, step, kept_ref=self._ref if self.keep_ref else None)
 
 
 class ActorClient:
@@ -65,24 +69,19 @@ class ActorClient:
         """Send the log-prob forwards `exp` needs to the ranks and return at once (see StepForwards)."""
         return StepForwards(self, exp, self.need_ref)
 
-    def logprobs(self, exp: Experience, which: str) -> dict:
-        """{'logprobs', 'entropy'} per sample of `exp` under `which` in {'actor', 'ref'}, waiting for them."""
-        return self.send_logprobs(exp, which)()
-
     def send_logprobs(self, exp: Experience, which: str, keep: bool = False) -> Callable[[], dict]:
-        """Start `which`'s forward over `exp` at the rollout temperature (the tempered distribution the
-        rollout sampled from) and return a function that waits for {'logprobs', 'entropy'} per sample.
-        With `keep` the ranks keep the values for the update that follows and the function only waits."""
+        """Start `which`'s forward over `exp` and return a function that waits for {'logprobs', 'entropy'}
+        per sample. With `keep` the ranks keep the values for the update that follows and the function only
+        waits."""
         shards = self._shards(exp, range(len(exp)), for_training=False)
-        wait = self.group.compute_logprobs(shards, which, self.cfg.rollout.temperature, keep=keep)
+        wait = self.group.compute_logprobs(shards, which, keep=keep)
 
         def collect() -> dict:
             outs = wait()
             if keep:
                 return {}
-            idx = list(range(len(exp)))
             keys = ["logprobs", "entropy"] + (["routed_experts"] if all("routed_experts" in o for o in outs) else [])
-            return {k: self._merge(exp, idx, [o[k] for o in outs]) for k in keys}
+            return {k: in_sample_order(shards, [o[k] for o in outs]) for k in keys}
 
         return collect
 
@@ -99,32 +98,32 @@ class ActorClient:
                 or str(cfg.actor.router_replay) == "old" or len(exp.mini_batches(cfg, epoch_seed=0)) != 1)
 
     # --- training -----------------------------------------------------------------------------------
-    def train(self, exp: Experience, step: int, kept_ref: Optional[Callable[[], dict]] = None) -> dict:
-        """`actor.ppo_epochs` passes over `exp`, one optimizer step per mini-batch; the metrics are the
-        mean over those optimizer steps (cumulative counters keep their last value). Without
-        `exp.old_logprobs` (see `needs_old_logprobs`) the single update is on-policy and fills them.
-        `kept_ref`: the reference forward whose values the ranks kept for this update (it runs first)."""
+    def train(self, exp: Experience, step: int, kept_ref: Optional[Callable[[], dict]] = None
+              ) -> tuple[dict, ForwardResults]:
+        """`actor.ppo_epochs` passes over `exp`, one optimizer step per mini-batch. Returns the metrics (the
+        mean over those optimizer steps; cumulative counters keep their last value) and, when the update was
+        on-policy (no `exp.old_logprobs`, see `needs_old_logprobs`), its forward's log-probs and entropy as
+        pi_old. `kept_ref`: the reference forward whose values the ranks kept for this update (it runs first)."""
         on_policy = exp.old_logprobs is None
         if on_policy and self.needs_old_logprobs(exp):
             raise RuntimeError("the update needs pi_old (exp.old_logprobs): more than one optimizer step per "
                                "rollout, use_kl_in_reward or actor.recompute_old_logprob; compute it first")
-        updates = []
+        updates, got = [], ForwardResults()
         for epoch in range(self.cfg.actor.ppo_epochs):
             for idx in exp.mini_batches(self.cfg, epoch_seed=seeds.minibatch_seed(self.cfg.trainer.seed, step, epoch)):
                 shards = self._shards(exp, idx, for_training=True)
-                updates.append(self.group.train_mini_batch(shards, self.cfg.rollout.temperature,
-                                                           while_sent=kept_ref))
+                updates.append(self.group.train_mini_batch(shards, while_sent=kept_ref))
                 kept_ref = None
                 if on_policy:  # the one mini-batch holds every sample
                     per_sample = updates[-1].pop("per_sample")
-                    exp.old_logprobs, exp.entropy = ([None] * len(exp), [None] * len(exp))
-                    for key, dest in (("logprobs", exp.old_logprobs), ("entropy", exp.entropy)):
-                        for i, v in zip(idx, self._merge(exp, idx, [p[key] for p in per_sample])):
+                    got.old_logprobs, got.entropy = ([None] * len(exp), [None] * len(exp))
+                    for key, dest in (("logprobs", got.old_logprobs), ("entropy", got.entropy)):
+                        for i, v in zip(idx, in_sample_order(shards, [p[key] for p in per_sample])):
                             dest[i] = v
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         out["actor/skipped_steps"] = updates[-1]["actor/skipped_steps"]
         out["actor/updates"] = float(len(updates))
-        return out
+        return out, got
 
     # --- sharding -----------------------------------------------------------------------------------
     def _shards(self, exp: Experience, idx: Sequence[int], *, for_training: bool) -> list[RankBatch]:
@@ -154,14 +153,6 @@ class ActorClient:
             ))
         return batches
 
-    def _merge(self, exp: Experience, idx: Sequence[int], shard_values: Sequence[list]) -> list:
-        """Inverse of `_shards` for per-sample outputs: values back in the order of `idx`."""
-        out: list = [None] * len(idx)
-        for shard, values in zip(balanced_split(_lengths(exp, idx), self.dp), shard_values):
-            for pos, v in zip(shard, values):
-                out[pos] = v
-        return out
-
     # --- weights and checkpoints (every rank takes part) ---------------------------------------------
     def sync_weights(self, receivers: list, version: int | None = None, watch=None) -> dict:
         """Push the weights through `receivers`. With `version`, and when one rank sends everything (one
@@ -186,6 +177,16 @@ class ActorClient:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+def in_sample_order(shards: Sequence[RankBatch], shard_values: Sequence[list]) -> list:
+    """Per-sample values of each shard (in the shard's own order) -> one list in the order the shards were cut
+    from: each shard's `seq_index` says where its samples came from."""
+    out: list = [None] * sum(len(s.seq_index) for s in shards)
+    for shard, values in zip(shards, shard_values):
+        for pos, v in zip(shard.seq_index, values):
+            out[pos] = v
+    return out
 
 
 def _lengths(exp: Experience, idx) -> list[int]:

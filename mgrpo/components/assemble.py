@@ -138,7 +138,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                 state = checkpointer.restore(resume_dir, actor, p.train_data)
                 weights.sync(state.weight_version)  # engines started from the initial weights
         experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=p.train_data, judger=judger,
-                                      rollout=rollout, count=state.count)
+                                      rollout=rollout)
         evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
                               seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
                               experiences=experiences)

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -42,16 +41,11 @@ class RunState:
     """Asynchronous rollout's state restored from a checkpoint (`RolloutPipeline.state_dict`); not saved here."""
     counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
 
-    def __post_init__(self):
-        self._lock = threading.Lock()  # the rollout producer counts from its own thread
-
-    def count(self, counts: dict, into: dict) -> None:
-        """Add this call's `counts` to the run-long counters (those in COUNTERS) and to the step's metrics."""
-        with self._lock:
-            for key, value in counts.items():
-                if key in self.counters:
-                    self.counters[key] += value
-                into[key] = into.get(key, 0) + value
+    def count(self, measured: dict) -> None:
+        """Add the counts among `measured` (a step's or an evaluation's metrics: the keys in COUNTERS) to the
+        run-long counters."""
+        for key in COUNTERS:
+            self.counters[key] += measured.get(key, 0)
 
 
 class Checkpointer:

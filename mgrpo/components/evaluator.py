@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mgrpo.config import seeds
 from mgrpo.config.schema import EvaluationConfig
+from mgrpo.observe.metrics import summed
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.rollout.types import SamplingParams
 
@@ -27,14 +28,15 @@ class Evaluator:
         """Every trainer.test_freq steps, and after the last one."""
         return self.test_freq > 0 and (step % self.test_freq == 0 or step == total_steps)
 
-    def run(self) -> dict:
+    def run(self) -> tuple[dict, dict]:
+        """The validation metrics, and what generating and judging them measured (the run-long counters
+        take its counts; the validation record does not show them)."""
         from mgrpo.rewards import eval_metrics
 
-        timer, counts = PhaseTimer(), {}
+        timer = PhaseTimer()
         with timer("validation"), self.experiences.idle():
-            exp = self.experiences.generate(self.val_data.all_items(limit=self.cfg.max_prompts), self.cfg.n,
-                                            self.sampling, counts, desc="validation")
-            self.experiences.judge(exp, counts)
+            exp, generated = self.experiences.generate(self.val_data.all_items(limit=self.cfg.max_prompts),
+                                                       self.cfg.n, self.sampling, desc="validation")
+            judged = self.experiences.judge(exp)
         out = eval_metrics(exp.scores, exp.group_index, [it.data_source for it in exp.items], self.cfg.n)
-        out.update(timer.metrics())
-        return out
+        return {**out, **timer.metrics()}, summed(generated, judged)

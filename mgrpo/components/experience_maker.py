@@ -7,39 +7,36 @@ The loop asks for the batch of a step (`next`) and gets it in one of two states:
     groups whose rewards differ, generating rounds until the batch is full) or when an asynchronous
     producer made it ahead of time (`rollout.async_mode`, components/rollout_pipeline.py).
 The evaluator (components/evaluator.py) uses the same `generate` and `judge` on the validation prompts.
+
+Every call returns what it measured (times, retries, restarts, judge failures) next to its result; the loop
+merges those into the step's metrics and the run-long counters.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 from mgrpo.components.rollout_pipeline import RolloutPipeline
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.config.choices import AsyncMode
 from mgrpo.experience import Experience
+from mgrpo.observe.metrics import summed
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.rollout.factory import returns_routes
 from mgrpo.rollout.types import SamplingParams
 
 log = logging.getLogger("mgrpo")
 
-Count = Callable[[dict, dict], None]
-"""RunState.count: add counts to the run-long counters and to a step's metrics."""
-
-
 class ExperienceMaker:
-    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout, count: Count):
+    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout):
         self.cfg = cfg
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""
-        self.count = count
         self.pipeline: Optional[RolloutPipeline] = None
         """The asynchronous producer (rollout.async_mode != off), from `start`."""
-        self.lookahead: Optional[int] = None
-        """Batches the producer may run ahead of training; None = rollout's staleness bound (tests raise it)."""
         r = cfg.rollout
         if cfg.algorithm.logprob_support == "sampled" and not (0 < r.top_k < cfg.model.vocab_size or r.top_p < 1):
             log.info("algorithm.logprob_support=sampled changes nothing here: without rollout.top_k or rollout.top_p "
@@ -53,21 +50,19 @@ class ExperienceMaker:
         if r.async_mode == AsyncMode.off:
             return
         bound = 1 if r.async_mode == AsyncMode.one_step_off else r.max_staleness
-        self.pipeline = RolloutPipeline(lambda batch, metrics: self.generate_and_judge(batch, metrics),
-                                        max_staleness=bound, first_batch=first_batch, lookahead=self.lookahead)
+        self.pipeline = RolloutPipeline(self.generate_and_judge, max_staleness=bound, first_batch=first_batch)
         if pending is not None:
             self.pipeline.load_state_dict(pending, self.train_data.items)
         self.pipeline.start()
 
-    def next(self, step: int, weight_version: int, metrics: dict) -> Experience:
-        """The samples step `step` trains on (see the module docstring for whether they are judged)."""
+    def next(self, step: int, weight_version: int) -> tuple[Experience, dict]:
+        """The samples step `step` trains on (see the module docstring for whether they are judged), and
+        what making them measured."""
         if self.pipeline is not None:
-            exp = self.pipeline.next(weight_version, metrics)
-            self.count({"rollout/stale_dropped": metrics.pop("rollout/stale_dropped")}, metrics)
-            return exp
+            return self.pipeline.next(weight_version)
         if self.cfg.algorithm.filter_groups.enable:
-            return self.generate_and_judge(step, metrics)
-        return self.generate(self.train_data.next_batch(), self.cfg.rollout.n, self.sampling(step), metrics)
+            return self.generate_and_judge(step)
+        return self.generate(self.train_data.next_batch(), self.cfg.rollout.n, self.sampling(step))
 
     def step_done(self) -> None:
         if self.pipeline is not None:
@@ -95,47 +90,48 @@ class ExperienceMaker:
                               return_support=self.cfg.algorithm.logprob_support == "sampled",
                               return_routed_experts=returns_routes(self.cfg))
 
-    def generate(self, items, n: int, sampling: SamplingParams, metrics: dict, desc: str = "rollout") -> Experience:
+    def generate(self, items, n: int, sampling: SamplingParams, desc: str = "rollout") -> tuple[Experience, dict]:
+        """n samples per prompt of `items`, and the generation's time, retries, restarts and refused requests."""
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
-        self.count({"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
-                    "rollout/auth_refused": stats.auth_refused}, metrics)
-        metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + stats.seconds
-        return Experience.from_rollout(items, results, n, want_support=sampling.return_support)
+        measured = {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
+                    "rollout/auth_refused": stats.auth_refused, "timing_s/gen": stats.seconds}
+        return Experience.from_rollout(items, results, n, want_support=sampling.return_support), measured
 
-    def judge(self, exp: Experience, metrics: dict) -> None:
-        """Score every sample with the judge of its data_source (failures and timeouts are counted)."""
-        self.count(exp.judge(self.judger, self.tokenizer, self.cfg), metrics)
+    def judge(self, exp: Experience) -> dict:
+        """Score every sample with the judge of its data_source; return the counts (failures and timeouts
+        score 0 and are counted)."""
+        return exp.judge(self.judger, self.tokenizer, self.cfg)
 
-    def generate_and_judge(self, step: int, metrics: dict) -> Experience:
-        """The judged samples of batch `step`; with dynamic sampling only the prompt groups whose rewards
-        differ, generating more rounds until the batch is full."""
+    def generate_and_judge(self, step: int) -> tuple[Experience, dict]:
+        """The judged samples of batch `step`, and what making them measured; with dynamic sampling only the
+        prompt groups whose rewards differ, generating more rounds until the batch is full."""
         cfg = self.cfg
         if not cfg.algorithm.filter_groups.enable:
-            return self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step), metrics)
+            return self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step))
         from mgrpo.algorithms.filtering import GroupAccumulator
 
         acc = GroupAccumulator(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches)
         rounds: list[Experience] = []
+        measured: list[dict] = []
         while not acc.full and not acc.exhausted:
-            exp = self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step, len(rounds)), metrics)
+            exp, made = self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step, len(rounds)))
             acc.add([(len(rounds), i) for i in range(len(exp))], exp.rewards, exp.group_index)
             rounds.append(exp)
+            measured.append(made)
         groups = acc.take()
-        metrics.update(acc.metrics())
+        measured.append(acc.metrics())
         if not groups:
             # Every group of every round scored alike (all solved, or all failed): no sample carries an
             # advantage. veRL raises here; a run that has learned its data would then die. The step trains on
             # the last round as it is (zero advantages: only the KL term moves the weights), said and counted.
             log.warning("step %d: dynamic sampling kept no prompt group in %d rounds (every group scored alike); "
                         "training on the last round unfiltered", step + 1, acc.num_gen_batches)
-            self.count({"dynamic_sampling/unfiltered_steps": 1}, metrics)
-            return rounds[-1]
-        return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups])
+            return rounds[-1], summed(*measured, {"dynamic_sampling/unfiltered_steps": 1})
+        return Experience.concat([rounds[g[0][0]].select([i for _, i in g]) for g in groups]), summed(*measured)
 
-    def _judged(self, items, n: int, sampling: SamplingParams, metrics: dict) -> Experience:
-        exp = self.generate(items, n, sampling, metrics)
+    def _judged(self, items, n: int, sampling: SamplingParams) -> tuple[Experience, dict]:
+        exp, generated = self.generate(items, n, sampling)
         timer = PhaseTimer()
         with timer("reward"):
-            self.judge(exp, metrics)
-        metrics["timing_s/reward"] = metrics.get("timing_s/reward", 0.0) + timer.metrics()["timing_s/reward"]
-        return exp
+            judged = self.judge(exp)
+        return exp, summed(generated, judged, timer.metrics())

@@ -55,27 +55,28 @@ class LogprobGuard:
     def active(self) -> bool:
         return self.patience > 0
 
-    def measure(self, exp, version: int, metrics: dict) -> None:
+    def measure(self, exp, version: int) -> dict:
         """Judge one step: `exp`'s samples made with weight `version` (the weights its trainer log-probs were
-        computed with). Adds `rollout/logprob_guard_diff` (the value judged), `rollout/logprob_guard_streak`
+        computed with). Returns `rollout/logprob_guard_diff` (the value judged), `rollout/logprob_guard_streak`
         (consecutive steps above the bound) or, when no sample was made with those weights (asynchronous
-        rollout), `rollout/logprob_guard_unchecked` = 1 and the streak stays as it was."""
+        rollout), `rollout/logprob_guard_unchecked` = 1 and the streak as it was."""
         if not self.active:
-            return
+            return {}
         diffs = [abs(a - b) for ro, tr, v in zip(exp.rollout_logprobs, exp.old_logprobs or [], exp.weight_versions)
                  if v == version for a, b in zip(ro, tr)]
         if not diffs:
-            metrics["rollout/logprob_guard_unchecked"] = 1.0
+            judged = {"rollout/logprob_guard_unchecked": 1.0}
         else:
             value = math.fsum(diffs) / len(diffs)
-            metrics["rollout/logprob_guard_diff"] = value
+            judged = {"rollout/logprob_guard_diff": value}
             if value <= self.bound:  # NaN (an engine that returned no log-prob) counts as above
                 self.over = []
             else:
                 self.over.append(value)
-        metrics["rollout/logprob_guard_streak"] = float(len(self.over))
+        judged["rollout/logprob_guard_streak"] = float(len(self.over))
         if self.tripped:
-            metrics["rollout/logprob_guard_stop"] = 1.0
+            judged["rollout/logprob_guard_stop"] = 1.0
+        return judged
 
     @property
     def tripped(self) -> bool:

@@ -4,7 +4,7 @@ A producer thread on the driver generates and judges batch after batch (the loop
 `generate_and_judge`, so dynamic sampling and judging are unchanged) while the trainer trains. Two
 rules bound how far it runs ahead and how old a sample may be when it is trained:
 
-- Look-ahead: batch b is started only once b <= steps_done + max_staleness. With max_staleness=1
+- Look-ahead (`may_start`): batch b is started only once b <= steps_done + max_staleness. With max_staleness=1
   (`rollout.async_mode=one_step_off`) batch k+1 is generated while step k trains, with the weights
   of step k-1: the samples of every step are exactly one weight version behind the policy.
 - Staleness bound: when a batch is taken for training, samples produced by a weight version older than
@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 from mgrpo.algorithms.support import SampleSupport
 from mgrpo.experience import Experience, routes_from_json, routes_to_json
+from mgrpo.observe.metrics import summed
 
 log = logging.getLogger("mgrpo")
 
@@ -41,14 +42,11 @@ class Produced:
 
 
 class RolloutPipeline:
-    def __init__(self, produce: Callable[[int, dict], Experience], *, max_staleness: int, first_batch: int = 0,
-                 lookahead: Optional[int] = None):
+    def __init__(self, produce: Callable[[int], tuple[Experience, dict]], *, max_staleness: int,
+                 first_batch: int = 0):
         self.produce = produce
-        """(batch index, metrics) -> the judged experience of that batch."""
+        """batch index -> the judged experience of that batch, and what producing it measured."""
         self.max_staleness = max_staleness
-        self.lookahead = max_staleness if lookahead is None else lookahead
-        """How many batches past the trained steps the producer may start (tests raise it above
-        max_staleness to force stale samples)."""
         self.next_index = first_batch
         self.steps_done = first_batch
         self.ready: list[Produced] = []
@@ -69,13 +67,12 @@ class RolloutPipeline:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or self.next_index <= self.steps_done + self.lookahead)
+                    self._cond.wait_for(lambda: self._stop or self.may_start(self.next_index))
                     if self._stop:
                         return
                     index = self.next_index
                 with self.engines:
-                    metrics: dict = {}
-                    exp = self.produce(index, metrics)
+                    exp, metrics = self.produce(index)
                 with self._cond:
                     self.ready.append(Produced(index, exp, metrics))
                     self.next_index += 1
@@ -85,29 +82,33 @@ class RolloutPipeline:
                 self._error = err
                 self._cond.notify_all()
 
+    def may_start(self, index: int) -> bool:
+        """The look-ahead rule: batch `index` may start once it is at most max_staleness batches past the
+        steps trained, so none of its samples is beyond the staleness bound when it is trained."""
+        return index <= self.steps_done + self.max_staleness
+
     # --- consumer ---------------------------------------------------------------------------------
-    def next(self, current_version: int, metrics: dict) -> Experience:
-        """The next batch to train, with samples older than the staleness bound dropped (and counted)."""
-        dropped = 0
+    def next(self, current_version: int) -> tuple[Experience, dict]:
+        """The next batch to train, with samples older than the staleness bound dropped (and counted), and
+        what producing it measured (summed over the batches dropped whole before it)."""
+        dropped, measured = 0, []
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self.ready or self._error is not None)
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
                 item = self.ready.pop(0)
-            for k, v in item.metrics.items():
-                metrics[k] = metrics.get(k, 0) + v if isinstance(v, (int, float)) else v
+            measured.append(item.metrics)
             exp = item.exp
             keep = [i for i, v in enumerate(exp.weight_versions) if current_version - v <= self.max_staleness]
             dropped += len(exp) - len(keep)
             if keep:
-                metrics["rollout/stale_dropped"] = dropped
                 exp = exp if len(keep) == len(exp) else exp.select(keep)
                 stale = [current_version - v for v in exp.weight_versions]
-                metrics.update({"rollout/staleness_mean": sum(stale) / len(stale),
-                                "rollout/staleness_max": float(max(stale)),
-                                "rollout/staleness_min": float(min(stale))})
-                return exp
+                return exp, summed(*measured, {"rollout/stale_dropped": dropped,
+                                               "rollout/staleness_mean": sum(stale) / len(stale),
+                                               "rollout/staleness_max": float(max(stale)),
+                                               "rollout/staleness_min": float(min(stale))})
             log.warning("batch %d: all %d samples are older than rollout.max_staleness=%d; dropped",
                          item.index, len(exp), self.max_staleness)
             with self._cond:  # a dropped batch frees a place for one more

@@ -1,7 +1,7 @@
 """Weight sync: the actor's weights, resharded into Hugging Face layout, into every rollout engine.
 
-One sync: health-check the engines (a dead one is restarted first), in colocated and hybrid mode take back the
-engines' weight memory, let every Megatron rank stream its buckets through the engines' receivers, then
+One sync: health-check the engines (a dead one is restarted first), for engines that share the actor's devices
+(`RolloutConfig.shares_actor_devices`: rollout.mode colocated or hybrid) take back the engines' weight memory, let every Megatron rank stream its buckets through the engines' receivers, then
 close the update on every engine with the new version (which also flushes its prefix cache), and
 take back the rest of the engines' memory. A restarted engine gets the current weights the same way.
 
@@ -26,7 +26,7 @@ SYNC_ATTEMPTS = 3
 
 class WeightSync:
     def __init__(self, cfg: RolloutConfig, actor, rollout):
-        self.shares_devices = cfg.shares_actor_devices
+        self.shares_actor_devices = cfg.shares_actor_devices
         self.actor = actor
         """`ActorClient`."""
         self.rollout = rollout
@@ -34,9 +34,9 @@ class WeightSync:
         rollout.on_restart = lambda engines: actor.sync_weights(rollout.receivers(engines))
 
     def release_engines(self) -> dict:
-        """Colocated engines give their accelerator memory to the actor between generation and sync;
-        returns the counts of what that took (engines found dead and restarted)."""
-        if not self.shares_devices:
+        """Engines that share the actor's devices give it their accelerator memory between generation and
+        sync; returns the counts of what that took (engines found dead and restarted)."""
+        if not self.shares_actor_devices:
             return {}
         return {"rollout/restarts": self.rollout.release_memory()}
 
@@ -44,7 +44,7 @@ class WeightSync:
         """Push the actor's current weights as `version`; return the sync's metrics."""
         t0 = time.perf_counter()
         restarted = self.rollout.health_check()
-        if self.shares_devices:  # room for the new weights, KV cache still released
+        if self.shares_actor_devices:  # room for the new weights, KV cache still released
             restarted += self.rollout.resume_memory(["weights"])
         watched = [0]
 
@@ -72,7 +72,7 @@ class WeightSync:
                                "attempts (see the restarts above)")
         restarted += watched[0]
         self.rollout.finish_weight_update(version, done=sent["finished"])
-        if self.shares_devices:
+        if self.shares_actor_devices:
             restarted += self.rollout.resume_memory()
         seconds = time.perf_counter() - t0
         return {"perf/update_weights_bytes": float(sent["bytes"]), "rollout/weight_version": float(version),

@@ -5,6 +5,18 @@ from __future__ import annotations
 import statistics
 
 
+def summed(*parts: dict) -> dict:
+    """One dict of several parts' metrics: a number under a key that more than one part measured adds up
+    (the rounds of one batch, the restarts of generation, memory release and weight sync); anything else
+    keeps the last part's value."""
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            number = isinstance(value, (int, float)) and isinstance(out.get(key), (int, float))
+            out[key] = out[key] + value if number else value
+    return out
+
+
 def _mean(xs) -> float:
     xs = list(xs)
     return float(statistics.fmean(xs)) if xs else 0.0

@@ -33,6 +33,17 @@ class PhaseTimer:
             if parent is not None:
                 self._inside[parent] = self._inside.get(parent, 0.0) + dt
 
+    def took(self, seconds: dict[str, float]) -> None:
+        """Phases a part timed itself (its `PhaseTimer.seconds`), recorded as if they ran here, inside the
+        phase open now."""
+        parent = self._open[-1] if self._open else None
+        for name, dt in seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + dt
+            if parent is None:
+                self._roots.add(name)
+            else:
+                self._inside[parent] = self._inside.get(parent, 0.0) + dt
+
     def metrics(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         if len(self._roots) == 1 and not self._open and "other" not in self.seconds:

@@ -248,7 +248,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
     counts = param_counts(m, a.tp, a.pp, a.ep)
     v_local = counts["padded_vocab"] // a.tp
     shape = micro_batch_shape(cfg, lay, device)
-    engines_share_gpu = device == "cuda" and r.shares_actor_devices
+    engines_use_actor_gpus = device == "cuda" and r.shares_actor_devices
     moe = is_moe(m)
     layer_largest = largest_layer_param(m, a.tp) if moe else \
         max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
@@ -303,7 +303,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                   "log-probs": fwd, "weight sync": sync}
         if device == "cpu":
             phases["optimizer step"] = {"optimizer_temporaries": 2 * largest_param * 4}
-        if engines_share_gpu:
+        if engines_use_actor_gpus:
             released = int(SGLANG_RELEASED_GIB * GIB)
             for p in phases.values():
                 p["sglang_released"] = released
@@ -311,7 +311,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         capacity = int((gpu_mem_gb or getattr(cfg.trainer, "gpu_memory_gb", None) or DEFAULT_GPU_MEM_GIB) * GIB) \
             if device == "cuda" else _host_memory() // max(lay.megatron_world // cfg.trainer.nnodes, 1)
         full = {p: {**persistent, **t} for p, t in phases.items()}
-        if engines_share_gpu:
+        if engines_use_actor_gpus:
             full["generation"] = {**persistent, "sglang_share": int(r.gpu_memory_utilization * capacity)}
         if device == "cuda":
             for p in full.values():

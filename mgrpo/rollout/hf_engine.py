@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
 from mgrpo.rollout.routes import generated_routes
-from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
 class TokenLogprobs(LogitsProcessor):
@@ -75,9 +75,8 @@ class TrimHeap(LogitsProcessor):
         return scores
 
 
-class HFRolloutEngine:
-    releases_memory = False
-    """On the CPU there is no accelerator memory to give back: the rollout group skips the calls."""
+class HFRolloutEngine(EngineDefaults):
+    """The in-process transformers engine (CPU): no server, no accelerator memory to give back, no retries."""
 
     def __init__(self, hf_dir: str, *, eos_token_ids: Sequence[int], pad_token_id: int, chunk_size: int = 512,
                  num_threads: int | None = None, weight_version: int = 0, return_routed_experts: bool = False):
@@ -239,12 +238,6 @@ class HFRolloutEngine:
     # --- lifecycle ------------------------------------------------------------------------------
     def health(self) -> EngineHealth:
         return EngineHealth(ok=True, weight_version=self.weight_version, detail={"generated": self._generated})
-
-    def release_memory(self, tags=None) -> None:  # nothing to release on CPU
-        pass
-
-    def resume_memory(self, tags=None) -> None:
-        pass
 
 
 def _supports(kept: torch.Tensor) -> list[list[Optional[list[int]]]]:

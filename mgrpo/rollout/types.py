@@ -81,7 +81,16 @@ class WeightDeliveryError(RuntimeError):
 
 
 class RolloutEngine(Protocol):
-    """The interface every rollout engine implements (CPU transformers engine, SGLang client)."""
+    """Everything an engine's host (`cluster/engine_host.py::EngineSlot`) and the rollout group use of an engine
+    (the CPU transformers engine, the SGLang client). `EngineDefaults` has the optional members' defaults: an
+    engine subclasses it and writes what it needs."""
+
+    url: Optional[str]
+    """Its server's address, which weight senders that post to the server directly use; None in-process."""
+    tp: int
+    """Tensor-parallel size of its server (the weight senders' group size)."""
+    releases_memory: bool
+    """It holds accelerator memory it can give back (`release_memory`); False: the calls are never made."""
 
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]: ...
 
@@ -94,7 +103,51 @@ class RolloutEngine(Protocol):
     def health(self) -> EngineHealth: ...
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Colocated mode: free accelerator memory (all, or the named parts) while the trainer runs."""
+        """Engines on the actor's devices: free accelerator memory (all, or the named parts) while the trainer
+        runs."""
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Take it back: ["weights"] before a weight sync, everything before generating."""
+
+    @property
+    def retries(self) -> Optional[int]:
+        """Requests it retried itself so far (HTTP errors, aborted requests), for metrics; None: it never
+        retries, and is never asked."""
+
+    def refused_requests(self) -> Optional[int]:
+        """Requests its server refused for a missing or wrong key so far; None: it does not count them."""
+
+    def share(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """rollout.mode=hybrid (the engine in a Megatron rank's process): use these trainer tensors' memory for
+        its own weights of the same name where it can; return the bytes that frees."""
+
+    def shutdown(self) -> None:
+        """Stop what it owns (a server); its host process stays."""
+
+
+class EngineDefaults:
+    """The optional members of `RolloutEngine`, for an engine that owns no server and no accelerator memory,
+    never retries, counts no refusals and shares nothing: subclass it and override what differs."""
+
+    url: Optional[str] = None
+    tp: int = 1
+    releases_memory: bool = False
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        pass
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        pass
+
+    @property
+    def retries(self) -> Optional[int]:
+        return None
+
+    def refused_requests(self) -> Optional[int]:
+        return None
+
+    def share(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        pass

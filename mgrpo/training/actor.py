@@ -152,8 +152,7 @@ class MegatronActor:
 
     # --- log-probs ------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, batch: RankBatch, which: str, temperature: float, keep: bool = False
-                         ) -> Optional[dict]:
+    def compute_logprobs(self, batch: RankBatch, which: str, keep: bool = False) -> Optional[dict]:
         """Per-response-token log-probs of `which` in {'actor', 'ref'}, and the actor's entropy (None
         per sample for the reference, whose entropy nothing reads).
 
@@ -169,7 +168,7 @@ class MegatronActor:
         mbs, groups = self._micro_batches(batch)
         routing = self.routing if which == "actor" else self.ref_routing
         action = self._routing_pass(routing, batch, which)
-        step = forward_only_step(self.head, lambda: output_weight(gpt), temperature, entropy=which == "actor",
+        step = forward_only_step(self.head, lambda: output_weight(gpt), entropy=which == "actor",
                                  routing=routing)
         try:
             out = self._run(model, step, mbs, True)
@@ -181,34 +180,20 @@ class MegatronActor:
         if keep:
             if which != "ref":
                 raise ValueError("only the reference's log-probs are kept for the update")
-            values = self._per_sample(batch, mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
+            values = _by_sample(len(batch), mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
             self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
             return None
         if not self.ctx.reports:
             return None
-        result = self._per_sample(batch, mbs, groups, out)
+        result = _by_sample(len(batch), mbs, groups, out)
         if action == RECORD:  # actor.router_replay=old: what the update replays
             result["routed_experts"] = routes
         return result
 
-    @staticmethod
-    def _per_sample(batch: RankBatch, mbs, groups, out) -> dict:
-        logprobs: list = [None] * len(batch)
-        entropy: list = [None] * len(batch)
-        for mb, idx, res in zip(mbs, groups, out):
-            ents = (split_per_sample(res["entropy"], mb.response_lens) if res["entropy"] is not None
-                    else [None] * len(idx))
-            for i, lp, ent in zip(idx, split_per_sample(res["logprobs"], mb.response_lens), ents):
-                logprobs[i], entropy[i] = lp, ent
-        return {"logprobs": logprobs, "entropy": entropy}
-
     # --- training -------------------------------------------------------------------------------
-    def train_mini_batch(self, batch: RankBatch, temperature: float) -> dict:
+    def train_mini_batch(self, batch: RankBatch) -> dict:
         """One optimizer step on this rank's share of a mini-batch. Returns the step's metrics from the
         last pipeline stage, already summed over micro-batches and data-parallel ranks.
-
-        `temperature` is the rollout temperature: training log-probs use the same tempered
-        distribution as the rollout and old-policy log-probs.
 
         A batch without old log-probs trains on-policy (pi_old = this forward, detached; see
         `LogProbHead.loss`); the reporting rank then also returns the forward's per-sample log-probs
@@ -230,7 +215,7 @@ class MegatronActor:
         scale = float(len(mbs) * self.ctx.dp)
         t0 = time.perf_counter()
         action = self._routing_pass(self.routing, batch, "update", measure=True)
-        step_fn = train_step(self.head, lambda: output_weight(self.gpt), temperature, scale, per_token=per_token,
+        step_fn = train_step(self.head, lambda: output_weight(self.gpt), scale, per_token=per_token,
                              routing=self.routing)
         try:
             metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
@@ -393,10 +378,13 @@ def _batch_key(batch: RankBatch) -> tuple:
 
 
 def _by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
-    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order."""
+    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order (the
+    order its `seq_index` names; the actor client restores the experience's order from that). A value
+    a forward did not compute (the reference's entropy) stays None per sample."""
     out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
     for mb, idx, res in zip(mbs, groups, per_mb):
         for key, values in out.items():
-            for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
-                values[i] = v
+            if res[key] is not None:
+                for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
+                    values[i] = v
     return out

@@ -55,11 +55,14 @@ class LogProbHead:
     def __init__(self, cfg: MGRPOConfig, ctx: ParallelContext):
         self.cfg = cfg
         self.ctx = ctx
+        self.temperature = cfg.rollout.temperature
+        """The rollout temperature: every forward (old-policy, reference, training) takes log-probs of the
+        tempered distribution the rollout sampled from."""
 
-    def _kernel_kwargs(self, weight: torch.Tensor, temperature: float, mb: MicroBatch) -> dict:
+    def _kernel_kwargs(self, weight: torch.Tensor, mb: MicroBatch) -> dict:
         v_local = weight.shape[0]
         return dict(
-            temperature=temperature,
+            temperature=self.temperature,
             impl=self.cfg.actor.logprob_impl,
             chunk_size=self.cfg.actor.logprob_chunk_tokens(v_local),
             tp_group=self.ctx.tp_group if self.ctx.tp > 1 else None,
@@ -73,13 +76,13 @@ class LogProbHead:
     def _gather(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         return hidden.reshape(-1, hidden.shape[-1])[mb.positions]
 
-    def logprobs(self, hidden, weight, mb: MicroBatch, temperature: float, entropy: bool = True):
+    def logprobs(self, hidden, weight, mb: MicroBatch, entropy: bool = True):
         """Per-token log-probs and entropy (None unless `entropy`: the reference needs none, and at a
         real vocabulary the entropy is a second pass over every chunk's logits)."""
         return mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels, compute_entropy=entropy,
-                                             **self._kernel_kwargs(weight, temperature, mb))
+                                             **self._kernel_kwargs(weight, mb))
 
-    def loss(self, hidden, weight, mb: MicroBatch, temperature: float, per_token: Optional[dict] = None):
+    def loss(self, hidden, weight, mb: MicroBatch, per_token: Optional[dict] = None):
         """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
 
         A micro-batch without old log-probs trains on-policy (the actor client sends none when exactly
@@ -111,10 +114,10 @@ class LogProbHead:
             if on_policy:
                 token_loss = _on_policy(token_loss, inputs.old_logprob)
             loss, metrics, lp, ent = mgrpo_kernels.fused_linear_loss(
-                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, temperature, mb))
+                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, mb))
         else:
             lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
-                                                    **self._kernel_kwargs(weight, temperature, mb))
+                                                    **self._kernel_kwargs(weight, mb))
             if on_policy:
                 inputs.old_logprob = lp.detach()
             loss, metrics = policy_loss(lp, ent, inputs, algo)
@@ -162,8 +165,8 @@ def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Ten
     return full
 
 
-def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float,
-                      entropy: bool = True, routing=None):
+def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], entropy: bool = True,
+                      routing=None):
     """forward_step_func for megatron's schedules collecting per-token log-probs (and, with `entropy`,
     entropy), in sample order (gathered over the CP group). `routing`: see `run_model`."""
 
@@ -172,7 +175,7 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
         out = run_model(model, mb, routing)
 
         def collect(hidden):
-            lp, ent = head.logprobs(hidden, get_weight(), mb, temperature, entropy=entropy)
+            lp, ent = head.logprobs(hidden, get_weight(), mb, entropy=entropy)
             lp, ent = (None if x is None else in_sample_order(x.detach(), mb, head.ctx.cp_group) for x in (lp, ent))
             return torch.zeros((), dtype=torch.float32), {"logprobs": lp, "entropy": ent}
 
@@ -181,8 +184,7 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
     return step
 
 
-def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temperature: float, loss_scale: float,
-               per_token: Optional[list] = None, routing=None):
+def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], loss_scale: float, per_token: Optional[list] = None, routing=None):
     """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
     data-parallel ranks: our token weights already normalise by the global mini-batch. Under CP each
     rank's loss covers the response tokens it holds; megatron multiplies the loss by cp and averages
@@ -196,7 +198,7 @@ def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], temper
 
         def loss_func(hidden):
             got: Optional[dict] = {} if per_token is not None else None
-            loss, metrics = head.loss(hidden, get_weight(), mb, temperature, per_token=got)
+            loss, metrics = head.loss(hidden, get_weight(), mb, per_token=got)
             if got is not None:
                 per_token.append({k: in_sample_order(v, mb, head.ctx.cp_group) for k, v in got.items()})
             reported = {k: v.detach().float() for k, v in metrics.items()}

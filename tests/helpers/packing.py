@@ -81,10 +81,10 @@ def _one_run(rank, world, port, hf_dir, layout: dict):
     if load:
         actor.load_checkpoint(load)
     batch = make_batch(cfg.model.vocab_size, *((1, *TAIL) if tail else ()))
-    before = actor.compute_logprobs(batch, "actor", 1.0)
-    ref = actor.compute_logprobs(batch, "ref", 1.0)
-    metrics = actor.train_mini_batch(batch, 1.0)
-    after = actor.compute_logprobs(batch, "actor", 1.0)
+    before = actor.compute_logprobs(batch, "actor")
+    ref = actor.compute_logprobs(batch, "ref")
+    metrics = actor.train_mini_batch(batch)
+    after = actor.compute_logprobs(batch, "actor")
     receiver = _Receiver()
     actor.sync_weights([receiver], bucket_bytes=1 << 16)
     if save:

@@ -39,15 +39,18 @@ from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, 
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
 from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer
-from mgrpo.rollout.types import EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 # --- the engine ----------------------------------------------------------------------------------------
-class SGLangEngine:
+class SGLangEngine(EngineDefaults):
     """`RolloutEngine` over one SGLang server. Make it with `launch` (start and own a server) or
     `connect` (use a running one)."""
+
+    releases_memory = True
+    """The server's weights and KV cache (SGLang's memory saver) go to the trainer between generations."""
 
     def __init__(self, url: str, *, tp: int = 1, process: Optional[subprocess.Popen] = None,
                  log_path: Optional[str] = None, expected_names: Optional[set[str]] = None,
