@@ -415,12 +415,14 @@ def test_tiers_block() -> str:
         return "(not measured yet: `python -m benchmarks.tools.test_suite`)"
     lines = ["Measured with `python -m benchmarks.tools.test_suite` on the 2-core machine:", "",
              "| command | tests | wall time (budget) | load | commit |", "|---|---|---|---|---|"]
-    for name in ("unit", "readme", "system"):
+    for name in ("unit", "readme", "system", "ci"):
         t = d["tiers"].get(name)
         if t is None:
             continue
         budget = f" ({t['budget_s'] / 60:.0f} min)" if t.get("budget_s") else ""
-        lines.append(f"| `{t['command']}` | {t['passed']} passed, {t['skipped']} skipped, {t['failed']} failed | "
+        within = f" (in `{t['within']}`)" if t.get("within") else ""
+        lines.append(f"| `{t['command']}`{within} | {t['passed']} passed, {t['skipped']} skipped, "
+                     f"{t['failed']} failed | "
                      f"{t['wall_s'] / 60:.1f} min{budget} | {t['load_1m_at_start']:.1f}-{t['load_1m_at_end']:.1f} | "
                      f"{t['commit'][:10]} |")
     return "\n".join(lines)
