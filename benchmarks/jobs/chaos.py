@@ -1,33 +1,13 @@
-"""Chaos soak (the harness is tests/helpers/chaos.py, beside the system test that runs it in short): one long run with a seeded schedule of faults of every kind, healed in the run or survived by
+"""Chaos soak: one long run with a seeded schedule of faults of every kind, healed in the run or survived by
 resuming (as a SLURM requeue would), and at the end the same records and the same final weights as the run
-without faults.
+without faults. The harness, its fault kinds and what each is expected to do are in tests/helpers/chaos.py,
+beside tests/test_chaos.py, which runs it in short; this is its command line and results writer.
 
     python -m benchmarks.jobs.chaos                     # both jobs, 200 steps, 12 faults each
     python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
 
-Per job, the harness first runs the job once without faults (the reference), then again under the schedule.
-A fault fires once the run's console has shown step `at_step` (of the attempt running), `delay_s` later
-(`delay_s` < 1, scaled by the last step's duration where a step takes less than a second):
-
-| kind | what | expected |
-|---|---|---|
-| engine_kill | SIGKILL one engine's server | healed: restarted, re-synced, its requests resent (`rollout/restarts`) |
-| engine_hang | SIGSTOP one engine's server | healed: its health check times out, then as above |
-| router_kill | SIGKILL SGLang's router (2 engines) | healed: a new router in front of the engines (`rollout/restarts`) |
-| reward_worker_kill | SIGKILL a reward worker | healed: replaced, its call sent again (`reward/worker_restarts`) |
-| megatron_rank_kill | SIGKILL a Megatron rank | fatal: the run fails naming the rank and its pid; resumed |
-| driver_kill | SIGKILL the driver | fatal (nothing is said); the job's processes are killed; resumed |
-| preempt | SIGTERM the driver (SLURM preemption) | the step finishes, a checkpoint, exit 75; resumed |
-
-Processes are found by what belongs to this run only: the CPU servers by their model folder
-(<run>/init_hf), every other process by the run's private RAY_TMPDIR in its environment (each attempt has
-its own), reward workers also by their parent (the driver). A resumed attempt runs with
-`trainer.resume=auto`, exactly as slurm/train.sbatch does after a requeue.
-
-Checked at the end and written to --out (benchmarks/results/chaos_cpu.json): every step exactly once in
-metrics.jsonl, TensorBoard and trajectories.jsonl, every step's samples complete (each prompt n times),
-every fault accounted for (in the harness's events and, for healed ones, in the run's counters), and the
-final HF export against the reference run's (max abs difference; bit-exact or not).
+Writes --out (benchmarks/results/chaos_cpu.json): per job, every step once in metrics.jsonl, TensorBoard and
+trajectories.jsonl, every fault accounted for, and the final HF export against the reference run's.
 """
 
 from __future__ import annotations
