@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from mgrpo.config import ConfigError
-from mgrpo.config.schema import schema_keys
+from mgrpo.config.schema import dict_keys, schema_keys
 
 FLAGS_WITH_VALUES = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
@@ -34,6 +34,23 @@ def overrides_of(argv: Sequence[str]) -> list[str]:
             continue
         out.append(tok)
     return out
+
+
+def open_dicts(args: Sequence[str]) -> list[str]:
+    """Overrides of a dict-valued field (`reward.custom_functions={my_source: my_reward.py:score}`, or one entry,
+    `reward.custom_functions.my_source=...`) as Hydra's add-or-replace (`++`): the field's keys are the user's,
+    and Hydra's struct mode would refuse each as an unknown key. Other tokens unchanged."""
+    out = []
+    for tok in args:
+        key = tok.lstrip("+~").split("=", 1)[0]
+        under = in_dict(key)
+        out.append("++" + tok.lstrip("+") if under and "=" in tok and not tok.startswith(("~", "-")) else tok)
+    return out
+
+
+def in_dict(key: str) -> bool:
+    """Whether `key` is a dict-valued field or an entry of one."""
+    return any(key == d or key.startswith(d + ".") for d in dict_keys())
 
 
 def closest(key: str) -> str:
@@ -58,7 +75,7 @@ def check(config_dir: str, argv: Sequence[str]) -> None:
     for tok in overrides:  # '+key=value' adds a key Hydra would accept into the structured config
         if tok.startswith("+") and "=" in tok:
             key = tok.lstrip("+").split("=", 1)[0]
-            if key not in known and "." in key:
+            if key not in known and "." in key and not in_dict(key):
                 raise ConfigError(f"{tok}: unknown config key {key}{closest(key)}")
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):

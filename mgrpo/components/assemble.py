@@ -82,7 +82,8 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     tokenizer = load_tokenizer(cfg.model)
     train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train")
     val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val")
-    check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward)
+    check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward,
+                       samples={**val_data.samples(), **train_data.samples()})
     os.makedirs(run_dir, exist_ok=True)
     t = cfg.trainer
     total_steps = t.total_training_steps if t.total_training_steps is not None else \

@@ -314,7 +314,9 @@ class RewardConfig:
     """Judgers: reward functions keyed by data_source."""
 
     custom_functions: dict[str, str] = field(default_factory=dict)
-    """data_source -> 'module:function' for user reward functions."""
+    """data_source -> 'module:function' or 'path/to/file.py:function' for user reward functions (veRL's signature).
+    The data_source '*' is veRL's custom_reward_function: every data_source without a function of its own.
+    On the command line: reward.custom_functions={my_source: my_reward.py:score}."""
     gsm8k: Gsm8kJudgeConfig = field(default_factory=Gsm8kJudgeConfig)
     timeout_s: float = 10.0
     num_workers: int = 2
@@ -416,4 +418,22 @@ def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
             keys |= schema_keys(sub, name + ".")
+    return keys
+
+
+def dict_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
+    """The dotted keys of the schema's dict-valued fields (e.g. reward.custom_functions): their keys are the
+    user's, which Hydra's struct mode would refuse as unknown (see mgrpo_launchers.overrides.open_dicts)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    keys = set()
+    for f in dataclasses.fields(cls):
+        kind = typing.get_origin(hints[f.name]) or hints[f.name]
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if kind is dict:
+            keys.add(prefix + f.name)
+        elif sub is not None and dataclasses.is_dataclass(sub):
+            keys |= dict_keys(sub, prefix + f.name + ".")
     return keys

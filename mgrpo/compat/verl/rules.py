@@ -138,6 +138,18 @@ def _resume_mode(v, ctx):
     raise Refuse(f"resume_mode {v!r}: mgrpo has auto | disable | a checkpoint directory")
 
 
+def _custom_reward(v, ctx):
+    """veRL's reward file: its function (custom_reward_function.name, default compute_score) scores every
+    data_source, which is reward.custom_functions' '*' entry."""
+    if not v:
+        return [("", "null: the reward function of each data_source")]
+    if not str(v).endswith(".py"):
+        raise Refuse("veRL imports a Python file here; give the path of a .py file (or mgrpo's "
+                     "reward.custom_functions={<data_source>: 'module:function'})")
+    name = ctx.get("custom_reward_function.name") or "compute_score"
+    return [("reward.custom_functions", {"*": f"{v}:{name}"})]
+
+
 def _max_resp_len(v, ctx):
     limit = ctx.get("data.max_response_length")
     if limit is not None and int(v) == int(limit):
@@ -348,9 +360,7 @@ RULES: dict[str, Rule] = {
                "algorithm.overlong_buffer)",
                "mgrpo scores each sample with the function of its data_source")
        for k in ("reward_model.reward_manager", "reward.reward_manager.name")},
-    "custom_reward_function.path": only(falsy, "null",
-                                        "mgrpo takes reward functions by import path per data_source: "
-                                        "reward.custom_functions={<data_source>: 'module:function'}"),
+    "custom_reward_function.path": _custom_reward,
     "custom_reward_function.name": ignore("used with custom_reward_function.path"),
     **LAYOUT_RULES,
 }
