@@ -76,3 +76,20 @@ def test_the_pipeline_returns_what_producing_a_batch_measured_and_drops_stale_sa
     assert measured == {"rollout/retries": 3, "timing_s/gen": 0.75, "rollout/stale_dropped": 3,
                         "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/staleness_min": 0.0}
     assert pipe.may_start(2) and not pipe.may_start(3)  # batch b starts once b <= steps done + max_staleness
+
+
+def test_run_summary_reads_the_steps_and_merges_the_last_steps_validation(tmp_path):
+    import json
+
+    from mgrpo.observe.metrics import run_summary
+
+    assert run_summary(str(tmp_path)) == ({}, "")
+    lines = [{"step": 0, "time": 100.0, "val/mgrpo/sum/score": 0.1}]
+    lines += [{"step": s, "time": 100.0 + 2 * s, "critic/score/mean": s / 20} for s in range(1, 21)]
+    lines += [{"step": 20, "time": 141.0, "val/mgrpo/sum/score": 0.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "checkpoints").mkdir()
+    final, line = run_summary(str(tmp_path))
+    assert final == {"critic/score/mean": 1.0, "val/mgrpo/sum/score": 0.9}
+    assert line == (f"done | 20 steps | reward first-10 0.275, last-10 0.775 | 41s | {tmp_path}: metrics.jsonl, "
+                    "checkpoints/")
