@@ -150,6 +150,9 @@ def test_verl_megatron_sglang_line_composes_to_the_mgrpo_config_it_means(env):
     assert table["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"].startswith("ignored: mgrpo packs")
     assert "--config-name=ppo_megatron_trainer.yaml" in table
     assert any("clip_ratio_c is unset" in n for n in t.notes)
+    assert not any("use_kl_loss" in n for n in t.notes)  # the script sets it
+    unset = translate(["actor_rollout_ref.actor.optim.lr=1e-6"]).notes
+    assert any(n.startswith("actor_rollout_ref.actor.use_kl_loss is unset: veRL's default is false") for n in unset)
 
 
 def test_plain_mgrpo_line_is_untouched():
