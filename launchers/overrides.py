@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from mgrpo.config import ConfigError
-from mgrpo.config.schema import dict_keys, schema_keys
+from mgrpo.config.schema import keys_of_type, schema_keys
 
 FLAGS_WITH_VALUES = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
@@ -36,21 +36,29 @@ def overrides_of(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def open_dicts(args: Sequence[str]) -> list[str]:
-    """Overrides of a dict-valued field (`reward.custom_functions={my_source: my_reward.py:score}`, or one entry,
-    `reward.custom_functions.my_source=...`) as Hydra's add-or-replace (`++`): the field's keys are the user's,
-    and Hydra's struct mode would refuse each as an unknown key. Other tokens unchanged."""
+def shaped(args: Sequence[str]) -> list[str]:
+    """Overrides in the shape Hydra needs for what users type:
+    - a dict-valued field (`reward.custom_functions={my_source: my_reward.py:score}`, or one entry,
+      `reward.custom_functions.my_source=...`) as Hydra's add-or-replace (`++`): the field's keys are the user's,
+      and Hydra's struct mode would refuse each as an unknown key;
+    - one value for a list of strings (`data.train_files=train.parquet`) as a list of one (veRL takes both).
+    Other tokens unchanged."""
+    lists = keys_of_type(list)
     out = []
     for tok in args:
-        key = tok.lstrip("+~").split("=", 1)[0]
-        under = in_dict(key)
-        out.append("++" + tok.lstrip("+") if under and "=" in tok and not tok.startswith(("~", "-")) else tok)
+        key, eq, value = tok.lstrip("+~").partition("=")
+        if in_dict(key) and eq and not tok.startswith(("~", "-")):
+            tok = "++" + tok.lstrip("+")
+        elif (key in lists and eq and value and value[0] not in "[$" and value != "null"
+              and not set("'\"\\,") & set(value)):
+            tok = f"{tok.partition('=')[0]}=['{value}']"
+        out.append(tok)
     return out
 
 
 def in_dict(key: str) -> bool:
     """Whether `key` is a dict-valued field or an entry of one."""
-    return any(key == d or key.startswith(d + ".") for d in dict_keys())
+    return any(key == d or key.startswith(d + ".") for d in keys_of_type(dict))
 
 
 def closest(key: str) -> str:

@@ -77,7 +77,7 @@ def main() -> None:
         translation = translate(sys.argv[1:])
         if translation.is_verl:
             print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
-        args = overrides.open_dicts(translation.args)
+        args = overrides.shaped(translation.args)
         overrides.check(str(CONFIG_DIR), args)
     except InputError as err:
         fail(err)

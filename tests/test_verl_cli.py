@@ -270,16 +270,23 @@ def test_verl_reward_file_scores_every_data_source(tmp_path):
     assert yaml.safe_load(out.stdout)["reward"]["custom_functions"] == {"*": f"{reward}:compute_score"}
 
 
-def test_dict_fields_take_the_users_keys_on_the_command_line():
+def test_dict_and_list_fields_take_what_users_type_on_the_command_line():
     """Hydra's struct mode refuses a dict field's new keys as unknown config keys; the front doors pass them as
-    add-or-replace, in both spellings, and a misspelt field is still refused by name."""
-    from mgrpo_launchers.overrides import check, open_dicts
+    add-or-replace, in both spellings, and a misspelt field is still refused by name. One value for a list field
+    is a list of one."""
+    from mgrpo_launchers.overrides import check, shaped
     from mgrpo_launchers.train import CONFIG_DIR
 
-    assert open_dicts(["reward.custom_functions={a: m:f}", "actor.lr=1", "reward.custom_functions.b=m:g"]) == \
+    assert shaped(["reward.custom_functions={a: m:f}", "actor.lr=1", "reward.custom_functions.b=m:g"]) == \
         ["++reward.custom_functions={a: m:f}", "actor.lr=1", "++reward.custom_functions.b=m:g"]
+    # one file for a list of files (veRL's data.train_files takes both); lists, null and quoted values as typed
+    assert shaped(["data.train_files=/d/train.parquet", "data.val_files=[a.jsonl,b.jsonl]", "data.val_files=null",
+                   "trainer.logger=tensorboard"]) == \
+        ["data.train_files=['/d/train.parquet']", "data.val_files=[a.jsonl,b.jsonl]", "data.val_files=null",
+         "trainer.logger=['tensorboard']"]
+    assert compose_config(["data.train_files=/d/train.parquet"]).data.train_files == ["/d/train.parquet"]
     cfg = compose_config(["reward.custom_functions={my_source: my_reward.py:score}", "reward.custom_functions.b=m:g"])
     assert cfg.reward.custom_functions == {"my_source": "my_reward.py:score", "b": "m:g"}
     with pytest.raises(ValueError, match=r"unknown config key reward.custom_function \(did you mean "
                                          r"reward.custom_functions\?\)"):
-        check(str(CONFIG_DIR), open_dicts(["reward.custom_function={a: m:f}"]))
+        check(str(CONFIG_DIR), shaped(["reward.custom_function={a: m:f}"]))

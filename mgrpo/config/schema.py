@@ -421,19 +421,23 @@ def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
     return keys
 
 
-def dict_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
-    """The dotted keys of the schema's dict-valued fields (e.g. reward.custom_functions): their keys are the
-    user's, which Hydra's struct mode would refuse as unknown (see mgrpo_launchers.overrides.open_dicts)."""
+def keys_of_type(kind: type, cls=MGRPOConfig, prefix: str = "") -> set[str]:
+    """The dotted keys of the schema's fields of one container type: `dict` (e.g. reward.custom_functions,
+    whose keys are the user's, which Hydra's struct mode would refuse as unknown) or `list` (e.g.
+    data.train_files, which a user gives one value of). mgrpo_launchers.overrides shapes their overrides."""
     import dataclasses
     import typing
 
     hints = typing.get_type_hints(cls)
     keys = set()
     for f in dataclasses.fields(cls):
-        kind = typing.get_origin(hints[f.name]) or hints[f.name]
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is typing.Union and len(args) == 1:  # Optional[list[str]]
+            hint = args[0]
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if kind is dict:
+        if (typing.get_origin(hint) or hint) is kind:
             keys.add(prefix + f.name)
         elif sub is not None and dataclasses.is_dataclass(sub):
-            keys |= dict_keys(sub, prefix + f.name + ".")
+            keys |= keys_of_type(kind, sub, prefix + f.name + ".")
     return keys
