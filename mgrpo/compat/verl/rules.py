@@ -259,7 +259,9 @@ RULES: dict[str, Rule] = {
     M + "use_shm": ignore("load speed only"),
     M + "trust_remote_code": ignore("mgrpo reads config.json itself"),
     M + "external_lib": only(falsy, "null", "mgrpo trains dense Qwen3 only"),
-    M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo", "mgrpo has no LoRA"),
+    M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo",
+                          "mgrpo has no LoRA: drop the key for full fine-tuning (mgrpo-plan says whether it fits and "
+                          "what to change if not: actor.recompute, actor.use_distributed_optimizer, more GPUs)"),
     M + "enable_activation_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload activations"),
     M + "custom_chat_template": only(falsy, "null", "mgrpo applies the tokenizer's own chat template"),
     # rollout
@@ -355,7 +357,10 @@ RULES: dict[str, Rule] = {
     "reward.reward_kwargs.max_resp_len": _max_resp_len,
     "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
-    "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo", "mgrpo has no reward model"),
+    "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo",
+                                "mgrpo has no reward model yet: score with a rule or your own function, "
+                                "reward.custom_functions={<data_source>: 'my_reward.py:score'} (or veRL's "
+                                "custom_reward_function.path)"),
     **{k: only(lambda v: v in ("naive", "dapo", None),
                "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
                "algorithm.overlong_buffer)",
