@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from mgrpo.components.actor_client import ActorClient
@@ -71,6 +71,18 @@ class Prepared:
     checkpointer: Checkpointer
     decision: Decision
     """Continue from a checkpoint, start at step 0, or nothing to do (components/run_folder.py)."""
+
+
+def config_yaml(cfg: MGRPOConfig) -> str:
+    """The whole config as `mgrpo-train --cfg job` prints it (for TensorBoard's Text tab), a literal
+    rollout.api_key left out (auto, none and env:<VARIABLE> name no secret)."""
+    from omegaconf import OmegaConf
+
+    tree = asdict(cfg)
+    key = str(tree["rollout"]["api_key"])
+    if key not in ("auto", "none") and not key.startswith("env:"):
+        tree["rollout"]["api_key"] = "<a key of your own, not shown>"
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
 
 
 def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
@@ -145,7 +157,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                               experiences=experiences)
         observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None,
-                            token_logprobs=log_token_logprobs(cfg))
+                            token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg))
     except BaseException:
         close(None, judger, rollout, group)
         raise
