@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from mgrpo.config import ConfigError
-from mgrpo.config.schema import schema_keys
+from mgrpo.config.schema import keys_of_type, schema_keys
 
 FLAGS_WITH_VALUES = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--info", "-i", "--experimental-rerun")
@@ -34,6 +34,31 @@ def overrides_of(argv: Sequence[str]) -> list[str]:
             continue
         out.append(tok)
     return out
+
+
+def shaped(args: Sequence[str]) -> list[str]:
+    """Overrides in the shape Hydra needs for what users type:
+    - a dict-valued field (`reward.custom_functions={my_source: my_reward.py:score}`, or one entry,
+      `reward.custom_functions.my_source=...`) as Hydra's add-or-replace (`++`): the field's keys are the user's,
+      and Hydra's struct mode would refuse each as an unknown key;
+    - one value for a list of strings (`data.train_files=train.parquet`) as a list of one (veRL takes both).
+    Other tokens unchanged."""
+    lists = keys_of_type(list)
+    out = []
+    for tok in args:
+        key, eq, value = tok.lstrip("+~").partition("=")
+        if in_dict(key) and eq and not tok.startswith(("~", "-")):
+            tok = "++" + tok.lstrip("+")
+        elif (key in lists and eq and value and value[0] not in "[$" and value != "null"
+              and not set("'\"\\,") & set(value)):
+            tok = f"{tok.partition('=')[0]}=['{value}']"
+        out.append(tok)
+    return out
+
+
+def in_dict(key: str) -> bool:
+    """Whether `key` is a dict-valued field or an entry of one."""
+    return any(key == d or key.startswith(d + ".") for d in keys_of_type(dict))
 
 
 def closest(key: str) -> str:
@@ -58,7 +83,7 @@ def check(config_dir: str, argv: Sequence[str]) -> None:
     for tok in overrides:  # '+key=value' adds a key Hydra would accept into the structured config
         if tok.startswith("+") and "=" in tok:
             key = tok.lstrip("+").split("=", 1)[0]
-            if key not in known and "." in key:
+            if key not in known and "." in key and not in_dict(key):
                 raise ConfigError(f"{tok}: unknown config key {key}{closest(key)}")
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):

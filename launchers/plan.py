@@ -43,8 +43,10 @@ def compose_config(overrides: Sequence[str]) -> MGRPOConfig:
 
     from mgrpo_launchers.train import CONFIG_DIR, to_config  # also registers the structured schema
 
+    from mgrpo_launchers.overrides import shaped
+
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=list(overrides)))
+        return to_config(compose(config_name="config", overrides=shaped(overrides)))
 
 
 # --- memory ------------------------------------------------------------------------------------------

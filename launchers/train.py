@@ -77,10 +77,11 @@ def main() -> None:
         translation = translate(sys.argv[1:])
         if translation.is_verl:
             print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
-        overrides.check(str(CONFIG_DIR), translation.args)
+        args = overrides.shaped(translation.args)
+        overrides.check(str(CONFIG_DIR), args)
     except InputError as err:
         fail(err)
-    sys.argv = [sys.argv[0], *translation.args]  # Hydra reads its command line from sys.argv
+    sys.argv = [sys.argv[0], *args]  # Hydra reads its command line from sys.argv
     _main()
 
 

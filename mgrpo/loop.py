@@ -20,7 +20,7 @@ from mgrpo.components.checkpoint import RunState
 from mgrpo.components.signals import StopSignal
 from mgrpo.config import MGRPOConfig, output_dir, resolve_device
 from mgrpo.observe.logs import default_logging
-from mgrpo.observe.metrics import step_metrics, summed
+from mgrpo.observe.metrics import run_summary, step_metrics, summed
 from mgrpo.observe.timing import PhaseTimer
 from mgrpo.preflight import preflight
 
@@ -55,8 +55,10 @@ class Trainer:
         prepared = prepare(self.cfg, self.run_dir)  # data and the run folder's verdict: still no process
         if prepared.decision.message:
             log.info("%s", prepared.decision.message)
-        if prepared.decision.finished:
-            return {}
+        if prepared.decision.finished:  # what the run ended with, as when it ended
+            final, line = run_summary(self.run_dir)
+            log.info("%s", line)
+            return final
         try:
             self._start(prepared)
             p = self.parts
@@ -87,6 +89,7 @@ class Trainer:
                     p.observer.log(val, step=self.state.step)
                     metrics.update(val)
             self._finish()
+            log.info("%s", run_summary(self.run_dir)[1])
             return metrics
         except KeyboardInterrupt:
             last = self.parts.checkpointer.latest() if self.parts is not None else None

@@ -32,7 +32,7 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
     from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
     from mgrpo.data.synthetic import SYNTHETIC_TASKS
     from mgrpo.models.registry import FAMILIES
-    from mgrpo.rewards.registry import BUILTIN_REWARDS
+    from mgrpo.rewards.registry import BUILTIN_REWARDS, EVERY_SOURCE
 
     e: list[str] = []
     al, a, d, r = cfg.algorithm, cfg.actor, cfg.data, cfg.rollout
@@ -55,7 +55,7 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
     if not d.train_files:
         task = _registered(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
         if (task is not None and task.data_source not in BUILTIN_REWARDS
-                and task.data_source not in cfg.reward.custom_functions):
+                and not {task.data_source, EVERY_SOURCE} & set(cfg.reward.custom_functions)):
             e.append(f"data.synthetic_task={d.synthetic_task!r} makes records of data_source {task.data_source!r}, "
                      "which has no reward function; add one with reward.custom_functions")
     return e

@@ -185,3 +185,17 @@ def test_trainer_refuses_a_run_that_cannot_fit_before_starting_anything():
         Trainer(cfg)
     ok = Trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, allow_oversubscribe=True)))
     assert not ok.memory.fits
+
+
+def test_a_hub_id_as_model_path_gets_the_download_command(tmp_path, monkeypatch):
+    import dataclasses
+
+    from mgrpo.config import ConfigError, MGRPOConfig, validate
+
+    monkeypatch.chdir(tmp_path)  # no folder called Qwen/ here
+    cfg = MGRPOConfig()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path="Qwen/Qwen3-8B"))
+    with pytest.raises(ConfigError, match=r"model.hf_path='Qwen/Qwen3-8B': no config.json there; it looks like a "
+                                          r"Hugging Face hub id, .*`huggingface-cli download Qwen/Qwen3-8B --local-dir "
+                                          r"DIR`, then model.hf_path=DIR"):
+        validate(cfg)

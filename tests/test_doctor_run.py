@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from mgrpo.doctor import DoctorError
-from mgrpo.doctor.run_report import analyse, render
+from mgrpo.doctor.run_report import analyse, render, verdict_line
 
 
 def _line(step, prompt, response, diffs, engine=0, base=-1.0):
@@ -66,6 +66,13 @@ def test_one_engine_that_disagrees_is_named_and_the_steps_match_the_metric(tmp_p
     assert not c["position"]["concentrated"] and not c["length"]["concentrated"]
     text = render(rep)
     assert "CONCENTRATED in engine 1" in text and "line 14, step 2, engine 1" in text
+    # no actor.dtype in this folder (no checkpoint): the largest step mean is reported, not judged
+    assert text.splitlines()[-1].startswith("verdict: UNJUDGED: largest step mean |diff| ")
+    assert text.splitlines()[-1].endswith("; concentrated in engine 1")
+    judged = dict(rep, actor_dtype="fp32", default_bound=1e-3)
+    line = verdict_line(judged)
+    assert line.startswith("verdict: DISAGREE: step 2's mean |diff| ") and "over the guard's bound 0.001" in line
+    assert verdict_line(dict(judged, default_bound=0.1)).startswith("verdict: AGREE: every step's mean |diff| is")
 
 
 def test_growth_with_position_concentrates_late_and_a_uniform_run_is_spread(tmp_path):

@@ -24,15 +24,15 @@ from tests.helpers.runs import small_config, read_metrics, trajectories, LOSS_KE
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("tp1"))
-    Trainer(small_config(run_dir, trainer={"save_hf": True})).fit()
-    return run_dir, read_metrics(run_dir)
+    returned = Trainer(small_config(run_dir, trainer={"save_hf": True})).fit()
+    return run_dir, read_metrics(run_dir), returned
 
 
 @pytest.mark.integration
 def test_step0_invariants(tp1_run):
     """Same weights, same tokens: the engine and Megatron agree on log-probs, and the first update of
     a step starts exactly on-policy."""
-    _, metrics = tp1_run
+    _, metrics, _ = tp1_run
     first = metrics[0]
     # The comparisons in this module are only worth something if there is a gradient to compare.
     assert first["actor/grad_norm"] > 1e-3 and abs(first["actor/pg_loss"]) > 1e-6
@@ -45,6 +45,23 @@ def test_step0_invariants(tp1_run):
     assert metrics[1]["rollout/logprob_abs_diff"] < 1e-4
 
 
+@pytest.mark.integration
+def test_fit_returns_the_last_steps_metrics_also_for_a_finished_run(tp1_run, caplog):
+    """A script reading the reward gets it whether the run trained now or had already finished: fit() on the
+    finished folder starts nothing and returns what the run ended with, and says how it went in one line."""
+    run_dir, metrics, returned = tp1_run
+    last = {k: v for k, v in metrics[-1].items() if k not in ("step", "time")}
+    assert set(last) <= set(returned) and all(returned[k] == pytest.approx(v) for k, v in last.items())
+    with caplog.at_level("INFO", logger="mgrpo"):
+        again = Trainer(small_config(run_dir, trainer={"save_hf": True})).fit()
+    assert again == last
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done | ")]
+    rewards = [m["critic/score/mean"] for m in metrics]
+    assert done == [f"done | 2 steps | reward first-10 {sum(rewards) / 2:.3f}, last-10 {sum(rewards) / 2:.3f} | "
+                    f"{metrics[-1]['time'] - metrics[0]['time']:.0f}s | {run_dir}: metrics.jsonl, tensorboard/, "
+                    "trajectories.jsonl, checkpoints/, hf/"], done
+
+
 @pytest.mark.system
 @pytest.mark.parametrize("layout", [
     {"actor": {"tp": 2}},
@@ -55,7 +72,7 @@ def test_parallel_layouts_match_tp1(tp1_run, tmp_path, layout):
     """TP=2, PP=2 and DP=2 reproduce TP=1. The PP=2 run also cuts each step into several micro-batches
     of different shapes (a 40-token budget), which the pipeline must pass through and the global loss
     normalisation must make irrelevant; DP=2 checks that megatron's gradient averaging is undone."""
-    ref_dir, ref = tp1_run
+    ref_dir, ref, _ = tp1_run
     groups = {k: dict(v) for k, v in layout.items()}
     groups.setdefault("trainer", {})["save_hf"] = True
     Trainer(small_config(str(tmp_path), **groups)).fit()
@@ -87,7 +104,7 @@ def test_triton_kernel_in_training_matches_chunked(tp1_run, tmp_path, monkeypatc
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _, ref = tp1_run
+    _, ref, _ = tp1_run
     Trainer(small_config(str(tmp_path), actor={"logprob_impl": "fused"})).fit()
     got = read_metrics(str(tmp_path))
     for step in range(2):
@@ -97,7 +114,7 @@ def test_triton_kernel_in_training_matches_chunked(tp1_run, tmp_path, monkeypatc
 
 @pytest.mark.integration
 def test_run_artifacts(tp1_run):
-    run_dir, metrics = tp1_run
+    run_dir, metrics, _ = tp1_run
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
                 "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                 "response_length/mean", "response_length/clip_ratio", "rollout/logprob_abs_diff", "timing_s/gen",

@@ -76,3 +76,43 @@ def test_the_pipeline_returns_what_producing_a_batch_measured_and_drops_stale_sa
     assert measured == {"rollout/retries": 3, "timing_s/gen": 0.75, "rollout/stale_dropped": 3,
                         "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/staleness_min": 0.0}
     assert pipe.may_start(2) and not pipe.may_start(3)  # batch b starts once b <= steps done + max_staleness
+
+
+def test_run_summary_reads_the_steps_and_merges_the_last_steps_validation(tmp_path):
+    import json
+
+    from mgrpo.observe.metrics import run_summary
+
+    assert run_summary(str(tmp_path)) == ({}, "")
+    lines = [{"step": 0, "time": 100.0, "val/mgrpo/sum/score": 0.1}]
+    lines += [{"step": s, "time": 100.0 + 2 * s, "critic/score/mean": s / 20} for s in range(1, 21)]
+    lines += [{"step": 20, "time": 141.0, "val/mgrpo/sum/score": 0.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "checkpoints").mkdir()
+    final, line = run_summary(str(tmp_path))
+    assert final == {"critic/score/mean": 1.0, "val/mgrpo/sum/score": 0.9}
+    assert line == (f"done | 20 steps | reward first-10 0.275, last-10 0.775 | 41s | {tmp_path}: metrics.jsonl, "
+                    "checkpoints/")
+
+
+def test_tensorboard_gets_the_config_and_a_page_of_the_key_curves(tmp_path):
+    import dataclasses
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mgrpo.components.assemble import config_yaml
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.observe.tracker import Tracker
+
+    cfg = MGRPOConfig()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, api_key="s3cret"))
+    text = config_yaml(cfg)
+    assert "s3cret" not in text and "api_key: <a key of your own, not shown>" in text and "name: qwen3-tiny" in text
+    tracker = Tracker(str(tmp_path), ["tensorboard"], config_text=text)
+    tracker.log({"critic/score/mean": 0.5}, step=1)
+    tracker._tb.flush()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    tags = events.Tags()["tensors"]
+    assert "config/text_summary" in tags and "custom_scalars__config__" in tags
+    stored = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "name: qwen3-tiny" in stored and "s3cret" not in stored

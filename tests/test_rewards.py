@@ -102,6 +102,55 @@ def test_custom_functions_and_bad_specs(user_module):
         check_data_sources({"x"}, RewardConfig(custom_functions={"x": "my_rewards:nope"}))
 
 
+def test_a_reward_file_needs_no_pythonpath(tmp_path, monkeypatch):
+    """'path/to/file.py:function', relative to where the run starts or absolute, imports the file itself; the
+    worker's spec is absolute, so another working directory finds the same file."""
+    from mgrpo.rewards.registry import absolute_spec, load_function
+
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "rw" / "mine.py").write_text("def score(ds, s, gt, extra=None):\n    return float(s == gt) + 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    fn = load_function("rw/mine.py:score", "x")
+    assert fn("x", "4", "4", None) == 1.5 and fn("x", "3", "4", None) == 0.5
+    assert absolute_spec("rw/mine.py:score") == f"{tmp_path}/rw/mine.py:score"
+    assert absolute_spec("pkg.mod:score") == "pkg.mod:score"
+    assert load_function(absolute_spec("rw/mine.py:score"), "x") is fn  # one module per file
+    with pytest.raises(ValueError, match=r"reward.custom_functions\['x'\]='rw/none.py:score': cannot import "
+                                         r"'rw/none.py' \(FileNotFoundError: no file .*rw/none.py\)"):
+        load_function("rw/none.py:score", "x")
+    with pytest.raises(ValueError, match=r"cannot import 'no_pkg.rewards' .* on PYTHONPATH, or installed\), or give "
+                                         r"its file: 'no_pkg/rewards.py:score'"):
+        load_function("no_pkg.rewards:score", "x")
+
+
+def test_every_source_entry_is_verls_custom_reward_function(tmp_path):
+    """'*' scores every data_source without a function of its own, built-ins included (veRL's custom function
+    replaces its default scorer); a data_source with its own entry keeps it."""
+    from mgrpo.rewards.registry import get_reward_fn, reward_functions
+
+    (tmp_path / "r.py").write_text("def one(*a):\n    return 1.0\n\ndef two(*a):\n    return 2.0\n")
+    cfg = RewardConfig(custom_functions={"*": f"{tmp_path}/r.py:one", "mine": f"{tmp_path}/r.py:two"})
+    fns = reward_functions(cfg)
+    assert get_reward_fn("openai/gsm8k", fns)("openai/gsm8k", "#### 72", "72", None) == 1.0
+    assert get_reward_fn("anything/else", fns)("anything/else", "", "", None) == 1.0
+    assert get_reward_fn("mine", fns)("mine", "", "", None) == 2.0
+    check_data_sources({"openai/gsm8k", "anything/else"}, cfg)  # nothing is unknown
+
+
+def test_a_reward_function_is_called_once_at_start_on_a_record(user_module):
+    """An exception or a return value that is not a score is one line at start naming the entry and the record,
+    not a failure per sample mid-run."""
+    cfg = RewardConfig(custom_functions=user_module)
+    sample = ("data/train.jsonl:7", "5", {"k": 1})
+    check_data_sources({"my/exact", "openai/gsm8k"}, cfg, samples={"my/exact": sample, "openai/gsm8k": sample})
+    with pytest.raises(ValueError, match=r"reward.custom_functions\['my/boom'\]='my_rewards:boom', called once at "
+                                         r"start on the record at data/train.jsonl:7 with an empty response: "
+                                         r"RuntimeError: reward bug"):
+        check_data_sources({"my/boom"}, cfg, samples={"my/boom": sample})
+    with pytest.raises(ValueError, match=r"\['my/text'\].*ValueError: reward function returned a string \('high'\)"):
+        check_data_sources({"my/text"}, cfg, samples={"my/text": sample})
+
+
 # --- the Judger ----------------------------------------------------------------------------------
 
 def _requests():

@@ -150,6 +150,9 @@ def test_verl_megatron_sglang_line_composes_to_the_mgrpo_config_it_means(env):
     assert table["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"].startswith("ignored: mgrpo packs")
     assert "--config-name=ppo_megatron_trainer.yaml" in table
     assert any("clip_ratio_c is unset" in n for n in t.notes)
+    assert not any("use_kl_loss" in n for n in t.notes)  # the script sets it
+    unset = translate(["actor_rollout_ref.actor.optim.lr=1e-6"]).notes
+    assert any(n.startswith("actor_rollout_ref.actor.use_kl_loss is unset: veRL's default is false") for n in unset)
 
 
 def test_plain_mgrpo_line_is_untouched():
@@ -214,3 +217,76 @@ def test_mgrpo_train_refuses_an_unhonourable_key_with_exit_2(env):
     assert "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2: mgrpo runs the " \
            "non-interleaved 1F1B pipeline" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+# --- reward functions on the command line, as the README writes them and as veRL scripts give them ---------------
+REWARD_FILE = """
+def quarter(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.25
+
+def broken(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyError("answer")
+"""
+SHORT = ["trainer.total_training_steps=2", "data.train_batch_size=4", "rollout.n=2", "rollout=hf_cpu",
+         "trainer.save_hf=false"]
+
+
+@pytest.mark.integration
+def test_readme_reward_line_trains_with_a_reward_file_and_a_broken_one_is_one_line(tmp_path):
+    """`mgrpo-train 'reward.custom_functions={mgrpo/sum: my_reward.py:quarter}'` from the file's folder (no
+    PYTHONPATH): every sample scores the file's 0.25, in the reward workers too. A function that raises on the
+    first record is refused before Ray starts, with exit status 2 and one line naming it and the record."""
+    (tmp_path / "my_reward.py").write_text(REWARD_FILE)
+    env = dict(os.environ)  # tmp_path is on no import path: the file is found by its name alone
+    run = subprocess.run(["mgrpo-train", "reward.custom_functions={mgrpo/sum: my_reward.py:quarter}", *SHORT,
+                          f"trainer.output_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f]
+    assert [m["critic/score/mean"] for m in steps] == [0.25, 0.25] and all(m["reward/failed"] == 0 for m in steps)
+
+    bad = subprocess.run(["mgrpo-train", "reward.custom_functions={mgrpo/sum: my_reward.py:broken}", *SHORT,
+                          f"trainer.output_dir={tmp_path / 'bad'}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert ("reward.custom_functions['mgrpo/sum']='my_reward.py:broken', called once at start on the record at "
+            "<synthetic:sum>:1 with an empty response: KeyError: 'answer'") in bad.stderr
+
+
+@pytest.mark.integration
+def test_verl_reward_file_scores_every_data_source(tmp_path):
+    """veRL's custom_reward_function.path / .name become reward.custom_functions' '*' entry (veRL's semantics:
+    the file's function scores every data_source); .name defaults to veRL's compute_score."""
+    reward = tmp_path / "verl_reward.py"
+    reward.write_text(REWARD_FILE)
+    out = subprocess.run(["mgrpo-train", f"custom_reward_function.path={reward}", "custom_reward_function.name=quarter",
+                          "--cfg", "job"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["reward"]["custom_functions"] == {"*": f"{reward}:quarter"}
+    assert f"custom_reward_function.path={reward} -> reward.custom_functions={{*:'{reward}:quarter'}}" in out.stderr
+    out = subprocess.run(["mgrpo-train", f"custom_reward_function.path={reward}", "--cfg", "job"],
+                         capture_output=True, text=True, timeout=120)
+    assert yaml.safe_load(out.stdout)["reward"]["custom_functions"] == {"*": f"{reward}:compute_score"}
+
+
+def test_dict_and_list_fields_take_what_users_type_on_the_command_line():
+    """Hydra's struct mode refuses a dict field's new keys as unknown config keys; the front doors pass them as
+    add-or-replace, in both spellings, and a misspelt field is still refused by name. One value for a list field
+    is a list of one."""
+    from mgrpo_launchers.overrides import check, shaped
+    from mgrpo_launchers.train import CONFIG_DIR
+
+    assert shaped(["reward.custom_functions={a: m:f}", "actor.lr=1", "reward.custom_functions.b=m:g"]) == \
+        ["++reward.custom_functions={a: m:f}", "actor.lr=1", "++reward.custom_functions.b=m:g"]
+    # one file for a list of files (veRL's data.train_files takes both); lists, null and quoted values as typed
+    assert shaped(["data.train_files=/d/train.parquet", "data.val_files=[a.jsonl,b.jsonl]", "data.val_files=null",
+                   "trainer.logger=tensorboard"]) == \
+        ["data.train_files=['/d/train.parquet']", "data.val_files=[a.jsonl,b.jsonl]", "data.val_files=null",
+         "trainer.logger=['tensorboard']"]
+    assert compose_config(["data.train_files=/d/train.parquet"]).data.train_files == ["/d/train.parquet"]
+    cfg = compose_config(["reward.custom_functions={my_source: my_reward.py:score}", "reward.custom_functions.b=m:g"])
+    assert cfg.reward.custom_functions == {"my_source": "my_reward.py:score", "b": "m:g"}
+    with pytest.raises(ValueError, match=r"unknown config key reward.custom_function \(did you mean "
+                                         r"reward.custom_functions\?\)"):
+        check(str(CONFIG_DIR), shaped(["reward.custom_function={a: m:f}"]))

@@ -3,6 +3,9 @@
     python -m benchmarks.peers.kernel_bench --T 4096 --H 1024 --V 151936 --dtype fp32
     python -m benchmarks.peers.kernel_bench --T 1024 --impls chunked --support none,topk:50,nucleus:0.3   # supports
 
+Writes outputs/benchmarks/kernel_cpu.{csv,json} (untracked) or --out; the committed results the README is
+rendered from (benchmarks/results/kernel_cpu.*) change only with --update-results.
+
 It lives here, not in kernels/: the kernels are loss-agnostic (they run whatever token loss they are
 handed) and this measures them with the loss production trains with, mgrpo.algorithms' (the kernel room
 may not import the algorithms room: tests/test_architecture.py).
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import REPO, RESULTS
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
 from mgrpo.config import AlgorithmConfig
 from mgrpo_kernels import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
@@ -238,7 +242,11 @@ def parse_args(argv=None):
     ap.add_argument("--support", default=None,
                     help="comma list of per-token sampling supports to run our impls with: none (the full "
                          "vocabulary), topk:K, nucleus:F (random ids with the label); default none")
-    ap.add_argument("--out", default="benchmarks/results/kernel_cpu.csv")
+    ap.add_argument("--out", default=None,
+                    help="CSV path (and .json beside it); default outputs/benchmarks/kernel_cpu.csv (untracked), or "
+                         "the committed benchmarks/results/kernel_cpu.csv with --update-results")
+    ap.add_argument("--update-results", action="store_true",
+                    help="write the committed results (what the README's rows are rendered from)")
     return ap.parse_args(argv)
 
 
@@ -349,15 +357,19 @@ def main(argv=None):
     print(f"\nT={args.T} H={args.H} V={args.V} {args.dtype} on {args.device}, median of {args.repeats}")
     print(f"{'impl':20s} {'median s':>9s} {'x naive':>8s} {'peak MiB':>10s} {'x naive':>8s} {'TFLOP/s':>8s} "
           f"{'loss':>12s}")
-    nan = float("nan")
+    def cell(value, width: int, spec: str) -> str:  # '-' where there is nothing to compare with (naive not run)
+        return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
+
     for r in rows:
         if "error" in r:
             print(f"{r['impl']:20s} {r['error']}")
             continue
-        print(f"{r['impl']:20s} {r['median_s']:9.3f} {nan if r['time_vs_naive'] is None else r['time_vs_naive']:8.3f} "
-              f"{r['peak_extra_mib']:10.1f} {nan if r['mem_vs_naive'] is None else r['mem_vs_naive']:8.4f} "
-              f"{r['model_tflops']:8.3f} {nan if r['loss'] is None else r['loss']:12.6f}")
-    out = Path(args.out)
+        print(f"{r['impl']:20s} {r['median_s']:9.3f} {cell(r['time_vs_naive'], 8, '.3f')} "
+              f"{r['peak_extra_mib']:10.1f} {cell(r['mem_vs_naive'], 8, '.4f')} "
+              f"{r['model_tflops']:8.3f} {cell(r['loss'], 12, '.6f')}")
+    default = os.path.join(RESULTS if args.update_results else os.path.join(REPO, "outputs", "benchmarks"),
+                           "kernel_cpu.csv")
+    out = Path(args.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     fields: list = []
     for r in rows:

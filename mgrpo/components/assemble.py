@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from mgrpo.components.actor_client import ActorClient
@@ -73,6 +73,18 @@ class Prepared:
     """Continue from a checkpoint, start at step 0, or nothing to do (components/run_folder.py)."""
 
 
+def config_yaml(cfg: MGRPOConfig) -> str:
+    """The whole config as `mgrpo-train --cfg job` prints it (for TensorBoard's Text tab), a literal
+    rollout.api_key left out (auto, none and env:<VARIABLE> name no secret)."""
+    from omegaconf import OmegaConf
+
+    tree = asdict(cfg)
+    key = str(tree["rollout"]["api_key"])
+    if key not in ("auto", "none") and not key.startswith("env:"):
+        tree["rollout"]["api_key"] = "<a key of your own, not shown>"
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
+
+
 def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     """Data first (a bad record or an unknown data_source fails here, naming file:line:field), then the run
     folder's verdict: a folder holding another run is refused here too, before Ray or any worker starts."""
@@ -82,7 +94,8 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     tokenizer = load_tokenizer(cfg.model)
     train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train")
     val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val")
-    check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward)
+    check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward,
+                       samples={**val_data.samples(), **train_data.samples()})
     os.makedirs(run_dir, exist_ok=True)
     t = cfg.trainer
     total_steps = t.total_training_steps if t.total_training_steps is not None else \
@@ -144,7 +157,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                               experiences=experiences)
         observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None,
-                            token_logprobs=log_token_logprobs(cfg))
+                            token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg))
     except BaseException:
         close(None, judger, rollout, group)
         raise

@@ -83,8 +83,9 @@ def log_token_logprobs(cfg: MGRPOConfig) -> bool:
 
 class Observer:
     def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int],
-                 token_logprobs: bool = False):
-        self.tracker = Tracker(run_dir, t.logger, total_steps=total_steps, resume_step=resume_step)
+                 token_logprobs: bool = False, config_text: Optional[str] = None):
+        self.tracker = Tracker(run_dir, t.logger, total_steps=total_steps, resume_step=resume_step,
+                               config_text=config_text)
         self.token_logprobs = token_logprobs
         """Trajectory lines carry token ids and both sides' per-token log-probs (`log_token_logprobs`)."""
         self.trajectories = None

@@ -314,7 +314,9 @@ class RewardConfig:
     """Judgers: reward functions keyed by data_source."""
 
     custom_functions: dict[str, str] = field(default_factory=dict)
-    """data_source -> 'module:function' for user reward functions."""
+    """data_source -> 'module:function' or 'path/to/file.py:function' for user reward functions (veRL's signature).
+    The data_source '*' is veRL's custom_reward_function: every data_source without a function of its own.
+    On the command line: reward.custom_functions={my_source: my_reward.py:score}."""
     gsm8k: Gsm8kJudgeConfig = field(default_factory=Gsm8kJudgeConfig)
     timeout_s: float = 10.0
     num_workers: int = 2
@@ -416,4 +418,26 @@ def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
         sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
             keys |= schema_keys(sub, name + ".")
+    return keys
+
+
+def keys_of_type(kind: type, cls=MGRPOConfig, prefix: str = "") -> set[str]:
+    """The dotted keys of the schema's fields of one container type: `dict` (e.g. reward.custom_functions,
+    whose keys are the user's, which Hydra's struct mode would refuse as unknown) or `list` (e.g.
+    data.train_files, which a user gives one value of). mgrpo_launchers.overrides shapes their overrides."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    keys = set()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is typing.Union and len(args) == 1:  # Optional[list[str]]
+            hint = args[0]
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if (typing.get_origin(hint) or hint) is kind:
+            keys.add(prefix + f.name)
+        elif sub is not None and dataclasses.is_dataclass(sub):
+            keys |= keys_of_type(kind, sub, prefix + f.name + ".")
     return keys

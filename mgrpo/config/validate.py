@@ -86,7 +86,10 @@ def _model(cfg: MGRPOConfig) -> list[str]:
     if m.num_query_groups > 0:
         _divides(e, "model.num_query_groups", m.num_query_groups, "model.num_attention_heads", m.num_attention_heads)
     if m.hf_path is not None and not os.path.isfile(os.path.join(m.hf_path, "config.json")):
-        e.append(f"model.hf_path={m.hf_path!r}: no config.json there")
+        hub_id = m.hf_path.count("/") == 1 and not os.path.exists(m.hf_path)
+        hint = (f"; it looks like a Hugging Face hub id, and mgrpo never downloads at run time: "
+                f"`huggingface-cli download {m.hf_path} --local-dir DIR`, then model.hf_path=DIR") if hub_id else ""
+        e.append(f"model.hf_path={m.hf_path!r}: no config.json there{hint}")
     return e
 
 

@@ -36,6 +36,8 @@ class PromptItem:
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
     ability: Optional[str] = None
+    where: str = ""
+    """file:line of the record (or the synthetic task's name and index), for messages."""
 
 
 class PromptDataset:
@@ -97,7 +99,7 @@ class PromptDataset:
                 continue
             self.items.append(PromptItem(index=len(self.items), prompt_ids=list(tok_ids), prompt_text=text,
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                         extra_info=rec.extra_info, ability=rec.ability))
+                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where))
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
@@ -111,6 +113,14 @@ class PromptDataset:
 
     def data_sources(self) -> set[str]:
         return {it.data_source for it in self.items}
+
+    def samples(self) -> dict[str, tuple[str, str, dict]]:
+        """data_source -> (where, ground_truth, extra_info) of its first record: what a reward function is
+        tried on at start."""
+        out: dict[str, tuple[str, str, dict]] = {}
+        for it in self.items:
+            out.setdefault(it.data_source, (it.where, it.ground_truth, it.extra_info))
+        return out
 
     def all_items(self, limit: Optional[int] = None) -> list[PromptItem]:
         """Items in file order (validation): the first `limit` of them, or all."""

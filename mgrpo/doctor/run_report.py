@@ -259,4 +259,22 @@ def render(r: dict) -> str:
         weights = "final" if "/hf " in r["next"] else "initial"
         out += ["", f"localise the worst sequence layer by layer (on the run's {weights} weights, the same on both "
                     "sides: what differs is the engine's model and the trainer's):", f"  {r['next']}"]
-    return "\n".join(out)
+    return "\n".join(out + ["", verdict_line(r)])
+
+
+def verdict_line(r: dict) -> str:
+    """The report in one line: do the engine and the trainer agree, by the bound the run's guard uses."""
+    ws, bound = r["worst_step"], r["default_bound"]
+    where = [f"{dim} {c['group']}" for dim, c in r["concentration"].items() if c["concentrated"]]
+    where_text = f"; concentrated in {', '.join(where)}" if where else "; spread over positions, tokens and engines"
+    if ws["mean"] is None:
+        return "verdict: NO DATA: no step has token log-probs of both sides"
+    if bound is None:
+        return (f"verdict: UNJUDGED: largest step mean |diff| {_g(ws['mean'])} (step {ws['step']}); the run folder "
+                "names no actor.dtype, so there is no default bound to judge it by" + where_text)
+    if ws["mean"] <= bound:
+        return (f"verdict: AGREE: every step's mean |diff| is within the guard's bound (largest {_g(ws['mean'])} at "
+                f"step {ws['step']} <= {bound:g} for actor.dtype={r['actor_dtype']})" + where_text)
+    nxt = f"; next: {r['next']}" if r["next"] else ""
+    return (f"verdict: DISAGREE: step {ws['step']}'s mean |diff| {_g(ws['mean'])} is over the guard's bound {bound:g} "
+            f"for actor.dtype={r['actor_dtype']}" + where_text + nxt)

@@ -74,3 +74,32 @@ def step_metrics(exp, metrics: dict, cfg, layout, train_data, counters: dict) ->
     for key, value in counters.items():
         out[key + "_total"] = float(value)
     return out
+
+
+REWARD_KEY = "critic/score/mean"
+OUTPUTS = ("metrics.jsonl", "tensorboard", "trajectories.jsonl", "checkpoints", "hf")
+
+
+def run_summary(run_dir: str) -> tuple[dict, str]:
+    """What a run folder's metrics.jsonl says at the end: the last training step's metrics (with the validation
+    logged at that step), and one line: steps, the mean reward over the first and last 10 steps, the time the
+    steps were logged over (resumes included), and where the outputs are. ({}, '') for a folder with no steps."""
+    import json
+    import os
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}, ""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    steps = [m for m in lines if REWARD_KEY in m]
+    if not steps:
+        return {}, ""
+    last = steps[-1]
+    final = {k: v for m in lines if m["step"] == last["step"] for k, v in m.items() if k not in ("step", "time")}
+    rewards = [m[REWARD_KEY] for m in steps]
+    outputs = ", ".join(name + ("/" if os.path.isdir(os.path.join(run_dir, name)) else "")
+                        for name in OUTPUTS if os.path.exists(os.path.join(run_dir, name)))
+    line = (f"done | {len(steps)} steps | reward first-10 {_mean(rewards[:10]):.3f}, last-10 "
+            f"{_mean(rewards[-10:]):.3f} | {lines[-1]['time'] - lines[0]['time']:.0f}s | {run_dir}: {outputs}")
+    return final, line

@@ -28,6 +28,18 @@ CONSOLE_FIELDS = (
 )
 
 
+# TensorBoard's Custom Scalars tab: the curves a GRPO run is read by, on one page (searching "reward" in the Scalars
+# tab also finds the failure counters, which are flat at zero in a healthy run).
+TB_LAYOUT = {"mgrpo": {
+    "reward (train, validation)": ["Multiline", ["critic/score/mean", r"val/.*/score"]],
+    "losses": ["Multiline", ["actor/pg_loss", "actor/kl_loss", "actor/loss"]],
+    "entropy and KL to the old policy": ["Multiline", ["actor/entropy", "actor/ppo_kl"]],
+    "response length": ["Multiline", ["response_length/mean"]],
+    "engine vs trainer log-probs": ["Multiline", ["rollout/logprob_abs_diff"]],
+    "step time": ["Multiline", [r"timing_s/.*"]],
+}}
+
+
 def truncate_jsonl(path: str, max_step: int) -> int:
     """Drop the records logged after `max_step` (a resumed run logs those steps again); return how many."""
     if not os.path.isfile(path):
@@ -50,7 +62,7 @@ def _clock(seconds: float) -> str:
 
 class Tracker:
     def __init__(self, run_dir: str, loggers: Iterable[str], *, total_steps: Optional[int] = None,
-                 stream=sys.stdout, resume_step: Optional[int] = None):
+                 stream=sys.stdout, resume_step: Optional[int] = None, config_text: Optional[str] = None):
         self.run_dir = run_dir
         self.loggers = set(loggers)
         self.total_steps = total_steps
@@ -69,6 +81,9 @@ class Tracker:
             # purge_step hides events a previous attempt logged after the checkpoint we resume from.
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"),
                                      purge_step=None if resume_step is None else resume_step + 1)
+            self._tb.add_custom_scalars(TB_LAYOUT)
+            if config_text:  # the Text tab: what this run (attempt) was started with
+                self._tb.add_text("config", "```\n" + config_text + "\n```", global_step=resume_step or 0)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mgrpo.config.schema import RewardConfig
-from mgrpo.rewards.registry import get_reward_fn, gsm8k_options, reward_functions, to_score
+from mgrpo.rewards.registry import absolute_spec, get_reward_fn, gsm8k_options, reward_functions, to_score
 
 log = logging.getLogger("mgrpo.rewards")
 
@@ -75,7 +75,8 @@ class _Worker:
                    MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen([sys.executable, "-m", "mgrpo.rewards.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
-        config = {"custom_functions": dict(cfg.custom_functions), "gsm8k": gsm8k_options(cfg)}
+        config = {"custom_functions": {src: absolute_spec(spec) for src, spec in cfg.custom_functions.items()},
+                  "gsm8k": gsm8k_options(cfg)}
         self.proc.stdin.write((json.dumps(config) + "\n").encode())
         self.proc.stdin.flush()
         os.set_blocking(self.proc.stdout.fileno(), False)

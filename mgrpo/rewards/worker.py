@@ -28,15 +28,17 @@ def main() -> None:
     os.dup2(2, 1)  # fd 1 (C-level prints too) now goes to stderr
     sys.stdout = sys.stderr
 
-    from mgrpo.rewards.registry import builtin_rewards, get_reward_fn, load_function, to_score
+    from mgrpo.rewards.registry import EVERY_SOURCE, builtin_rewards, get_reward_fn, load_function, to_score
 
     config = json.loads(sys.stdin.readline())
     custom: dict[str, str] = config.get("custom_functions", {})
-    fns = {**builtin_rewards(config.get("gsm8k")), **{src: None for src in custom}}  # custom: imported on first use
+    builtins = {} if EVERY_SOURCE in custom else builtin_rewards(config.get("gsm8k"))  # '*' replaces them
+    fns = {**builtins, **{src: None for src in custom}}  # custom: imported on first use
 
     def resolve(src: str):
-        if fns.get(src) is None and src in custom:
-            fns[src] = load_function(custom[src], src)
+        key = src if src in fns else EVERY_SOURCE
+        if fns.get(key) is None and key in custom:
+            fns[key] = load_function(custom[key], key)
         return get_reward_fn(src, fns)
 
     proto.write(json.dumps({"ready": True}) + "\n")

@@ -35,6 +35,7 @@ KL_NAMES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_va
 # veRL defaults that differ from mgrpo's, shown when a veRL command line leaves them unset.
 DEFAULT_DIFFS = (
     (A + "clip_ratio_c", "3.0 (dual-clip on)", "algorithm.clip_ratio_c", "null (off)"),
+    (A + "use_kl_loss", "false (no KL term in the loss)", "algorithm.use_kl_loss", "true"),
     (A + "optim.weight_decay", "0.01", "actor.weight_decay", "0.0"),
     (A + "optim.betas", "[0.9, 0.999]", "actor.adam_beta1/adam_beta2", "0.9/0.99"),
     (A + "megatron.use_distributed_optimizer", "true", "actor.use_distributed_optimizer", "false"),
@@ -136,6 +137,18 @@ def _resume_mode(v, ctx):
     if v == "resume_path" and ctx.get("trainer.resume_from_path"):
         return [("trainer.resume", ctx["trainer.resume_from_path"])]
     raise Refuse(f"resume_mode {v!r}: mgrpo has auto | disable | a checkpoint directory")
+
+
+def _custom_reward(v, ctx):
+    """veRL's reward file: its function (custom_reward_function.name, default compute_score) scores every
+    data_source, which is reward.custom_functions' '*' entry."""
+    if not v:
+        return [("", "null: the reward function of each data_source")]
+    if not str(v).endswith(".py"):
+        raise Refuse("veRL imports a Python file here; give the path of a .py file (or mgrpo's "
+                     "reward.custom_functions={<data_source>: 'module:function'})")
+    name = ctx.get("custom_reward_function.name") or "compute_score"
+    return [("reward.custom_functions", {"*": f"{v}:{name}"})]
 
 
 def _max_resp_len(v, ctx):
@@ -246,7 +259,9 @@ RULES: dict[str, Rule] = {
     M + "use_shm": ignore("load speed only"),
     M + "trust_remote_code": ignore("mgrpo reads config.json itself"),
     M + "external_lib": only(falsy, "null", "mgrpo trains dense Qwen3 only"),
-    M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo", "mgrpo has no LoRA"),
+    M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo",
+                          "mgrpo has no LoRA: drop the key for full fine-tuning (mgrpo-plan says whether it fits and "
+                          "what to change if not: actor.recompute, actor.use_distributed_optimizer, more GPUs)"),
     M + "enable_activation_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload activations"),
     M + "custom_chat_template": only(falsy, "null", "mgrpo applies the tokenizer's own chat template"),
     # rollout
@@ -342,15 +357,16 @@ RULES: dict[str, Rule] = {
     "reward.reward_kwargs.max_resp_len": _max_resp_len,
     "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
-    "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo", "mgrpo has no reward model"),
+    "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo",
+                                "mgrpo has no reward model yet: score with a rule or your own function, "
+                                "reward.custom_functions={<data_source>: 'my_reward.py:score'} (or veRL's "
+                                "custom_reward_function.path)"),
     **{k: only(lambda v: v in ("naive", "dapo", None),
                "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
                "algorithm.overlong_buffer)",
                "mgrpo scores each sample with the function of its data_source")
        for k in ("reward_model.reward_manager", "reward.reward_manager.name")},
-    "custom_reward_function.path": only(falsy, "null",
-                                        "mgrpo takes reward functions by import path per data_source: "
-                                        "reward.custom_functions={<data_source>: 'module:function'}"),
+    "custom_reward_function.path": _custom_reward,
     "custom_reward_function.name": ignore("used with custom_reward_function.path"),
     **LAYOUT_RULES,
 }
