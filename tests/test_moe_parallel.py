@@ -21,20 +21,12 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.packing import PROMPTS, RESPONSES, make_batch, max_diff
+from tests.helpers.packing import PROMPTS, RESPONSES, Receiver, make_batch, max_diff
 from tests.helpers.moe import AUX, moe_cfg, run_config
 
 pytestmark = pytest.mark.integration
 
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl")
-
-
-class _Receiver:
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-
-    def update_weights(self, bucket):
-        self.sums.update({name: float(t.double().sum()) for name, t in bucket})
 
 
 def _one_run(rank, world, port, hf_dir, layout: dict):
@@ -63,7 +55,7 @@ def _one_run(rank, world, port, hf_dir, layout: dict):
     ref = actor.compute_logprobs(batch, "ref")
     metrics = actor.train_mini_batch(batch)
     after = actor.compute_logprobs(batch, "actor")
-    receiver = _Receiver()
+    receiver = Receiver()
     sync = actor.sync_weights([receiver], bucket_bytes=1 << 14)
     if save:
         actor.save_checkpoint(save)

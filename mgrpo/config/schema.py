@@ -12,6 +12,8 @@ rollout.n, trainer.total_training_steps, ...).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -421,7 +423,8 @@ def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
     return keys
 
 
-def keys_of_type(kind: type, cls=MGRPOConfig, prefix: str = "") -> set[str]:
+@functools.lru_cache(maxsize=None)  # the schema does not change: walked once per (kind, class)
+def keys_of_type(kind: type, cls=MGRPOConfig, prefix: str = "") -> frozenset[str]:
     """The dotted keys of the schema's fields of one container type: `dict` (e.g. reward.custom_functions,
     whose keys are the user's, which Hydra's struct mode would refuse as unknown) or `list` (e.g.
     data.train_files, which a user gives one value of). mgrpo_launchers.overrides shapes their overrides."""
@@ -440,4 +443,4 @@ def keys_of_type(kind: type, cls=MGRPOConfig, prefix: str = "") -> set[str]:
             keys.add(prefix + f.name)
         elif sub is not None and dataclasses.is_dataclass(sub):
             keys |= keys_of_type(kind, sub, prefix + f.name + ".")
-    return keys
+    return frozenset(keys)

@@ -57,7 +57,7 @@ def make_batch(vocab: int, seed: int = 0, prompts=PROMPTS, responses=RESPONSES):
         token_weight=[[1.0 / total] * r for r in responses], metric_weight=1.0 / total)
 
 
-class _Receiver:
+class Receiver:
     """Stands in for a rollout engine's weight receiver: records what arrives."""
 
     def __init__(self):
@@ -85,7 +85,7 @@ def _one_run(rank, world, port, hf_dir, layout: dict):
     ref = actor.compute_logprobs(batch, "ref")
     metrics = actor.train_mini_batch(batch)
     after = actor.compute_logprobs(batch, "actor")
-    receiver = _Receiver()
+    receiver = Receiver()
     actor.sync_weights([receiver], bucket_bytes=1 << 16)
     if save:
         actor.save_checkpoint(save)
