@@ -8,8 +8,15 @@
   it after the README's command.
 
 Every run writes each test's tier, outcome, seconds and what it started to `outputs/tests/durations.json`,
-so that tiers move by data (`python -m benchmarks.tools.test_suite` keeps a committed summary). pytest-timeout is
-the backstop against a hang: each tier has a default budget per test, a `@pytest.mark.timeout(...)` overrides it.
+so that tiers move by data (`python -m benchmarks.tools.test_suite` keeps a committed summary and the per-test
+seconds in `tests/durations_cpu.json`). pytest-timeout is the backstop against a hang: each tier has a default
+budget per test, a `@pytest.mark.timeout(...)` overrides it.
+
+With pytest-xdist (`-n 2 --dist loadgroup`, as `.ci/run` runs the system tier) the tests are handed out longest
+first by those committed seconds, so the longest ones do not start last and leave a worker idle at the end; tests
+that share a machine-wide resource carry one `xdist_group` (`tests/helpers/procs.py::machine_wide`) and run one
+after another. Each worker
+sends its records with its reports, and the controller writes the one durations file.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ TIERS = ("unit", "integration", "system")
 TIMEOUT_S = {"unit": 120, "integration": 900, "system": 2400}
 DURATIONS = os.environ.get("MGRPO_TEST_DURATIONS") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs", "tests", "durations.json")
+COMMITTED_DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations_cpu.json")
 
 # MGRPO_TIER_AUDIT=1 records what each test starts without failing any or timing any out: how tiers are first
 # assigned by data.
@@ -72,6 +80,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
         if item.get_closest_marker("timeout") is None and not AUDIT:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller hands tests out in this order
+        items[:] = longest_first(items, _committed_seconds())
+
+
+def _committed_seconds() -> dict[str, float]:
+    try:
+        with open(COMMITTED_DURATIONS) as f:
+            return json.load(f)["seconds"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def longest_first(items: list, seconds: dict[str, float]) -> list:
+    """Items ordered by their recorded seconds, longest first; a group (xdist_group) counts as the sum of its
+    tests, since one worker runs it whole. A test with no record counts as the median one. Stable, and the same
+    in every worker (xdist requires identical collections)."""
+    known = sorted(seconds.values())
+    default = known[len(known) // 2] if known else 0.0
+
+    def group(item):
+        mark = item.get_closest_marker("xdist_group")
+        return (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else item.nodeid
+
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[group(item)] = cost.get(group(item), 0.0) + seconds.get(item.nodeid, default)
+    return sorted(items, key=lambda item: -cost[group(item)])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -146,7 +181,7 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     _uninstall()
     records = _records
-    if not records:
+    if not records or hasattr(session.config, "workerinput"):  # xdist: the controller writes the file
         return
     totals = {t: round(sum(r["seconds"] for r in records.values() if r["tier"] == t), 1) for t in TIERS}
     # One file per selection, so the README's command and the system tier keep theirs side by side.
@@ -159,9 +194,8 @@ def pytest_sessionfinish(session, exitstatus):
                    "tier_seconds": totals, "tests": records}, f, indent=1)
 
 
-def _record(item) -> dict:
-    return _records.setdefault(
-        item.nodeid, {"tier": tier_of(item), "outcome": "passed", "seconds": 0.0, "started": []})
+def _record(nodeid: str, tier: str) -> dict:
+    return _records.setdefault(nodeid, {"tier": tier, "outcome": "passed", "seconds": 0.0, "started": []})
 
 
 def _run_watched(item):
@@ -172,8 +206,9 @@ def _run_watched(item):
     finally:
         _watch.enforce = False
         started = list(dict.fromkeys(_watch.started))
-        rec = _record(item)
-        rec["started"] = list(dict.fromkeys(rec["started"] + [s.split(" (")[0] for s in started]))
+        # On the report (user_properties travel with it), so that under xdist the controller has them too.
+        item.user_properties.append(("mgrpo_test", {"tier": tier_of(item),
+                                                    "started": [s.split(" (")[0] for s in started]}))
     if tier_of(item) == "unit" and started and not AUDIT:
         # Reached when the code under test caught the TierViolation: still a failure of the tier rule.
         pytest.fail(f"this test started {started[0]}: {MARKER_HELP}", pytrace=False)
@@ -191,9 +226,12 @@ def pytest_runtest_call(item):
 
 
 def pytest_runtest_logreport(report):
-    rec = _records.get(report.nodeid)
-    if rec is None:
+    ours = [v for k, v in report.user_properties if k == "mgrpo_test"]
+    if not ours:
         return
+    # Under `--dist loadgroup` xdist appends "@<group>" to a grouped test's id; the record keeps the test's own.
+    rec = _record(re.sub(r"@[\w-]+$", "", report.nodeid), ours[-1]["tier"])
+    rec["started"] = list(dict.fromkeys(rec["started"] + [s for o in ours for s in o["started"]]))
     rec["seconds"] = round(rec["seconds"] + report.duration, 3)
     if report.outcome != "passed" and rec["outcome"] == "passed":
         rec["outcome"] = f"{report.outcome} in {report.when}"

@@ -14,8 +14,10 @@ import time
 
 import pytest
 
-from tests.helpers.procs import kill, pids_where
+from tests.helpers.procs import kill, machine_wide, pids_where
 from tests.helpers.runs import read_metrics
+
+pytestmark = machine_wide  # see tests/helpers/procs.py
 
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 

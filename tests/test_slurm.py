@@ -26,7 +26,9 @@ from mgrpo.cluster.slurm import (
 )
 from mgrpo.cluster.ray_nodes import missing_hosts
 from mgrpo.net import NodeAddressError, free_port, node_ip
-from tests.helpers.procs import processes_mentioning
+from tests.helpers.procs import machine_wide, processes_mentioning
+
+pytestmark = machine_wide  # see tests/helpers/procs.py
 
 
 # --- node lists ---------------------------------------------------------------------------------------

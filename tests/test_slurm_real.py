@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mgrpo.net import free_port
-from tests.helpers.procs import processes_mentioning
+from tests.helpers.procs import machine_wide, processes_mentioning
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm" / "train.sbatch"
@@ -32,7 +32,7 @@ JOB_NAME = "mgrpo-test-real"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED"}
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, machine_wide]
 
 
 def _run(*args: str, timeout: float = 60, check: bool = True) -> str:

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from mgrpo.net import free_port
-from tests.helpers.procs import processes_mentioning
+from tests.helpers.procs import machine_wide, processes_mentioning
+
+pytestmark = machine_wide  # see tests/helpers/procs.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm" / "train.sbatch"

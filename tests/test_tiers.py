@@ -1,7 +1,8 @@
 """The tier rule of tests/conftest.py, tested on a suite of its own run by pytest in a child process: a unit test
 that starts a process, a multiprocessing child, a server or a gloo group fails with the marker message (even where
 the code under test catches `Exception`), the same under `integration` passes, an unmarked test is selected by
-`-m unit`, and every test's tier, seconds and what it started are written to the durations file."""
+`-m unit`, and every test's tier, seconds and what it started are written to the durations file, also when
+pytest-xdist runs the suite on two workers; under xdist, tests go out longest first, a group as one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 
 import pytest
+
+from tests.conftest import longest_first
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,8 +61,7 @@ def test_subprocess_in_integration():
 '''
 
 
-@pytest.mark.integration
-def test_unit_tier_refuses_processes_servers_and_groups(pytester, monkeypatch):
+def _child_suite(pytester, monkeypatch):
     durations = pytester.path / "durations.json"
     monkeypatch.setenv("PYTHONPATH", ROOT)
     monkeypatch.setenv("MGRPO_TEST_DURATIONS", str(durations))
@@ -67,7 +69,14 @@ def test_unit_tier_refuses_processes_servers_and_groups(pytester, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # the short summary's lines whole
     pytester.makeconftest("from tests.conftest import *  # noqa: F401,F403  (the hooks under test)\n")
     pytester.makepyfile(test_suite=SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", timeout=300)
+    return durations
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_unit_tier_refuses_processes_servers_and_groups(pytester, monkeypatch, workers):
+    durations = _child_suite(pytester, monkeypatch)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", *workers, timeout=300)
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed") == 2 and outcomes.get("failed") == 5, result.stdout.str()[-3000:]
     text = result.stdout.str()
@@ -84,8 +93,35 @@ def test_unit_tier_refuses_processes_servers_and_groups(pytester, monkeypatch):
         **record["test_suite.py::test_subprocess_in_integration"], "tier": "integration", "outcome": "passed",
         "started": ["a process"]}
     assert record["test_suite.py::test_server"]["outcome"] == "failed in call"
+    assert len(record) == 7  # under xdist too: the controller writes every worker's tests, the workers nothing
+    if workers:
+        return
 
     # An unmarked test is `unit`: selected by -m unit, deselected by the README's -m "not system" never.
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-m", "unit", "-k", "plain or integration",
                                            timeout=300)
     assert result.parseoutcomes() == {"passed": 1, "deselected": 6}, result.stdout.str()[-2000:]
+
+
+def test_xdist_hands_out_the_longest_first_and_a_group_as_one(pytester):
+    # Collected in this process (no child pytest); pytest-benchmark off, since it runs `git` when configured.
+    items = pytester.genitems([pytester.getmodulecol("""
+import pytest
+
+def test_short(): pass
+def test_long(): pass
+def test_unknown(): pass
+
+@pytest.mark.xdist_group("g")
+def test_grouped_a(): pass
+
+@pytest.mark.xdist_group("g")
+def test_grouped_b(): pass
+""", configargs=("-p", "no:benchmark"))])
+    mod = items[0].nodeid.split("::")[0]
+    seconds = {f"{mod}::test_short": 1.0, f"{mod}::test_long": 50.0, f"{mod}::test_grouped_a": 30.0,
+               f"{mod}::test_grouped_b": 30.0, "elsewhere::test_median": 5.0}
+    order = [item.name for item in longest_first(items, seconds)]
+    # The group's 60 s beat the longest single test; an unrecorded test counts as the median (5 s).
+    assert order == ["test_grouped_a", "test_grouped_b", "test_long", "test_unknown", "test_short"]
+    assert [i.name for i in longest_first(items, {})] == [i.name for i in items]  # no record: as collected

@@ -1,7 +1,8 @@
 """The test suite by tier, as the README and CI run it: each tier's command timed on this machine, its counts,
 the load, and from the durations file tests/conftest.py writes, each tier's summed test seconds and its slowest
 tests (so a test moves tier by data). Writes benchmarks/results/test_suite_cpu.json (or --out), which the
-README's tier table is rendered from (benchmarks/tools/readme_table.py, block `test-tiers`).
+README's tier table is rendered from (benchmarks/tools/readme_table.py, block `test-tiers`), and every test's
+seconds to tests/durations_cpu.json, by which tests/conftest.py hands tests out longest first under xdist.
 
     python -m benchmarks.tools.test_suite                        # -m unit, then `bash .ci/run`
     python -m benchmarks.tools.test_suite --tiers unit,readme,system   # each pytest command on its own
@@ -28,7 +29,7 @@ from benchmarks.tools.proctree import machine
 COMMANDS = {
     "unit": ["-m", "unit"],
     "readme": ["-m", "not system"],  # the README's test command: unit + integration
-    "system": ["-m", "system"],
+    "system": ["-m", "system", "-n", "2"],  # as .ci/run runs it
 }
 BUDGET_S = {"unit": 180, "readme": 1200, "system": None, "ci": 3000}
 """Issue 29's budgets on the 2-core machine: unit <= 3 min, the README's command <= 20 min; .ci/run (install,
@@ -54,6 +55,28 @@ def _from_durations(args: list[str]) -> dict:
                                      for t in tiers},
             "tests_by_tier": {t: sum(r["tier"] == t for r in tests.values()) for t in tiers},
             "slowest": [{"test": k, "tier": r["tier"], "seconds": r["seconds"]} for k, r in slowest]}
+
+
+def write_test_seconds(commit: str, path: str = os.path.join(REPO, "tests", "durations_cpu.json")) -> int:
+    """Every test's seconds from this run's durations files (the README's command and the system tier), over
+    the previous ones; returns how many tests it holds."""
+    seconds = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            seconds = json.load(f).get("seconds", {})
+    for name in ("readme", "system"):
+        slug = re.sub(r"\W+", "_", COMMANDS[name][1])
+        run = os.path.join(REPO, "outputs", "tests", f"durations_{slug}.json")
+        if os.path.isfile(run):
+            with open(run) as f:
+                seconds.update({k: round(r["seconds"], 1) for k, r in json.load(f)["tests"].items()})
+    about = ("Per-test seconds on the 2-core CPU machine, from outputs/tests/durations_*.json of the README's "
+             "command and the system tier (python -m benchmarks.tools.test_suite rewrites it). Under xdist, "
+             "tests/conftest.py hands tests out longest first by these.")
+    with open(path, "w") as f:
+        json.dump({"about": about, "measured_at_commit": commit[:7], "seconds": dict(sorted(seconds.items()))}, f,
+                  indent=0)
+    return len(seconds)
 
 
 def _command(args: list[str]) -> str:
@@ -129,6 +152,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
+    print(f"wrote tests/durations_cpu.json ({write_test_seconds(commit)} tests)")
     return status
 
 

@@ -7,6 +7,13 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
+machine_wide = pytest.mark.xdist_group("machine-wide")
+"""For tests that use something only one test on the machine can use at a time: the one-node SLURM cluster (a job
+asks for the whole node) and `ray start --head` (its Ray client server takes the fixed port 10001). Under xdist
+(`--dist loadgroup`) they run one after another on one worker; without xdist the mark does nothing."""
+
 
 def _read(pid: str, what: str) -> str:
     with open(f"/proc/{pid}/{what}", "rb") as f:
