@@ -1,5 +1,7 @@
 """mgrpo's benchmarks: every script runs from the repository root as `python -m benchmarks.<folder>.<name>`
-and writes its numbers, with the machine they came from, under `benchmarks/results/` (see README.md here).
+and writes its numbers, with the machine they came from, under `outputs/benchmarks/` (untracked); with
+`--update-results` it writes the committed files under `benchmarks/results/` that the READMEs are rendered from
+(see README.md here), so a trial run never changes them.
 
     measure/  mgrpo's own costs: weight streaming and sync, packing, the planner against measured memory, a
               Megatron rank's memory call by call, the decode loop's heap, the engines' log-prob memory
@@ -18,3 +20,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The repository root (this package's parent folder)."""
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 """Where committed results live: benchmarks/results/."""
+OUTPUTS = os.path.join(REPO, "outputs", "benchmarks")
+"""Where a run writes unless told to update the committed results: outputs/benchmarks/ (untracked)."""
+
+
+def add_output_args(parser, name: str, flag: str = "--out") -> None:
+    """`flag` (default: outputs/benchmarks/<name>) and `--update-results` (default: benchmarks/results/<name>)."""
+    parser.add_argument(flag, default=None, help=f"output path (default outputs/benchmarks/{name}, untracked; "
+                                                 f"benchmarks/results/{name} with --update-results)")
+    parser.add_argument("--update-results", action="store_true",
+                        help="write the committed results under benchmarks/results/ (what the READMEs show)")
+
+
+def output_path(args, name: str, flag: str = "out", folder: bool = False) -> str:
+    """Where this run writes: the flag's value, else benchmarks/results/<name> with --update-results, else
+    outputs/benchmarks/<name>. The path's folder (or the path itself, for a `folder`) is created."""
+    path = getattr(args, flag) or os.path.join(RESULTS if args.update_results else OUTPUTS, name)
+    os.makedirs(path if folder else os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from benchmarks import RESULTS
+from benchmarks import add_output_args, output_path
 from benchmarks.tools.proctree import machine
 from tests.helpers.chaos import JOBS, KINDS, soak_job
 
@@ -32,10 +32,11 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds (default: all)")
     ap.add_argument("--batch", type=int, default=32, help="data.train_batch_size (the default job's 32)")
     ap.add_argument("--n", type=int, default=8, help="rollout.n (the default job's 8)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "chaos_cpu.json"))
+    add_output_args(ap, "chaos_cpu.json")
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "chaos_cpu.json")
     kinds = args.kinds.split(",")
     unknown = set(kinds) - set(KINDS)
     if unknown:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
 
@@ -33,8 +33,9 @@ def _doctor(*args: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", help="an existing run folder of the default job (else one is made and removed)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "doctor_main_job_cpu.json"))
+    add_output_args(ap, "doctor_main_job_cpu.json")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "doctor_main_job_cpu.json")
     run_dir, made = args.run_dir, False
     if run_dir is None:
         run_dir, made = tempfile.mkdtemp(prefix="mgrpo-doctor-job-"), True

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
 BASE = ["rollout=hf_cpu", "trainer.save_freq=0"]
@@ -201,8 +201,9 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma list of runs (default: all): " + ", ".join(RUNS))
-    ap.add_argument("--out", default=os.path.join(RESULTS, "logprob_support_cpu.json"))
+    add_output_args(ap, "logprob_support_cpu.json")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "logprob_support_cpu.json")
     names = args.only.split(",") if args.only else list(RUNS)
     result = {"runs": {}, "bias": {}}
     if os.path.exists(args.out):

@@ -18,15 +18,16 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import TreeMonitor, machine
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(RESULTS, "main_job_cpu.json"))
+    add_output_args(ap, "main_job_cpu.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "main_job_cpu.json")
 
     run_dir = tempfile.mkdtemp(prefix="mgrpo-main-job-")
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *args.overrides]

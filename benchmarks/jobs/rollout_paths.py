@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
 DISAGG = ("rollout.mode=disaggregated", "trainer.n_gpus_per_node=2")
@@ -85,8 +85,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--only", default="")
     ap.add_argument("--pin", action="store_true")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "rollout_paths_cpu"))
+    add_output_args(ap, "rollout_paths_cpu")
     args = ap.parse_args()
+    args.out = output_path(args, "rollout_paths_cpu")
     rows = []
     for name, overrides in VARIANTS.items():
         if args.only in name:

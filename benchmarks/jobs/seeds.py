@@ -15,15 +15,16 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--out", default=os.path.join(RESULTS, "seeds_cpu.json"))
+    add_output_args(ap, "seeds_cpu.json")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "seeds_cpu.json")
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 
 
 def machine() -> dict:
@@ -149,9 +149,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(RESULTS, "convert_cpu"))
+    add_output_args(p, "convert_cpu")
     p.add_argument("--workdir", default=None, help="scratch space (several GB); default a temporary directory")
     args = p.parse_args(argv)
+    args.out = output_path(args, "convert_cpu")
 
     with open(os.path.join(REPO, "configs", "model", args.preset + ".yaml")) as f:
         cfg = ModelConfig(**yaml.safe_load(f))

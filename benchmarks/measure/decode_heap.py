@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 
-from benchmarks import RESULTS
+from benchmarks import add_output_args, output_path
 
 SETTINGS = {"adaptive": {}, "trim16": {}, "mmap4mib": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)}}
 
@@ -72,8 +72,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--calls", type=int, default=3, help="generate calls per process")
     ap.add_argument("--rounds", type=int, default=2, help="processes per setting, the settings alternated")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "decode_heap_cpu.json"))
+    add_output_args(ap, "decode_heap_cpu.json")
     a = ap.parse_args(argv)
+    a.out = output_path(a, "decode_heap_cpu.json")
     load0 = os.getloadavg()
     got: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for r in range(a.rounds):

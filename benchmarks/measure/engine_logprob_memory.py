@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.gpu.common import write_csv
 from benchmarks.peers.grpo_workloads import WORKLOADS, make_initial_model
 from benchmarks.tools.proctree import machine
@@ -92,9 +92,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=120)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "engine_logprob_memory"))
+    add_output_args(ap, "engine_logprob_memory")
     ap.add_argument("--_one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.out = output_path(a, "engine_logprob_memory")
     if a._one:
         engine, rev, ckpt = a._one
         print(json.dumps(measure_one(engine, None if rev == "-" else rev, ckpt, a.rows, a.tokens, a.prompt_len,

@@ -33,7 +33,7 @@ import random
 import statistics
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 
 DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k", "train.jsonl")
 
@@ -146,8 +146,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192, help="model vocabulary (token ids are folded into it)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "packing_cpu"))
+    add_output_args(ap, "packing_cpu")
     args = ap.parse_args()
+    args.out = output_path(args, "packing_cpu")
 
     from benchmarks.measure.convert_bench import machine
     from mgrpo.models import init_hf_checkpoint

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import RESULTS
+from benchmarks import add_output_args, output_path
 
 MIB = 1024**2
 PHASES = ("build", "logprobs", "train", "sync")
@@ -202,10 +202,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--malloc", nargs="*", default=["mmap", "default"], choices=list(MALLOC_ENV))
-    parser.add_argument("--out", default=os.path.join(RESULTS, "plan_vs_measured_cpu"))
+    add_output_args(parser, "plan_vs_measured_cpu")
     parser.add_argument("--reestimate", action="store_true",
                         help="measure nothing: recompute the estimate columns of the stored rows with this planner")
     args = parser.parse_args()
+    args.out = output_path(args, "plan_vs_measured_cpu")
     # Results accumulate: a run replaces the rows of the cases and malloc modes it measured.
     old = json.load(open(args.out + ".json")) if os.path.exists(args.out + ".json") else {"rows": [], "skipped": []}
     if args.reestimate:

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from benchmarks import REPO, RESULTS
+from benchmarks import add_output_args, output_path
 
 GIB = 1024**3
 
@@ -72,12 +72,9 @@ def recipe_settings() -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(REPO, "outputs", "benchmarks"), help="folder to write to")
-    ap.add_argument("--update-results", action="store_true",
-                    help="write to benchmarks/results/ (tracked; the README's table is rendered from it)")
+    add_output_args(ap, "")  # a folder: plan_qwen3_8x80gb.*, plan_qwen3_moe_8x80gb.*
     args = ap.parse_args(argv)
-    folder = RESULTS if args.update_results else args.out
-    os.makedirs(folder, exist_ok=True)
+    folder = output_path(args, "", folder=True)
     for cases, name in ((DENSE, "plan_qwen3_8x80gb"), (MOE, "plan_qwen3_moe_8x80gb")):
         table = rows(cases)
         out = os.path.join(folder, name)

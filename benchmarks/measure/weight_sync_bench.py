@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.measure.convert_bench import machine
 
 
@@ -129,9 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="+", default=["tiny", "qwen3-0.6b"])
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--syncs", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(RESULTS, "weight_sync_cpu"))
+    add_output_args(p, "weight_sync_cpu")
     p.add_argument("--workdir", default=None, help="scratch space (several GB); default a temporary directory")
     args = p.parse_args(argv)
+    args.out = output_path(args, "weight_sync_cpu")
     info = machine()
     work = args.workdir or tempfile.mkdtemp(prefix="weight_sync_bench_")
     rows = []

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import RESULTS
+from benchmarks import add_output_args, output_path
 from benchmarks.peers.grpo_vs_trl_report import per_step, render_table, summarize, write_outputs
 from benchmarks.peers.grpo_workloads import (SEED, WORKLOADS, Workload, child_pythonpath, load_reward,
                                              make_initial_model, model_key, prepare_data, prompt_schedule)
@@ -472,8 +472,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mgrpo", action="append", default=[], metavar="OVERRIDE",
                     help="an mgrpo-train override added to the workload's (repeatable), e.g. "
                          "actor.max_tokens_per_gpu=2048; recorded in the JSON's mgrpo_overrides")
-    ap.add_argument("--out", default=None, help="output prefix: <out>.csv and <out>.json (default "
-                    "benchmarks/results/grpo_vs_trl[_<workload>])")
+    add_output_args(ap, "grpo_vs_trl[_<workload>]")  # a prefix: <out>.csv and <out>.json
     ap.add_argument("--workdir", default=None, help="scratch folder, kept (default: a temp dir, removed)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for start-up or for one step")
     ap.add_argument("--last", type=int, default=None, help="final reward = mean over this many last steps "
@@ -488,7 +487,7 @@ def main(argv=None) -> None:
     for k, small, big in (("steps", 30, 6), ("warmup", 3, 1), ("rounds", 2, 1), ("last", 10, 3)):
         if getattr(a, k) is None:
             setattr(a, k, small if tiny else big)
-    a.out = a.out or os.path.join(RESULTS, "grpo_vs_trl" + ("" if tiny else f"_{a.workload}"))
+    a.out = output_path(a, "grpo_vs_trl" + ("" if tiny else f"_{a.workload}"))
     w = WORKLOADS[a.workload]
     for opt, fld in (("trl_micro_batch", "trl_micro_batch"), ("prompts", "prompts_per_step"),
                      ("max_new_tokens", "max_new_tokens")):

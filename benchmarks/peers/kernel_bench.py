@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import REPO, RESULTS
+from benchmarks import add_output_args, output_path
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
 from mgrpo.config import AlgorithmConfig
 from mgrpo_kernels import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, capabilities, fused_linear_loss
@@ -242,11 +242,7 @@ def parse_args(argv=None):
     ap.add_argument("--support", default=None,
                     help="comma list of per-token sampling supports to run our impls with: none (the full "
                          "vocabulary), topk:K, nucleus:F (random ids with the label); default none")
-    ap.add_argument("--out", default=None,
-                    help="CSV path (and .json beside it); default outputs/benchmarks/kernel_cpu.csv (untracked), or "
-                         "the committed benchmarks/results/kernel_cpu.csv with --update-results")
-    ap.add_argument("--update-results", action="store_true",
-                    help="write the committed results (what the README's rows are rendered from)")
+    add_output_args(ap, "kernel_cpu.csv")  # and .json beside it
     return ap.parse_args(argv)
 
 
@@ -367,10 +363,7 @@ def main(argv=None):
         print(f"{r['impl']:20s} {r['median_s']:9.3f} {cell(r['time_vs_naive'], 8, '.3f')} "
               f"{r['peak_extra_mib']:10.1f} {cell(r['mem_vs_naive'], 8, '.4f')} "
               f"{r['model_tflops']:8.3f} {cell(r['loss'], 12, '.6f')}")
-    default = os.path.join(RESULTS if args.update_results else os.path.join(REPO, "outputs", "benchmarks"),
-                           "kernel_cpu.csv")
-    out = Path(args.out or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(output_path(args, "kernel_cpu.csv"))
     fields: list = []
     for r in rows:
         fields += [k for k in r if k not in fields]

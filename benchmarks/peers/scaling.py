@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import RESULTS
+from benchmarks import add_output_args, output_path
 from benchmarks.gpu.common import write_csv  # rows of different keys: the header is their union
 from benchmarks.peers.grpo_vs_trl import prepare, run_round
 from benchmarks.peers.grpo_vs_trl_report import summarize
@@ -325,11 +325,12 @@ def main(argv=None) -> None:
     ap.add_argument("--no-trl", action="store_true", help="mgrpo only")
     ap.add_argument("--naive-max-t", type=int, default=2048,
                     help="largest T for the full-logits kernel (its memory: ~4 x T x V x 4 bytes)")
-    ap.add_argument("--out-dir", default=RESULTS)
+    add_output_args(ap, "", flag="--out-dir")  # a folder: scaling_<factor>.csv/.png, scaling.json
     ap.add_argument("--workdir", default=None, help="scratch folder, kept (default: a temp dir, removed)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for start-up or one step")
     ap.add_argument("--replot", action="store_true", help="redraw the PNGs from the CSVs under --out-dir; run nothing")
     a = ap.parse_args(argv)
+    a.out_dir = output_path(a, "", flag="out_dir", folder=True)
     if a.replot:
         for factor in a.factors.split(","):
             path = os.path.join(a.out_dir, f"scaling_{factor}.csv")

@@ -1,10 +1,11 @@
 """The test suite by tier, as the README and CI run it: each tier's command timed on this machine, its counts,
 the load, and from the durations file tests/conftest.py writes, each tier's summed test seconds and its slowest
-tests (so a test moves tier by data). Writes benchmarks/results/test_suite_cpu.json (or --out), which the
-README's tier table is rendered from (benchmarks/tools/readme_table.py, block `test-tiers`), and every test's
-seconds to tests/durations_cpu.json, by which tests/conftest.py hands tests out longest first under xdist.
+tests (so a test moves tier by data). Writes outputs/benchmarks/test_suite_cpu.json; with --update-results the
+committed benchmarks/results/test_suite_cpu.json, which the README's tier table is rendered from
+(benchmarks/tools/readme_table.py, block `test-tiers`), and every test's seconds to tests/durations_cpu.json, by
+which tests/conftest.py hands tests out longest first under xdist.
 
-    python -m benchmarks.tools.test_suite                        # -m unit, then `bash .ci/run`
+    python -m benchmarks.tools.test_suite --update-results       # -m unit, then `bash .ci/run`
     python -m benchmarks.tools.test_suite --tiers unit,readme,system   # each pytest command on its own
 
 `ci` runs `.ci/run` as CI does (install, SLURM up, the README's command, then the system tier, SLURM down): its
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
 COMMANDS = {
@@ -123,8 +124,9 @@ def run_tier(name: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default="unit,ci", help="comma-separated: unit, readme, system, ci")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "test_suite_cpu.json"))
+    add_output_args(ap, "test_suite_cpu.json")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "test_suite_cpu.json")
     tiers = args.tiers.split(",")
     unknown = set(tiers) - set(COMMANDS) - {"ci"}
     if unknown:
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
-    print(f"wrote tests/durations_cpu.json ({write_test_seconds(commit)} tests)")
+    if args.update_results:
+        print(f"wrote tests/durations_cpu.json ({write_test_seconds(commit)} tests)")
     return status
 
 
