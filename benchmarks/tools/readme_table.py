@@ -10,6 +10,7 @@ Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAM
   plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/measure/plan_table.py)
   results   the Results table; a row whose results file is missing is left out (its command makes the file)
   test-tiers the test tiers' commands, counts and wall times (test_suite_cpu.json, from benchmarks/tools/test_suite.py)
+  perf      the standing comparisons' last line (perf_history.jsonl, from benchmarks/tools/perf_history.py)
 tests/test_readme_results.py fails when README.md is not what this renders.
 """
 
@@ -481,7 +482,39 @@ def results_block() -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block, "test-tiers": test_tiers_block}
+def perf_block() -> str:
+    """The last line of the performance history: each standing comparison's mgrpo/TRL ratios."""
+    from benchmarks.tools.perf_history import last_line
+
+    line = last_line(os.path.join(RESULTS, "perf_history.jsonl"))
+    if line is None:
+        return "(no line yet: `python -m benchmarks.tools.perf_history --update-results`)"
+    out = [f"The last line of `benchmarks/results/perf_history.jsonl` (`python -m benchmarks.tools.perf_history "
+           f"--update-results`): commit {line['commit']}, {line['date_utc'][:10]}, load "
+           f"{line['load_1m_at_start']:.1f}-{line['load_1m_at_end']:.1f}. Ratios are mgrpo / TRL; lower is better.", "",
+           "| comparison | median step | peak PSS | response tokens/s | time to first step (mgrpo, TRL) |",
+           "|---|---|---|---|---|"]
+    for name, what in (("tiny", "tiny workload, lockstep"), ("qwen3vocab", "Qwen3 vocabulary, 2 prompts x 8")):
+        r = line.get(name)
+        if not r:
+            continue
+        if "error" in r:
+            out.append(f"| {what} | failed: {r['error'][:80]} | | | |")
+            continue
+        out.append(f"| {what} | {r['step_ratio']:.2f}x ({r['mgrpo_median_step_s']:.3f} vs {r['trl_median_step_s']:.3f} s)"
+                   f" | {r['pss_ratio']:.2f}x ({r['mgrpo_peak_pss_mib']:,.0f} vs {r['trl_peak_pss_mib']:,.0f} MiB) | "
+                   f"{r['response_tokens_per_s_ratio']:.2f}x | {r['mgrpo_time_to_first_step_s']:.1f} s, "
+                   f"{r['trl_time_to_first_step_s']:.1f} s |")
+    k = line.get("kernel")
+    if k and "error" not in k:
+        out += ["", f"Kernel (T=1024, H=1024, V=151,936, fp32, fwd+bwd): chunked {k['chunked_median_s']:.2f} s / "
+                    f"{k['chunked_peak_extra_mib']:,.0f} MiB vs full logits {k['naive_median_s']:.2f} s / "
+                    f"{k['naive_peak_extra_mib']:,.0f} MiB."]
+    return "\n".join(out)
+
+
+BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block, "test-tiers": test_tiers_block,
+          "perf": perf_block}
 
 
 def render(readme: str) -> str:
