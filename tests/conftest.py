@@ -12,10 +12,10 @@ so that tiers move by data (`python -m benchmarks.tools.test_suite` keeps a comm
 seconds in `tests/durations_cpu.json`). pytest-timeout is the backstop against a hang: each tier has a default
 budget per test, a `@pytest.mark.timeout(...)` overrides it.
 
-With pytest-xdist (`-n 2 --dist loadgroup`, as `.ci/run` runs the system tier) the tests are handed out longest
-first by those committed seconds, so the longest ones do not start last and leave a worker idle at the end; tests
-that share a machine-wide resource carry one `xdist_group` (`tests/helpers/procs.py::machine_wide`) and run one
-after another. Each worker
+With pytest-xdist (`-n 2 --dist loadgroup`, as `.ci/run` runs) a module's tests go to one worker (its
+module-scoped fixtures are built once), modules are handed out longest first by those committed seconds, so the
+longest do not start last and leave a worker idle at the end, and tests that share a machine-wide resource carry one
+`xdist_group` (`tests/helpers/procs.py::machine_wide`) and run one after another. Each worker
 sends its records with its reports, and the controller writes the one durations file.
 """
 
@@ -81,6 +81,11 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("timeout") is None and not AUDIT:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
     if hasattr(config, "workerinput"):  # an xdist worker: the controller hands tests out in this order
+        for item in items:
+            # A module's tests stay on one worker, so its module-scoped fixtures (a shared run, a server) are
+            # built once, as in a serial run.
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__.rsplit(".", 1)[-1]))
         items[:] = longest_first(items, _committed_seconds())
 
 
