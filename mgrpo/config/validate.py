@@ -264,7 +264,7 @@ def sandbox_errors(s: SandboxConfig) -> list[str]:
     isolation asked for is a capability check: mgrpo.sandbox.isolation.resolve."""
     e: list[str] = []
     _choice(e, "sandbox.isolation", s.isolation, Isolation)
-    _positive(e, "sandbox", s, ("cpu_time_s", "wall_time_s", "memory_mb", "max_file_size_mb", "scratch_mb",
+    _positive(e, "sandbox", s, ("cpu_time_s", "wall_time_s", "max_file_size_mb", "scratch_mb",
                                 "max_output_bytes", "max_concurrency"))
     if s.max_processes < 2:  # the stub and the code it runs
         e.append(f"sandbox.max_processes={s.max_processes} must be at least 2")

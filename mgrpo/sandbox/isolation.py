@@ -24,18 +24,13 @@ import functools
 import os
 import shutil
 import site
-import subprocess
 import sys
-from typing import Optional
 
 from mgrpo.config.choices import Isolation
 from mgrpo.config.schema import SandboxConfig
 
 RANK = {Isolation.unshare: 1, Isolation.bwrap: 2}
 """Stronger levels rank higher; `auto` takes the highest that works."""
-
-PROBE_TIMEOUT_S = 20.0
-"""One trial sandbox may take this long to start on a loaded machine before the level counts as missing."""
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
        # one thread per numerical library: a sandbox is one call among many on the node, and OpenBLAS's
@@ -119,51 +114,6 @@ def unshare_argv(cfg: SandboxConfig, scratch: str) -> list[str]:
     return [shutil.which("setpriv") or "setpriv", "--pdeathsig", "KILL", "--",
             shutil.which("unshare") or "unshare", *user, "--pid", "--fork", "--kill-child", "--mount-proc",
             "--net", "--ipc", "--uts", "--wd", scratch, "--"]
-
-
-def _works(argv: list[str]) -> Optional[str]:
-    """None when `argv` runs a trivial program in the sandbox; else what went wrong, in a line."""
-    try:
-        r = subprocess.run(argv + [sys.executable, "-I", "-c", "print('ok')"], capture_output=True, text=True,
-                           timeout=PROBE_TIMEOUT_S, env=ENV)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e).splitlines()[0]
-    if r.returncode == 0 and r.stdout.strip() == "ok":
-        return None
-    return (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
-
-
-@functools.lru_cache(maxsize=None)
-def probe() -> dict[str, Optional[str]]:
-    """Level -> None when it works on this machine, else why not (asked once per process)."""
-    out: dict[str, Optional[str]] = {}
-    probe_cfg = SandboxConfig()
-    if shutil.which("bwrap") is None:
-        out[Isolation.bwrap] = "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
-    else:
-        out[Isolation.bwrap] = _works(bwrap_argv(probe_cfg))
-    if shutil.which("unshare") is None or shutil.which("setpriv") is None:
-        out[Isolation.unshare] = "util-linux's unshare/setpriv are not installed"
-    else:
-        out[Isolation.unshare] = _works(unshare_argv(probe_cfg, "/"))
-    return out
-
-
-def resolve(isolation: str) -> str:
-    """The level in force for `sandbox.isolation` (auto: the strongest that works), or an InputError in one
-    line saying what the machine lacks."""
-    from mgrpo.config.validate import InputError
-
-    found = probe()
-    if isolation != Isolation.auto:
-        if found[isolation] is not None:
-            raise InputError(f"sandbox.isolation={isolation}: this machine cannot give it: {found[isolation]}")
-        return isolation
-    for level in sorted(RANK, key=RANK.get, reverse=True):
-        if found[level] is None:
-            return level
-    raise InputError("sandbox.isolation=auto: no isolation works on this machine, refusing to run code: "
-                     + "; ".join(f"{k}: {v}" for k, v in found.items()))
 
 
 def describe(level: str, cfg: SandboxConfig) -> str:

@@ -21,7 +21,8 @@ from mgrpo.config.schema import SandboxConfig
 from mgrpo.config.validate import raise_errors, sandbox_errors
 from mgrpo.sandbox import process
 from mgrpo.sandbox.counts import OutcomeCounts
-from mgrpo.sandbox.isolation import describe, resolve
+from mgrpo.sandbox.isolation import describe
+from mgrpo.sandbox.probe import resolve
 from mgrpo.sandbox.result import Limit, Outcome, SandboxResult
 
 _IDLE_POLL_S = 1.0
