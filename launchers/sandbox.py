@@ -17,7 +17,7 @@ import sys
 
 from mgrpo.config.choices import Isolation, values
 from mgrpo.config.schema import SandboxConfig
-from mgrpo.config.validate import InputError
+from mgrpo.config.validate import InputError, raise_errors, sandbox_errors
 
 # pool_size: one call needs no pre-started sandbox; uid and concurrency are a run's concerns
 _NOT_FLAGS = {"pool_size", "max_concurrency", "uid"}
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                         **{f.name: getattr(args, f.name) for f in dataclasses.fields(SandboxConfig)
                            if f.name not in _NOT_FLAGS})
     try:
+        raise_errors(sandbox_errors(cfg))  # before anything is read or started
         stdin = ""
         if args.stdin:
             with open(args.stdin, encoding="utf-8") as f:
