@@ -132,3 +132,16 @@ def test_tool_is_a_plain_function_with_a_schema():
     assert schema["function"]["name"] == "python"
     assert schema["function"]["parameters"]["properties"]["code"]["type"] == "string"
     assert schema["function"]["parameters"]["required"] == ["code"]
+
+
+def test_preflight_refuses_a_named_level_the_machine_lacks(monkeypatch):
+    from mgrpo.config import ConfigError
+    from mgrpo.preflight import preflight
+
+    monkeypatch.setattr(probe_module, "probe", lambda: {"bwrap": "bwrap is not installed", "unshare": None})
+    with pytest.raises(ConfigError) as e:
+        preflight(MGRPOConfig(sandbox=SandboxConfig(isolation="bwrap")), check_files=False, check_memory=False)
+    assert str(e.value) == ("invalid configuration: sandbox.isolation=bwrap: this machine cannot give it: "
+                            "bwrap is not installed")
+    # auto asks nothing before the start (no trial sandbox for a run that runs no code)
+    preflight(MGRPOConfig(), check_files=False, check_memory=False)
