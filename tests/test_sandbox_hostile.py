@@ -77,6 +77,33 @@ def test_a_normal_call_and_the_libraries(sandbox):
     assert (r.outcome, r.stdout, r.isolation) == ("ok", "hello 45 (x - 1)*(x + 1)\n", "bwrap")
 
 
+def test_large_code_and_stdin_pass_whole(sandbox):
+    # both larger than a pipe's buffer (64 KiB): the code pipe and stdin are written while the program reads
+    code = "data = " + repr("x" * 200_000) + "\nimport sys\nprint(len(data), len(sys.stdin.read()))"
+    r = run_counted(sandbox, code, stdin="y" * 300_000)
+    assert (r.outcome, r.stdout) == ("ok", "200000 300000\n"), r
+    r = run_counted(sandbox, "print('ignores its stdin')", stdin="z" * 1_000_000)
+    assert (r.outcome, r.stdout) == ("ok", "ignores its stdin\n"), r
+
+
+def test_the_python_tool_answers_and_counts():
+    _available("bwrap")
+    from mgrpo.sandbox import tool
+
+    tool.configure(CFG)
+    try:
+        tool.counts()
+        assert tool.python("print(sum(range(10)))") == "45"
+        assert tool.python("import time\ntime.sleep(100)") == "[timeout: wall_time]"
+        answer = tool.python("1 / 0")
+        assert answer.startswith("Traceback") and answer.endswith("ZeroDivisionError: division by zero\n[exit status 1]")
+        got = {k: v for k, v in tool.counts().items() if v}
+        assert got == {"sandbox/calls": 3, "sandbox/ok": 1, "sandbox/error": 1, "sandbox/timeout": 1,
+                       "sandbox/limit/wall_time": 1}, got
+    finally:
+        tool.close()
+
+
 def test_fork_bomb(sandbox):
     r = run_counted(sandbox, "import os\nwhile True:\n    os.fork()")
     assert (r.outcome, r.limit) == ("limit", "processes"), r

@@ -40,6 +40,15 @@ def sandbox() -> Sandbox:
         return _sandbox
 
 
+def close() -> None:
+    """Close the process's sandbox (the next call makes a new one)."""
+    global _sandbox
+    with _lock:
+        if _sandbox is not None:
+            _sandbox.close()
+        _sandbox = None
+
+
 def counts() -> dict[str, int]:
     """Calls by outcome and limit since the last call of counts() (every key, zeros included)."""
     with _lock:
