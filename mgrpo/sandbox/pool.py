@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Optional
 
 from mgrpo.config.schema import SandboxConfig
@@ -94,7 +95,10 @@ class Sandbox:
         except queue.Empty:  # none ready: ask the spawner for one now
             wanted: Future = Future()
             self._requests.put(wanted)
-            started = wanted.result(timeout=process.START_TIMEOUT_S)
+            try:
+                started = wanted.result(timeout=process.START_TIMEOUT_S)
+            except FuturesTimeout:
+                raise process.SandboxError(f"no sandbox started within {process.START_TIMEOUT_S:.0f} s") from None
         self._requests.put("refill")
         return started
 
@@ -119,7 +123,7 @@ class Sandbox:
                 while self._warm.qsize() < self.cfg.pool_size and self._requests.empty():
                     try:
                         self._warm.put(process.start(self.cfg, self.level))
-                    except OSError as e:  # counted when a call finds no sandbox and starts its own
+                    except Exception as e:  # counted when a call finds no sandbox and starts its own
                         print(f"sandbox: could not pre-start a sandbox: {e}", file=sys.stderr, flush=True)
                         break
         finally:

@@ -104,6 +104,12 @@ def run(s: Started, cfg: SandboxConfig, code: str, stdin: str = "") -> SandboxRe
         returncode = _reap(s)
         wall_s = time.monotonic() - t0
     finally:
+        if s.proc.returncode is None:  # something above failed: no process of it outlives the call
+            _kill(s)
+            try:
+                _reap(s)
+            except SandboxError:
+                pass
         _release(s)
     outcome, limit, status = classify(killed_for=killed_for, returncode=returncode, stderr=err.text)
     return SandboxResult(outcome, limit, status, out.text, err.text, out.truncated, err.truncated,
