@@ -77,6 +77,14 @@ def test_a_normal_call_and_the_libraries(sandbox):
     assert (r.outcome, r.stdout, r.isolation) == ("ok", "hello 45 (x - 1)*(x + 1)\n", "bwrap")
 
 
+def test_the_program_is_main(sandbox):
+    # its own __main__ module: multiprocessing pickles the program's functions by name
+    r = run_counted(sandbox, "import multiprocessing as mp\ndef square(x):\n    return x * x\n"
+                             "if __name__ == '__main__':\n    with mp.get_context('fork').Pool(2) as pool:\n"
+                             "        print(pool.map(square, [1, 2, 3]))")
+    assert (r.outcome, r.stdout) == ("ok", "[1, 4, 9]\n"), r
+
+
 def test_large_code_and_stdin_pass_whole(sandbox):
     # both larger than a pipe's buffer (64 KiB): the code pipe and stdin are written while the program reads
     code = "data = " + repr("x" * 200_000) + "\nimport sys\nprint(len(data), len(sys.stdin.read()))"
@@ -302,6 +310,21 @@ def test_concurrent_calls_are_capped_and_isolated(sandbox):
     for t in threads:
         t.join(timeout=60)
     assert sorted(r.stdout for r in results) == ["0\n", "1\n", "2\n", "3\n"]  # no scratch shared
+
+
+def test_a_call_that_finds_no_slot_is_a_counted_timeout():
+    _available("bwrap")
+    from mgrpo.sandbox import Sandbox
+
+    with Sandbox(SandboxConfig(isolation="bwrap", wall_time_s=1.0, pool_size=0, max_concurrency=1)) as sb:
+        assert sb._slots.acquire(timeout=1)  # a call in flight, holding the only slot
+        try:
+            r = sb.run("print(1)")
+        finally:
+            sb._slots.release()
+        assert (r.outcome, r.limit, r.exit_status) == ("timeout", "queue", None)
+        assert sb.counts.drain()["sandbox/limit/queue"] == 1
+        assert sb.run("print(6 * 7)").stdout == "42\n"
 
 
 def test_the_command_prints_one_json_line(tmp_path):

@@ -29,7 +29,8 @@ class SandboxConfig:
     max_file_size_mb: int = 16
     """Largest file a process may write (RLIMIT_FSIZE), MiB."""
     scratch_mb: int = 64
-    """Size of the private tmpfs at /tmp, the working directory (bwrap; the unshare level has no total cap)."""
+    """Size of the private tmpfs at /tmp, the working directory, and of the one at /dev/shm (bwrap; the unshare
+    level has no total cap)."""
     max_output_bytes: int = 16384
     """Bytes kept of stdout and of stderr each; a program that writes more is killed (outcome limit: output)."""
     pool_size: int = 2

@@ -102,8 +102,10 @@ def bwrap_argv(cfg: SandboxConfig) -> list[str]:
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
         argv += ["--ro-bind", path, path]
-    return argv + ["--proc", "/proc", "--dev", "/dev", "--perms", "01777", "--size", str(cfg.scratch_mb << 20), "--tmpfs", "/tmp",
-                   "--chdir", "/tmp", "--"]
+    scratch = ["--perms", "01777", "--size", str(cfg.scratch_mb << 20), "--tmpfs"]
+    # /dev/shm too: bwrap's /dev has it root-only, and multiprocessing's locks live there
+    return argv + ["--proc", "/proc", "--dev", "/dev", *scratch, "/dev/shm", *scratch, "/tmp", "--chdir", "/tmp",
+                   "--"]
 
 
 def unshare_argv(cfg: SandboxConfig, scratch: str) -> list[str]:

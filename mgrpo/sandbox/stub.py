@@ -77,9 +77,13 @@ def _run(code_fd: int) -> None:
     os.close(code_fd)
     source = b"".join(chunks)
     sys.argv = ["main.py"]
-    globals_ = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+    # a module of its own as __main__ (not this stub's): pickle and multiprocessing find the program's names there
+    main = type(sys)("__main__")
+    main.__file__ = "main.py"
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
     try:
-        exec(compile(source, "main.py", "exec"), globals_)
+        exec(compile(source, "main.py", "exec"), main.__dict__)
     except SystemExit:
         raise
     except BaseException as e:  # the model's traceback without this file's frame
