@@ -25,7 +25,8 @@ _NOT_FLAGS = {"pool_size", "max_concurrency", "uid"}
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mgrpo-sandbox", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     defaults = SandboxConfig()
     for f in dataclasses.fields(SandboxConfig):
         if f.name in _NOT_FLAGS:

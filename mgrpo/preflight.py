@@ -5,8 +5,9 @@ checks that ask them: names registered by the rooms that implement them (advanta
 KL estimators, loss aggregation modes, model families, synthetic tasks, reward functions) with their
 metadata (an estimator that needs groups of n >= 2, a sequence-level loss that cannot be split over context
 parallel ranks), the sandbox level the run names (when it names one: a trial sandbox is started), and the
-memory plan's verdict. Every problem is reported in one ConfigError (the launchers exit with status 2). `Trainer.__init__` and `mgrpo-plan` call it; each registry stays the one list of its
-names, and nothing here copies one.
+memory plan's verdict. Every problem is reported in one ConfigError (the launchers exit with status 2).
+`Trainer.__init__` and `mgrpo-plan` call it; each registry stays the one list of its names, and nothing here
+copies one.
 """
 
 from __future__ import annotations

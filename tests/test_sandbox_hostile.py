@@ -104,7 +104,8 @@ def test_the_python_tool_answers_and_counts():
         assert tool.python("print(sum(range(10)))") == "45"
         assert tool.python("import time\ntime.sleep(100)") == "[timeout: wall_time]"
         answer = tool.python("1 / 0")
-        assert answer.startswith("Traceback") and answer.endswith("ZeroDivisionError: division by zero\n[exit status 1]")
+        assert answer.startswith("Traceback")
+        assert answer.endswith("ZeroDivisionError: division by zero\n[exit status 1]")
         got = {k: v for k, v in tool.counts().items() if v}
         assert got == {"sandbox/calls": 3, "sandbox/ok": 1, "sandbox/error": 1, "sandbox/timeout": 1,
                        "sandbox/limit/wall_time": 1}, got
@@ -154,7 +155,8 @@ def test_reading_secrets_and_the_run(sandbox, tmp_path, monkeypatch):
     (run / "api_key").write_text("sk-secret-123")
     monkeypatch.setenv("MGRPO_ROLLOUT_API_KEY", "sk-secret-123")
     for path in ("/etc/shadow", str(run / "api_key"), str(run), os.getcwd()):
-        r = run_counted(sandbox, f"import os\np = {path!r}\nprint(os.listdir(p) if os.path.isdir(p) else open(p).read())")
+        r = run_counted(sandbox, f"import os\np = {path!r}\n"
+                                 "print(os.listdir(p) if os.path.isdir(p) else open(p).read())")
         assert r.outcome == "error" and ("FileNotFoundError" in r.stderr or "PermissionError" in r.stderr), (path, r)
     # the home folder: absent, or (an interpreter installed under it, as pyenv's) holding only the way to it
     from mgrpo.sandbox.isolation import interpreter_paths
@@ -249,7 +251,8 @@ def test_signals_and_ptrace_reach_nothing_outside(sandbox, victim):
         run_counted(sandbox, code)
         assert victim.poll() is None
     r = run_counted(sandbox, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                             f"print([(libc.ptrace(16, p, 0, 0), ctypes.get_errno()) for p in (1, {victim.pid}, {me})])")
+                             "print([(libc.ptrace(16, p, 0, 0), ctypes.get_errno()) "
+                             f"for p in (1, {victim.pid}, {me})])")
     assert r.stdout == "[(-1, 1), (-1, 3), (-1, 3)]\n", r  # EPERM for its init, ESRCH: no such process outside
     assert victim.poll() is None
 

@@ -15,9 +15,9 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Isolation, Logger,
-                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
-                                  is_choice, plain, values)
+from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Isolation,
+                                  Logger, LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
+                                  RouterReplay, is_choice, plain, values)
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig, SandboxConfig
 

@@ -1,10 +1,10 @@
 """What one sandboxed call gave: a typed result, and how an ending is classified.
 
 Evidence, strongest first: what the sandbox did itself (killed the tree at the wall time or the output
-limit), the signal that ended the program (SIGXCPU, SIGXFSZ), then the program's own last error line (MemoryError, EAGAIN from fork, EMFILE, EFBIG,
-ENOSPC): Python turns most rlimits into exceptions rather than signals. That last kind of evidence is the
-program's word: code could print "MemoryError" and exit 1 to be counted as a memory limit; it fools its own
-counters only, and nothing else reads them.
+limit), the signal that ended the program (SIGXCPU, SIGXFSZ), then the program's own last error line
+(MemoryError, EAGAIN from fork, EMFILE, EFBIG, ENOSPC): Python turns most rlimits into exceptions rather
+than signals. That last kind of evidence is the program's word: code could print "MemoryError" and exit 1 to
+be counted as a memory limit; it fools its own counters only, and nothing else reads them.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def classify(*, killed_for: Optional[str], returncode: Optional[int], stderr: str) -> tuple[str, Optional[str], Optional[int]]:
+def classify(*, killed_for: Optional[str], returncode: Optional[int],
+             stderr: str) -> tuple[str, Optional[str], Optional[int]]:
     """(outcome, limit, exit status) of one call."""
     if killed_for == Limit.wall_time:
         return Outcome.timeout, Limit.wall_time, None
