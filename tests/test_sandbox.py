@@ -31,8 +31,11 @@ from mgrpo.sandbox.result import OUTCOME_KEYS, SandboxResult, classify, exit_sta
     (None, 1, "OSError: [Errno 24] Too many open files: 'x'", ("limit", "open_files", 1)),
     (None, 1, "OSError: [Errno 27] File too large\n\n", ("limit", "file_size", 1)),
     (None, 1, "OSError: [Errno 28] No space left on device", ("limit", "file_size", 1)),
-    # only the last line counts: a MemoryError caught and followed by another failure is that failure
+    # only the last exception counts: a MemoryError caught and followed by another failure is that failure
     (None, 1, "MemoryError\nDuring handling...\nKeyError: 'x'", ("error", None, 1)),
+    # a fork bomb's children write their tracebacks into one pipe at once: the last line may be another's start
+    (None, 1, "BlockingIOError: [Errno 11] Resource temporarily unavailable\nTraceback (most recent call last):\n"
+              '  File "main.py", line 2, in <module>\n', ("limit", "processes", 1)),
 ])
 def test_classify(killed_for, returncode, stderr, expected):
     assert classify(killed_for=killed_for, returncode=returncode, stderr=stderr) == expected

@@ -101,9 +101,14 @@ def exit_status(returncode: int) -> int:
     return returncode
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
+
+
 def _last_error_line(stderr: str) -> str:
+    """The last exception line of stderr (else its last line): several processes of a fork bomb write their
+    tracebacks into one pipe at once, so the last line may be another's 'Traceback (most recent call last):'."""
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    return next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), lines[-1] if lines else "")
 
 
 def classify(*, killed_for: Optional[str], returncode: Optional[int],
