@@ -7,6 +7,7 @@ Without bubblewrap these skip (install: apt-get install bubblewrap), except wher
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -337,8 +338,6 @@ def test_the_command_prints_one_json_line(tmp_path):
                           str(tmp_path / "in.txt")], input="print(int(input()) * 6)", capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    import json
-
     line = json.loads(out.stdout)
     assert (line["outcome"], line["stdout"], line["isolation"]) == ("ok", "42\n", "bwrap")
     assert "sandbox: isolation bwrap" in out.stderr
@@ -359,3 +358,51 @@ def test_the_unshare_level():
         assert listener.got == []
     finally:
         listener.close()
+
+
+UNPRIVILEGED = """
+import json, sys
+root, port, path = sys.argv[1:4]
+sys.path.insert(0, root)
+from mgrpo.config.sandbox import SandboxConfig
+from mgrpo.sandbox import Sandbox
+from mgrpo.sandbox.probe import probe
+
+out = {"probe": {str(k): v for k, v in probe().items()}}
+codes = ("import os; print(os.getuid())",
+         f"import socket; socket.create_connection(('127.0.0.1', {port}), 2)",
+         "import os\\nwhile True: os.fork()",
+         f"print(len(open({path!r}).read()) > 0)")
+for level in ("bwrap", "unshare"):
+    with Sandbox(SandboxConfig(isolation=level, wall_time_s=5, max_processes=16, pool_size=0), announce=False) as sb:
+        out[level] = [[r.outcome, r.limit, r.stdout] for r in (sb.run(code) for code in codes)]
+print(json.dumps(out))
+"""
+
+
+def test_as_an_unprivileged_user_both_levels_work():
+    """What a cluster user gets: bwrap makes its own user namespace, and the unshare level works (its weaker view:
+    the host's world-readable files). Run as uid 65534 with Debian's own interpreter, which that user can read
+    (the test interpreter may sit under a 0700 home); needs root to switch user."""
+    system_python = "/usr/bin/python3"
+    if os.getuid() != 0 or not os.path.exists(system_python):
+        pytest.skip("needs root (to run as uid 65534) and Debian's /usr/bin/python3")
+    listener = Listener()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readable = os.path.join(repo, "README.md")  # the checkout (world-readable here), where runs keep outputs/
+    try:
+        out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "env", "-i",
+                              "PATH=/usr/bin:/bin", "HOME=/tmp", system_python, "-c", UNPRIVILEGED, repo,
+                              str(listener.tcp.getsockname()[1]), str(readable)],
+                             capture_output=True, text=True, timeout=180, cwd="/")
+    finally:
+        listener.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["probe"] == {"bwrap": None, "unshare": None}, got
+    for level in ("bwrap", "unshare"):
+        uid, net, bomb, read = got[level]
+        assert uid == ["ok", None, "65534\n"] and net[0] == "error" and bomb[:2] == ["limit", "processes"], got
+        # bwrap shows none of the host's files; the unshare level shows the world-readable ones
+        assert read == (["error", None, ""] if level == "bwrap" else ["ok", None, "True\n"]), (level, read)
+    assert listener.got == []
