@@ -10,9 +10,11 @@ kernel version: containers and clusters forbid namespaces in ways only a try rev
   directory (gone with the namespace), a new session, and death with its parent.
 - `unshare`: util-linux `unshare`: the same namespaces, but the host's filesystem stays visible with the
   sandbox user's permissions (when run by root that user is `sandbox.uid`, so root-only files such as
-  /etc/shadow and 0700 homes are out of reach, but world-readable ones are not), and the scratch directory is
-  a host folder removed afterwards, bounded per file (RLIMIT_FSIZE) but not in total. A weaker level: used
-  only when bwrap is missing or refused, and named in the start-up line.
+  /etc/shadow and 0700 homes are out of reach, but world-readable ones are not; run by a user, the code has
+  that user's rights: it can read and WRITE the user's files, the run's included), and the scratch directory
+  is a host folder removed afterwards, bounded per file (RLIMIT_FSIZE) but not in total. A much weaker level:
+  used only when bwrap is missing or refused (name `sandbox.isolation=bwrap` to refuse it), and named, with a
+  warning for a user's run, in the start-up line.
 
 Either way the stub (stub.py) then sets the rlimits and, when the sandbox would run as root, moves into a
 user namespace of its own as `sandbox.uid` before any of the model's code runs.
@@ -124,4 +126,7 @@ def describe(level: str, cfg: SandboxConfig) -> str:
     if level == Isolation.bwrap:
         return (f"bwrap (no network, own pid/ipc/uts namespaces, read-only interpreter and /usr only, "
                 f"tmpfs scratch, rlimits, {who})")
-    return f"unshare (no network, own pid/ipc/uts namespaces, host files visible to the sandbox user, rlimits, {who})"
+    # run by a user (not root) the code has that user's rights on the host's files: reading AND writing them
+    files = ("host files readable by uid " + str(cfg.uid) if os.getuid() == 0
+             else "WARNING: host files readable and writable with this user's rights")
+    return f"unshare (no network, own pid/ipc/uts namespaces, {files}, rlimits, {who})"
