@@ -4,9 +4,10 @@
 checks that ask them: names registered by the rooms that implement them (advantage estimators, policy losses,
 KL estimators, loss aggregation modes, model families, synthetic tasks, reward functions) with their
 metadata (an estimator that needs groups of n >= 2, a sequence-level loss that cannot be split over context
-parallel ranks), and the memory plan's verdict. Every problem is reported in one ConfigError (the launchers
-exit with status 2). `Trainer.__init__` and `mgrpo-plan` call it; each registry stays the one list of its
-names, and nothing here copies one.
+parallel ranks), the sandbox level the run names (when it names one: a trial sandbox is started), and the
+memory plan's verdict. Every problem is reported in one ConfigError (the launchers exit with status 2).
+`Trainer.__init__` and `mgrpo-plan` call it; each registry stays the one list of its names, and nothing here
+copies one.
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def engine_errors(cfg: MGRPOConfig) -> list[str]:
     return []
 
 
+def sandbox_errors(cfg: MGRPOConfig) -> list[str]:
+    """A sandbox level the run names (sandbox.isolation=bwrap|unshare) that this machine cannot give. `auto`
+    is resolved where the sandbox is made (mgrpo.sandbox.tool.configure), which prints the level in force:
+    probing means starting trial sandboxes, which a run that runs no code should not pay for."""
+    if cfg.sandbox.isolation == "auto":
+        return []
+    from mgrpo.config.validate import InputError
+    from mgrpo.sandbox.probe import resolve
+
+    try:
+        resolve(cfg.sandbox.isolation)
+    except InputError as e:
+        return [str(e)]
+    return []
+
+
 def _router_replay_errors(cfg: MGRPOConfig, family) -> list[str]:
     """actor.router_replay needs routers (a mixture-of-experts family) and, to replay the rollout's routes,
     an engine that returns them (`EngineSpec.returns_routes`)."""
@@ -108,7 +125,8 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
     With `check_memory`, a run the memory plan says cannot fit fails here too, unless
     trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
-    raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg))
+    raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg)
+                 + sandbox_errors(cfg))
     memory = None
     if check_memory:
         from mgrpo.plan.memory import check_fits
@@ -117,4 +135,4 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     return Checked(layout(cfg), memory)
 
 
-__all__ = ["Checked", "ConfigError", "engine_errors", "preflight", "registry_errors"]
+__all__ = ["Checked", "ConfigError", "engine_errors", "preflight", "registry_errors", "sandbox_errors"]

@@ -22,6 +22,8 @@ FLOORS = {
     "config": 0, "net": 0, "heap": 0,
     # rooms that implement one thing each, on config alone
     "data": 1, "rewards": 1, "algorithms": 1, "models": 1, "kernels": 1, "observe": 1,
+    # the sandbox for model-written code (standard library only)
+    "sandbox": 1,
     # a Megatron rank's work; the rollout engines; the other projects' front doors; the memory planner
     "training": 2, "rollout": 2, "compat": 2, "plan": 2,
     # the driver: one step's samples, and the processes (Ray) that run the ranks and engines

@@ -11,12 +11,14 @@ from mgrpo.config.schema import (
     OverlongBufferConfig,
     RewardConfig,
     RolloutConfig,
+    SandboxConfig,
     TrainerConfig,
 )
 from mgrpo.config.validate import ConfigError, InputError, Layout, layout, output_dir, resolve_device, validate
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig", "FilterGroupsConfig",
-    "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig",
+    "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig",
+    "FilterGroupsConfig",
+    "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig", "SandboxConfig",
     "TrainerConfig", "layout", "output_dir", "resolve_device", "validate",
 ]

@@ -99,6 +99,17 @@ class RolloutMode(StrEnum):
     disaggregated = "disaggregated"
 
 
+class Isolation(StrEnum):
+    """How model-written code is isolated (mgrpo/sandbox/isolation.py); a named level is required."""
+
+    auto = "auto"
+    """the strongest level this machine gives: bwrap, else unshare; refuse when neither works"""
+    bwrap = "bwrap"
+    """bubblewrap: namespaces, no network, a read-only view of the interpreter only, tmpfs scratch"""
+    unshare = "unshare"
+    """util-linux unshare: namespaces and no network, but the host's files visible to the sandbox user"""
+
+
 class AsyncMode(StrEnum):
     off = "off"
     one_step_off = "one_step_off"

@@ -22,6 +22,7 @@ from typing import Optional
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
                                   RouterReplay)
+from mgrpo.config.sandbox import SandboxConfig  # its own file: a group that stands apart from the GRPO run
 
 
 @dataclass
@@ -406,6 +407,7 @@ class MGRPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

@@ -15,11 +15,11 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
-                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
-                                  is_choice, plain, values)
+from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Isolation,
+                                  Logger, LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
+                                  RouterReplay, is_choice, plain, values)
 from mgrpo.config.registry import target_error
-from mgrpo.config.schema import MGRPOConfig
+from mgrpo.config.schema import MGRPOConfig, SandboxConfig
 
 RESUME_MODES = ("auto", "off", "force", "disable")
 """trainer.resume values other than a checkpoint directory (disable: veRL's name for off)."""
@@ -259,6 +259,26 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
     return e
 
 
+def sandbox_errors(s: SandboxConfig) -> list[str]:
+    """The sandbox's limits (mgrpo-sandbox checks its flags with this too). Whether the machine gives the
+    isolation asked for is a capability check: mgrpo.sandbox.isolation.resolve."""
+    e: list[str] = []
+    _choice(e, "sandbox.isolation", s.isolation, Isolation)
+    _positive(e, "sandbox", s, ("cpu_time_s", "wall_time_s", "max_file_size_mb", "scratch_mb",
+                                "max_output_bytes", "max_concurrency"))
+    if s.max_processes < 2:  # the stub and the code it runs
+        e.append(f"sandbox.max_processes={s.max_processes} must be at least 2")
+    if s.max_open_files < 8:  # stdin/out/err, the code's pipe and the interpreter's own files
+        e.append(f"sandbox.max_open_files={s.max_open_files} must be at least 8")
+    if s.memory_mb < 64:
+        e.append(f"sandbox.memory_mb={s.memory_mb} must be at least 64 (the interpreter alone maps about 30 MiB)")
+    if s.pool_size < 0:
+        e.append(f"sandbox.pool_size={s.pool_size} must be at least 0")
+    if s.uid <= 0:
+        e.append(f"sandbox.uid={s.uid} must be a positive uid (never root)")
+    return e
+
+
 def _trainer(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     t = cfg.trainer
@@ -280,7 +300,7 @@ def _trainer(cfg: MGRPOConfig) -> list[str]:
 def field_errors(cfg: MGRPOConfig, *, check_files: bool = True) -> list[str]:
     """Every field-local problem of `cfg` (an empty list when there is none)."""
     return (_model(cfg) + _actor(cfg) + _resources(cfg) + _data(cfg, check_files) + _algorithm(cfg)
-            + _rollout(cfg) + _trainer(cfg))
+            + _rollout(cfg) + sandbox_errors(cfg.sandbox) + _trainer(cfg))
 
 
 def raise_errors(errors: list[str]) -> None:
