@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from mgrpo.config import ConfigError, seeds
 from mgrpo.config.schema import DataConfig
@@ -38,6 +38,10 @@ class PromptItem:
     ability: Optional[str] = None
     where: str = ""
     """file:line of the record (or the synthetic task's name and index), for messages."""
+    messages: list = field(default_factory=list)
+    """The prompt as chat messages (empty for a raw-text prompt); multi-turn rollouts continue them."""
+    tools: Optional[list] = None
+    """Multi-turn: the tool schemas the template rendered into the prompt (`tools_for`), else None."""
 
 
 class PromptDataset:
@@ -49,8 +53,12 @@ class PromptDataset:
     but no val files, the val dataset is empty.
     """
 
-    def __init__(self, data_cfg: DataConfig, tokenizer, files: Optional[list[str]] = None, split: str = "train"):
+    def __init__(self, data_cfg: DataConfig, tokenizer, files: Optional[list[str]] = None, split: str = "train",
+                 tools_for: Optional[Callable[[dict, str], list]] = None):
+        """`tools_for(extra_info, where)`: the tool schemas a record's prompt is rendered with (multi-turn
+        rollouts, `mgrpo.agent.tools.ToolSet`); None: no tools."""
         self.cfg, self.tokenizer, self.split = data_cfg, tokenizer, split
+        self.tools_for = tools_for
         if files is None:
             files = data_cfg.train_files if split == "train" else data_cfg.val_files
         self.files = list(files)
@@ -70,11 +78,20 @@ class PromptDataset:
         self._order = self._permutation(0)
 
     # --- loading ----------------------------------------------------------------------------------
+    def _messages(self, rec: RLRecord) -> list:
+        return [{"role": "user", "content": rec.prompt}] if isinstance(rec.prompt, str) else list(rec.prompt)
+
+    def _tools(self, rec: RLRecord) -> Optional[list]:
+        return self.tools_for(rec.extra_info, rec.where) if self.tools_for is not None else None
+
     def _render(self, rec: RLRecord) -> str:
         tok, use_template = self.tokenizer, self.cfg.apply_chat_template
         has_template = bool(getattr(tok, "chat_template", None))
         if isinstance(rec.prompt, str):
             if not (use_template and has_template):
+                if self.tools_for is not None:
+                    raise RecordError(f"{rec.where}: multi-turn rollouts need the chat template (tools are rendered "
+                                      "by it): set data.apply_chat_template=True and a tokenizer that has one")
                 return rec.prompt  # raw-text prompt (the synthetic tokenizer has no template)
             messages = [{"role": "user", "content": rec.prompt}]
         else:
@@ -85,7 +102,7 @@ class PromptDataset:
                 raise RecordError(f"{rec.where}: field '{self.cfg.prompt_key}' is a list of chat messages but the "
                                   "tokenizer has no chat template (model.tokenizer='synthetic' takes string prompts)")
             messages = rec.prompt
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+        return tok.apply_chat_template(messages, tools=self._tools(rec), tokenize=False, add_generation_prompt=True,
                                        enable_thinking=self.cfg.enable_thinking)
 
     def _load(self, records: list[RLRecord]) -> None:
@@ -99,7 +116,8 @@ class PromptDataset:
                 continue
             self.items.append(PromptItem(index=len(self.items), prompt_ids=list(tok_ids), prompt_text=text,
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where))
+                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where,
+                                         messages=self._messages(rec), tools=self._tools(rec)))
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
