@@ -90,10 +90,11 @@ def config_yaml(cfg: MGRPOConfig) -> str:
 def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     """Data first (a bad record or an unknown data_source fails here, naming file:line:field), then the run
     folder's verdict: a folder holding another run is refused here too, before Ray or any worker starts."""
-    from mgrpo.data import PromptDataset, load_tokenizer
+    from mgrpo.data import PromptDataset, check_vocab, load_tokenizer
     from mgrpo.rewards import check_data_sources
 
     tokenizer = load_tokenizer(cfg.model)
+    check_vocab(tokenizer, cfg.model)
     tools = tools_for = None
     if cfg.rollout.multi_turn.enable:
         from mgrpo.agent.tools import ToolSet

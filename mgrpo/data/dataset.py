@@ -6,6 +6,8 @@ that keeps every batch full even when the dataset is smaller than a batch (the s
 25 prompts, the default batch 32), and it means a prompt can appear twice in one batch, so group
 responses by their position in the batch, never by `PromptItem.index`.
 
+A prompt holding a character its tokenizer cannot represent (one that would encode as <unk>) is an error
+naming file:line, field and character: training on <unk> would silently change the user's data.
 Prompts longer than data.max_prompt_length tokens (after templating) are dropped once, at load,
 and counted in `num_filtered` (per data source in `filtered_by_source`). The resumable state is
 (epoch, position in the epoch's permutation): a dataset restored from `state_dict()` yields exactly
@@ -109,7 +111,10 @@ class PromptDataset:
         texts = [self._render(r) for r in records]
         # The template already holds any special tokens; do not let the tokenizer add more.
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        unk = self.tokenizer.unk_token_id
         for rec, text, tok_ids in zip(records, texts, ids):
+            if unk is not None and unk in tok_ids:
+                raise RecordError(self._unrepresentable(rec))
             if len(tok_ids) > self.cfg.max_prompt_length:
                 self.num_filtered += 1
                 self.filtered_by_source[rec.data_source] = self.filtered_by_source.get(rec.data_source, 0) + 1
@@ -121,6 +126,24 @@ class PromptDataset:
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
+
+    def _unrepresentable(self, rec: RLRecord) -> str:
+        """Which field of `rec` holds the first character its tokenizer maps to <unk>, and which character."""
+        tok, key = self.tokenizer, self.cfg.prompt_key
+        fields = [(key, rec.prompt)] if isinstance(rec.prompt, str) else \
+            [(f"{key}[{i}].content", m["content"]) for i, m in enumerate(rec.prompt)]
+        fix = ("replace it in the data, or use a tokenizer that covers it (model.tokenizer=qwen3 or a tokenizer "
+               "directory; model.tokenizer=printable covers printable ASCII, tab and newline)")
+        for name, value in fields:
+            enc = tok(value, add_special_tokens=False, return_offsets_mapping=True)
+            bad = [value[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == tok.unk_token_id]
+            if bad:
+                at = next(a for t, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if t == tok.unk_token_id)
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                return (f"{rec.where}: field '{name}': character {bad[0]!r} (U+{ord(bad[0][0]):04X}) at position "
+                        f"{at + 1} is not in the tokenizer's vocabulary{more}: it would become {tok.unk_token}; {fix}")
+        return (f"{rec.where}: the chat template's rendering of field '{key}' holds a character that is not in the "
+                f"tokenizer's vocabulary (it would become {tok.unk_token}); {fix}")
 
     # --- access ------------------------------------------------------------------------------------
     def __len__(self) -> int:
