@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.template import ChatTemplate, count_drift
-from mgrpo.agent.tools import ToolResult, ToolSet, as_text
+from mgrpo.agent.tools import BadArguments, ToolResult, ToolSet, as_text
 from mgrpo.agent.trajectory import Trajectory
 from mgrpo.config import seeds
 from mgrpo.config.schema import MultiTurnConfig
@@ -243,6 +243,8 @@ class AgentRunner:
             traj.count("multi_turn/tool_timeouts")
             traj.count(f"multi_turn/tool_timeouts/{name}")
             raise _ToolTimeout(name) from None
+        except BadArguments as err:
+            return self._error(traj, name, f"bad arguments for {name}: {err}", "bad_arguments")
         except Exception as err:  # noqa: BLE001 - the tool's failure is its reply, counted
             return self._error(traj, name, f"{name} raised {type(err).__name__}: {err}", "tool_raised")
         finally:

@@ -131,6 +131,10 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class BadArguments(TypeError):
+    """The call's arguments do not fit the tool's parameters (counted as bad_arguments, not as the tool failing)."""
+
+
 class BaseTool:
     """veRL's tool lifecycle (verl/tools/base_tool.py), for stateful tools. Subclass and override; a class
     written against veRL's own BaseTool with the same method names works too (it is duck-typed)."""
@@ -165,10 +169,11 @@ class FunctionTool(BaseTool):
 
     async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple[Any, float, dict]:
         sig = inspect.signature(self.fn)
-        unknown = sorted(set(parameters) - set(sig.parameters))
-        if unknown:
-            raise TypeError(f"unexpected argument(s) {unknown}")
         args = {**{k: v for k, v in kwargs.items() if k in sig.parameters}, **parameters}
+        try:
+            sig.bind(**args)
+        except TypeError as e:
+            raise BadArguments(str(e)) from None
         if inspect.iscoroutinefunction(self.fn):
             out = await self.fn(**args)
         else:
