@@ -82,7 +82,9 @@ class ToolCallParser:
         FunctionCallParser, _, envs = _sglang_function_call()
         with _lock, envs.SGLANG_FORWARD_UNKNOWN_TOOLS.override(True):  # the override is process-wide
             parser = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt)
-            opened = text.count(parser.detector.bot_token.strip())  # e.g. '<tool_call>' for qwen25
+            bot = (getattr(parser.detector, "bot_token", "") or "").strip()  # e.g. '<tool_call>' for qwen25
+            # a format without an opening marker (pythonic's bare list): a call it sees but cannot parse counts
+            opened = text.count(bot) if bot else int(parser.has_tool_call(text))
             normal, items = parser.parse_non_stream(text)
         calls = []
         for it in items:

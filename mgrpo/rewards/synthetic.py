@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-PEEK_CALL = '<tool_call>\n{"name":"peek"}\n</tool_call>'
-"""The shortest well-formed call of the peek task's tool (what its format credit compares against)."""
+PEEK_CALL = "[peek()]"
+"""The peek task's call in SGLang's `pythonic` tool-call format (what its format credit compares against)."""
 
 
 def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
@@ -27,14 +27,13 @@ def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info
 def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
     """mgrpo/peek (multi-turn; extra_info['turns'] from the agent): 1.0 when the last assistant turn, without
     its think block, is exactly the hidden digit and ended on EOS. Otherwise a format credit of at most 0.1:
-    the share of positions where the first assistant turn agrees with the shortest well-formed call
-    (`PEEK_CALL`), so that a random model, which never writes 30 exact characters, has something to climb;
-    position by position, so every position learns at once. Chance (a guessed digit) is 0.1."""
+    the share of the call (`PEEK_CALL`) the first assistant turn starts with, so that a random model, which
+    almost never writes the whole call, has something to climb. Chance (a guessed digit) is 0.1."""
     if not extra_info or "turns" not in extra_info:
         raise ValueError("mgrpo/peek is a multi-turn task: it needs extra_info['turns'] (rollout.multi_turn.enable)")
     answer = re.sub(r"<think>.*?</think>", "", solution_str, flags=re.S).strip()
     if extra_info.get("finish_reason") == "stop" and answer == str(ground_truth):
         return 1.0
     first = next((t["text"] for t in extra_info["turns"]["turns"] if t["role"] == "assistant"), "")
-    same = sum(a == b for a, b in zip(first, PEEK_CALL))
+    same = next((k for k, (a, b) in enumerate(zip(first, PEEK_CALL)) if a != b), min(len(first), len(PEEK_CALL)))
     return 0.1 * same / len(PEEK_CALL)
