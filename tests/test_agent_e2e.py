@@ -50,3 +50,25 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
                 assert row["rollout_logprobs"][k] == 0.0
     # a random model writes <tool_call> now and then: the malformed call gets an error reply (context) and a turn
     assert after_context > 0 and m["multi_turn/parse_errors"] > 0
+
+
+@pytest.mark.system
+def test_tool_task_learns(tmp_path):
+    """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu): the hidden digit is only in the
+    tool's reply, so the reward can pass chance (0.1) only by calling the tool and copying its answer. First 10
+    steps <= chance + 0.1, last 10 >= 0.8, and the tool-call rate rises to about 1 per trajectory."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
+                          f"trainer.output_dir={run_dir}", "trainer.save_hf=false", "trainer.logger=[tensorboard]"],
+                         capture_output=True, text=True, timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    rewards = [m["critic/score/mean"] for m in metrics]
+    calls = [m["multi_turn/tool_calls_per_trajectory"] for m in metrics]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first <= 0.2 and last >= 0.8, (first, last)
+    assert sum(calls[:10]) / 10 < 0.2 and sum(calls[-10:]) / 10 >= 0.9, calls

@@ -2,7 +2,7 @@
 
 `PeekTool` is a veRL-style stateful tool (create / execute / calc_reward / release) for the `peek` task
 (data.synthetic_task=peek): each record's hidden digit reaches its tool instance through veRL's
-`extra_info.tools_kwargs.peek.create_kwargs`, and `execute` reveals it. configs/tools/peek.yaml lists it in
+`extra_info.tools_kwargs.p.create_kwargs` (configs/tools/peek.yaml names it `p`), and `execute` reveals it. configs/tools/peek.yaml lists it in
 veRL's tool-config format.
 """
 
@@ -21,7 +21,7 @@ class PeekTool(BaseTool):
 
     async def create(self, instance_id: Optional[str] = None, secret: Optional[int] = None, **kwargs) -> str:
         if secret is None:
-            raise ValueError("peek needs extra_info.tools_kwargs.peek.create_kwargs.secret")
+            raise ValueError("the peek tool needs extra_info.tools_kwargs.<its name>.create_kwargs.secret")
         iid = instance_id or str(uuid.uuid4())
         self.secrets[iid] = int(secret)
         return iid

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-PEEK_CALL = "[peek()]"
-"""The peek task's call in SGLang's `pythonic` tool-call format (what its format credit compares against)."""
+PEEK_CALL = "[p()]<|im_end|>"
+"""The peek task's call in SGLang's `pythonic` tool-call format and the end of the turn (what its format
+credit compares against: a turn cut by the length limit runs no tool)."""
 
 
 def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
