@@ -16,7 +16,7 @@ from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.runner import AgentRunner, truncate
 from mgrpo.agent.tools import FunctionTool, ToolSet, function_schema, load_verl_tool_config
 from mgrpo.config.schema import MultiTurnConfig
-from mgrpo.rollout.types import SamplingParams
+from mgrpo.rollout.types import GenerateResult, SamplingParams
 from tests.helpers.agent import ScriptedPolicy
 
 
@@ -315,3 +315,72 @@ def test_context_tokens_get_exactly_zero_gradient(mode):
     if mode == "token-mean":
         assert mb.metric_weight == pytest.approx(1 / int(sampled.sum()))
         assert f["token_weight"][sampled].tolist() == pytest.approx([1 / int(sampled.sum())] * int(sampled.sum()))
+
+
+# --- into the experience: failed samples leave their group, the rest keep their masks ----------------------
+def test_experience_maker_drops_failed_trajectories_before_any_group_statistic(qwen3):
+    import dataclasses
+    import threading
+    from types import SimpleNamespace
+
+    from mgrpo.components.experience_maker import ExperienceMaker
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.data.dataset import PromptItem
+
+    release = threading.Event()
+
+    def hang(x: int) -> str:
+        """Hangs."""
+        release.wait(30)
+        return "late"
+
+    tools = ToolSet([FunctionTool(add), FunctionTool(hang)])
+    cfg = MGRPOConfig()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="qwen3"),
+                              rollout=dataclasses.replace(cfg.rollout, n=2, multi_turn=MultiTurnConfig(
+                                  enable=True, function_tools=["x:y"], tool_timeout_s=0.5)))
+    prompts = _prompts(qwen3, tools, 2)
+    schemas = tools.schemas(list(tools.tools))
+    items = [PromptItem(index=i, prompt_ids=prompts[i], prompt_text="", data_source="s", ground_truth="3",
+                        messages=[{"role": "user", "content": f"question {i}"}], tools=schemas) for i in range(2)]
+    first_turns = []
+
+    def generate(prompts_, n, params, desc):  # the rollout group's signature; n is 1 per turn
+        out = []
+        for ids in prompts_:
+            if ids in prompts:  # a first turn: prompt 0's second sample calls the hanging tool
+                first_turns.append(ids)
+                hangs = ids == prompts[0] and first_turns.count(ids) == 2
+                text = _call("hang", {"x": 1}) if hangs else _call("add", {"a": 1, "b": 2})
+            else:
+                text = "<think>\nok\n</think>\n\n3"
+            new = qwen3(text, add_special_tokens=False)["input_ids"] + [qwen3.eos_token_id]
+            out.append(GenerateResult(uid=0, token_ids=new, logprobs=[-0.5] * len(new), finish_reason="stop",
+                                      weight_version=0))
+        return out, SimpleNamespace(retries=0, restarts=0, auth_refused=0)
+
+    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, judger=None, rollout=SimpleNamespace(generate=generate),
+                            tools=tools)
+    try:
+        exp, measured = maker.generate(items, 2, SamplingParams(max_new_tokens=256))
+    finally:
+        release.set()
+    assert measured["multi_turn/failed"] == 1 and measured["multi_turn/finish/tool_timeout"] == 1
+    assert len(exp) == 3 and exp.group_index == [0, 1, 1]  # the hung sample left prompt 0's group
+    # data.enable_thinking=false (the default) puts an empty think block in every generation prompt, the next
+    # turn's included; the official template keeps it for no turn but the last: 4 tokens per trajectory, named
+    empty_think = qwen3("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert len(empty_think) == 4 and measured["multi_turn/template_drift_tokens"] == 3 * 4
+    exp.rewards = [1.0, 0.0, 1.0]
+    exp.compute_advantages(cfg)
+    # the survivor's advantage is that of a group holding it alone (the estimator's rule for one sample): the
+    # failed sample gave no reward and no baseline
+    from mgrpo.algorithms.advantages import compute_advantages
+
+    alone = compute_advantages(torch.tensor([1.0]), torch.tensor([0]), exp.select([0]).response_mask(), cfg.algorithm)
+    assert exp.advantages[0] == alone[0].tolist()
+    mask = exp.response_mask()
+    for i in range(3):
+        assert mask[i, :len(exp.sampled_mask[i])].tolist() == [float(x) for x in exp.sampled_mask[i]]
+        assert all(a == 0.0 for a, m in zip(exp.advantages[i], exp.sampled_mask[i]) if not m)
+
