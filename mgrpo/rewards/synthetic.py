@@ -27,14 +27,17 @@ def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info
 
 def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
     """mgrpo/peek (multi-turn; extra_info['turns'] from the agent): 1.0 when the last assistant turn, without
-    its think block, is exactly the hidden digit and ended on EOS. Otherwise a format credit of at most 0.1:
-    the share of the call (`PEEK_CALL`) the first assistant turn starts with, so that a random model, which
-    almost never writes the whole call, has something to climb. Chance (a guessed digit) is 0.1."""
+    its think block, is exactly the hidden digit and ended on EOS. Otherwise format credit, at most 0.2, so that
+    a random model, which almost never writes a whole call or a one-digit answer after it, has something to
+    climb: 0.1 x the share of the call (`PEEK_CALL`) the first assistant turn starts with, plus 0.1 when a
+    later turn (after the tool's reply) is one digit and EOS. Chance (a guessed digit) is 0.1."""
     if not extra_info or "turns" not in extra_info:
         raise ValueError("mgrpo/peek is a multi-turn task: it needs extra_info['turns'] (rollout.multi_turn.enable)")
     answer = re.sub(r"<think>.*?</think>", "", solution_str, flags=re.S).strip()
     if extra_info.get("finish_reason") == "stop" and answer == str(ground_truth):
         return 1.0
-    first = next((t["text"] for t in extra_info["turns"]["turns"] if t["role"] == "assistant"), "")
+    said = [t["text"] for t in extra_info["turns"]["turns"] if t["role"] == "assistant"]
+    first = said[0] if said else ""
     same = next((k for k, (a, b) in enumerate(zip(first, PEEK_CALL)) if a != b), min(len(first), len(PEEK_CALL)))
-    return 0.1 * same / len(PEEK_CALL)
+    answered = len(said) > 1 and re.fullmatch(r"\d<\|im_end\|>", said[-1]) is not None
+    return 0.1 * same / len(PEEK_CALL) + (0.1 if answered else 0.0)
