@@ -384,3 +384,38 @@ def test_experience_maker_drops_failed_trajectories_before_any_group_statistic(q
         assert mask[i, :len(exp.sampled_mask[i])].tolist() == [float(x) for x in exp.sampled_mask[i]]
         assert all(a == 0.0 for a, m in zip(exp.advantages[i], exp.sampled_mask[i]) if not m)
 
+
+
+def test_a_generation_that_fails_after_the_groups_retries_fails_its_trajectories(qwen3):
+    """The rollout group retries and restarts engines itself; what still raises (retries used up, an engine that
+    cannot come back) ends the trajectories that waited on it as generation_error: failed, counted, no reward."""
+    tools = ToolSet([FunctionTool(add)])
+    calls = []
+
+    def generate(prompts, sampling):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise RuntimeError("rollout chunk 0 failed 3 times (rollout.max_retries=2)")
+        return ScriptedPolicy(qwen3, lambda u, t: _call("add", {"a": 1}), prompts_)(prompts, sampling)
+
+    runner = AgentRunner(MultiTurnConfig(function_tools=["x:y"]), qwen3, tools, max_response_length=512)
+    prompts_ = _prompts(qwen3, tools, 3)
+    trajs, m = runner.run([(p, {}, "") for p in prompts_], SamplingParams(max_new_tokens=512), generate)
+    assert [t.finish_reason for t in trajs] == ["generation_error"] * 3 and all(t.failed for t in trajs)
+    assert m["multi_turn/finish/generation_error"] == 3 and m["multi_turn/failed"] == 3
+
+
+def test_a_tool_returning_garbage_is_sent_back_as_text(qwen3):
+    def odd(x: int):
+        """Returns no string.
+
+        Args:
+            x: a number
+        """
+        return {"weird": [x, None]}
+
+    tools = ToolSet([FunctionTool(odd)])
+    trajs, _, _, _ = _run(qwen3, tools, lambda u, t: _call("odd", {"x": 5}) if t == 0 else "ok",
+                          MultiTurnConfig(function_tools=["x:y"]))
+    t = trajs[0]
+    assert t.finish_reason == "stop" and "{'weird': [5, None]}" in qwen3.decode(t.response_ids[t.turns[1].start:t.turns[1].end])
