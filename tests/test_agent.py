@@ -419,3 +419,46 @@ def test_a_tool_returning_garbage_is_sent_back_as_text(qwen3):
                           MultiTurnConfig(function_tools=["x:y"]))
     t = trajs[0]
     assert t.finish_reason == "stop" and "{'weird': [5, None]}" in qwen3.decode(t.response_ids[t.turns[1].start:t.turns[1].end])
+
+
+class GuessEnv:
+    """A user simulator: says 'higher' / 'lower' until the guess is 6; reward 1 when it is."""
+
+    def reset(self, extra_info):
+        self.target = 6
+
+    async def step(self, text):
+        from mgrpo.agent.environment import EnvStep
+
+        guess = int(text.split()[-1])
+        if guess == self.target:
+            return EnvStep(reward=1.0, done=True)
+        return EnvStep(messages=[{"role": "user", "content": "higher" if guess < self.target else "lower"}])
+
+
+class CrashEnv(GuessEnv):
+    def step(self, text):
+        raise KeyError("the simulator fell over")
+
+
+def test_an_environment_continues_the_conversation_and_its_crash_fails_the_trajectory(qwen3):
+    guesses = [3, 8, 6]
+    script = lambda uid, turn: f"<think>\nguess {turn}\n</think>\n\n{guesses[turn]}"  # noqa: E731
+    runner = AgentRunner(MultiTurnConfig(environment="x:y"), qwen3, ToolSet([]), max_response_length=512,
+                         environment=GuessEnv)
+    prompts = _prompts(qwen3, ToolSet([]), 1)
+    trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
+                          ScriptedPolicy(qwen3, script, prompts))
+    t = trajs[0]
+    assert t.finish_reason == "stop" and t.tool_reward == 1.0 and len(t.turns) == 5
+    env_text = qwen3.decode(t.response_ids[t.turns[1].start:t.turns[1].end])
+    assert env_text == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    # Qwen3's template drops the think blocks of turns before the last user message: the run trains on what
+    # the model saw (keep_thinking), and the drift check counts exactly those blocks' tokens
+    think = sum(len(qwen3(f"<think>\nguess {k}\n</think>\n\n", add_special_tokens=False)["input_ids"]) for k in (0, 1))
+    assert runner.drift(t, [{"role": "user", "content": "question 0"}], []) == think
+
+    runner.environment = CrashEnv
+    trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
+                          ScriptedPolicy(qwen3, script, prompts))
+    assert trajs[0].finish_reason == "tool_env_error" and trajs[0].failed and m["multi_turn/env_errors"] == 1

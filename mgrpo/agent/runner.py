@@ -62,8 +62,10 @@ class _Request:
 
 class AgentRunner:
     def __init__(self, cfg: MultiTurnConfig, tokenizer, tools: ToolSet, *, max_response_length: int,
-                 engines: int = 1, enable_thinking: bool = True):
+                 engines: int = 1, enable_thinking: bool = True, environment: Optional[type] = None):
+        """`environment`: a class (mgrpo/agent/environment.py) built once per trajectory, or None."""
         self.cfg, self.tok, self.tools = cfg, tokenizer, tools
+        self.environment = environment
         self.template = ChatTemplate(tokenizer, enable_thinking=enable_thinking)
         self.max_response_length = max_response_length
         self.cap = cfg.max_concurrent_per_engine * max(engines, 1)
@@ -106,6 +108,10 @@ class AgentRunner:
                     traj.finish_reason = "tool_timeout"
                 except _GenerationFailed:
                     traj.finish_reason = "generation_error"
+                except _EnvFailed as err:
+                    traj.finish_reason = "tool_env_error"
+                    traj.count("multi_turn/env_errors")
+                    traj.counts["env_error"] = str(err)
                 traj.counts["seconds"] = time.perf_counter() - t0
                 return traj
 
@@ -151,7 +157,10 @@ class AgentRunner:
         kwargs = extra.get("tools_kwargs") or {}
         instances: dict[str, str] = {}
         versions: list[int] = []
+        env = self.environment() if self.environment is not None else None
         try:
+            if env is not None:
+                await self._env(traj, env.reset, extra)
             for turn in range(self.cfg.max_assistant_turns):
                 left = self.max_response_length - len(traj.response_ids)
                 if left <= 0:
@@ -174,20 +183,30 @@ class AgentRunner:
                 if res.finish_reason != "stop":
                     traj.finish_reason = "length"  # cut by the budget: whatever it was writing is not run
                     return
-                if not parsed.calls and not parsed.malformed:
-                    traj.finish_reason = "stop"
-                    return
+                t1 = time.perf_counter()
+                if not parsed.calls and not parsed.malformed:  # a turn for the environment, if there is one
+                    step = await self._env(traj, env.step, text.removesuffix(self.tok.eos_token)) if env else None
+                    if step is not None and step.reward is not None:
+                        traj.tool_reward += float(step.reward)
+                    if step is None or step.done or not step.messages:
+                        traj.finish_reason = "stop"
+                        return
+                    role, msgs = "environment", list(step.messages)
+                else:
+                    role, msgs = "tool", None
                 if turn + 1 == self.cfg.max_assistant_turns:
                     traj.finish_reason = "max_turns"
                     return
-                t1 = time.perf_counter()
-                replies = await self._run_calls(traj, parsed, names, kwargs, instances)
-                ids = self.template.tool_suffix(replies)
+                if msgs is None:
+                    msgs = [{"role": "tool", "content": r}
+                            for r in await self._run_calls(traj, parsed, names, kwargs, instances)]
+                ids = self.template.suffix(msgs)
                 if len(traj.response_ids) + len(ids) >= self.max_response_length:
                     traj.finish_reason = "length"  # no room for the replies and a next turn
                     return
-                traj.add(ids, None, "tool", text="\n".join(replies), latency_s=time.perf_counter() - t1)
-                traj.messages.extend({"role": "tool", "content": r} for r in replies)
+                traj.add(ids, None, role, text="\n".join(str(m.get("content", "")) for m in msgs),
+                         latency_s=time.perf_counter() - t1)
+                traj.messages.extend(msgs)
         finally:
             traj.weight_version = min(versions) if versions else 0
             await self._release(traj, instances, kwargs)
@@ -258,6 +277,16 @@ class AgentRunner:
             traj.count("multi_turn/tool_response_truncated")
         return text
 
+    async def _env(self, traj: Trajectory, method, *args):
+        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise tool_env_error."""
+        try:
+            return await asyncio.wait_for(_call_maybe_sync(method, *args), self.cfg.tool_timeout_s)
+        except asyncio.TimeoutError:
+            traj.count("multi_turn/env_timeouts")
+            raise _ToolTimeout("environment") from None
+        except Exception as err:  # noqa: BLE001 - the environment's failure fails its trajectory, counted
+            raise _EnvFailed(f"{type(err).__name__}: {err}") from err
+
     async def _release(self, traj: Trajectory, instances: dict, kwargs: dict) -> None:
         for name, iid in instances.items():
             tool, per = self.tools.tools[name], kwargs.get(name) or {}
@@ -297,6 +326,18 @@ class AgentRunner:
 
 class _GenerationFailed(Exception):
     pass
+
+
+class _EnvFailed(Exception):
+    pass
+
+
+async def _call_maybe_sync(method, *args):
+    import inspect
+
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
 
 
 def _assistant_message(parsed) -> dict:

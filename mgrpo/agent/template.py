@@ -58,8 +58,12 @@ class ChatTemplate:
     def tool_suffix(self, replies: list[str]) -> list[int]:
         """Context ids after an assistant turn that ended with the EOS token: `replies` as tool messages,
         then the generation prompt of the next assistant turn."""
-        return self.encode(self._after_turn(self._render(self._turn + [{"role": "tool", "content": r} for r in replies],
-                                                        gen=True)))
+        return self.suffix([{"role": "tool", "content": r} for r in replies])
+
+    def suffix(self, messages: list[dict]) -> list[int]:
+        """Context ids after an assistant turn that ended with the EOS token: `messages` (tool replies, or an
+        environment's user messages) as the template renders them there, then the next generation prompt."""
+        return self.encode(self._after_turn(self._render(self._turn + list(messages), gen=True)))
 
     def end_tail(self) -> list[int]:
         """Ids of the template text after a final end-of-turn token (what `drift` leaves out)."""

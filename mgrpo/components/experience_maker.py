@@ -37,10 +37,13 @@ class ExperienceMaker:
         """rollout.multi_turn: the `mgrpo.agent.runner.AgentRunner` that makes every sample a trajectory."""
         if cfg.rollout.multi_turn.enable:
             from mgrpo.agent.runner import AgentRunner
+            from mgrpo.agent.tools import load_object
 
-            self.agent = AgentRunner(cfg.rollout.multi_turn, tokenizer, tools,
-                                     max_response_length=cfg.data.max_response_length,
-                                     engines=cfg.rollout.num_engines, enable_thinking=cfg.data.enable_thinking)
+            mt = cfg.rollout.multi_turn
+            env = load_object(mt.environment, "rollout.multi_turn.environment") if mt.environment else None
+            self.agent = AgentRunner(mt, tokenizer, tools, max_response_length=cfg.data.max_response_length,
+                                     engines=cfg.rollout.num_engines, enable_thinking=cfg.data.enable_thinking,
+                                     environment=env)
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""

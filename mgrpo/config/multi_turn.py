@@ -29,6 +29,10 @@ class MultiTurnConfig:
     """Plain Python functions as tools, by import path (module:function or path/file.py:function)."""
     tool_config_path: Optional[str] = None
     """A veRL tool-config YAML (tools: [{class_name, config, tool_schema}])."""
+    environment: Optional[str] = None
+    """An environment class by import path (module:Class): one instance per trajectory, `reset(extra_info)`,
+    then `step(assistant_text)` after every assistant turn without tool calls -> (messages, reward, done);
+    its messages (e.g. a user simulator's) continue the conversation (mgrpo/agent/environment.py)."""
     tool_timeout_s: float = 30.0
     """One tool call's limit; a call past it ends the trajectory as tool_timeout (dropped from the loss and
     its group's baseline, counted)."""

@@ -277,9 +277,9 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
             e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
                      f"{m.trajectory_timeout_s} must be positive")
-        if not m.function_tools and not m.tool_config_path:
-            e.append("rollout.multi_turn.enable=True needs tools: rollout.multi_turn.function_tools or "
-                     "rollout.multi_turn.tool_config_path")
+        if not m.function_tools and not m.tool_config_path and not m.environment:
+            e.append("rollout.multi_turn.enable=True needs tools or an environment: rollout.multi_turn.function_tools, "
+                     "rollout.multi_turn.tool_config_path or rollout.multi_turn.environment")
         if m.tool_config_path and not os.path.isfile(m.tool_config_path):
             e.append(f"rollout.multi_turn.tool_config_path={m.tool_config_path!r}: file not found")
         if cfg.model.tokenizer == "synthetic":
