@@ -43,3 +43,17 @@ class ScriptedPolicy:
                                       weight_version=3))
         self.calls.append((time.monotonic(), uids))
         return out, {"rollout/retries": 0}
+
+
+class AlwaysReply:
+    """An environment (rollout.multi_turn.environment) that answers every assistant turn with a user message:
+    every trajectory whose first turn ends on EOS gets a context span and a next turn, whatever the model."""
+
+    def reset(self, extra_info):
+        self.n = 0
+
+    def step(self, text):
+        from mgrpo.agent.environment import EnvStep
+
+        self.n += 1
+        return EnvStep(messages=[{"role": "user", "content": f"again {self.n}"}])
