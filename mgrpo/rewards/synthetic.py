@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-PEEK_CALL = "[p()]<|im_end|>"
-"""The peek task's call in SGLang's `pythonic` tool-call format and the end of the turn (what its format
-credit compares against: a turn cut by the length limit runs no tool)."""
+PEEK_CALL = "[p()]"
+"""The peek task's call in SGLang's `pythonic` tool-call format (what its format credit compares against)."""
+EOS_TEXT = "<|im_end|>"
 
 
 def sum_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict] = None) -> float:
@@ -29,8 +29,10 @@ def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     """mgrpo/peek (multi-turn; extra_info['turns'] from the agent): 1.0 when the last assistant turn, without
     its think block, is exactly the hidden digit and ended on EOS. Otherwise format credit, at most 0.2, so that
     a random model, which almost never writes a whole call or a one-digit answer after it, has something to
-    climb: 0.1 x the share of the call (`PEEK_CALL`) the first assistant turn starts with, plus 0.1 when a
-    later turn (after the tool's reply) is one digit and EOS. Chance (a guessed digit) is 0.1."""
+    climb. For the first turn, at most 0.1: half for the share of the call (`PEEK_CALL`) it starts with, half
+    for ending on EOS with little else written (a turn cut by the length limit runs no tool; measured: credit
+    for the prefix alone makes the tiny model repeat '[' everywhere). Plus 0.1 when a later turn (after the
+    tool's reply) is one digit and EOS. Chance (a guessed digit) is 0.1."""
     if not extra_info or "turns" not in extra_info:
         raise ValueError("mgrpo/peek is a multi-turn task: it needs extra_info['turns'] (rollout.multi_turn.enable)")
     answer = re.sub(r"<think>.*?</think>", "", solution_str, flags=re.S).strip()
@@ -38,6 +40,10 @@ def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
         return 1.0
     said = [t["text"] for t in extra_info["turns"]["turns"] if t["role"] == "assistant"]
     first = said[0] if said else ""
-    same = next((k for k, (a, b) in enumerate(zip(first, PEEK_CALL)) if a != b), min(len(first), len(PEEK_CALL)))
+    ended = first.endswith(EOS_TEXT)
+    body = first[:-len(EOS_TEXT)] if ended else first
+    same = next((k for k, (a, b) in enumerate(zip(body, PEEK_CALL)) if a != b), min(len(body), len(PEEK_CALL)))
+    junk = len(body) - same
+    call = 0.05 * same / len(PEEK_CALL) + (0.05 * max(0.0, 1.0 - junk / len(PEEK_CALL)) if ended else 0.0)
     answered = len(said) > 1 and re.fullmatch(r"\d<\|im_end\|>", said[-1]) is not None
-    return 0.1 * same / len(PEEK_CALL) + (0.1 if answered else 0.0)
+    return call + (0.1 if answered else 0.0)
