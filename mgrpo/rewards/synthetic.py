@@ -29,21 +29,31 @@ def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     """mgrpo/peek (multi-turn; extra_info['turns'] from the agent): 1.0 when the last assistant turn, without
     its think block, is exactly the hidden digit and ended on EOS. Otherwise format credit, at most 0.2, so that
     a random model, which almost never writes a whole call or a one-digit answer after it, has something to
-    climb. For the first turn, at most 0.1: half for the share of the call (`PEEK_CALL`) it starts with, half
-    for ending on EOS with little else written (a turn cut by the length limit runs no tool; measured: credit
-    for the prefix alone makes the tiny model repeat '[' everywhere). Plus 0.1 when a later turn (after the
-    tool's reply) is one digit and EOS. Chance (a guessed digit) is 0.1."""
+    climb (`_shape`): for the first turn, at most 0.1, half for the share of the call (`PEEK_CALL`) it starts
+    with, half for ending on EOS with little else written (a turn cut by the length limit runs no tool;
+    measured: credit for the prefix alone makes the tiny model repeat '[' everywhere); the same, at most 0.1,
+    for a later turn (after the tool's reply) being one digit and EOS. Chance (a guessed digit) is 0.1."""
     if not extra_info or "turns" not in extra_info:
         raise ValueError("mgrpo/peek is a multi-turn task: it needs extra_info['turns'] (rollout.multi_turn.enable)")
     answer = re.sub(r"<think>.*?</think>", "", solution_str, flags=re.S).strip()
     if extra_info.get("finish_reason") == "stop" and answer == str(ground_truth):
         return 1.0
     said = [t["text"] for t in extra_info["turns"]["turns"] if t["role"] == "assistant"]
-    first = said[0] if said else ""
-    ended = first.endswith(EOS_TEXT)
-    body = first[:-len(EOS_TEXT)] if ended else first
-    same = next((k for k, (a, b) in enumerate(zip(body, PEEK_CALL)) if a != b), min(len(body), len(PEEK_CALL)))
-    junk = len(body) - same
-    call = 0.05 * same / len(PEEK_CALL) + (0.05 * max(0.0, 1.0 - junk / len(PEEK_CALL)) if ended else 0.0)
-    answered = len(said) > 1 and re.fullmatch(r"\d<\|im_end\|>", said[-1]) is not None
-    return call + (0.1 if answered else 0.0)
+    credit = _shape(said[0] if said else "", lambda body: _prefix(body, PEEK_CALL), len(PEEK_CALL))
+    if len(said) > 1:  # a turn after the tool's reply: one digit, then EOS
+        credit += _shape(said[-1], lambda body: int(body[:1].isdigit()), 1)
+    return credit
+
+
+def _prefix(body: str, target: str) -> int:
+    return next((k for k, (a, b) in enumerate(zip(body, target)) if a != b), min(len(body), len(target)))
+
+
+def _shape(turn: str, good, size: int) -> float:
+    """At most 0.1: 0.05 x the share of `size` target characters the turn starts with (`good(body)`), and 0.05
+    for ending on EOS with little else written (one point less per stray character, relative to `size`)."""
+    ended = turn.endswith(EOS_TEXT)
+    body = turn[:-len(EOS_TEXT)] if ended else turn
+    same = good(body)
+    stray = len(body) - same
+    return 0.05 * same / size + (0.05 * max(0.0, 1.0 - stray / max(size, 5)) if ended else 0.0)
