@@ -29,10 +29,9 @@ def peek_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     """mgrpo/peek (multi-turn; extra_info['turns'] from the agent): 1.0 when the last assistant turn, without
     its think block, is exactly the hidden digit and ended on EOS. Otherwise format credit, at most 0.2, so that
     a random model, which almost never writes a whole call or a one-digit answer after it, has something to
-    climb (`_shape`): for the first turn, at most 0.1, half for the share of the call (`PEEK_CALL`) it starts
-    with, half for ending on EOS with little else written (a turn cut by the length limit runs no tool;
-    measured: credit for the prefix alone makes the tiny model repeat '[' everywhere); the same, at most 0.1,
-    for a later turn (after the tool's reply) being one digit and EOS. Chance (a guessed digit) is 0.1."""
+    climb (`_shape`): at most 0.1 for the first turn on its way to the call (`PEEK_CALL`) then EOS (a turn
+    cut by the length limit runs no tool), and at most 0.1 for a later turn (after the tool's reply) on its
+    way to one digit then EOS. Chance (a guessed digit) is 0.1."""
     if not extra_info or "turns" not in extra_info:
         raise ValueError("mgrpo/peek is a multi-turn task: it needs extra_info['turns'] (rollout.multi_turn.enable)")
     answer = re.sub(r"<think>.*?</think>", "", solution_str, flags=re.S).strip()
@@ -50,10 +49,13 @@ def _prefix(body: str, target: str) -> int:
 
 
 def _shape(turn: str, good, size: int) -> float:
-    """At most 0.1: 0.05 x the share of `size` target characters the turn starts with (`good(body)`), and 0.05
-    for ending on EOS with little else written (one point less per stray character, relative to `size`)."""
+    """At most 0.1, rising along the way to the target turn: its `size` target characters (`good(body)`: how
+    many the turn starts with), then EOS right after them; minus 0.01 per 8 stray characters, floored at 0
+    (so a turn that repeats its first right character everywhere, or stops before saying anything, gains
+    little: both happened with gentler credits)."""
     ended = turn.endswith(EOS_TEXT)
     body = turn[:-len(EOS_TEXT)] if ended else turn
     same = good(body)
     stray = len(body) - same
-    return 0.05 * same / size + (0.05 * max(0.0, 1.0 - stray / max(size, 5)) if ended else 0.0)
+    done = ended and same == size and stray == 0
+    return max(0.0, 0.1 * (same + done) / (size + 1) - 0.01 * stray / 8)
