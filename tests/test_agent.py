@@ -462,3 +462,15 @@ def test_an_environment_continues_the_conversation_and_its_crash_fails_the_traje
     trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
                           ScriptedPolicy(qwen3, script, prompts))
     assert trajs[0].finish_reason == "tool_env_error" and trajs[0].failed and m["multi_turn/env_errors"] == 1
+
+
+def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():
+    import math
+
+    from mgrpo.doctor.trajectories import parse_line
+
+    row = {"step": 1, "prompt_ids": [1], "response_ids": [5, 6, 7, 8], "rollout_logprobs": [-1.0, 0.0, 0.0, -2.0],
+           "trainer_logprobs": [-1.25, -3.0, -4.0, -2.0], "sampled_mask": [1, 0, 0, 1]}
+    line = parse_line(json.dumps(row), 3, "t.jsonl")
+    d = line.diffs
+    assert d[0] == 0.25 and d[3] == 0.0 and math.isnan(d[1]) and math.isnan(d[2]) and line.context_tokens == 2
