@@ -68,6 +68,14 @@ class Experience:
     """Mixture of experts, actor.router_replay != off: per sample [prompt + response - 1, layers, top_k] expert
     ids (`compact_routes`), one row per position that was fed to the model; from the rollout engine
     (actor.router_replay=rollout) or the trainer's old-policy forward (old). What the trainer replays."""
+    sampled_mask: Optional[list[list[int]]] = None
+    """Multi-turn rollouts (rollout.multi_turn): per response token 1 where the policy sampled it, 0 for
+    context (tool replies, template tokens). `response_mask` multiplies it in, so context tokens carry no
+    loss, no advantage and no metric on every trainer path (their token weight is 0). None: all sampled."""
+    turns: Optional[list[dict]] = None
+    """Multi-turn: each sample's turns and finish reason (`Trajectory.to_json`), for the trajectory lines."""
+    tool_rewards: Optional[list[float]] = None
+    """Multi-turn: the reward the tools gave each sample (veRL's execute and calc_reward), added to its score."""
 
     @classmethod
     def from_rollout(cls, items: Sequence, results: Sequence[GenerateResult], n: int,
@@ -101,6 +109,26 @@ class Experience:
         )
 
     @classmethod
+    def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int) -> "Experience":
+        """Multi-turn samples (`mgrpo.agent.trajectory.Trajectory`, in rollout order: trajectory i*n + j is the
+        j-th of prompt i). The caller has taken the failed ones out (they never enter a group)."""
+        return cls(
+            prompt_ids=[t.prompt_ids for t in trajs],
+            response_ids=[t.response_ids for t in trajs],
+            rollout_logprobs=[t.logprobs for t in trajs],
+            # 'length' keeps its meaning for overlong filtering and clip metrics; the other endings are in turns
+            finish_reasons=["length" if t.finish_reason == "length" else "stop" for t in trajs],
+            weight_versions=[t.weight_version for t in trajs],
+            group_index=[t.uid // n for t in trajs],
+            items=[items[t.uid // n] for t in trajs],
+            in_loss=[not t.masked for t in trajs],
+            engines=[t.engine for t in trajs],
+            sampled_mask=[t.sampled for t in trajs],
+            turns=[t.to_json() for t in trajs],
+            tool_rewards=[t.tool_reward for t in trajs],
+        )
+
+    @classmethod
     def concat(cls, parts: Sequence["Experience"]) -> "Experience":
         """Join experiences (dynamic sampling joins kept groups of several rounds); group ids are
         renumbered so that groups of different parts never merge."""
@@ -108,6 +136,9 @@ class Experience:
         out.support = [] if parts and all(p.support is not None for p in parts) else None
         if parts and all(p.routed_experts is not None for p in parts):
             out.routed_experts = [x for p in parts for x in p.routed_experts]
+        for name in ("sampled_mask", "turns", "tool_rewards"):
+            if parts and all(getattr(p, name) is not None for p in parts):
+                setattr(out, name, [x for p in parts for x in getattr(p, name)])
         for p in parts:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
                          "items", "response_texts", "scores", "rewards", "in_loss", "engines"):
@@ -143,10 +174,13 @@ class Experience:
         return max(max((len(r) for r in self.response_ids), default=0), 1)
 
     def response_mask(self, *, loss_only: bool = False) -> torch.Tensor:
-        """[N, L] 1 on response tokens (and, with loss_only, only of responses in the loss)."""
+        """[N, L] 1 on response tokens the policy sampled (and, with loss_only, only of responses in the loss);
+        a multi-turn sample's context tokens are 0 (`sampled_mask`)."""
         width = self._width()
-        rows = [[1.0] * len(r) + [0.0] * (width - len(r)) if not loss_only or keep else [0.0] * width
-                for r, keep in zip(self.response_ids, self.in_loss or [True] * len(self))]
+        sampled = self.sampled_mask or [None] * len(self)
+        rows = [([1.0] * len(r) if m is None else [float(x) for x in m]) + [0.0] * (width - len(r))
+                if not loss_only or keep else [0.0] * width
+                for r, m, keep in zip(self.response_ids, sampled, self.in_loss or [True] * len(self))]
         return torch.tensor(rows) if rows else torch.zeros(0, width)
 
     def padded(self, values: list[list[float]]) -> torch.Tensor:
@@ -171,12 +205,20 @@ class Experience:
         from mgrpo.rewards import ScoreRequest
 
         self.response_texts = tokenizer.batch_decode(self.response_ids, skip_special_tokens=True)
+        answers, extra = self.response_texts, [{} for _ in self.response_ids]
+        if self.turns is not None:
+            # multi-turn: the judge scores the last assistant turn (a tool's reply in the context must not
+            # pass for the model's answer) and sees the whole conversation in extra_info
+            answers = [_last_answer(t, tokenizer) for t in self.turns]
+            extra = [{"conversation": text, "turns": t} for text, t in zip(self.response_texts, self.turns)]
         scored = judger.score([
             ScoreRequest(data_source=it.data_source, response=text, ground_truth=it.ground_truth,
-                         extra_info={**(it.extra_info or {}), "finish_reason": fr})
-            for it, text, fr in zip(self.items, self.response_texts, self.finish_reasons)
+                         extra_info={**(it.extra_info or {}), **more, "finish_reason": fr})
+            for it, text, fr, more in zip(self.items, answers, self.finish_reasons, extra)
         ])
         self.scores = [float(s) for s in scored.scores]
+        if self.tool_rewards is not None:
+            self.scores = [s + t for s, t in zip(self.scores, self.tool_rewards)]
         shaped, penalised = apply_overlong_buffer(torch.tensor(self.scores),
                                                   torch.tensor([len(r) for r in self.response_ids]),
                                                   cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
@@ -208,6 +250,14 @@ class Experience:
         for i, g in enumerate(self.group_index):
             members.setdefault(g, []).append(i)
         return [[i for g in groups[k:k + per] for i in members[g]] for k in range(0, len(groups), per)]
+
+
+def _last_answer(turns: dict, tokenizer) -> str:
+    text = next((t["text"] for t in reversed(turns["turns"]) if t["role"] == "assistant"), "")
+    for special in (tokenizer.eos_token, tokenizer.pad_token):
+        if special:
+            text = text.replace(special, "")
+    return text
 
 
 # --- routed experts ------------------------------------------------------------------------------------

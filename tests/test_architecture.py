@@ -30,6 +30,8 @@ FLOORS = {
     "experience": 3, "cluster": 3,
     # the mismatch doctor: builds both models and reads run folders, never Ray
     "doctor": 3,
+    # multi-turn agentic rollouts: tools, SGLang's tool-call parser, chat-template suffixes (on rollout's types)
+    "agent": 3,
     # the parts the loop assembles; the checks before anything starts
     "components": 4, "preflight": 4,
     "loop": 5,

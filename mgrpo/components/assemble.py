@@ -70,6 +70,8 @@ class Prepared:
     total_steps: int
     checkpointer: Checkpointer
     decision: Decision
+    tools: object = None
+    """rollout.multi_turn: the run's `mgrpo.agent.tools.ToolSet`, else None."""
     """Continue from a checkpoint, start at step 0, or nothing to do (components/run_folder.py)."""
 
 
@@ -88,12 +90,20 @@ def config_yaml(cfg: MGRPOConfig) -> str:
 def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     """Data first (a bad record or an unknown data_source fails here, naming file:line:field), then the run
     folder's verdict: a folder holding another run is refused here too, before Ray or any worker starts."""
-    from mgrpo.data import PromptDataset, load_tokenizer
+    from mgrpo.data import PromptDataset, check_vocab, load_tokenizer
     from mgrpo.rewards import check_data_sources
 
     tokenizer = load_tokenizer(cfg.model)
-    train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train")
-    val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val")
+    check_vocab(tokenizer, cfg.model)
+    tools = tools_for = None
+    if cfg.rollout.multi_turn.enable:
+        from mgrpo.agent.tools import ToolSet
+
+        mt = cfg.rollout.multi_turn
+        tools = ToolSet.from_config(list(mt.function_tools), mt.tool_config_path)
+        tools_for = lambda extra, where: tools.schemas(tools.for_record(extra, where))  # noqa: E731
+    train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train", tools_for=tools_for)
+    val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val", tools_for=tools_for)
     check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward,
                        samples={**val_data.samples(), **train_data.samples()})
     os.makedirs(run_dir, exist_ok=True)
@@ -104,7 +114,7 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     latest = checkpointer.resume_dir()
     saved = checkpointer.read_state(latest) if latest is not None else None  # a broken checkpoint fails here
     decision = RunFolder(run_dir, cfg).decide(latest, saved, total_steps)
-    return Prepared(tokenizer, train_data, val_data, total_steps, checkpointer, decision)
+    return Prepared(tokenizer, train_data, val_data, total_steps, checkpointer, decision, tools)
 
 
 def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) -> Parts:
@@ -151,7 +161,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                 state = checkpointer.restore(resume_dir, actor, p.train_data)
                 weights.sync(state.weight_version)  # engines started from the initial weights
         experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=p.train_data, judger=judger,
-                                      rollout=rollout)
+                                      rollout=rollout, tools=p.tools)
         evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
                               seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
                               experiences=experiences)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Optional
 
 from mgrpo.components.rollout_pipeline import RolloutPipeline
@@ -30,8 +31,19 @@ from mgrpo.rollout.types import SamplingParams
 log = logging.getLogger("mgrpo")
 
 class ExperienceMaker:
-    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout):
+    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout, tools=None):
         self.cfg = cfg
+        self.agent = None
+        """rollout.multi_turn: the `mgrpo.agent.runner.AgentRunner` that makes every sample a trajectory."""
+        if cfg.rollout.multi_turn.enable:
+            from mgrpo.agent.runner import AgentRunner
+            from mgrpo.agent.tools import load_object
+
+            mt = cfg.rollout.multi_turn
+            env = load_object(mt.environment, "rollout.multi_turn.environment") if mt.environment else None
+            self.agent = AgentRunner(mt, tokenizer, tools, max_response_length=cfg.data.max_response_length,
+                                     engines=cfg.rollout.num_engines, enable_thinking=cfg.data.enable_thinking,
+                                     environment=env)
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""
@@ -92,10 +104,37 @@ class ExperienceMaker:
 
     def generate(self, items, n: int, sampling: SamplingParams, desc: str = "rollout") -> tuple[Experience, dict]:
         """n samples per prompt of `items`, and the generation's time, retries, restarts and refused requests."""
+        if self.agent is not None:
+            return self._generate_trajectories(items, n, sampling, desc)
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
         measured = {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                     "rollout/auth_refused": stats.auth_refused, "timing_s/gen": stats.seconds}
         return Experience.from_rollout(items, results, n, want_support=sampling.return_support), measured
+
+    def _generate_trajectories(self, items, n: int, sampling: SamplingParams, desc: str) -> tuple[Experience, dict]:
+        """Multi-turn: one trajectory per sample, each turn through the rollout group (`mgrpo/agent/runner.py`).
+        Failed trajectories (tool or trajectory timeout, generation failure) are dropped here, before any
+        group statistics: they are in no loss and no baseline, and are counted by finish reason."""
+        t0 = time.perf_counter()
+
+        def generate(prompts, params):
+            results, stats = self.rollout.generate(prompts, 1, params, desc=desc)
+            return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
+                             "rollout/auth_refused": stats.auth_refused}
+
+        trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where) for it in items for _ in range(n)],
+                                         sampling, generate)
+        drift = [self.agent.drift(t, items[t.uid // n].messages, items[t.uid // n].tools) for t in trajs
+                 if not t.failed]
+        measured["multi_turn/template_drift_tokens"] = sum(drift)
+        measured["multi_turn/template_drift_trajectories"] = sum(d > 0 for d in drift)
+        kept = [t for t in trajs if not t.failed]
+        if not kept:
+            reasons = sorted({t.finish_reason for t in trajs})
+            raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
+                               "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
+        measured["timing_s/gen"] = time.perf_counter() - t0
+        return Experience.from_trajectories(items, kept, n), measured
 
     def judge(self, exp: Experience) -> dict:
         """Score every sample with the judge of its data_source; return the counts (failures and timeouts

@@ -62,8 +62,10 @@ class LogprobGuard:
         rollout), `rollout/logprob_guard_unchecked` = 1 and the streak as it was."""
         if not self.active:
             return {}
-        diffs = [abs(a - b) for ro, tr, v in zip(exp.rollout_logprobs, exp.old_logprobs or [], exp.weight_versions)
-                 if v == version for a, b in zip(ro, tr)]
+        sampled = exp.sampled_mask or [None] * len(exp)  # multi-turn context tokens have no engine log-prob
+        diffs = [abs(a - b) for ro, tr, v, m in zip(exp.rollout_logprobs, exp.old_logprobs or [], exp.weight_versions,
+                                                     sampled)
+                 if v == version for k, (a, b) in enumerate(zip(ro, tr)) if m is None or m[k]]
         if not diffs:
             judged = {"rollout/logprob_guard_unchecked": 1.0}
         else:

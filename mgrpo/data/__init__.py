@@ -8,10 +8,11 @@ from mgrpo.data.dataset import PromptDataset, PromptItem
 from mgrpo.data.packing import over_budget, pack_micro_batches, padded_tokens
 from mgrpo.data.records import RecordError, RLRecord, parse_record, read_records, write_records
 from mgrpo.data.synthetic import SYNTHETIC_TASKS, synthetic_records, synthetic_tokenizer
-from mgrpo.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir
+from mgrpo.data.printable import printable_tokenizer
+from mgrpo.data.tokenizer import check_vocab, load_tokenizer, qwen3_tokenizer_dir
 
 __all__ = [
-    "PromptDataset", "PromptItem", "RLRecord", "RecordError", "SYNTHETIC_TASKS", "load_tokenizer",
-    "over_budget", "pack_micro_batches", "padded_tokens", "parse_record", "qwen3_tokenizer_dir",
+    "PromptDataset", "PromptItem", "RLRecord", "RecordError", "SYNTHETIC_TASKS", "check_vocab", "load_tokenizer",
+    "over_budget", "pack_micro_batches", "padded_tokens", "parse_record", "printable_tokenizer", "qwen3_tokenizer_dir",
     "read_records", "synthetic_records", "synthetic_tokenizer", "write_records",
 ]

@@ -6,6 +6,8 @@ that keeps every batch full even when the dataset is smaller than a batch (the s
 25 prompts, the default batch 32), and it means a prompt can appear twice in one batch, so group
 responses by their position in the batch, never by `PromptItem.index`.
 
+A prompt holding a character its tokenizer cannot represent (one that would encode as <unk>) is an error
+naming file:line, field and character: training on <unk> would silently change the user's data.
 Prompts longer than data.max_prompt_length tokens (after templating) are dropped once, at load,
 and counted in `num_filtered` (per data source in `filtered_by_source`). The resumable state is
 (epoch, position in the epoch's permutation): a dataset restored from `state_dict()` yields exactly
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from mgrpo.config import ConfigError, seeds
 from mgrpo.config.schema import DataConfig
@@ -38,6 +40,10 @@ class PromptItem:
     ability: Optional[str] = None
     where: str = ""
     """file:line of the record (or the synthetic task's name and index), for messages."""
+    messages: list = field(default_factory=list)
+    """The prompt as chat messages (empty for a raw-text prompt); multi-turn rollouts continue them."""
+    tools: Optional[list] = None
+    """Multi-turn: the tool schemas the template rendered into the prompt (`tools_for`), else None."""
 
 
 class PromptDataset:
@@ -49,8 +55,12 @@ class PromptDataset:
     but no val files, the val dataset is empty.
     """
 
-    def __init__(self, data_cfg: DataConfig, tokenizer, files: Optional[list[str]] = None, split: str = "train"):
+    def __init__(self, data_cfg: DataConfig, tokenizer, files: Optional[list[str]] = None, split: str = "train",
+                 tools_for: Optional[Callable[[dict, str], list]] = None):
+        """`tools_for(extra_info, where)`: the tool schemas a record's prompt is rendered with (multi-turn
+        rollouts, `mgrpo.agent.tools.ToolSet`); None: no tools."""
         self.cfg, self.tokenizer, self.split = data_cfg, tokenizer, split
+        self.tools_for = tools_for
         if files is None:
             files = data_cfg.train_files if split == "train" else data_cfg.val_files
         self.files = list(files)
@@ -70,11 +80,20 @@ class PromptDataset:
         self._order = self._permutation(0)
 
     # --- loading ----------------------------------------------------------------------------------
+    def _messages(self, rec: RLRecord) -> list:
+        return [{"role": "user", "content": rec.prompt}] if isinstance(rec.prompt, str) else list(rec.prompt)
+
+    def _tools(self, rec: RLRecord) -> Optional[list]:
+        return self.tools_for(rec.extra_info, rec.where) if self.tools_for is not None else None
+
     def _render(self, rec: RLRecord) -> str:
         tok, use_template = self.tokenizer, self.cfg.apply_chat_template
         has_template = bool(getattr(tok, "chat_template", None))
         if isinstance(rec.prompt, str):
             if not (use_template and has_template):
+                if self.tools_for is not None:
+                    raise RecordError(f"{rec.where}: multi-turn rollouts need the chat template (tools are rendered "
+                                      "by it): set data.apply_chat_template=True and a tokenizer that has one")
                 return rec.prompt  # raw-text prompt (the synthetic tokenizer has no template)
             messages = [{"role": "user", "content": rec.prompt}]
         else:
@@ -85,24 +104,46 @@ class PromptDataset:
                 raise RecordError(f"{rec.where}: field '{self.cfg.prompt_key}' is a list of chat messages but the "
                                   "tokenizer has no chat template (model.tokenizer='synthetic' takes string prompts)")
             messages = rec.prompt
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+        return tok.apply_chat_template(messages, tools=self._tools(rec), tokenize=False, add_generation_prompt=True,
                                        enable_thinking=self.cfg.enable_thinking)
 
     def _load(self, records: list[RLRecord]) -> None:
         texts = [self._render(r) for r in records]
         # The template already holds any special tokens; do not let the tokenizer add more.
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        unk = self.tokenizer.unk_token_id
         for rec, text, tok_ids in zip(records, texts, ids):
+            if unk is not None and unk in tok_ids:
+                raise RecordError(self._unrepresentable(rec))
             if len(tok_ids) > self.cfg.max_prompt_length:
                 self.num_filtered += 1
                 self.filtered_by_source[rec.data_source] = self.filtered_by_source.get(rec.data_source, 0) + 1
                 continue
             self.items.append(PromptItem(index=len(self.items), prompt_ids=list(tok_ids), prompt_text=text,
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where))
+                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where,
+                                         messages=self._messages(rec), tools=self._tools(rec)))
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
+
+    def _unrepresentable(self, rec: RLRecord) -> str:
+        """Which field of `rec` holds the first character its tokenizer maps to <unk>, and which character."""
+        tok, key = self.tokenizer, self.cfg.prompt_key
+        fields = [(key, rec.prompt)] if isinstance(rec.prompt, str) else \
+            [(f"{key}[{i}].content", m["content"]) for i, m in enumerate(rec.prompt)]
+        fix = ("replace it in the data, or use a tokenizer that covers it (model.tokenizer=qwen3 or a tokenizer "
+               "directory; model.tokenizer=printable covers printable ASCII, tab and newline)")
+        for name, value in fields:
+            enc = tok(value, add_special_tokens=False, return_offsets_mapping=True)
+            bad = [value[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == tok.unk_token_id]
+            if bad:
+                at = next(a for t, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if t == tok.unk_token_id)
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                return (f"{rec.where}: field '{name}': character {bad[0]!r} (U+{ord(bad[0][0]):04X}) at position "
+                        f"{at + 1} is not in the tokenizer's vocabulary{more}: it would become {tok.unk_token}; {fix}")
+        return (f"{rec.where}: the chat template's rendering of field '{key}' holds a character that is not in the "
+                f"tokenizer's vocabulary (it would become {tok.unk_token}); {fix}")
 
     # --- access ------------------------------------------------------------------------------------
     def __len__(self) -> int:

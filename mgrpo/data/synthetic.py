@@ -63,6 +63,32 @@ def sum_records(cfg: DataConfig) -> list[dict]:
     ]
 
 
+PEEK_SOURCE = "mgrpo/peek"
+PEEK_RECORDS = 100
+
+
+def peek_records(cfg: DataConfig) -> list[dict]:
+    """RL records of the `peek` tool task (rollout.multi_turn; configs/recipe/tool-peek-tiny-cpu.yaml): every
+    prompt is the same question, and each record's answer is its own hidden digit, which only the peek
+    tool (named `p`) reveals (veRL's tools_kwargs.create_kwargs hand it to the tool instance). Without the tool a
+    model can only guess: chance is 0.1."""
+    import random
+
+    rng = random.Random(cfg.seed)
+    digits = [i % 10 for i in range(PEEK_RECORDS)]
+    rng.shuffle(digits)
+    return [
+        {
+            "data_source": PEEK_SOURCE,
+            "prompt": [{"role": "user", "content": "Hidden digit?"}],
+            "ability": "tool_use",
+            "reward_model": {"ground_truth": str(d), "style": "rule"},
+            "extra_info": {"tools_kwargs": {"p": {"create_kwargs": {"secret": d}}}},
+        }
+        for d in digits
+    ]
+
+
 @dataclass(frozen=True)
 class SyntheticTask:
     records: Callable[[DataConfig], list[dict]]
@@ -73,6 +99,7 @@ class SyntheticTask:
 
 SYNTHETIC_TASKS: Registry[SyntheticTask] = Registry("data.synthetic_task", {
     "sum": SyntheticTask(sum_records, SUM_SOURCE),
+    "peek": SyntheticTask(peek_records, PEEK_SOURCE),
 })
 
 

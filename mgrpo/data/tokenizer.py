@@ -1,4 +1,4 @@
-"""Which tokenizer a run uses: model.tokenizer = 'synthetic' | 'qwen3' | a tokenizer directory."""
+"""Which tokenizer a run uses: model.tokenizer = 'synthetic' | 'printable' | 'qwen3' | a tokenizer directory."""
 
 from __future__ import annotations
 
@@ -32,10 +32,24 @@ def load_tokenizer(model_cfg: ModelConfig):
         from mgrpo.data.synthetic import synthetic_tokenizer
 
         return synthetic_tokenizer()
+    if name == "printable":
+        from mgrpo.data.printable import printable_tokenizer
+
+        return printable_tokenizer()
     from transformers import AutoTokenizer
 
     if name == "qwen3":
         return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
     if not os.path.isdir(name):
-        raise ConfigError(f"model.tokenizer={name!r} is neither 'synthetic', 'qwen3' nor a tokenizer directory")
+        raise ConfigError(f"model.tokenizer={name!r} is neither 'synthetic', 'printable', 'qwen3' "
+                          "nor a tokenizer directory")
     return AutoTokenizer.from_pretrained(name)
+
+
+def check_vocab(tokenizer, model_cfg: ModelConfig) -> None:
+    """Refuse a model vocabulary smaller than its tokenizer: a prompt token id past the embedding rows would
+    fail deep inside a forward pass (or, padded by Megatron, read a masked row) instead of here."""
+    if len(tokenizer) > model_cfg.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than model.tokenizer="
+                          f"{model_cfg.tokenizer!r} ({len(tokenizer)} tokens): set model.vocab_size={len(tokenizer)} "
+                          "or more (configs/model/tiny.yaml follows a built-in tokenizer by itself)")

@@ -106,7 +106,8 @@ def analyse(run_dir: str) -> dict:
     per_line = [np.asarray(t.diffs, dtype=np.float64) for t in lines]
     finite = [d[np.isfinite(d)] for d in per_line]
     tokens = np.concatenate(finite) if finite else np.zeros(0)
-    nonfinite = int(sum(d.size - f.size for d, f in zip(per_line, finite)))
+    # multi-turn context tokens (tool replies, template tokens) have no engine log-prob: not a failure
+    nonfinite = int(sum(d.size - f.size for d, f in zip(per_line, finite))) - sum(t.context_tokens for t in lines)
     if tokens.size == 0:
         raise DoctorError(f"{path}: no response token has a finite log-prob on both sides")
     seq_means = np.asarray([f.mean() for f in finite if f.size])

@@ -31,11 +31,20 @@ class TokenLine:
     rollout: list[float]
     trainer: list[float]
     response: str = ""
+    sampled: Optional[list[int]] = None
+    """Multi-turn runs (the line's `sampled_mask`): 1 where the policy sampled the token, 0 for context (tool
+    replies, template tokens), which has no engine log-prob; None: every token sampled."""
 
     @property
     def diffs(self) -> list[float]:
-        """|rollout - trainer| per response token (NaN where the engine returned no log-prob)."""
-        return [abs(a - b) for a, b in zip(self.rollout, self.trainer)]
+        """|rollout - trainer| per response token (NaN where the engine returned no log-prob, and on
+        multi-turn context tokens, which it never sampled)."""
+        mask = self.sampled or [1] * len(self.rollout)
+        return [abs(a - b) if m else float("nan") for a, b, m in zip(self.rollout, self.trainer, mask)]
+
+    @property
+    def context_tokens(self) -> int:
+        return 0 if self.sampled is None else len(self.sampled) - sum(1 for m in self.sampled if m)
 
 
 def trajectories_path(run_dir: str) -> str:
@@ -88,7 +97,15 @@ def parse_line(raw: str, line: int, path: str) -> Optional[TokenLine]:
                      prompt_ids=row["prompt_ids"], response_ids=row["response_ids"],
                      rollout=[_number(v, where, "rollout_logprobs") for v in row["rollout_logprobs"]],
                      trainer=[_number(v, where, "trainer_logprobs") for v in row["trainer_logprobs"]],
-                     response=str(row.get("response", "")))
+                     response=str(row.get("response", "")), sampled=_mask(row.get("sampled_mask"), n, where))
+
+
+def _mask(value, n: int, where: str) -> Optional[list[int]]:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n or any(v not in (0, 1) for v in value):
+        raise DoctorError(f"{where}: sampled_mask must be {n} values of 0 or 1, one per response token")
+    return [int(v) for v in value]
 
 
 def read_token_lines(path: str) -> tuple[list[TokenLine], int]:

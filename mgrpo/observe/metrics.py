@@ -25,7 +25,9 @@ def _mean(xs) -> float:
 def experience_metrics(exp, *, max_response_length: int) -> dict:
     lengths = [len(r) for r in exp.response_ids]
     adv_tokens = [a for adv, keep in zip(exp.advantages or [], exp.in_loss) if keep for a in adv]
-    diffs = [abs(a - b) for ro, old in zip(exp.rollout_logprobs, exp.old_logprobs or []) for a, b in zip(ro, old)]
+    sampled = exp.sampled_mask or [None] * len(exp)  # multi-turn context tokens have no engine log-prob
+    diffs = [abs(a - b) for ro, old, m in zip(exp.rollout_logprobs, exp.old_logprobs or [], sampled)
+             for k, (a, b) in enumerate(zip(ro, old)) if m is None or m[k]]
     out = {
         "critic/score/mean": _mean(exp.scores),
         "critic/score/max": max(exp.scores, default=0.0),

@@ -34,6 +34,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "openai/gsm8k": gsm8k.compute_score,
     **{src: math_reward.compute_score for src in math_reward.SOURCES},
     "mgrpo/sum": synthetic.sum_score,
+    "mgrpo/peek": synthetic.peek_score,
 }
 """The built-in judges with their default options (reward.gsm8k: strict, format_score 0)."""
 

@@ -45,6 +45,37 @@ DEFAULT_DIFFS = (
 )
 
 
+def _max_turns(v, ctx):
+    if v is None:  # veRL: no limit. mgrpo bounds every trajectory
+        return [("", "unlimited in veRL; mgrpo keeps its bound rollout.multi_turn.max_assistant_turns")]
+    return [("rollout.multi_turn.max_assistant_turns", int(v))]
+
+
+def _function_tools(v, ctx):
+    return [("rollout.multi_turn.function_tools", list(v) if isinstance(v, (list, tuple)) else [v])]
+
+
+# actor_rollout_ref.rollout.multi_turn.* (veRL's ToolAgentLoop settings) -> rollout.multi_turn.*
+MULTI_TURN_RULES: dict[str, Rule] = {
+    R + "multi_turn.enable": to("rollout.multi_turn.enable", bool),
+    R + "multi_turn.max_assistant_turns": _max_turns,
+    R + "multi_turn.max_user_turns": only(lambda v: v is None or isinstance(v, int), "mgrpo's trajectories have "
+                                          "no user turns (tools only)", "expected an integer or null"),
+    R + "multi_turn.max_parallel_calls": to("rollout.multi_turn.max_parallel_calls", int),
+    R + "multi_turn.max_tool_response_length": to("rollout.multi_turn.max_tool_response_length", int),
+    R + "multi_turn.tool_response_truncate_side": to("rollout.multi_turn.tool_response_truncate_side", str),
+    R + "multi_turn.format": to("rollout.multi_turn.format", str),  # SGLang's parser names (hermes, qwen25, ...)
+    R + "multi_turn.tool_config_path": to("rollout.multi_turn.tool_config_path", str),
+    R + "multi_turn.function_tool_path": _function_tools,
+    R + "multi_turn.interaction_config_path": only(falsy, "no interaction", "mgrpo has no interaction / "
+                                                   "environment classes yet (tools only)"),
+    R + "multi_turn.use_inference_chat_template": ignore("mgrpo keeps the sampled token ids; the template's own "
+                                                         "rendering is only compared (multi_turn/template_drift_tokens)"),
+    R + "multi_turn.tokenization_sanity_check_mode": ignore("mgrpo never re-tokenises: it counts drift instead "
+                                                            "(multi_turn/template_drift_tokens)"),
+}
+
+
 def _kl_name(v):
     if v not in KL_NAMES:
         raise Refuse(f"KL estimator {v!r} has no mgrpo equivalent (mgrpo has {sorted(set(KL_NAMES.values()))})")
@@ -280,7 +311,7 @@ RULES: dict[str, Rule] = {
     R + "calculate_log_probs": ignore("mgrpo always keeps the rollout log-probs"),
     R + "dtype": only(lambda v: v in ("bfloat16", "bf16"), "bf16, as mgrpo's SGLang", "mgrpo's SGLang serves bf16"),
     R + "mode": ignore("mgrpo's engines are servers driven asynchronously"),
-    R + "multi_turn.enable": only(falsy, "false", "mgrpo has no multi-turn / tool rollouts"),
+    **MULTI_TURN_RULES,
     R + "val_kwargs.temperature": _val("temperature"),
     R + "val_kwargs.top_p": _val("top_p"),
     R + "val_kwargs.n": _val("n"),
@@ -379,7 +410,9 @@ PREFIX_RULES: dict[str, Rule] = {
     "ray_init.": ignore("mgrpo starts Ray itself (trainer.ray_address to join one)"),
     "ray_kwargs.": ignore("mgrpo starts Ray itself (trainer.ray_address to join one)"),
     R + "engine_kwargs.": refuse("engine arguments are not passed through to SGLang"),
-    R + "agent.": ignore("agent loop settings (single-turn rollouts only)"),
+    R + "agent.": ignore("agent-loop workers and servers: mgrpo runs every trajectory as its own coroutine "
+                         "(rollout.multi_turn.max_concurrent_per_engine)"),
+    R + "multi_turn.": refuse("this multi-turn setting has no mgrpo equivalent (see rollout.multi_turn.*)"),
     R + "trace.": ignore(PROFILE), R + "prometheus.": ignore(PROFILE),
 }
 # Shared keys whose veRL values need a translation too.

@@ -1,0 +1,62 @@
+"""The README's tool task (recipe=tool-peek-tiny-cpu), run as a user runs it, summarised for the README.
+
+    python -m benchmarks.jobs.tool_task                    # runs it (minutes on 2 cores)
+    python -m benchmarks.jobs.tool_task --from RUN_DIR     # summarises a finished run
+-> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, turns) and the
+markdown table the README shows (every 10th step), printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "tool_peek_cpu.json")
+
+
+def summarise(run_dir: str, seconds: float | None) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [{"step": i + 1, "reward": round(m["critic/score/mean"], 4),
+              "tool_calls_per_trajectory": round(m.get("multi_turn/tool_calls_per_trajectory", 0.0), 4),
+              "turns": round(m.get("multi_turn/turns_mean", 0.0), 4)} for i, m in enumerate(rows)]
+    r = [s["reward"] for s in steps]
+    return {"command": "mgrpo-train recipe=tool-peek-tiny-cpu", "seconds": seconds, "chance": 0.1,
+            "first10_reward": round(sum(r[:10]) / 10, 4), "last10_reward": round(sum(r[-10:]) / 10, 4),
+            "steps": steps}
+
+
+def table(summary: dict) -> str:
+    lines = ["| step | reward | tool calls / trajectory | turns |", "|---:|---:|---:|---:|"]
+    for s in summary["steps"]:
+        if s["step"] == 1 or s["step"] % 10 == 0:
+            lines.append(f"| {s['step']} | {s['reward']:.3f} | {s['tool_calls_per_trajectory']:.2f} | {s['turns']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--from", dest="run_dir", default=None)
+    args = ap.parse_args()
+    seconds = None
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix="tool-peek-")
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
+                        f"trainer.output_dir={run_dir}", "trainer.save_hf=false"], check=True)
+        seconds = round(time.perf_counter() - t0, 1)
+    summary = summarise(run_dir, seconds)
+    with open(RESULTS, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"first-10 reward {summary['first10_reward']}, last-10 {summary['last10_reward']} (chance 0.1)")
+    print(table(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Tool calls parsed by SGLang's own `FunctionCallParser` (sglang/srt/function_call/, from the installed wheel).
+
+Importing the `sglang` package runs its CUDA-minded __init__; the function-call modules themselves need only
+pydantic, orjson, partial-json-parser, openai's types, pybase64 and xgrammar. So the package is registered
+as a bare namespace pointing at the wheel's folder and `sglang.srt.function_call.function_call_parser` is
+imported from it as SGLang itself imports it.
+
+SGLang's parser skips what it cannot use with a log warning: a call whose JSON does not parse, and a call to
+an undefined function (unless SGLANG_FORWARD_UNKNOWN_TOOLS). Neither may be silent here: unknown names are
+forwarded (the envs override, scoped to the parse) and answered as errors, and calls the parser dropped are
+found by counting the format's call openings (`bot_token`) against the calls it returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mgrpo.rollout.sglang.protocol.wheel import sglang_dir
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(None)
+def _sglang_function_call():
+    """(FunctionCallParser, Tool, envs) from the installed wheel."""
+    d = sglang_dir()
+    if d is None:
+        raise ImportError("rollout.multi_turn needs SGLang's tool-call parser: pip install --no-deps "
+                          "-r requirements-sglang.txt, plus orjson partial-json-parser openai pybase64 xgrammar")
+    if "sglang" not in sys.modules:
+        pkg = types.ModuleType("sglang")
+        pkg.__path__ = [d]
+        sys.modules["sglang"] = pkg
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.environ import envs
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    # its per-failure warnings are counted here instead (verl #7177: a log flooded with them)
+    logging.getLogger("sglang.srt.function_call").setLevel(logging.ERROR)
+    return FunctionCallParser, Tool, envs
+
+
+def parser_names() -> list[str]:
+    return sorted(_sglang_function_call()[0].ToolCallParserEnum)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: Optional[dict]
+    """Parsed arguments, or None when they are not a JSON object (then `error` says why)."""
+    error: Optional[str] = None
+    known: bool = True
+
+
+@dataclass
+class ParsedTurn:
+    content: str
+    """The text outside the calls (SGLang's normal_text)."""
+    calls: list[ToolCall] = field(default_factory=list)
+    malformed: int = 0
+    """Call openings the parser could not turn into a call (bad JSON, cut off by the length limit)."""
+
+
+class ToolCallParser:
+    def __init__(self, fmt: str, schemas: list[dict]):
+        FunctionCallParser, Tool, _ = _sglang_function_call()
+        if fmt not in FunctionCallParser.ToolCallParserEnum:
+            raise ValueError(f"unknown tool-call format {fmt!r}; SGLang 0.5.23 has {parser_names()}")
+        self.fmt = fmt
+        self.tools = [Tool.model_validate(s) for s in schemas]
+        self.known = {t.function.name for t in self.tools}
+
+    def parse(self, text: str) -> ParsedTurn:
+        FunctionCallParser, _, envs = _sglang_function_call()
+        with _lock, envs.SGLANG_FORWARD_UNKNOWN_TOOLS.override(True):  # the override is process-wide
+            parser = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt)
+            bot = (getattr(parser.detector, "bot_token", "") or "").strip()  # e.g. '<tool_call>' for qwen25
+            # a format without an opening marker (pythonic's bare list): a call it sees but cannot parse counts
+            opened = text.count(bot) if bot else int(parser.has_tool_call(text))
+            normal, items = parser.parse_non_stream(text)
+        calls = []
+        for it in items:
+            try:
+                args: Any = json.loads(it.parameters) if it.parameters else {}
+            except json.JSONDecodeError as e:
+                calls.append(ToolCall(it.name, None, error=f"arguments are not JSON ({e.msg})"))
+                continue
+            if not isinstance(args, dict):
+                calls.append(ToolCall(it.name, None, error="arguments must be a JSON object"))
+                continue
+            known = it.name in self.known
+            calls.append(ToolCall(it.name, args, known=known, error=None if known else f"unknown tool {it.name!r}"))
+        return ParsedTurn(content=normal, calls=calls, malformed=max(opened - len(items), 0))

@@ -1,0 +1,352 @@
+"""Runs multi-turn trajectories, each advancing on its own.
+
+Every trajectory is a coroutine: generate an assistant turn from its accumulated ids, parse the calls with
+SGLang's parser, run the tools (concurrently, each under `tool_timeout_s`), append their replies as the chat
+template renders them (context ids), and go on until a turn makes no call or a bound ends it. A trajectory
+waiting on a slow tool holds nobody else: generation requests are gathered by one dispatcher, which sends
+whatever is ready as one batch through the `generate` callable it was given (the rollout group: chunks,
+retries, health checks and restarts as for single-turn rollouts; or an engine directly) and hands each
+result back to its trajectory. At most `max_concurrent_per_engine x engines` trajectories are in flight.
+
+Bounds, each with its finish reason (trajectory.FINISH_REASONS) and counted: turns, the response budget
+(per-turn new tokens clamped to what is left of data.max_response_length; tool replies that would not fit
+end the trajectory as `length`), tool-reply truncation, the per-call tool timeout and the per-trajectory
+wall-clock timeout. A call that cannot run (malformed, unknown tool, bad arguments, the tool raised) gets
+an error as its reply: the model sees it, the run counts it per tool. Sync tools run in worker threads: a
+hung one is abandoned at its timeout (Python cannot kill a thread), its trajectory ends as tool_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+from mgrpo.agent.parse import ToolCallParser
+from mgrpo.agent.template import ChatTemplate, count_drift
+from mgrpo.agent.tools import BadArguments, ToolResult, ToolSet, as_text
+from mgrpo.agent.trajectory import Trajectory
+from mgrpo.config import seeds
+from mgrpo.config.schema import MultiTurnConfig
+from mgrpo.rollout.types import GenerateResult, SamplingParams
+
+Generate = Callable[[list[list[int]], SamplingParams], tuple[list[GenerateResult], dict]]
+"""prompts, sampling -> one result per prompt (in order), and what the call measured (summed into metrics)."""
+
+
+class _ToolTimeout(Exception):
+    pass
+
+
+def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
+    """veRL's tool-reply truncation (ToolAgentLoop): keep `limit` characters and mark the cut."""
+    if len(text) <= limit:
+        return text, False
+    if side == "left":
+        return text[:limit] + "...(truncated)", True
+    if side == "right":
+        return "(truncated)..." + text[-limit:], True
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:], True
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_new: int
+    future: asyncio.Future
+
+
+class AgentRunner:
+    def __init__(self, cfg: MultiTurnConfig, tokenizer, tools: ToolSet, *, max_response_length: int,
+                 engines: int = 1, enable_thinking: bool = True, environment: Optional[type] = None):
+        """`environment`: a class (mgrpo/agent/environment.py) built once per trajectory, or None."""
+        self.cfg, self.tok, self.tools = cfg, tokenizer, tools
+        self.environment = environment
+        self.template = ChatTemplate(tokenizer, enable_thinking=enable_thinking)
+        self.max_response_length = max_response_length
+        self.cap = cfg.max_concurrent_per_engine * max(engines, 1)
+        self.eos = tokenizer.eos_token_id
+
+    # --- the batch ----------------------------------------------------------------------------------
+    def run(self, prompts: Sequence[tuple[list[int], dict, str]], sampling: SamplingParams, generate: Generate
+            ) -> tuple[list[Trajectory], dict]:
+        """One trajectory per (prompt ids, extra_info, where) in order, and the batch's metrics."""
+        # Not asyncio.run: at its end it waits for every worker thread, and a hung sync tool would hold the
+        # batch forever. Its threads are abandoned instead (counted as tool_timeout where they hung).
+        pool = ThreadPoolExecutor(max_workers=min(self.cap, len(prompts)) + 4, thread_name_prefix="mgrpo-agent")
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(pool)
+        try:
+            return loop.run_until_complete(self._run(prompts, sampling, generate))
+        finally:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, prompts, sampling: SamplingParams, generate: Generate):
+        queue: asyncio.Queue[_Request] = asyncio.Queue()
+        measured: dict = {}
+        dispatcher = asyncio.create_task(self._dispatch(queue, sampling, generate, measured))
+        gate = asyncio.Semaphore(self.cap)
+
+        async def one(uid: int, ids: list[int], extra: dict, where: str) -> Trajectory:
+            async with gate:
+                traj = Trajectory(uid=uid, prompt_ids=list(ids))
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling),
+                                           self.cfg.trajectory_timeout_s)
+                except asyncio.TimeoutError:
+                    traj.finish_reason = "trajectory_timeout"
+                except _ToolTimeout:
+                    traj.finish_reason = "tool_timeout"
+                except _GenerationFailed:
+                    traj.finish_reason = "generation_error"
+                except _EnvFailed as err:
+                    traj.finish_reason = "tool_env_error"
+                    traj.count("multi_turn/env_errors")
+                    traj.counts["env_error"] = str(err)
+                traj.counts["seconds"] = time.perf_counter() - t0
+                return traj
+
+        try:
+            out = await asyncio.gather(*(one(i, ids, extra, where) for i, (ids, extra, where) in enumerate(prompts)))
+        finally:
+            dispatcher.cancel()
+        return list(out), self._metrics(out, measured)
+
+    async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict):
+        """Send every ready request as one batch per token budget; wake each trajectory with its result."""
+        batch_no = 0
+        while True:
+            ready = [await queue.get()]
+            await asyncio.sleep(0)  # trajectories woken by the same result put their next requests first
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            by_budget: dict[int, list[_Request]] = {}
+            for r in ready:
+                by_budget.setdefault(r.max_new, []).append(r)
+            for budget, reqs in sorted(by_budget.items()):
+                params = replace(sampling, max_new_tokens=budget, seed=seeds.chunk_seed(sampling.seed, batch_no)
+                                 if sampling.seed is not None else None)
+                batch_no += 1
+                try:
+                    results, stats = await asyncio.to_thread(generate, [r.ids for r in reqs], params)
+                except Exception as err:  # the group retried already: every trajectory waiting on it fails
+                    for r in reqs:
+                        if not r.future.done():
+                            r.future.set_exception(_GenerationFailed(f"{type(err).__name__}: {err}"))
+                    continue
+                for k, v in stats.items():
+                    measured[k] = measured.get(k, 0) + v
+                for r, res in zip(reqs, results):
+                    if not r.future.done():  # (a trajectory that timed out meanwhile is gone)
+                        r.future.set_result(res)
+
+    # --- one trajectory -------------------------------------------------------------------------------
+    async def _trajectory(self, traj: Trajectory, extra: dict, where: str, queue: asyncio.Queue,
+                          sampling: SamplingParams) -> None:
+        names = self.tools.for_record(extra, where)
+        parser = ToolCallParser(self.cfg.format, self.tools.schemas(names))
+        kwargs = extra.get("tools_kwargs") or {}
+        instances: dict[str, str] = {}
+        versions: list[int] = []
+        env = self.environment() if self.environment is not None else None
+        try:
+            if env is not None:
+                await self._env(traj, env.reset, extra)
+            for turn in range(self.cfg.max_assistant_turns):
+                left = self.max_response_length - len(traj.response_ids)
+                if left <= 0:
+                    traj.finish_reason = "length"
+                    return
+                budget = min(left, self.cfg.max_tokens_per_turn or left, sampling.max_new_tokens)
+                fut = asyncio.get_running_loop().create_future()
+                t0 = time.perf_counter()
+                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut))
+                res: GenerateResult = await fut
+                versions.append(res.weight_version)
+                traj.engine = res.engine
+                text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
+                t = traj.add(list(res.token_ids), list(res.logprobs), "assistant", text=text,
+                             latency_s=time.perf_counter() - t0)
+                traj.count("turns")
+                parsed = parser.parse(text.removesuffix(self.tok.eos_token))
+                t.calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
+                traj.messages.append(_assistant_message(parsed))
+                if res.finish_reason != "stop":
+                    traj.finish_reason = "length"  # cut by the budget: whatever it was writing is not run
+                    return
+                t1 = time.perf_counter()
+                if not parsed.calls and not parsed.malformed:  # a turn for the environment, if there is one
+                    step = await self._env(traj, env.step, text.removesuffix(self.tok.eos_token)) if env else None
+                    if step is not None and step.reward is not None:
+                        traj.tool_reward += float(step.reward)
+                    if step is None or step.done or not step.messages:
+                        traj.finish_reason = "stop"
+                        return
+                    role, msgs = "environment", list(step.messages)
+                else:
+                    role, msgs = "tool", None
+                if turn + 1 == self.cfg.max_assistant_turns:
+                    traj.finish_reason = "max_turns"
+                    return
+                if msgs is None:
+                    msgs = [{"role": "tool", "content": r}
+                            for r in await self._run_calls(traj, parsed, names, kwargs, instances)]
+                ids = self.template.suffix(msgs)
+                if len(traj.response_ids) + len(ids) >= self.max_response_length:
+                    traj.finish_reason = "length"  # no room for the replies and a next turn
+                    return
+                traj.add(ids, None, role, text="\n".join(str(m.get("content", "")) for m in msgs),
+                         latency_s=time.perf_counter() - t1)
+                traj.messages.extend(msgs)
+        finally:
+            traj.weight_version = min(versions) if versions else 0
+            await self._release(traj, instances, kwargs)
+
+    async def _run_calls(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,
+                         instances: dict) -> list[str]:
+        calls = list(parsed.calls)
+        replies: list[Optional[str]] = [None] * len(calls)
+        jobs = []
+        for i, c in enumerate(calls):
+            if c.error is not None or c.name not in names:
+                why = c.error or f"tool {c.name!r} is not available for this task"
+                replies[i] = self._error(traj, c.name if c.known and c.name in names else None, why,
+                                         "unknown_tool" if not c.known or c.name not in names else "bad_arguments")
+            elif i >= self.cfg.max_parallel_calls:
+                replies[i] = self._error(traj, c.name, f"more than {self.cfg.max_parallel_calls} calls in one turn",
+                                         "too_many_calls")
+            else:
+                jobs.append(i)
+        results = await asyncio.gather(*(self._call(traj, calls[i].name, calls[i].arguments, kwargs, instances)
+                                         for i in jobs))
+        for i, r in zip(jobs, results):
+            replies[i] = r
+        for _ in range(parsed.malformed):
+            replies.append(self._error(traj, None, "the tool call could not be parsed (expected "
+                                                   '{"name": ..., "arguments": {...}} inside the call tags)',
+                                       "parse_errors"))
+        return [r for r in replies if r is not None]
+
+    def _error(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> str:
+        traj.count(f"multi_turn/{kind}")
+        traj.count("multi_turn/tool_errors")
+        if tool:
+            traj.count(f"multi_turn/tool_errors/{tool}")
+        if self.cfg.on_tool_error == "mask":
+            traj.masked = True
+        traj.turns[-1].errors.append(why)
+        return f"Error: {why}"
+
+    async def _call(self, traj: Trajectory, name: str, args: dict, kwargs: dict, instances: dict) -> str:
+        tool = self.tools.tools[name]
+        per = kwargs.get(name) or {}
+        t0 = time.perf_counter()
+        traj.count("multi_turn/tool_calls")
+        traj.count(f"multi_turn/tool_calls/{name}")
+        try:
+            if name not in instances:
+                made = await asyncio.wait_for(tool.create(**(per.get("create_kwargs") or {})), self.cfg.tool_timeout_s)
+                instances[name] = made[0] if isinstance(made, tuple) else made  # newer veRL: (id, response)
+            out = await asyncio.wait_for(tool.execute(instances[name], args, **(per.get("execute_kwargs") or {})),
+                                         self.cfg.tool_timeout_s)
+        except asyncio.TimeoutError:
+            traj.count("multi_turn/tool_timeouts")
+            traj.count(f"multi_turn/tool_timeouts/{name}")
+            raise _ToolTimeout(name) from None
+        except BadArguments as err:
+            return self._error(traj, name, f"bad arguments for {name}: {err}", "bad_arguments")
+        except Exception as err:  # noqa: BLE001 - the tool's failure is its reply, counted
+            return self._error(traj, name, f"{name} raised {type(err).__name__}: {err}", "tool_raised")
+        finally:
+            traj.count(f"multi_turn/tool_seconds/{name}", time.perf_counter() - t0)
+        result = ToolResult(as_text(out[0]), out[1] if len(out) > 1 else None) if isinstance(out, tuple) \
+            else ToolResult(as_text(out))
+        if result.reward is not None:
+            traj.tool_reward += float(result.reward)
+        text, cut = truncate(result.text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
+        if cut:
+            traj.count("multi_turn/tool_response_truncated")
+        return text
+
+    async def _env(self, traj: Trajectory, method, *args):
+        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise tool_env_error."""
+        try:
+            return await asyncio.wait_for(_call_maybe_sync(method, *args), self.cfg.tool_timeout_s)
+        except asyncio.TimeoutError:
+            traj.count("multi_turn/env_timeouts")
+            raise _ToolTimeout("environment") from None
+        except Exception as err:  # noqa: BLE001 - the environment's failure fails its trajectory, counted
+            raise _EnvFailed(f"{type(err).__name__}: {err}") from err
+
+    async def _release(self, traj: Trajectory, instances: dict, kwargs: dict) -> None:
+        for name, iid in instances.items():
+            tool, per = self.tools.tools[name], kwargs.get(name) or {}
+            try:
+                traj.tool_reward += float(await asyncio.wait_for(
+                    tool.calc_reward(iid, **(per.get("calc_reward_kwargs") or {})), self.cfg.tool_timeout_s) or 0.0)
+                await asyncio.wait_for(tool.release(iid), self.cfg.tool_timeout_s)
+            except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
+                traj.count("multi_turn/tool_release_errors")
+                traj.turns[-1].errors.append(f"{name} release: {type(err).__name__}: {err}") if traj.turns else None
+
+    # --- the drift check and the batch's metrics -------------------------------------------------------
+    def drift(self, traj: Trajectory, prompt_messages: list[dict], schemas: list[dict]) -> int:
+        """Tokens by which the tokenizer's own rendering of the finished conversation differs from the ids."""
+        theirs = self.template.render_ids(list(prompt_messages) + traj.messages, schemas or None)
+        tail = self.template.end_tail()
+        if tail and traj.response_ids and traj.response_ids[-1] == self.eos and theirs[-len(tail):] == tail:
+            theirs = theirs[:-len(tail)]  # the template's text after the final end-of-turn token
+        return count_drift(traj.prompt_ids + traj.response_ids, theirs)
+
+    @staticmethod
+    def _metrics(trajs: Sequence[Trajectory], measured: dict) -> dict:
+        n = max(len(trajs), 1)
+        out = dict(measured)
+        for t in trajs:
+            for k, v in t.counts.items():
+                if k.startswith("multi_turn/"):
+                    out[k] = out.get(k, 0) + v
+            out[f"multi_turn/finish/{t.finish_reason}"] = out.get(f"multi_turn/finish/{t.finish_reason}", 0) + 1
+        out["multi_turn/turns_mean"] = sum(t.counts.get("turns", 0) for t in trajs) / n
+        out["multi_turn/tool_calls_per_trajectory"] = sum(t.counts.get("multi_turn/tool_calls", 0) for t in trajs) / n
+        out["multi_turn/failed"] = sum(t.failed for t in trajs)
+        out["multi_turn/masked"] = sum(t.masked for t in trajs)
+        out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)
+        return out
+
+
+class _GenerationFailed(Exception):
+    pass
+
+
+class _EnvFailed(Exception):
+    pass
+
+
+async def _call_maybe_sync(method, *args):
+    import inspect
+
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
+
+
+def _assistant_message(parsed) -> dict:
+    msg: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments or {}}}
+                             for c in parsed.calls]
+    return msg
+
+
+def new_instance_id() -> str:
+    return str(uuid.uuid4())

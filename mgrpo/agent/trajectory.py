@@ -1,0 +1,79 @@
+"""One multi-turn trajectory as the trainer needs it: token ids after the prompt, which of them the policy
+sampled (mask 1: loss and behaviour log-prob) and which are context (tool replies, template tokens: mask 0,
+log-prob 0.0, never in a loss or a metric), plus its turns for the trajectory lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+FINISH_REASONS = ("stop", "length", "max_turns", "tool_timeout", "trajectory_timeout", "generation_error",
+                  "tool_env_error")
+"""How a trajectory ends. stop: an assistant turn without tool calls ended on EOS; length: the response
+budget (data.max_response_length) is used up; max_turns: rollout.multi_turn.max_assistant_turns reached.
+The rest are failures (`FAILED`): the sample is dropped from the loss and from its group's baseline, and
+counted; it never enters the batch with a made-up reward."""
+
+FAILED = ("tool_timeout", "trajectory_timeout", "generation_error", "tool_env_error")
+
+
+@dataclass
+class Turn:
+    role: str
+    """'assistant' (sampled) or 'tool' (context: the replies plus the template's next generation prompt)."""
+    start: int
+    end: int
+    """Token span [start, end) in the response."""
+    text: str = ""
+    calls: list[dict] = field(default_factory=list)
+    """Assistant turns: the parsed calls, {"name", "arguments"} (arguments None when they did not parse)."""
+    errors: list[str] = field(default_factory=list)
+    latency_s: float = 0.0
+    """Generation (assistant) or tool execution (tool) seconds."""
+
+
+@dataclass
+class Trajectory:
+    uid: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    """1 where the policy sampled the token, 0 for context."""
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: str = ""
+    weight_version: int = 0
+    engine: object = None
+    tool_reward: float = 0.0
+    masked: bool = False
+    """A tool-call error happened and rollout.multi_turn.on_tool_error=mask: kept out of the loss."""
+    counts: dict = field(default_factory=dict)
+    """What this trajectory counted (tool calls, errors per tool, parse errors, truncations)."""
+    messages: list[dict] = field(default_factory=list)
+    """The conversation after the prompt as OpenAI messages (assistant content and parsed tool_calls, tool
+    replies): what the drift check renders."""
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in FAILED
+
+    def add(self, ids: list[int], logprobs: Optional[list[float]], role: str, **turn) -> Turn:
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.sampled.extend([1 if logprobs is not None else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        t = Turn(role=role, start=start, end=len(self.response_ids), **turn)
+        self.turns.append(t)
+        return t
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def last_assistant_text(self) -> str:
+        return next((t.text for t in reversed(self.turns) if t.role == "assistant"), "")
+
+    def to_json(self) -> dict:
+        """Turns for a trajectory line."""
+        return {"finish_reason": self.finish_reason, "tool_reward": self.tool_reward, "masked": self.masked,
+                "turns": [{"role": t.role, "span": [t.start, t.end], "text": t.text, "calls": t.calls,
+                           "errors": t.errors, "latency_s": round(t.latency_s, 4)} for t in self.turns]}

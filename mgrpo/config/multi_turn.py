@@ -1,0 +1,49 @@
+"""rollout.multi_turn: agentic multi-turn rollouts (mgrpo/agent/), in a module of its own to keep schema.py small."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class MultiTurnConfig:
+    """Agentic multi-turn rollouts (veRL's actor_rollout_ref.rollout.multi_turn.*; mgrpo/agent/): each sample is
+    a conversation in which the model calls tools; only the tokens it sampled carry loss."""
+
+    enable: bool = False
+    max_assistant_turns: int = 5
+    """Assistant turns per trajectory; a trajectory still calling tools after this many ends as max_turns."""
+    max_parallel_calls: int = 4
+    """Tool calls executed per assistant turn; further calls in the same turn are answered with an error."""
+    max_tool_response_length: int = 256
+    """Characters of one tool reply kept (longer replies are truncated, marked '...(truncated)', counted)."""
+    tool_response_truncate_side: str = "middle"
+    """left (keep the start) | right (keep the end) | middle (both ends), as veRL."""
+    max_tokens_per_turn: int = 0
+    """New tokens of one assistant turn; 0 = what is left of data.max_response_length (always clamped to it)."""
+    format: str = "qwen25"
+    """SGLang's tool-call parser (FunctionCallParser): qwen25 for Qwen2.5/Qwen3's <tool_call>{json}</tool_call>,
+    qwen3_coder for its XML form, or any other name SGLang 0.5.23 knows."""
+    function_tools: list[str] = field(default_factory=list)
+    """Plain Python functions as tools, by import path (module:function or path/file.py:function)."""
+    tool_config_path: Optional[str] = None
+    """A veRL tool-config YAML (tools: [{class_name, config, tool_schema}])."""
+    environment: Optional[str] = None
+    """An environment class by import path (module:Class): one instance per trajectory, `reset(extra_info)`,
+    then `step(assistant_text)` after every assistant turn without tool calls -> (messages, reward, done);
+    its messages (e.g. a user simulator's) continue the conversation (mgrpo/agent/environment.py)."""
+    tool_timeout_s: float = 30.0
+    """One tool call's limit; a call past it ends the trajectory as tool_timeout (dropped from the loss and
+    its group's baseline, counted)."""
+    trajectory_timeout_s: float = 600.0
+    """One trajectory's wall-clock limit (generation and tools); past it: trajectory_timeout, dropped, counted."""
+    keep_thinking: bool = True
+    """Earlier turns keep their <think> blocks in the context of later turns: the model generated every turn
+    seeing them, so this is what it was sampled from and what it trains on (token-in, token-out). False is
+    refused for now: dropping them means re-rendering the context per turn (Qwen3's official view; verl #6854)."""
+    on_tool_error: str = "reply"
+    """A malformed call, an unknown tool or bad arguments: reply (the error goes back as the tool's reply,
+    counted) | mask (the same, and the trajectory is kept out of the loss)."""
+    max_concurrent_per_engine: int = 64
+    """Trajectories in flight per rollout engine; each advances on its own."""

@@ -1,0 +1,59 @@
+"""A scripted 'policy' for the multi-turn agent tests: a generate callable that answers each trajectory's next
+turn from a script (the text a model would sample), so token-level exactness, bounds and concurrency are
+checked without a model. Every trajectory needs a prompt of its own (the request's prefix tells them apart)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from mgrpo.rollout.types import GenerateResult
+
+
+class ScriptedPolicy:
+    """generate(prompts, sampling): request -> the trajectory whose prompt prefixes it -> `script(uid, turn)`,
+    encoded, EOS appended (cut at sampling.max_new_tokens: finish 'length'). `delay_s`: seconds per call.
+    Keeps what it 'sampled' per trajectory and when each call came, with which trajectories."""
+
+    def __init__(self, tok, script: Callable[[int, int], str], prompts: list[list[int]], delay_s: float = 0.0):
+        self.tok, self.script, self.delay_s = tok, script, delay_s
+        self.prompts = [list(p) for p in prompts]
+        self.sampled: dict[int, list[list[int]]] = {}
+        self.calls: list[tuple[float, list[int]]] = []
+
+    def uid_of(self, ids: list[int]) -> int:
+        hits = [u for u, p in enumerate(self.prompts) if ids[:len(p)] == p]
+        assert len(hits) == 1, f"a request that continues {len(hits)} trajectories"
+        return hits[0]
+
+    def __call__(self, prompts: list[list[int]], sampling):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        out, uids = [], []
+        for ids in prompts:
+            uid = self.uid_of(ids)
+            uids.append(uid)
+            turn = len(self.sampled.get(uid, []))
+            new = self.tok(self.script(uid, turn), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            finish = "stop"
+            if len(new) > sampling.max_new_tokens:
+                new, finish = new[:sampling.max_new_tokens], "length"
+            self.sampled.setdefault(uid, []).append(new)
+            out.append(GenerateResult(uid=0, token_ids=new, logprobs=[-0.25] * len(new), finish_reason=finish,
+                                      weight_version=3))
+        self.calls.append((time.monotonic(), uids))
+        return out, {"rollout/retries": 0}
+
+
+class AlwaysReply:
+    """An environment (rollout.multi_turn.environment) that answers every assistant turn with a user message:
+    every trajectory whose first turn ends on EOS gets a context span and a next turn, whatever the model."""
+
+    def reset(self, extra_info):
+        self.n = 0
+
+    def step(self, text):
+        from mgrpo.agent.environment import EnvStep
+
+        self.n += 1
+        return EnvStep(messages=[{"role": "user", "content": f"again {self.n}"}])

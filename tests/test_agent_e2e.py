@@ -1,0 +1,77 @@
+"""Multi-turn rollouts through the whole pipeline: the tiny model with the printable tokenizer on the peek task,
+the in-process engine, Megatron ranks with TP=2 and packed (THD) micro-batches. Step 1's engine and trainer
+log-probs must agree on every sampled token, also on the turns that follow a context span (an environment's
+user message inserted by the template: tests/helpers/agent.py::AlwaysReply), which proves the ids the engine continued from are the ids the
+trainer scores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mgrpo.config import MGRPOConfig
+from mgrpo.data.printable import VOCAB
+from mgrpo.loop import Trainer
+from tests.helpers.runs import read_metrics, trajectories
+
+
+@pytest.mark.integration
+def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
+    cfg = MGRPOConfig()
+    r = cfg.rollout
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, tokenizer="printable", vocab_size=len(VOCAB), max_position_embeddings=512),
+        data=dataclasses.replace(cfg.data, synthetic_task="peek", max_prompt_length=256, max_response_length=128,
+                                 train_batch_size=16),
+        algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=False),
+        actor=dataclasses.replace(cfg.actor, tp=2, pack_sequences=True),
+        rollout=dataclasses.replace(r, engine="hf", mode="hybrid", n=8, multi_turn=dataclasses.replace(
+            r.multi_turn, enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=3,
+            max_tokens_per_turn=48, environment="tests.helpers.agent:AlwaysReply")),
+        trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path), device="cpu", total_training_steps=1,
+                                    logger=["tensorboard"], save_hf=False, log_token_logprobs=True),
+    )
+    Trainer(cfg).fit()
+    (m,) = read_metrics(str(tmp_path))
+    assert m["rollout/logprob_abs_diff_max"] <= 1e-5
+    rows = trajectories(str(tmp_path))
+    after_context = 0
+    for row in rows:
+        mask = row["sampled_mask"]
+        assert len(mask) == len(row["response_ids"]) == len(row["rollout_logprobs"])
+        first_context = mask.index(0) if 0 in mask else len(mask)
+        for k in range(first_context, len(mask)):
+            if mask[k]:
+                after_context += 1
+                assert abs(row["rollout_logprobs"][k] - row["trainer_logprobs"][k]) <= 1e-5, (row["multi_turn"], k)
+            else:
+                assert row["rollout_logprobs"][k] == 0.0
+    # a random model ends a turn on EOS now and then: the environment's reply (context) and a next turn follow
+    assert after_context > 0 and m["multi_turn/context_tokens"] > 0
+
+
+@pytest.mark.system
+@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu does not learn yet: the tiny policy collapses onto the first "
+                         "piece of the call it gets format credit for (README, 'The tool task'); remove this mark "
+                         "once a task design learns")
+def test_tool_task_learns(tmp_path):
+    """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu): the hidden digit is only in the
+    tool's reply, so the reward can pass chance (0.1) only by calling the tool and copying its answer. First 10
+    steps <= chance + 0.1, last 10 >= 0.8, and the tool-call rate rises to about 1 per trajectory."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
+                          f"trainer.output_dir={run_dir}", "trainer.save_hf=false", "trainer.logger=[tensorboard]"],
+                         capture_output=True, text=True, timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    rewards = [m["critic/score/mean"] for m in metrics]
+    calls = [m["multi_turn/tool_calls_per_trajectory"] for m in metrics]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first <= 0.2 and last >= 0.8, (first, last)
+    assert sum(calls[:10]) / 10 < 0.2 and sum(calls[-10:]) / 10 >= 0.9, calls
