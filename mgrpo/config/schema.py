@@ -20,8 +20,7 @@ from typing import Optional
 # converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay)
-# Groups in files of their own (this one stays under the module size limit).
-from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.multi_turn import MultiTurnConfig  # groups in files of their own (the module size limit)
 from mgrpo.config.sandbox import SandboxConfig
 
 
