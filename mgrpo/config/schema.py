@@ -262,7 +262,10 @@ class RolloutConfig:
     """Tensor-parallel size of one engine."""
     ep: int = 1
     """Expert-parallel size inside one engine (SGLang's --ep-size, MoE models): 1 or rollout.tp."""
-    num_engines: int = 1
+    num_engines: Optional[int] = None
+    """Rollout engines of rollout.tp accelerators each. None (unset): colocated and hybrid runs on GPUs put an
+    engine on every rollout.tp GPUs of the job, trainer.nnodes x n_gpus_per_node / rollout.tp (veRL's rule);
+    disaggregated runs, and runs on CPU (whose bundles stand in for GPUs but share the same cores), use 1."""
     mode: RolloutMode = "colocated"
     """colocated (engines share the actor's accelerators, each in a process of its own) | hybrid (veRL's
     hybrid engine: engine i lives inside Megatron rank i*rollout.tp's process, on its accelerators, and takes
