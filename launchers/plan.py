@@ -113,7 +113,7 @@ def placement(cfg: MGRPOConfig, lay: Layout) -> tuple[list[dict], list[dict]]:
         ranks.append({"rank": i, "node": i // per_node, "local": i % per_node, **c, "role": ", ".join(role)})
     first = 0 if r.shares_actor_devices else lay.megatron_world
     engines = []
-    for e in range(r.num_engines):
+    for e in range(lay.num_engines):
         slots = [first + e * r.tp + k for k in range(r.tp)]
         engines.append({"engine": e, "tp": r.tp, "accelerators": [[s // per_node, s % per_node] for s in slots],
                         "shares_with_trainer_ranks": [s for s in slots if s < lay.megatron_world]
@@ -160,6 +160,24 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
     return out
 
 
+def gpu_use(cfg: MGRPOConfig, lay: Layout) -> dict:
+    """How many of the job's accelerators train and how many generate, and a warning for those idle in a phase.
+    (Reward engines, served reward models and judges, do not exist yet: rewards are functions on CPU.)"""
+    r = cfg.rollout
+    out = {"total": lay.total, "training": lay.megatron_world, "generation": lay.rollout_devices,
+           "reward_engines": 0, "warnings": []}
+    if r.shares_actor_devices and lay.rollout_devices < lay.total:
+        idle = lay.total - lay.rollout_devices
+        fix = ("rollout.num_engines=null puts one on every rollout.tp GPUs"
+               if r.num_engines is not None else f"a rollout.tp that divides the {lay.total} GPUs uses them all")
+        out["warnings"].append(f"{idle} of the {lay.total} GPUs generate nothing: {lay.num_engines} engine(s) x "
+                               f"rollout.tp {r.tp} = {lay.rollout_devices} ({fix})")
+    if lay.megatron_world % (cfg.actor.tp * cfg.actor.pp * cfg.actor.cp):
+        out["warnings"].append(f"{lay.megatron_world % (cfg.actor.tp * cfg.actor.pp * cfg.actor.cp)} GPU(s) train "
+                               "nothing")
+    return out
+
+
 # --- the plan ----------------------------------------------------------------------------------------
 def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Optional[float] = None) -> dict:
     """Validate (data files need not exist yet) and lay out a run; raises ConfigError like mgrpo-train."""
@@ -176,13 +194,15 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
         "cluster": {"nodes": t.nnodes, "accelerators_per_node": lay.total // t.nnodes, "accelerators": lay.total,
                     "cpus_per_worker": t.cpus_per_worker, "ray_address": t.ray_address,
                     # every Megatron rank and every engine is a Ray bundle of cpus_per_worker CPUs
-                    "ray_cpus_needed": (lay.megatron_world + (0 if r.mode == "hybrid" else r.num_engines))
+                    "ray_cpus_needed": (lay.megatron_world + (0 if r.mode == "hybrid" else lay.num_engines))
                                        * t.cpus_per_worker},
         "trainer": {"world": lay.megatron_world, "tp": a.tp, "pp": a.pp, "cp": a.cp, "dp": lay.dp, "ep": a.ep,
                     "layers_per_stage": m.num_layers // a.pp, "ranks": ranks},
-        "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": r.num_engines, "tp": r.tp,
+        "rollout": {"engine": r.engine, "mode": r.mode, "num_engines": lay.num_engines, "tp": r.tp,
+                    "num_engines_set": r.num_engines is not None,
                     "accelerators": lay.rollout_devices, "engines": engines},
-        "batch": (batch := batch_plan(cfg, lay)) | {"warnings": warnings + batch["warnings"]},
+        "gpus": (gpus := gpu_use(cfg, lay)),
+        "batch": (batch := batch_plan(cfg, lay)) | {"warnings": warnings + gpus["warnings"] + batch["warnings"]},
         "model": {"name": m.name, "params_hf": counts["hf_total"], "params_megatron": counts["megatron_total"],
                   "padded_vocab": counts["padded_vocab"], "params_per_layer": counts["layer"],
                   "params_per_rank_by_stage": counts["per_rank_by_stage"],
@@ -229,6 +249,12 @@ def render_memory(me: dict) -> list[str]:
     return out
 
 
+def _unset_engines(mode: str, device: str) -> str:
+    if mode == "disaggregated" or device != "cuda":
+        return f" (rollout.num_engines unset: 1, {'disaggregated' if mode == 'disaggregated' else 'on CPU'})"
+    return " (rollout.num_engines unset: one per rollout.tp GPUs of the job)"
+
+
 def render(p: dict) -> str:
     c, tr, ro, b, mo, me = p["cluster"], p["trainer"], p["rollout"], p["batch"], p["model"], p["memory_per_accelerator"]
     acc = "GPUs" if p["device"] == "cuda" else "CPU bundles" if p["device"] == "cpu" else "accelerators"
@@ -247,7 +273,10 @@ def render(p: dict) -> str:
     else:
         where = f"disaggregated: its own {ro['accelerators']} accelerator(s) after the trainer's"
     out.append(f"rollout   {ro['num_engines']} {ro['engine']} engine(s) x tp {ro['tp']} = {ro['accelerators']} "
-               f"accelerator(s), {where}")
+               f"accelerator(s), {where}{'' if ro['num_engines_set'] else _unset_engines(ro['mode'], p['device'])}")
+    g = p["gpus"]
+    out.append(f"{acc:<10}{g['training']} of {g['total']} train, {g['generation']} of {g['total']} generate, "
+               "no reward engines")
     out.append("")
     out.append("placement (rank = Megatron bundle; Ray's PACK strategy fills nodes in this order)")
     out.append("  rank  node  local    tp  pp  cp  dp  role")

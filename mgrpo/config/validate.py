@@ -43,6 +43,8 @@ class Layout:
     """Megatron ranks (the actor and its reference live in the same processes)."""
     rollout_devices: int
     dp: int
+    num_engines: int = 1
+    """rollout.num_engines, or what it means unset (`engine_count`)."""
 
 
 def _choice(errors: list[str], name: str, value, allowed) -> None:
@@ -66,15 +68,34 @@ def _positive(errors: list[str], prefix: str, obj, names) -> None:
 
 def layout(cfg: MGRPOConfig) -> Layout:
     """Megatron world size and data-parallel size. Assumes `field_errors(cfg)` is empty."""
-    a, t, r = cfg.actor, cfg.trainer, cfg.rollout
+    a, r = cfg.actor, cfg.rollout
     model_parallel = a.tp * a.pp * a.cp
-    # default: one model replica, or as many as expert parallelism needs (its ranks come out of tp x cp x dp)
-    fewest = a.pp * math.lcm(a.tp * a.cp, max(a.ep, 1)) if min(a.tp, a.cp, a.pp) > 0 else model_parallel
-    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else fewest
-    total = t.nnodes * per_node
-    rollout_devices = r.num_engines * r.tp
+    total = accelerators(cfg)
+    engines = engine_count(cfg, total)
+    rollout_devices = engines * r.tp
     world = total - rollout_devices if r.mode == RolloutMode.disaggregated else total
-    return Layout(total, world, rollout_devices, max(world // model_parallel, 1))
+    return Layout(total, world, rollout_devices, max(world // model_parallel, 1), engines)
+
+
+def accelerators(cfg: MGRPOConfig) -> int:
+    """The job's accelerators: trainer.nnodes x n_gpus_per_node; with n_gpus_per_node unset, one model replica
+    per node, or as many ranks as expert parallelism needs (its ranks come out of tp x cp x dp)."""
+    a, t = cfg.actor, cfg.trainer
+    fewest = a.pp * math.lcm(a.tp * a.cp, max(a.ep, 1)) if min(a.tp, a.cp, a.pp) > 0 else a.tp * a.pp * a.cp
+    return t.nnodes * (t.n_gpus_per_node if t.n_gpus_per_node is not None else fewest)
+
+
+def engine_count(cfg: MGRPOConfig, total: int) -> int:
+    """rollout.num_engines, or unset: one engine on every rollout.tp of the job's `total` GPUs when the engines
+    share them (colocated, hybrid; veRL's rule, verl/experimental/agent_loop/agent_loop.py: world_size // TP),
+    else 1 (disaggregated engines take GPUs from the trainer, so how many is the user's call; on CPU more
+    engines would only share the same cores). 0 when rollout.tp exceeds the GPUs (the validator says so)."""
+    r = cfg.rollout
+    if r.num_engines is not None:
+        return r.num_engines
+    if r.mode == RolloutMode.disaggregated or resolved_device(cfg.trainer.device) != Device.cuda:
+        return 1
+    return total // max(r.tp, 1)
 
 
 # --- by group ---------------------------------------------------------------------------------------
@@ -157,7 +178,7 @@ def _resources(cfg: MGRPOConfig) -> list[str]:
         e.append(f"trainer.nnodes={t.nnodes} must be at least 1")
     if t.n_gpus_per_node is not None and t.n_gpus_per_node < 1:
         e.append(f"trainer.n_gpus_per_node={t.n_gpus_per_node} must be at least 1")
-    if r.num_engines < 1 or r.tp < 1:
+    if (r.num_engines is not None and r.num_engines < 1) or r.tp < 1:
         e.append(f"rollout.num_engines={r.num_engines} and rollout.tp={r.tp} must be at least 1")
     if r.engine == Engine.sglang and r.mode == RolloutMode.disaggregated and a.pp > 1:
         e.append("rollout.mode=disaggregated with actor.pp>1: the per-stage NCCL weight broadcasts are not "
@@ -166,7 +187,10 @@ def _resources(cfg: MGRPOConfig) -> list[str]:
         return e
     lay = layout(cfg)
     mp = a.tp * a.pp * a.cp
-    if lay.megatron_world < 1:
+    if lay.num_engines < 1:
+        e.append(f"rollout.tp={r.tp} is larger than the job's {lay.total} GPUs (trainer.nnodes*trainer.n_gpus_per_node): "
+                 "no engine fits (lower rollout.tp)")
+    elif lay.megatron_world < 1:
         e.append(f"rollout.num_engines*rollout.tp={lay.rollout_devices} leaves no accelerator for the actor "
                  f"out of trainer.nnodes*trainer.n_gpus_per_node={lay.total}")
     elif lay.megatron_world % mp != 0:
@@ -351,11 +375,13 @@ def resolve_device(cfg: MGRPOConfig) -> MGRPOConfig:
     """Resolve the 'auto' choices (a new config; the input is untouched): trainer.device becomes cuda
     when a GPU is visible, else cpu; actor.dtype becomes bf16 on cuda, fp32 on cpu; trainer.output_dir
     becomes absolute (Ray workers do not share the driver's working directory); asynchronous rollout
-    turns on truncated importance sampling (algorithm.tis_cap=2.0) unless a cap is set; closed choices
-    become plain strings (`choices.plain`)."""
+    turns on truncated importance sampling (algorithm.tis_cap=2.0) unless a cap is set; an unset
+    rollout.num_engines becomes its number (`engine_count`); closed choices become plain strings (`choices.plain`)."""
     cfg = plain(cfg)
     device = resolved_device(cfg.trainer.device)
     algorithm = cfg.algorithm
+    if cfg.rollout.num_engines is None:  # from here on every part reads a number
+        cfg = replace(cfg, rollout=replace(cfg.rollout, num_engines=engine_count(cfg, accelerators(cfg))))
     if cfg.rollout.async_mode != AsyncMode.off and algorithm.tis_cap is None:
         algorithm = replace(algorithm, tis_cap=2.0)
     return replace(cfg, trainer=replace(cfg.trainer, device=device, output_dir=os.path.abspath(output_dir(cfg))),
