@@ -5,6 +5,7 @@ from mgrpo.config.schema import (
     AlgorithmConfig,
     DataConfig,
     EvaluationConfig,
+    FailedSamplesConfig,
     FilterGroupsConfig,
     MGRPOConfig,
     ModelConfig,
@@ -16,7 +17,8 @@ from mgrpo.config.schema import (
 from mgrpo.config.validate import ConfigError, InputError, Layout, layout, output_dir, resolve_device, validate
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig", "FilterGroupsConfig",
+    "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig", "FailedSamplesConfig",
+    "FilterGroupsConfig",
     "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig",
     "TrainerConfig", "layout", "output_dir", "resolve_device", "validate",
 ]

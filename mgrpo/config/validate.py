@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
-                                  is_choice, plain, values)
+                                  SmallGroup, is_choice, plain, values)
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
@@ -252,6 +252,15 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         e.append(f"evaluation.temperature={ev.temperature} must be non-negative")
     if rw.timeout_s <= 0:
         e.append(f"reward.timeout_s={rw.timeout_s} must be positive")
+    f = rw.failed
+    if f.min_group_size < 1 or f.rejudge_attempts < 0:
+        e.append(f"reward.failed.min_group_size={f.min_group_size} must be at least 1 and "
+                 f"reward.failed.rejudge_attempts={f.rejudge_attempts} non-negative")
+    if not is_choice(f.small_group, SmallGroup):
+        _choice(e, "reward.failed.small_group", f.small_group, SmallGroup)
+    for name in ("warn_rate", "max_rate"):
+        if not 0 <= getattr(f, name) <= 1:
+            e.append(f"reward.failed.{name}={getattr(f, name)} must be in [0, 1]")
     for src, spec in rw.custom_functions.items():
         problem = target_error(spec, f"reward.custom_functions[{src!r}]", "function")
         if problem:

@@ -15,3 +15,20 @@ def dense_sum_reward(data_source, solution_str, ground_truth, extra_info=None) -
 def solved_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """Every response scores 1: every prompt group scores alike, as in a run that has solved its data."""
     return 1.0
+
+
+FLAKY_CALLS: dict[str, int] = {}
+"""flaky_digit_reward's calls per response text (reset by the tests that read it)."""
+
+
+def flaky_digit_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """The first digit / 10, except: '9' raises (a judge bug), '8' answers garbage (not a number), and '7' fails
+    its first three calls and then scores 0.7 (a judge that recovers: what small_group=rejudge is for)."""
+    FLAKY_CALLS[solution_str] = FLAKY_CALLS.get(solution_str, 0) + 1
+    if solution_str == "9":
+        raise RuntimeError("judge bug on 9")
+    if solution_str == "8":
+        return "I think it is good"
+    if solution_str == "7" and FLAKY_CALLS["7"] <= 3:
+        raise TimeoutError("judge busy")
+    return int(solution_str[0]) / 10

@@ -1,0 +1,57 @@
+"""The reward part of the run configuration (`reward.*`): rule judges, the failed-sample policy.
+
+Kept apart from mgrpo/config/schema.py (which re-exports these) so each file stays one idea.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mgrpo.config.choices import Gsm8kMethod, SmallGroup
+
+
+@dataclass
+class Gsm8kJudgeConfig:
+    """The built-in GSM8K judge (data_source openai/gsm8k): veRL's gsm8k scorer and its options."""
+
+    method: Gsm8kMethod = "strict"
+    """strict (the number after '#### ', veRL's default: no '#### <number>', no answer) | flexible (the last
+    number in the response)"""
+    format_score: float = 0.0
+    """Score of a response whose answer was found but is wrong (veRL's format_score; 1.0 when right, 0 when
+    no answer was found)."""
+
+
+@dataclass
+class FailedSamplesConfig:
+    """Samples whose reward could not be produced (a judge that raised, timed out or answered garbage; a
+    producer's generation or environment failure). Such a sample has no score: it is left out of the loss and
+    out of its group's baseline (the advantages are over the group's remaining members), and counted."""
+
+    min_group_size: int = 2
+    """Fewest scored samples a prompt group needs to keep a baseline; a group with fewer is handled by
+    small_group. (A group that had fewer samples to begin with, rollout.n=1, is never short.)"""
+    small_group: SmallGroup = "drop"
+    """drop (the group leaves the loss) | rejudge (score its failed samples again, then drop if still short)"""
+    rejudge_attempts: int = 1
+    """Rounds of re-scoring with small_group=rejudge."""
+    warn_rate: float = 0.05
+    """A warning line when a step's share of failed samples passes this."""
+    max_rate: float = 0.5
+    """The run stops (an error naming this key) when a training step's share of failed samples passes this:
+    past it, the judges are broken, not flaky. 1.0 never stops."""
+
+
+@dataclass
+class RewardConfig:
+    """Judgers: reward functions keyed by data_source."""
+
+    custom_functions: dict[str, str] = field(default_factory=dict)
+    """data_source -> 'module:function' or 'path/to/file.py:function' for user reward functions (veRL's signature).
+    The data_source '*' is veRL's custom_reward_function: every data_source without a function of its own.
+    On the command line: reward.custom_functions={my_source: my_reward.py:score}."""
+    gsm8k: Gsm8kJudgeConfig = field(default_factory=Gsm8kJudgeConfig)
+    timeout_s: float = 10.0
+    num_workers: int = 2
+    """Parallel scoring processes (0 = score in the calling process)."""
+    failed: FailedSamplesConfig = field(default_factory=FailedSamplesConfig)
