@@ -209,8 +209,8 @@ class Experience:
             if not again:
                 break
             rejudged += len(again)
-            more = self._score(judger, again)
-            out = {"reward/worker_restarts": out["reward/worker_restarts"] + more["reward/worker_restarts"],
+            more = self._score(judger, again)  # counts add up; a second round's means are of its few samples
+            out = {**out, "reward/worker_restarts": out["reward/worker_restarts"] + more["reward/worker_restarts"],
                    "errors": out["errors"] + more["errors"]}
         dropped = failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size)
         self.reward_masked = failed_samples.masked(self.outcomes, self.group_index, dropped)
@@ -234,13 +234,18 @@ class Experience:
 
         got = judger.score([
             ScoreRequest(data_source=self.items[i].data_source, response=self.response_texts[i],
-                         ground_truth=self.items[i].ground_truth,
+                         ground_truth=self.items[i].ground_truth, prompt=self.items[i].prompt,
                          extra_info={**(self.items[i].extra_info or {}), "finish_reason": self.finish_reasons[i]})
             for i in idx])
         for i, score, status, by in zip(idx, got.scores, got.status, got.failed_by):
             self.scores[i] = None if score is None else float(score)
             self.outcomes[i], self.failed_by[i] = status, by
-        return {"reward/worker_restarts": float(got.worker_restarts), "errors": list(got.errors)}
+        out = {"reward/worker_restarts": float(got.worker_restarts), "errors": list(got.errors), **got.measured}
+        for name, values in got.components.items():  # each scorer's own mean, e.g. the rule next to a model
+            scored = [v for v in values if v is not None]
+            if scored:
+                out[f"reward/{name}/mean"] = sum(scored) / len(scored)
+        return out
 
     def compute_advantages(self, cfg: MGRPOConfig) -> None:
         """Advantages over the samples that keep a reward; a masked sample (no reward, or a dropped group) gets

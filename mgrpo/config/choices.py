@@ -119,6 +119,15 @@ class Gsm8kMethod(StrEnum):
     """the last number in the response"""
 
 
+class RewardModelKind(StrEnum):
+    """What a reward.models entry serves."""
+
+    classifier = "classifier"
+    """a sequence classifier (Bradley-Terry reward model), SGLang --is-embedding, scored through /classify"""
+    generative = "generative"
+    """a chat model used as a judge (not implemented yet: refused by name)"""
+
+
 class SmallGroup(StrEnum):
     """What happens to a prompt group left with too few scored samples after reward failures
     (reward.failed.small_group)."""

@@ -1,4 +1,5 @@
-"""The reward part of the run configuration (`reward.*`): rule judges, the failed-sample policy.
+"""The reward part of the run configuration (`reward.*`): rule judges, reward models, how they combine per
+data_source, the failed-sample policy.
 
 Kept apart from mgrpo/config/schema.py (which re-exports these) so each file stays one idea.
 """
@@ -6,8 +7,9 @@ Kept apart from mgrpo/config/schema.py (which re-exports these) so each file sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
-from mgrpo.config.choices import Gsm8kMethod, SmallGroup
+from mgrpo.config.choices import Gsm8kMethod, RewardModelKind, SmallGroup
 
 
 @dataclass
@@ -43,6 +45,30 @@ class FailedSamplesConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """One named reward model (reward.models.<name>): an auxiliary SGLang engine, frozen (no weight sync),
+    launched with the run's API key and health-checked, restarted when found dead."""
+
+    hf_path: str = ""
+    """The model's HF checkpoint (its tokenizer and chat template format the conversations it scores)."""
+    kind: RewardModelKind = "classifier"
+    engines: int = 1
+    """Servers of this model (requests spread over them in turn)."""
+    tp: int = 1
+    """Tensor-parallel size of each server."""
+    server_args: list[str] = field(default_factory=list)
+    """More SGLang launch arguments (e.g. ['--context-length', '4096']); never an API key."""
+    url: Optional[str] = None
+    """A server someone else runs (nothing is launched; the run's key is sent)."""
+    timeout_s: float = 60.0
+    """One scoring request's limit; past it the samples of that request time out (no score, never 0)."""
+    max_retries: int = 2
+    """Retries of a failed request (connection, 5xx, garbage), with exponential backoff."""
+    batch_size: int = 64
+    """Inputs per /classify request."""
+
+
+@dataclass
 class RewardConfig:
     """Judgers: reward functions keyed by data_source."""
 
@@ -55,3 +81,10 @@ class RewardConfig:
     num_workers: int = 2
     """Parallel scoring processes (0 = score in the calling process)."""
     failed: FailedSamplesConfig = field(default_factory=FailedSamplesConfig)
+    models: dict[str, RewardModelConfig] = field(default_factory=dict)
+    """Named reward models: reward.models={rm: {hf_path: path/to/rm}}."""
+    compose: dict[str, dict[str, float]] = field(default_factory=dict)
+    """data_source -> {scorer: weight}, the sample's reward the weighted sum; a scorer is 'rule' (the data_source's
+    reward function) or the name of a reward.models entry: reward.compose={mgrpo/sum: {rm: 1.0}}. A data_source without an entry is scored by its rule alone. With a
+    model in the sum, the rule (where one exists) is still computed and logged (reward/rule/mean) at weight 0,
+    so a policy that pleases the model without solving the task shows up. '*' applies to every data_source."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from mgrpo.config import ConfigError, seeds
 from mgrpo.config.schema import DataConfig
@@ -38,6 +38,9 @@ class PromptItem:
     ability: Optional[str] = None
     where: str = ""
     """file:line of the record (or the synthetic task's name and index), for messages."""
+    prompt: Any = None
+    """The record's prompt as written (a string or chat messages): what a reward model's own chat template
+    formats, next to the response."""
 
 
 class PromptDataset:
@@ -99,7 +102,8 @@ class PromptDataset:
                 continue
             self.items.append(PromptItem(index=len(self.items), prompt_ids=list(tok_ids), prompt_text=text,
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where))
+                                         extra_info=rec.extra_info, ability=rec.ability, where=rec.where,
+                                         prompt=rec.prompt))
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")

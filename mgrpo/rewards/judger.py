@@ -30,7 +30,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from mgrpo.config.schema import RewardConfig
 from mgrpo.rewards.registry import absolute_spec, get_reward_fn, gsm8k_options, reward_functions, to_score
@@ -48,6 +48,8 @@ class ScoreRequest:
     """The decoded response (the reward function's `solution_str`)."""
     ground_truth: str
     extra_info: Optional[dict] = None
+    prompt: Any = None
+    """The record's prompt as written (a string or chat messages), for scorers that read it (reward models)."""
 
 
 @dataclass
@@ -66,6 +68,10 @@ class ScoreResult:
     """Per request: which judge failed it ('rule:<data_source>'), '' when ok."""
     errors: list[str] = field(default_factory=list)
     """The first few failure messages, for logs."""
+    components: dict[str, list[Optional[float]]] = field(default_factory=dict)
+    """Scorer name -> per request its own score (None: not asked, or failed), when several are combined."""
+    measured: dict[str, float] = field(default_factory=dict)
+    """What the scorers measured beyond the counts above (model restarts, seconds, samples/s)."""
 
     def metrics(self) -> dict[str, float]:
         return {"reward/failed": float(self.failed), "reward/timeouts": float(self.timeout),

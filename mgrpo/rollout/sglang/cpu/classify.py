@@ -58,13 +58,22 @@ class ClassifierModel:
         """Nothing to check: a frozen classifier never releases its weights."""
 
     def scores(self, inputs: list[list[int]]) -> list[list[float]]:
-        """The score head's output at each input's last token (one forward per input: no padding, so the
-        result is exactly transformers' forward of that input alone)."""
-        out = []
+        """The score head's output at each input's last token. Inputs of equal length run as one batch and
+        nothing is padded: transformers pools at the last token that is not the pad id, which padding (or a
+        response that ends in the pad token) would make another position than SGLang's last token."""
+        out: list[list[float]] = [[] for _ in inputs]
+        by_len: dict[int, list[int]] = {}
+        for i, ids in enumerate(inputs):
+            by_len.setdefault(len(ids), []).append(i)
         with torch.no_grad():
-            for ids in inputs:
-                logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long)).logits
-                out.append(logits[0].float().tolist())
+            for idx in by_len.values():
+                x = torch.tensor([inputs[i] for i in idx], dtype=torch.long)
+                if len(idx) > 1 and self.model.config.pad_token_id is None:
+                    logits = torch.cat([self.model(input_ids=row[None]).logits for row in x])  # batch>1 needs it
+                else:
+                    logits = self.model(input_ids=x).logits
+                for i, row in zip(idx, logits.float().tolist()):
+                    out[i] = row
                 self.last_progress = time.monotonic()
         return out
 
