@@ -13,7 +13,7 @@ messages plus the response as the assistant's turn; a tokenizer without a chat t
 prompt text + response, and EOS when the response ended with it (a stopped answer is the complete answer).
 
 `ComposedJudger` has the Judger's `score`: per data_source the weighted sum of its scorers (reward.compose), the
-rule (rules/ judges in worker processes) and the models; every scorer's own mean is reported
+rule (rules/ judges in worker processes), the models and the HTTP reward services (rewards/service.py); every scorer's own mean is reported
 (reward/<scorer>/mean), the rule's too where it has weight 0, so reward hacking shows when the two part.
 It runs inside `Experience.judge`, i.e. while the trainer computes the step's log-probs.
 """
@@ -30,6 +30,7 @@ from mgrpo.algorithms.failed_samples import OK, TIMEOUT
 from mgrpo.config.reward import RewardConfig, RewardModelConfig
 from mgrpo.rewards import Judger, ScoreRequest, ScoreResult
 from mgrpo.rewards.registry import EVERY_SOURCE, reward_functions
+from mgrpo.rewards.service import RewardService
 
 log = logging.getLogger("mgrpo")
 
@@ -63,10 +64,13 @@ class RewardModel:
     def _launch(self):
         from mgrpo.rollout.sglang import SGLangEngine
 
+        # one compute thread unless the caller said otherwise: on a CPU node the reward server shares the cores
+        # with the ranks and the rollout engines, and thread hand-offs cost more than a small model's forward
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         return SGLangEngine.launch(self.cfg.hf_path, tp=self.cfg.tp, enable_memory_saver=False,
                                    extra_args=["--is-embedding", *self.cfg.server_args], api_key=self.api_key,
                                    log_dir=self.log_dir, request_timeout_s=self.cfg.timeout_s,
-                                   max_retries=self.cfg.max_retries)
+                                   max_retries=self.cfg.max_retries, env=env)
 
     def _revive(self) -> None:
         """Start again each server whose process has exited (a reward engine killed mid-run)."""
@@ -134,7 +138,8 @@ class RewardModel:
 class ComposedJudger:
     """The Judger's interface over rules and reward models, combined per data_source by reward.compose."""
 
-    def __init__(self, cfg: RewardConfig, rule: Judger, models: dict[str, RewardModel]):
+    def __init__(self, cfg: RewardConfig, rule: Judger, models: dict):
+        """`models`: name -> a RewardModel or a RewardService (anything with `score` and `close`)."""
         self.cfg, self.rule, self.models = cfg, rule, models
         fns = reward_functions(cfg)
         self._has_rule = lambda src: src in fns or EVERY_SOURCE in fns  # noqa: E731
@@ -162,7 +167,7 @@ class ComposedJudger:
                 parts[name] = (idx, scores, status, [e for e in errors if e])
                 result.measured[f"reward/{name}/seconds"] = dt
                 result.measured[f"reward/{name}/samples_per_s"] = len(idx) / max(dt, 1e-9)
-        result.measured["reward/model_restarts"] = float(sum(m.restarts for m in self.models.values()))
+        result.measured["reward/model_restarts"] = float(sum(getattr(m, "restarts", 0) for m in self.models.values()))
         own: list[dict[str, tuple[Optional[float], str]]] = [{} for _ in range(n)]
         for name, (idx, scores, status, errors) in parts.items():
             result.components[name] = [None] * n
@@ -174,8 +179,9 @@ class ComposedJudger:
             failed = next(((name, st) for name in w if (st := own[i][name][1]) != OK), None)
             if failed is not None:  # a scorer with weight failed: no reward (a weight-0 rule cannot fail it)
                 name, st = failed
+                kind = "service" if isinstance(self.models.get(name), RewardService) else "model"
                 result.status[i], result.failed_by[i] = st, f"{RULE}:{requests[i].data_source}" if name == RULE \
-                    else f"model:{name}"
+                    else f"{kind}:{name}"
                 result.failed += st != TIMEOUT
                 result.timeout += st == TIMEOUT
                 continue
@@ -193,9 +199,9 @@ class ComposedJudger:
 def build_judger(cfg: RewardConfig, *, api_key: Optional[str], log_dir: str):
     """The rule Judger alone, or with reward.models: the ComposedJudger over it and the models (launched now)."""
     rule = Judger(cfg)
-    if not cfg.models:
+    if not cfg.models and not cfg.services:
         return rule
-    models: dict[str, RewardModel] = {}
+    models: dict = {name: RewardService(name, scfg) for name, scfg in cfg.services.items()}
     try:
         for name, mcfg in cfg.models.items():
             t0 = time.perf_counter()

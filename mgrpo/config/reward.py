@@ -69,6 +69,23 @@ class RewardModelConfig:
 
 
 @dataclass
+class RewardServiceConfig:
+    """One named HTTP reward service (reward.services.<name>; slime's --rm-url): POST {prompt, response, label},
+    answered with a number or {score_key: number} (mgrpo/rewards/service.py)."""
+
+    url: str = ""
+    api_key_env: Optional[str] = None
+    """The environment variable holding the service's key (sent as a bearer token); never the key itself."""
+    score_key: str = "score"
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    """Retries of a connection error, timeout, 5xx or 429, with exponential backoff from backoff_s."""
+    backoff_s: float = 0.5
+    concurrency: int = 16
+    """Requests in flight at once."""
+
+
+@dataclass
 class RewardConfig:
     """Judgers: reward functions keyed by data_source."""
 
@@ -83,8 +100,10 @@ class RewardConfig:
     failed: FailedSamplesConfig = field(default_factory=FailedSamplesConfig)
     models: dict[str, RewardModelConfig] = field(default_factory=dict)
     """Named reward models: reward.models={rm: {hf_path: path/to/rm}}."""
+    services: dict[str, RewardServiceConfig] = field(default_factory=dict)
+    """Named HTTP reward services: reward.services={judge: {url: http://host:8000/score, api_key_env: JUDGE_KEY}}."""
     compose: dict[str, dict[str, float]] = field(default_factory=dict)
     """data_source -> {scorer: weight}, the sample's reward the weighted sum; a scorer is 'rule' (the data_source's
-    reward function) or the name of a reward.models entry: reward.compose={mgrpo/sum: {rm: 1.0}}. A data_source without an entry is scored by its rule alone. With a
+    reward function) or the name of a reward.models or reward.services entry: reward.compose={mgrpo/sum: {rm: 1.0}}. A data_source without an entry is scored by its rule alone. With a
     model in the sum, the rule (where one exists) is still computed and logged (reward/rule/mean) at weight 0,
     so a policy that pleases the model without solving the task shows up. '*' applies to every data_source."""

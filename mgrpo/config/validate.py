@@ -287,11 +287,22 @@ def _reward_models(rw) -> list[str]:
         if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
                for a in m.server_args):
             e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
+    for name, sv in rw.services.items():
+        where = f"reward.services.{name}"
+        if name == "rule" or name in rw.models:
+            e.append(f"{where}: the name is the rule's or a reward model's already")
+        if not sv.url.startswith(("http://", "https://")):
+            e.append(f"{where}.url={sv.url!r}: an http:// or https:// URL")
+        if sv.timeout_s <= 0 or sv.max_retries < 0 or sv.backoff_s < 0 or sv.concurrency < 1:
+            e.append(f"{where}: timeout_s={sv.timeout_s} and concurrency={sv.concurrency} must be positive, "
+                     f"max_retries={sv.max_retries} and backoff_s={sv.backoff_s} non-negative")
+        if sv.api_key_env and not os.environ.get(sv.api_key_env):
+            e.append(f"{where}.api_key_env={sv.api_key_env}: the variable is not set (or empty)")
     for src, weights in rw.compose.items():
         for scorer in weights:
-            if scorer != "rule" and scorer not in rw.models:
-                e.append(f"reward.compose[{src!r}]: {scorer!r} is neither 'rule' nor a reward.models entry "
-                         f"({sorted(rw.models) or 'none'})")
+            if scorer != "rule" and scorer not in rw.models and scorer not in rw.services:
+                e.append(f"reward.compose[{src!r}]: {scorer!r} is neither 'rule' nor a reward.models or "
+                         f"reward.services entry ({sorted({*rw.models, *rw.services}) or 'none'})")
     return e
 
 

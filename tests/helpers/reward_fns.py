@@ -32,3 +32,11 @@ def flaky_digit_reward(data_source, solution_str, ground_truth, extra_info=None)
     if solution_str == "7" and FLAKY_CALLS["7"] <= 3:
         raise TimeoutError("judge busy")
     return int(solution_str[0]) / 10
+
+
+def failing_on_3_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A judge that breaks on every response containing a '3' (about a quarter of a random model's), else the
+    dense sum reward: the run must mask and count those samples and go on."""
+    if "3" in solution_str:
+        raise RuntimeError("judge broke on a 3")
+    return dense_sum_reward(data_source, solution_str, ground_truth, extra_info)
