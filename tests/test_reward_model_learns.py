@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks.jobs.reward_model_sum import train_reward_model
+from benchmarks.jobs.reward_model_sum import JOB_OVERRIDES, train_reward_model
 from mgrpo.config import MGRPOConfig
 from mgrpo.config.reward import RewardModelConfig
 from mgrpo.loop import Trainer
@@ -18,7 +18,8 @@ from tests.helpers.runs import read_metrics
 
 @pytest.mark.system
 def test_default_job_learns_from_a_reward_model_alone(tmp_path):
-    rm = train_reward_model(str(tmp_path / "rm"), steps=400)
+    assert JOB_OVERRIDES == ("algorithm.norm_adv_by_std_in_grpo=false",)
+    rm = train_reward_model(str(tmp_path / "rm"), steps=500)
     assert rm["rm_heldout_accuracy"] >= 0.85, rm
     cfg = MGRPOConfig()
     cfg = dataclasses.replace(
@@ -26,6 +27,7 @@ def test_default_job_learns_from_a_reward_model_alone(tmp_path):
         reward=dataclasses.replace(cfg.reward, models={"rm": RewardModelConfig(hf_path=str(tmp_path / "rm"),
                                                                              batch_size=256)},
                                    compose={"mgrpo/sum": {"rm": 1.0}}),
+        algorithm=dataclasses.replace(cfg.algorithm, norm_adv_by_std_in_grpo=False),  # JOB_OVERRIDES: why there
         trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path / "run"), logger=["tensorboard"],
                                     save_hf=False))
     Trainer(cfg).fit()

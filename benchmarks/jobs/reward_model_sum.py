@@ -4,9 +4,11 @@
     python -m benchmarks.jobs.reward_model_sum -- trainer.total_training_steps=100   # extra mgrpo-train overrides
 
 1. Trains a tiny reward model (a Qwen3-shaped sequence classifier, one score, on the synthetic tokenizer) on
-   labelled responses of the sum task: the right sum then EOS (label 1) against wrong sums, cut-off answers,
-   repeated digits and random strings (label 0); binary cross-entropy on its score, about a minute on a CPU.
-   Its accuracy on held-out responses is reported.
+   graded responses of the sum task (the right sum then EOS 1.0, a wrong number then EOS 0.2, the right sum cut
+   off 0.3 or followed by more 0.1, anything else 0); squared error on its score, about a minute on a CPU. Its
+   accuracy (score > 0.5 exactly for the right answers) on held-out responses is reported.
+   The job runs with algorithm.norm_adv_by_std_in_grpo=false: a reward model's score varies a little between
+   equally wrong answers, and dividing by a group's small std would turn that noise into full-size advantages.
 2. Runs the default job (`mgrpo-train`) with that model as its only reward (reward.models.rm on the CPU server's
    `/classify`, reward.compose={mgrpo/sum: {rm: 1.0}}), the rule's score computed beside it at weight 0.
 3. Writes benchmarks/results/reward_model_sum_cpu.json (rule accuracy and model score, first and last 10 steps,
@@ -28,31 +30,36 @@ import time
 from benchmarks import REPO, RESULTS
 
 DIGITS = "0123456789"
+JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false",)
+"""What the reward-model job changes of the default job (see the module docstring)."""
 
 
-def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tuple[str, int]]:
-    """(prompt + response text, then '<eos>' when the response stopped; label) pairs, half of them right."""
-    out = []
-    for _ in range(n):
+def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tuple[str, float]]:
+    """(prompt + response text, then '<eos>' when the response stopped; target score) pairs, half of them right.
+    The targets grade what a human labeller would: the right sum then EOS 1.0; a number then EOS, but wrong, 0.2
+    (the format); the right sum cut off 0.3; the right sum followed by more 0.1; anything else 0."""
+    out: list[tuple[str, float]] = []
+    while len(out) < n:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         right, prompt = str(a + b), f"{a}+{b}="
-        if rng.random() < 0.5:
-            out.append((prompt + right + "<eos>", 1))
+        if rng.random() < 0.4:
+            out.append((prompt + right + "<eos>", 1.0))
             continue
         kind = rng.randrange(5)
         if kind == 0:  # a wrong number, stopped
             wrong = str(rng.choice([v for v in range(2 * max_operand + 3) if v != a + b]))
-            out.append((prompt + wrong + "<eos>", 0))
+            out.append((prompt + wrong + "<eos>", 0.2))
         elif kind == 1:  # the right number, not stopped (cut off)
-            out.append((prompt + right, 0))
+            out.append((prompt + right, 0.3))
         elif kind == 2:  # the right number, then more
             out.append((prompt + right + "".join(rng.choices(DIGITS + "+=", k=rng.randint(1, 3)))
-                        + rng.choice(["<eos>", ""]), 0))
+                        + rng.choice(["<eos>", ""]), 0.1))
         else:  # anything
             text = "".join(rng.choices(DIGITS + "+=", k=rng.randint(0, 4)))
-            if text == right:
-                continue
-            out.append((prompt + text + rng.choice(["<eos>", ""]), 0))
+            stop = rng.choice(["<eos>", ""])
+            if text == right or (stop and text.isdigit()):
+                continue  # graded above
+            out.append((prompt + text + stop, 0.0))
     return out
 
 
@@ -97,9 +104,9 @@ def _train(out_dir: str, *, seed: int, steps: int, max_operand: int) -> dict:
     for _ in range(steps):
         batch = labelled_responses(max_operand, rng, 128)
         x, mask = encode([t for t, _ in batch])
-        y = torch.tensor([float(label) for _, label in batch])
-        logits = model(input_ids=x, attention_mask=mask).logits[:, 0]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+        y = torch.tensor([target for _, target in batch])
+        score = model(input_ids=x, attention_mask=mask).logits[:, 0]
+        loss = torch.nn.functional.mse_loss(score, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -108,8 +115,8 @@ def _train(out_dir: str, *, seed: int, steps: int, max_operand: int) -> dict:
     model.eval()
     with torch.no_grad():
         x, mask = encode([t for t, _ in held_out])
-        pred = model(input_ids=x, attention_mask=mask).logits[:, 0] > 0
-    accuracy = float((pred == torch.tensor([bool(label) for _, label in held_out])).float().mean())
+        pred = model(input_ids=x, attention_mask=mask).logits[:, 0] > 0.5
+    accuracy = float((pred == torch.tensor([target == 1.0 for _, target in held_out])).float().mean())
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return {"rm_train_s": seconds, "rm_steps": steps, "rm_heldout_accuracy": accuracy, "rm_final_loss": float(loss.detach())}
@@ -118,7 +125,8 @@ def _train(out_dir: str, *, seed: int, steps: int, max_operand: int) -> dict:
 def run_job(rm_dir: str, run_dir: str, overrides: list[str]) -> list[dict]:
     """mgrpo-train with the reward model as the only reward; the metrics of each step."""
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}",
-           f"reward.models={{rm: {{hf_path: {rm_dir}}}}}", "reward.compose={mgrpo/sum: {rm: 1.0}}", *overrides]
+           f"reward.models={{rm: {{hf_path: {rm_dir}, batch_size: 256}}}}", "reward.compose={mgrpo/sum: {rm: 1.0}}",
+           *JOB_OVERRIDES, *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
     for line in proc.stdout:
@@ -156,7 +164,7 @@ def plot(result: dict, path: str) -> None:
     ax2.plot(x, result["rm_score"], color="tab:orange", label="reward model score (the only reward)")
     ax.set_xlabel("step")
     ax.set_ylabel("rule accuracy")
-    ax2.set_ylabel("reward model score (logit)")
+    ax2.set_ylabel("reward model score")
     fig.legend(loc="lower right", fontsize=8)
     ax.set_title("default job, rewarded by a tiny reward model only (CPU)")
     fig.tight_layout()
