@@ -7,8 +7,9 @@
    graded responses of the sum task (the right sum then EOS 1.0, a wrong number then EOS 0.2, the right sum cut
    off 0.3 or followed by more 0.1, anything else 0); squared error on its score, about a minute on a CPU. Its
    accuracy (score > 0.5 exactly for the right answers) on held-out responses is reported.
-   The job runs with algorithm.norm_adv_by_std_in_grpo=false: a reward model's score varies a little between
-   equally wrong answers, and dividing by a group's small std would turn that noise into full-size advantages.
+   The graded targets matter: a model trained as a plain classifier (BCE, one class right) scores every wrong
+   answer about alike but not exactly, and GRPO's division by a group's small std turns those differences into
+   full-size advantages: that run collapsed its entropy without learning (rule accuracy 0.0 at step 20).
 2. Runs the default job (`mgrpo-train`) with that model as its only reward (reward.models.rm on the CPU server's
    `/classify`, reward.compose={mgrpo/sum: {rm: 1.0}}), the rule's score computed beside it at weight 0.
 3. Writes benchmarks/results/reward_model_sum_cpu.json (rule accuracy and model score, first and last 10 steps,
@@ -30,7 +31,7 @@ import time
 from benchmarks import REPO, RESULTS
 
 DIGITS = "0123456789"
-JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false",)
+JOB_OVERRIDES: tuple[str, ...] = ()
 """What the reward-model job changes of the default job (see the module docstring)."""
 
 
@@ -45,13 +46,14 @@ def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tup
         if rng.random() < 0.4:
             out.append((prompt + right + "<eos>", 1.0))
             continue
-        kind = rng.randrange(5)
-        if kind == 0:  # a wrong number, stopped
-            wrong = str(rng.choice([v for v in range(2 * max_operand + 3) if v != a + b]))
+        kind = rng.randrange(8)
+        if kind <= 3:  # a wrong number, stopped: the answers a learning policy gives, often one or two off
+            near = [v for v in range(a + b - 2, a + b + 3) if v >= 0 and v != a + b]
+            wrong = str(rng.choice(near if kind <= 1 else [v for v in range(2 * max_operand + 3) if v != a + b]))
             out.append((prompt + wrong + "<eos>", 0.2))
-        elif kind == 1:  # the right number, not stopped (cut off)
+        elif kind == 4:  # the right number, not stopped (cut off)
             out.append((prompt + right, 0.3))
-        elif kind == 2:  # the right number, then more
+        elif kind == 5:  # the right number, then more
             out.append((prompt + right + "".join(rng.choices(DIGITS + "+=", k=rng.randint(1, 3)))
                         + rng.choice(["<eos>", ""]), 0.1))
         else:  # anything
@@ -63,7 +65,7 @@ def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tup
     return out
 
 
-def train_reward_model(out_dir: str, *, seed: int = 0, steps: int = 500, max_operand: int = 4) -> dict:
+def train_reward_model(out_dir: str, *, seed: int = 0, steps: int = 800, max_operand: int = 4) -> dict:
     """Train and save the reward model (HF checkpoint + the synthetic tokenizer); its held-out accuracy."""
     import torch
 
@@ -116,10 +118,17 @@ def _train(out_dir: str, *, seed: int, steps: int, max_operand: int) -> dict:
     with torch.no_grad():
         x, mask = encode([t for t, _ in held_out])
         pred = model(input_ids=x, attention_mask=mask).logits[:, 0] > 0.5
+        # what the policy can exploit: for how many prompts does some wrong number outscore the right one?
+        prompts = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+        texts = [f"{a}+{b}={v}<eos>" for a, b in prompts for v in range(2 * max_operand + 3)]
+        x, mask = encode(texts)
+        scores = model(input_ids=x, attention_mask=mask).logits[:, 0].view(len(prompts), -1)
     accuracy = float((pred == torch.tensor([target == 1.0 for _, target in held_out])).float().mean())
+    ranked = sum(int(row.argmax()) == a + b for row, (a, b) in zip(scores, prompts)) / len(prompts)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    return {"rm_train_s": seconds, "rm_steps": steps, "rm_heldout_accuracy": accuracy, "rm_final_loss": float(loss.detach())}
+    return {"rm_train_s": seconds, "rm_steps": steps, "rm_heldout_accuracy": accuracy,
+            "rm_right_answer_ranked_first": ranked, "rm_final_loss": float(loss.detach())}
 
 
 def run_job(rm_dir: str, run_dir: str, overrides: list[str]) -> list[dict]:
@@ -174,14 +183,15 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(RESULTS, "reward_model_sum_cpu.json"))
-    ap.add_argument("--rm-steps", type=int, default=500)
+    ap.add_argument("--rm-steps", type=int, default=800)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="mgrpo-rm-sum-")
     try:
         rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)
         print(f"reward model: {rm['rm_steps']} steps in {rm['rm_train_s']:.0f} s, held-out accuracy "
-              f"{rm['rm_heldout_accuracy']:.3f}", flush=True)
+              f"{rm['rm_heldout_accuracy']:.3f}, right answer ranked first for "
+              f"{rm['rm_right_answer_ranked_first']:.0%} of the prompts", flush=True)
         t0 = time.time()
         steps = run_job(os.path.join(work, "rm"), os.path.join(work, "run"), args.overrides)
         result = {"command": "python -m benchmarks.jobs.reward_model_sum " + " ".join(args.overrides), **rm,
