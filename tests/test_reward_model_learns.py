@@ -18,7 +18,7 @@ from tests.helpers.runs import read_metrics
 
 @pytest.mark.system
 def test_default_job_learns_from_a_reward_model_alone(tmp_path):
-    assert JOB_OVERRIDES == ()  # the default job, as the script runs it
+    assert JOB_OVERRIDES == ("algorithm.norm_adv_by_std_in_grpo=false",)  # the script's one change: why there
     rm = train_reward_model(str(tmp_path / "rm"))
     assert rm["rm_right_answer_ranked_first"] == 1.0, rm
     cfg = MGRPOConfig()
@@ -27,6 +27,7 @@ def test_default_job_learns_from_a_reward_model_alone(tmp_path):
         reward=dataclasses.replace(cfg.reward, models={"rm": RewardModelConfig(hf_path=str(tmp_path / "rm"),
                                                                              batch_size=256)},
                                    compose={"mgrpo/sum": {"rm": 1.0}}),
+        algorithm=dataclasses.replace(cfg.algorithm, norm_adv_by_std_in_grpo=False),
         trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path / "run"), logger=["tensorboard"],
                                     save_hf=False))
     Trainer(cfg).fit()

@@ -4,12 +4,16 @@
     python -m benchmarks.jobs.reward_model_sum -- trainer.total_training_steps=100   # extra mgrpo-train overrides
 
 1. Trains a tiny reward model (a Qwen3-shaped sequence classifier, one score, on the synthetic tokenizer) on
-   graded responses of the sum task (the right sum then EOS 1.0, a wrong number then EOS 0.2, the right sum cut
-   off 0.3 or followed by more 0.1, anything else 0); squared error on its score, about a minute on a CPU. Its
-   accuracy (score > 0.5 exactly for the right answers) on held-out responses is reported.
-   The graded targets matter: a model trained as a plain classifier (BCE, one class right) scores every wrong
-   answer about alike but not exactly, and GRPO's division by a group's small std turns those differences into
-   full-size advantages: that run collapsed its entropy without learning (rule accuracy 0.0 at step 20).
+   labelled responses of the sum task (the right sum then EOS 1.0; anything else 0, with many near misses: a
+   number one or two off, the right sum cut off or followed by more); squared error on its score, about a minute
+   on a CPU. Reported: held-out accuracy (score > 0.5 exactly for the right answers) and for how many prompts the
+   right answer outscores every wrong number (what a policy could otherwise exploit).
+   What it took (each a run of this script): a classifier trained with BCE scored every wrong answer about alike
+   but not exactly, and GRPO's division by a group's small std made those differences full-size advantages: the
+   run collapsed its entropy without learning (rule accuracy 0.0 at step 20). Partial credit for a wrong number
+   with EOS (0.2) made "any number, then EOS" a plateau (rule 0.47 with no std division; 0.63 with a model that
+   also preferred '5' for 2+4 and 3+3). So: no partial credit, and algorithm.norm_adv_by_std_in_grpo=false (the
+   one change to the default job), under which the model's small differences between wrong answers stay small.
 2. Runs the default job (`mgrpo-train`) with that model as its only reward (reward.models.rm on the CPU server's
    `/classify`, reward.compose={mgrpo/sum: {rm: 1.0}}), the rule's score computed beside it at weight 0.
 3. Writes benchmarks/results/reward_model_sum_cpu.json (rule accuracy and model score, first and last 10 steps,
@@ -31,14 +35,14 @@ import time
 from benchmarks import REPO, RESULTS
 
 DIGITS = "0123456789"
-JOB_OVERRIDES: tuple[str, ...] = ()
+JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false",)
 """What the reward-model job changes of the default job (see the module docstring)."""
 
 
 def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tuple[str, float]]:
-    """(prompt + response text, then '<eos>' when the response stopped; target score) pairs, half of them right.
-    The targets grade what a human labeller would: the right sum then EOS 1.0; a number then EOS, but wrong, 0.2
-    (the format); the right sum cut off 0.3; the right sum followed by more 0.1; anything else 0."""
+    """(prompt + response text, then '<eos>' when the response stopped; target score) pairs, 40% of them right:
+    the right sum then EOS 1.0, anything else 0, with many near misses (a number one or two off, then EOS; the
+    right sum cut off or followed by more)."""
     out: list[tuple[str, float]] = []
     while len(out) < n:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
@@ -50,12 +54,12 @@ def labelled_responses(max_operand: int, rng: random.Random, n: int) -> list[tup
         if kind <= 3:  # a wrong number, stopped: the answers a learning policy gives, often one or two off
             near = [v for v in range(a + b - 2, a + b + 3) if v >= 0 and v != a + b]
             wrong = str(rng.choice(near if kind <= 1 else [v for v in range(2 * max_operand + 3) if v != a + b]))
-            out.append((prompt + wrong + "<eos>", 0.2))
+            out.append((prompt + wrong + "<eos>", 0.0))
         elif kind == 4:  # the right number, not stopped (cut off)
-            out.append((prompt + right, 0.3))
+            out.append((prompt + right, 0.0))
         elif kind == 5:  # the right number, then more
             out.append((prompt + right + "".join(rng.choices(DIGITS + "+=", k=rng.randint(1, 3)))
-                        + rng.choice(["<eos>", ""]), 0.1))
+                        + rng.choice(["<eos>", ""]), 0.0))
         else:  # anything
             text = "".join(rng.choices(DIGITS + "+=", k=rng.randint(0, 4)))
             stop = rng.choice(["<eos>", ""])
