@@ -209,7 +209,26 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
                   "expert_params": counts["expert_total"],
                   "expert_params_per_rank_by_stage": counts["expert_per_rank_by_stage"]},
         "memory_per_accelerator": memory_plan(cfg, lay, dtype=dtype, gpu_mem_gb=gpu_mem_gb),
+        "reward_models": reward_model_plan(cfg, lay),
     }
+
+
+def reward_model_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
+    """The auxiliary reward-model engines (reward.models): accelerators and weights, and whether the cluster has
+    the accelerators for them beside the trainer's and the rollout's."""
+    import glob
+
+    models = []
+    for name, m in cfg.reward.models.items():
+        files = glob.glob(os.path.join(m.hf_path, "*.safetensors")) + glob.glob(os.path.join(m.hf_path, "*.bin")) \
+            if m.hf_path else []
+        models.append({"name": name, "kind": str(m.kind), "engines": 0 if m.url else m.engines, "tp": m.tp,
+                       "accelerators": 0 if m.url else m.engines * m.tp, "url": m.url,
+                       "weights_bytes": sum(os.path.getsize(f) for f in files) if files else None})
+    need = sum(x["accelerators"] for x in models)
+    used = lay.megatron_world + (lay.rollout_devices if cfg.rollout.mode == "disaggregated" else 0)
+    return {"models": models, "accelerators": need, "fits": not need or used + need <= lay.total,
+            "cluster_free_accelerators": lay.total - used}
 
 
 def _fmt(n: float) -> str:
@@ -303,6 +322,19 @@ def render(p: dict) -> str:
     ]
     out += [f"  warning: {w}" for w in b["warnings"]]
     out.append("")
+    rm = p["reward_models"]
+    for x in rm["models"]:
+        size = _size(x["weights_bytes"]) if x["weights_bytes"] is not None else "size unknown (no checkpoint here)"
+        where = f"at {x['url']} (not launched)" if x["url"] else \
+            f"{x['engines']} engine(s) x tp {x['tp']} = {x['accelerators']} accelerator(s)"
+        out.append(f"reward    {x['name']}: {x['kind']} reward model, {where}, weights {size} per engine, frozen "
+                   "(SGLang --is-embedding)")
+    if rm["accelerators"] and p["device"] == "cpu":
+        out.append("          on CPU each reward engine is one more server process on the driver's node")
+    elif rm["accelerators"]:
+        out.append(f"          {'FITS' if rm['fits'] else 'DOES NOT FIT'}: the reward models need {rm['accelerators']} "
+                   f"accelerator(s); {rm['cluster_free_accelerators']} are left beside the trainer's and the "
+                   "rollout's (they are launched on the driver's node, not in the run's placement groups)")
     out.append(f"model     {mo['name']}: {_fmt(mo['params_hf'])} params ({mo['params_hf']:,} in HF layout; "
                f"{mo['params_megatron']:,} in megatron with the vocabulary padded to {mo['padded_vocab']:,})")
     out += render_memory(me)

@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             if status != "ok":
                 rec["reward_status"] = status
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    mean = sum(result.scores) / max(len(result.scores), 1)
-    print(f"scored {len(rows)} responses -> {args.out}: mean score {mean:.4f}, "
+    scored = [s for s in result.scores if s is not None]  # a failed call has score null, not 0
+    mean = sum(scored) / max(len(scored), 1)
+    print(f"scored {len(rows)} responses -> {args.out}: mean score {mean:.4f} (of {len(scored)} scored), "
           f"failed {result.failed}, timeout {result.timeout}")
     for err in result.errors:
         print(f"  e.g. {err}", file=sys.stderr)

@@ -9,12 +9,14 @@ Everything here is per sample, in rollout order: sample i*n + j is the j-th resp
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from mgrpo.algorithms import failed_samples
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
 from mgrpo.algorithms.filtering import apply_overlong_buffer, overlong_filter
 from mgrpo.algorithms.kl import apply_kl_in_reward
@@ -22,6 +24,8 @@ from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
 from mgrpo.training.batch import compact_routes
+
+log = logging.getLogger("mgrpo")
 
 
 @dataclass
@@ -49,12 +53,20 @@ class Experience:
     items: list = field(default_factory=list)
     """The PromptItem of each sample (data_source, ground_truth, extra_info, text)."""
     response_texts: list[str] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    """Judged reward of each response."""
-    rewards: list[float] = field(default_factory=list)
-    """Reward used for advantages: score plus shaping (overlong buffer)."""
+    scores: list[Optional[float]] = field(default_factory=list)
+    """Judged reward of each response; None: it has none (its outcome says why)."""
+    rewards: list[Optional[float]] = field(default_factory=list)
+    """Reward used for advantages: score plus shaping (overlong buffer); None where the score is."""
     in_loss: list[bool] = field(default_factory=list)
-    """False for responses masked out of the loss (overlong filtering)."""
+    """False for responses masked out of the loss (overlong filtering, failed rewards)."""
+    outcomes: list[str] = field(default_factory=list)
+    """Per sample: 'ok', or why it has no reward ('failed', 'timeout', or a producer's own kind such as
+    'env_failed', set with `mark_failed` before judging). [] = all ok (nothing marked, not judged yet)."""
+    failed_by: list[str] = field(default_factory=list)
+    """Per sample: who failed it ('rule:<data_source>', 'model:<name>', a producer's name); '' when ok."""
+    reward_masked: list[bool] = field(default_factory=list)
+    """Per sample: left out of the loss and its group's baseline because it, or too many of its group, have no
+    reward (mgrpo/algorithms/failed_samples.py). Filled by `judge`."""
     support: Optional[list[SampleSupport]] = None
     """Each response's per-token sampling supports (algorithm.logprob_support=sampled; CSR, compact), or
     None: the rollout and trainer log-probs are over the whole tempered vocabulary."""
@@ -143,6 +155,8 @@ class Experience:
             for name in ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reasons", "weight_versions",
                          "items", "response_texts", "scores", "rewards", "in_loss", "engines"):
                 getattr(out, name).extend(getattr(p, name))
+            for name, none in (("outcomes", failed_samples.OK), ("failed_by", ""), ("reward_masked", False)):
+                getattr(out, name).extend(getattr(p, name) or [none] * len(p))  # []: nothing marked in that part
             if out.support is not None:
                 out.support.extend(p.support)
             remap: dict[int, int] = {}
@@ -198,44 +212,106 @@ class Experience:
         self.in_loss = [bool(row.any()) and keep for row, keep in zip(mask, self.in_loss)]
         return dropped
 
-    def judge(self, judger, tokenizer, cfg: MGRPOConfig) -> dict:
-        """Decode and score every response with the judge of its data_source, then apply DAPO's
-        overlong shaping. Fills response_texts, scores and rewards; returns the counts of this call
-        (failed and timed-out judges score 0 and are counted, never raised)."""
+    def mark_failed(self, i: int, kind: str, by: str) -> None:
+        """Sample i has no reward, for a reason found before judging (a producer's generation or environment
+        failure): `kind` its outcome (not 'ok'), `by` who failed it. `judge` leaves it unscored and masked."""
+        if kind == failed_samples.OK:
+            raise ValueError("mark_failed: the outcome of a failed sample cannot be 'ok'")
+        if not self.outcomes:
+            self.outcomes, self.failed_by = [failed_samples.OK] * len(self), [""] * len(self)
+        self.outcomes[i], self.failed_by[i] = kind, by
+
+    def judge(self, judger, tokenizer, cfg: MGRPOConfig, *, training: bool = True) -> dict:
+        """Decode and score every response with the judge of its data_source, then apply DAPO's overlong
+        shaping. Fills response_texts, scores, rewards, outcomes and reward_masked; returns the counts of this
+        call. A sample whose judge failed (or that a producer marked failed) has no score and leaves the loss and
+        its group's baseline; a group left too small is re-judged or dropped (reward.failed); past
+        reward.failed.max_rate a training batch raises FailureRateExceeded (`training`; a validation only warns)."""
+        fc = cfg.reward.failed
+        n = len(self)
+        self.response_texts = tokenizer.batch_decode(self.response_ids, skip_special_tokens=True)
+        if not self.outcomes:
+            self.outcomes, self.failed_by = [failed_samples.OK] * n, [""] * n
+        self.scores = [None] * n
+        todo = [i for i in range(n) if self.outcomes[i] == failed_samples.OK]  # marked failed: not judged
+        out = self._score(judger, todo, tokenizer)
+        judged = todo  # a judge's failure may be judged again; a producer's is final
+        rejudged = 0
+        for _ in range(fc.rejudge_attempts if fc.small_group == "rejudge" else 0):
+            short = set(failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size))
+            again = [i for i in judged if self.group_index[i] in short and self.outcomes[i] != failed_samples.OK]
+            if not again:
+                break
+            rejudged += len(again)
+            more = self._score(judger, again, tokenizer)  # counts add up; a second round's means are of its few samples
+            out = {**out, "reward/worker_restarts": out["reward/worker_restarts"] + more["reward/worker_restarts"],
+                   "errors": out["errors"] + more["errors"]}
+        dropped = failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size)
+        self.reward_masked = failed_samples.masked(self.outcomes, self.group_index, dropped)
+        self.in_loss = [keep and not m for keep, m in zip(self.in_loss or [True] * n, self.reward_masked)]
+        scored = [i for i in range(n) if self.scores[i] is not None]
+        shaped, penalised = apply_overlong_buffer(torch.tensor([self.scores[i] for i in scored]),
+                                                  torch.tensor([len(self.response_ids[i]) for i in scored]),
+                                                  cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
+        self.rewards = [None] * n
+        for i, r in zip(scored, shaped.tolist()):
+            self.rewards[i] = r
+        failed_samples.check_rate(self.outcomes, self.failed_by, warn_rate=fc.warn_rate, max_rate=fc.max_rate,
+                                  enforce=training, log=log, errors=out.pop("errors", None))
+        return {**out, **failed_samples.failure_counts(self.outcomes, self.failed_by, self.reward_masked,
+                                                       len(dropped)),
+                "reward/rejudged": float(rejudged), "reward/overlong_penalised": penalised}
+
+    def _score(self, judger, idx: list[int], tokenizer) -> dict:
+        """Score samples `idx` (their texts decoded); set their scores and outcomes; the judger's counts."""
         from mgrpo.rewards import ScoreRequest
 
-        self.response_texts = tokenizer.batch_decode(self.response_ids, skip_special_tokens=True)
-        answers, extra = self.response_texts, [{} for _ in self.response_ids]
-        if self.turns is not None:
-            # multi-turn: the judge scores the last assistant turn (a tool's reply in the context must not
-            # pass for the model's answer) and sees the whole conversation in extra_info
-            answers = [_last_answer(t, tokenizer) for t in self.turns]
-            extra = [{"conversation": text, "turns": t} for text, t in zip(self.response_texts, self.turns)]
-        scored = judger.score([
-            ScoreRequest(data_source=it.data_source, response=text, ground_truth=it.ground_truth,
-                         extra_info={**(it.extra_info or {}), **more, "finish_reason": fr})
-            for it, text, fr, more in zip(self.items, answers, self.finish_reasons, extra)
-        ])
-        self.scores = [float(s) for s in scored.scores]
-        if self.tool_rewards is not None:
-            self.scores = [s + t for s, t in zip(self.scores, self.tool_rewards)]
-        shaped, penalised = apply_overlong_buffer(torch.tensor(self.scores),
-                                                  torch.tensor([len(r) for r in self.response_ids]),
-                                                  cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
-        self.rewards = shaped.tolist()
-        return {"reward/failed": scored.failed, "reward/timeout": scored.timeout,
-                "reward/worker_restarts": scored.worker_restarts, "reward/overlong_penalised": penalised}
+        answers, extra = self._judged_texts(tokenizer)
+        got = judger.score([
+            ScoreRequest(data_source=self.items[i].data_source, response=answers[i],
+                         ground_truth=self.items[i].ground_truth, prompt=self.items[i].prompt,
+                         extra_info={**(self.items[i].extra_info or {}), **extra[i],
+                                     "finish_reason": self.finish_reasons[i]})
+            for i in idx])
+        for i, score, status, by in zip(idx, got.scores, got.status, got.failed_by):
+            # a tool's own reward (veRL's calc_reward) adds to a judged score; a failed judgement stays None
+            bonus = self.tool_rewards[i] if self.tool_rewards is not None else 0.0
+            self.scores[i] = None if score is None else float(score) + bonus
+            self.outcomes[i], self.failed_by[i] = status, by
+        out = {"reward/worker_restarts": float(got.worker_restarts), "errors": list(got.errors), **got.measured}
+        for name, values in got.components.items():  # each scorer's own mean, e.g. the rule next to a model
+            scored = [v for v in values if v is not None]
+            if scored:
+                out[f"reward/{name}/mean"] = sum(scored) / len(scored)
+        return out
+
+    def _judged_texts(self, tokenizer) -> tuple[list[str], list[dict]]:
+        """What each judge scores and what it sees besides. Multi-turn: the last assistant turn (a tool's reply
+        in the context must not pass for the model's answer), with the whole conversation in extra_info."""
+        if self.turns is None:
+            return self.response_texts, [{} for _ in self.response_ids]
+        return ([_last_answer(t, tokenizer) for t in self.turns],
+                [{"conversation": text, "turns": t} for text, t in zip(self.response_texts, self.turns)])
 
     def compute_advantages(self, cfg: MGRPOConfig) -> None:
+        """Advantages over the samples that keep a reward; a masked sample (no reward, or a dropped group) gets
+        0 and is out of the loss already, so the baselines are the remaining members' alone."""
         al = cfg.algorithm
-        mask = self.response_mask()
-        token_rewards = None
-        if al.use_kl_in_reward:
-            token_rewards = scores_to_token_rewards(torch.tensor(self.rewards), mask)
-            token_rewards = apply_kl_in_reward(token_rewards, self.padded(self.old_logprobs),
-                                               self.padded(self.ref_logprobs), mask, al.kl_coef, al.kl_penalty)
-        adv = compute_advantages(torch.tensor(self.rewards), torch.tensor(self.group_index), mask, al, token_rewards)
-        self.advantages = self.unpadded(adv)
+        keep = [i for i, m in enumerate(self.reward_masked or [False] * len(self)) if not m]
+        sub = self if len(keep) == len(self) else self.select(keep)
+        adv_rows: list[list[float]] = [[0.0] * len(r) for r in self.response_ids]
+        if keep:
+            mask = sub.response_mask()
+            rewards = torch.tensor(sub.rewards, dtype=torch.float32)
+            token_rewards = None
+            if al.use_kl_in_reward:
+                token_rewards = scores_to_token_rewards(rewards, mask)
+                token_rewards = apply_kl_in_reward(token_rewards, sub.padded(sub.old_logprobs),
+                                                   sub.padded(sub.ref_logprobs), mask, al.kl_coef, al.kl_penalty)
+            adv = sub.unpadded(compute_advantages(rewards, torch.tensor(sub.group_index), mask, al, token_rewards))
+            for i, row in zip(keep, adv):
+                adv_rows[i] = row
+        self.advantages = adv_rows
 
     # --- cuts for the trainer ------------------------------------------------------------------------
     def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:

@@ -43,7 +43,7 @@ def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
     assert all(f["counted"] == "run metrics" and f["in_final_records"] for f in healed), healed
     # each healed fault restarted exactly one process (the engine, the router), both in the final run's count
     assert r["final_counters"]["rollout/restarts_total"] == 2.0
-    assert r["final_counters"]["reward/failed_total"] == 0.0 and r["final_counters"]["reward/timeout_total"] == 0.0
+    assert r["final_counters"]["reward/failed_total"] == 0.0 and r["final_counters"]["reward/timeouts_total"] == 0.0
     fatal = next(f for f in r["faults"] if f["fatal"])
     assert fatal["expected_exit"] and sum(e["event"] == "fault" for e in r["events"]) == 3
     v = r["vs_uninterrupted"]

@@ -175,12 +175,14 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
         t0 = time.monotonic()
         res = judger.score(_requests())
         assert time.monotonic() - t0 < 20       # the 30 s call was cut off
-        assert res.scores == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+        assert res.scores == [1.0, 1.0, None, None, 1.0, None, 1.0, None, 0.0, 1.0]  # a failure is no score
+        assert res.failed_by == ["", "", "rule:my/boom", "rule:my/slow", "", "rule:my/text", "", "rule:my/crash", "",
+                                 ""]
         assert res.status == ["ok", "ok", "failed", "timeout", "ok", "failed", "ok", "failed", "ok", "ok"]
         assert (res.failed, res.timeout) == (3, 1)
         assert any("reward bug" in e for e in res.errors)
         assert any("exited (code 7) twice" in e for e in res.errors)  # my/crash ran on two workers
-        assert res.metrics() == {"reward/failed": 3.0, "reward/timeout": 1.0, "reward/worker_restarts": 2.0}
+        assert res.metrics() == {"reward/failed": 3.0, "reward/timeouts": 1.0, "reward/worker_restarts": 2.0}
         # replaced workers keep serving the next batch
         again = judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")] * 50)
         assert again.scores == [1.0] * 50 and again.failed == again.timeout == 0
@@ -240,7 +242,7 @@ def test_judger_in_process(user_module):
     reqs[3] = ScoreRequest("my/slow", "0.3", "1")   # in-process calls cannot be cut: only counted
     with Judger(RewardConfig(custom_functions=user_module, timeout_s=0.2, num_workers=0)) as judger:
         res = judger.score(reqs)
-    assert res.scores == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert res.scores == [1.0, 1.0, None, None, 1.0, None, 1.0, 0.0, 1.0]
     assert (res.failed, res.timeout) == (2, 1)
 
 
@@ -248,7 +250,7 @@ def test_judger_in_process(user_module):
 def test_judger_unknown_source_at_score_time_is_counted():
     with Judger(RewardConfig(num_workers=1)) as judger:
         res = judger.score([ScoreRequest("nobody/knows", "x", "y"), ScoreRequest("openai/gsm8k", "#### 2", "2")])
-    assert res.scores == [0.0, 1.0] and res.failed == 1 and "nobody/knows" in res.errors[0]
+    assert res.scores == [None, 1.0] and res.failed == 1 and "nobody/knows" in res.errors[0]
 
 
 # --- evaluation metrics --------------------------------------------------------------------------
@@ -281,9 +283,9 @@ def test_reward_cli(tmp_path, capsys, user_module):
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--in", str(inp), "--out", str(out), "--custom", "my/boom=my_rewards:boom"]) == 0
     scored = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["score"] for r in scored] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["score"] for r in scored] == [1.0, 0.0, 1.0, None]  # the failed call: null, not 0
     assert scored[0]["id"] == "a" and scored[3]["reward_status"] == "failed"
-    assert "failed 1, timeout 0" in capsys.readouterr().out
+    assert "mean score 0.6667 (of 3 scored), failed 1, timeout 0" in capsys.readouterr().out
 
     inp.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"data_source": "openai/gsm8k", "response": "x"}) + "\n")
     assert main(["--in", str(inp), "--out", str(out)]) == 2

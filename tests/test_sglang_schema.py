@@ -148,3 +148,22 @@ def test_generate_fields_are_sglangs():
     assert GENERATE_FIELDS <= fields, sorted(GENERATE_FIELDS - fields)
     # every sampling parameter of SGLang's contract is implemented, text-only, or refused unless at its default
     assert SAMPLING_IMPLEMENTED | SAMPLING_TEXT_ONLY | set(SAMPLING_DEFAULTS) == tables.SAMPLING_FIELDS
+
+
+def test_classify_fields_are_sglangs():
+    """The /classify fields the CPU server implements are EmbeddingReqInput's (io_struct.py)."""
+    import ast
+    import os
+
+    from mgrpo.rollout.sglang.cpu.classify import CLASSIFY_FIELDS
+
+    root = wheel.sglang_dir()
+    if root is None:
+        pytest.skip("sglang wheel not installed")
+    tree = ast.parse(open(os.path.join(root, "srt", "managers", "io_struct.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EmbeddingReqInput")
+    fields = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)}
+    assert CLASSIFY_FIELDS <= fields, sorted(CLASSIFY_FIELDS - fields)
+    http = open(os.path.join(root, "srt", "entrypoints", "http_server.py")).read()
+    assert '@app.api_route("/classify", methods=["POST", "PUT"])\nasync def classify_request(obj: EmbeddingReqInput' \
+        in http

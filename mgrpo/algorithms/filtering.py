@@ -7,7 +7,7 @@ Each function returns counts next to its result, so the trainer can log what was
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
@@ -18,15 +18,19 @@ Tensor = torch.Tensor
 
 # --- dynamic sampling ------------------------------------------------------------------------------
 
-def groups_with_signal(scores: Sequence[float], group_ids: Sequence[Hashable]) -> tuple[list[Hashable], int]:
+def groups_with_signal(scores: Sequence[Optional[float]],
+                       group_ids: Sequence[Hashable]) -> tuple[list[Hashable], int]:
     """(ids of groups whose scores are not all equal, in first-seen order; number of groups dropped).
 
     A group whose responses all got the same score has zero advantage under every group-relative
     estimator: it costs a forward/backward and contributes no gradient (DAPO's dynamic sampling).
+    A None score (a sample without a reward, out of the baseline) carries no signal.
     """
     seen: dict[Hashable, set] = {}
     for s, g in zip(scores, group_ids, strict=True):
-        seen.setdefault(g, set()).add(float(s))
+        vals = seen.setdefault(g, set())
+        if s is not None:
+            vals.add(float(s))
     kept = [g for g, vals in seen.items() if len(vals) > 1]
     return kept, len(seen) - len(kept)
 
@@ -59,8 +63,9 @@ class GroupAccumulator:
     """Every generated response's score, kept or not: the policy's reward (the batch's is biased upward)."""
     _groups: dict[tuple[int, Hashable], list[Any]] = field(default_factory=dict, init=False, repr=False)
 
-    def add(self, samples: Sequence[Any], scores: Sequence[float], group_ids: Sequence[Hashable]) -> int:
-        """Add one round's responses; returns how many groups of it were kept."""
+    def add(self, samples: Sequence[Any], scores: Sequence[Optional[float]], group_ids: Sequence[Hashable]) -> int:
+        """Add one round's responses (a None score: no reward, see groups_with_signal); returns how many groups
+        of it were kept."""
         if not len(samples) == len(scores) == len(group_ids):
             raise ValueError(f"samples, scores and group_ids differ in length: "
                              f"{len(samples)}, {len(scores)}, {len(group_ids)}")
@@ -71,8 +76,8 @@ class GroupAccumulator:
             if g in keep:
                 self._groups.setdefault((r, g), []).append(s)
         self.num_gen_batches += 1
-        self.score_sum += float(sum(scores))
-        self.num_samples += len(scores)
+        self.score_sum += float(sum(s for s in scores if s is not None))
+        self.num_samples += sum(s is not None for s in scores)
         self.num_filtered_groups += dropped
         self.num_kept_groups += len(kept)
         return len(kept)

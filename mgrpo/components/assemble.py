@@ -123,14 +123,13 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
     from mgrpo.cluster.megatron_group import MegatronGroup
     from mgrpo.cluster.placement import engine_gpu_ids, place
     from mgrpo.cluster.rollout_group import RolloutGroup
-    from mgrpo.rewards import Judger
+    from mgrpo.components.reward_models import build_judger
     from mgrpo.rollout.factory import EngineContext
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
     init_dir = initial_weights(cfg, run_dir, tokenizer)
-    judger = Judger(cfg.reward)
-    group = rollout = None
+    judger = group = rollout = None
     phase = _Phases()
     try:
         with phase("Ray placement"):
@@ -150,6 +149,8 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
             rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
                                    context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
                                                          log_dir=os.path.join(run_dir, "logs")))
+        with phase(f"judges ({', '.join(['rules', *cfg.reward.models])})"):  # reward models: the run's key
+            judger = build_judger(cfg.reward, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"))
         with phase(f"Megatron stages (tp={cfg.actor.tp} pp={cfg.actor.pp} cp={cfg.actor.cp} dp={layout.dp})"):
             group.setup(cfg)
         log.info("start | Megatron ranks use: %s", group.info[0].get("paths", "?"))

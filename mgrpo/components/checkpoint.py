@@ -24,7 +24,8 @@ log = logging.getLogger("mgrpo")
 STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_rollouts.json"
 """Batches an asynchronous rollout had ready when the checkpoint was taken (replayed on resume)."""
-COUNTERS = ("reward/failed", "reward/timeout", "reward/worker_restarts", "rollout/retries", "rollout/restarts",
+COUNTERS = ("reward/failed", "reward/timeouts", "reward/masked_samples", "reward/dropped_groups",
+            "reward/worker_restarts", "rollout/retries", "rollout/restarts",
             "rollout/stale_dropped", "rollout/auth_refused", "dynamic_sampling/unfiltered_steps")
 """Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
 
@@ -141,7 +142,10 @@ class Checkpointer:
         actor.load_checkpoint(os.path.join(path, "megatron"))
         train_data.load_state_dict(saved["train_data"])
         state = RunState(step=int(saved["step"]), weight_version=int(saved["weight_version"]))
-        state.counters.update(saved.get("counters", {}))
+        counters = dict(saved.get("counters", {}))
+        if "reward/timeout" in counters:  # its name before the failed-sample path (reward/timeouts)
+            counters["reward/timeouts"] = counters.pop("reward/timeout")
+        state.counters.update(counters)
         pending = os.path.join(path, PENDING_FILE)
         if os.path.isfile(pending):
             with open(pending) as f:

@@ -136,10 +136,10 @@ class ExperienceMaker:
         measured["timing_s/gen"] = time.perf_counter() - t0
         return Experience.from_trajectories(items, kept, n), measured
 
-    def judge(self, exp: Experience) -> dict:
-        """Score every sample with the judge of its data_source; return the counts (failures and timeouts
-        score 0 and are counted)."""
-        return exp.judge(self.judger, self.tokenizer, self.cfg)
+    def judge(self, exp: Experience, *, training: bool = True) -> dict:
+        """Score every sample with the judge of its data_source; return the counts. A sample without a reward
+        (its judge failed or timed out) is masked and counted, never scored 0 (`Experience.judge`)."""
+        return exp.judge(self.judger, self.tokenizer, self.cfg, training=training)
 
     def generate_and_judge(self, step: int) -> tuple[Experience, dict]:
         """The judged samples of batch `step`, and what making them measured; with dynamic sampling only the
@@ -154,7 +154,8 @@ class ExperienceMaker:
         measured: list[dict] = []
         while not acc.full and not acc.exhausted:
             exp, made = self._judged(self.train_data.next_batch(), cfg.rollout.n, self.sampling(step, len(rounds)))
-            acc.add([(len(rounds), i) for i in range(len(exp))], exp.rewards, exp.group_index)
+            acc.add([(len(rounds), i) for i in range(len(exp))],  # a masked sample carries no signal
+                    [None if m else r for r, m in zip(exp.rewards, exp.reward_masked)], exp.group_index)
             rounds.append(exp)
             measured.append(made)
         groups = acc.take()

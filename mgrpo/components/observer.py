@@ -115,6 +115,9 @@ class Observer:
                 exp.items, exp.response_texts, exp.rewards, exp.scores, exp.advantages or [[]] * len(exp),
                 exp.weight_versions, exp.finish_reasons, exp.group_index, exp.engines or [None] * len(exp))
         ]
+        for row, outcome, by in zip(rows, exp.outcomes, exp.failed_by):
+            if outcome != "ok":  # no reward (score null): why, and whose
+                row.update(reward_status=outcome, failed_by=by)
         if self.token_logprobs:  # what mgrpo-doctor reads: both sides of rollout/logprob_abs_diff, token by token
             for row, p, r, ro, tr in zip(rows, exp.prompt_ids, exp.response_ids, exp.rollout_logprobs,
                                          exp.old_logprobs or [None] * len(exp)):

@@ -5,6 +5,7 @@ from mgrpo.config.schema import (
     AlgorithmConfig,
     DataConfig,
     EvaluationConfig,
+    FailedSamplesConfig,
     FilterGroupsConfig,
     MGRPOConfig,
     ModelConfig,
@@ -21,7 +22,7 @@ register_resolver()  # configs/model/ size the vocabulary from model.tokenizer (
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig",
-    "FilterGroupsConfig",
+    "FailedSamplesConfig", "FilterGroupsConfig",
     "Layout", "MGRPOConfig", "ModelConfig", "OverlongBufferConfig", "RewardConfig", "RolloutConfig", "SandboxConfig",
     "TrainerConfig", "layout", "output_dir", "resolve_device", "validate",
 ]

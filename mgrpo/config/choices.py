@@ -130,6 +130,25 @@ class Gsm8kMethod(StrEnum):
     """the last number in the response"""
 
 
+class RewardModelKind(StrEnum):
+    """What a reward.models entry serves."""
+
+    classifier = "classifier"
+    """a sequence classifier (Bradley-Terry reward model), SGLang --is-embedding, scored through /classify"""
+    generative = "generative"
+    """a chat model used as a judge (not implemented yet: refused by name)"""
+
+
+class SmallGroup(StrEnum):
+    """What happens to a prompt group left with too few scored samples after reward failures
+    (reward.failed.small_group)."""
+
+    drop = "drop"
+    """the whole group leaves the loss (counted as reward/dropped_groups)"""
+    rejudge = "rejudge"
+    """its failed samples are scored again (reward.failed.rejudge_attempts rounds), then dropped if still short"""
+
+
 def values(choice: type[StrEnum]) -> list[str]:
     """The accepted strings of a choice, in declaration order (for messages)."""
     return [m.value for m in choice]

@@ -18,9 +18,11 @@ from typing import Optional
 
 # Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
 # converts them, and a config built in Python holds strings, as `choices.plain` leaves a composed one.
-from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Gsm8kMethod, Logger,
+from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay)
-from mgrpo.config.multi_turn import MultiTurnConfig  # groups in files of their own (the module size limit)
+# Groups in files of their own (this module stays under the size limit).
+from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
 from mgrpo.config.sandbox import SandboxConfig
 
 
@@ -300,32 +302,6 @@ class RolloutConfig:
         """Engines run on the actor's accelerators (colocated or hybrid): they release their memory
         while the trainer trains and take weights through node-local transports."""
         return self.mode in ("colocated", "hybrid")
-
-
-@dataclass
-class Gsm8kJudgeConfig:
-    """The built-in GSM8K judge (data_source openai/gsm8k): veRL's gsm8k scorer and its options."""
-
-    method: Gsm8kMethod = "strict"
-    """strict (the number after '#### ', veRL's default: no '#### <number>', no answer) | flexible (the last
-    number in the response)"""
-    format_score: float = 0.0
-    """Score of a response whose answer was found but is wrong (veRL's format_score; 1.0 when right, 0 when
-    no answer was found)."""
-
-
-@dataclass
-class RewardConfig:
-    """Judgers: reward functions keyed by data_source."""
-
-    custom_functions: dict[str, str] = field(default_factory=dict)
-    """data_source -> 'module:function' or 'path/to/file.py:function' for user reward functions (veRL's signature).
-    The data_source '*' is veRL's custom_reward_function: every data_source without a function of its own.
-    On the command line: reward.custom_functions={my_source: my_reward.py:score}."""
-    gsm8k: Gsm8kJudgeConfig = field(default_factory=Gsm8kJudgeConfig)
-    timeout_s: float = 10.0
-    num_workers: int = 2
-    """Parallel scoring processes (0 = score in the calling process)."""
 
 
 @dataclass

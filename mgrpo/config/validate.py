@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Isolation,
-                                  Logger, LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode,
-                                  RouterReplay, is_choice, plain, values)
+                                  Logger, LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RewardModelKind,
+                                  RolloutMode, RouterReplay, SmallGroup, is_choice, plain, values)
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig, SandboxConfig
 
@@ -276,6 +276,16 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         e.append(f"evaluation.temperature={ev.temperature} must be non-negative")
     if rw.timeout_s <= 0:
         e.append(f"reward.timeout_s={rw.timeout_s} must be positive")
+    f = rw.failed
+    if f.min_group_size < 1 or f.rejudge_attempts < 0:
+        e.append(f"reward.failed.min_group_size={f.min_group_size} must be at least 1 and "
+                 f"reward.failed.rejudge_attempts={f.rejudge_attempts} non-negative")
+    if not is_choice(f.small_group, SmallGroup):
+        _choice(e, "reward.failed.small_group", f.small_group, SmallGroup)
+    for name in ("warn_rate", "max_rate"):
+        if not 0 <= getattr(f, name) <= 1:
+            e.append(f"reward.failed.{name}={getattr(f, name)} must be in [0, 1]")
+    e += _reward_models(rw)
     for src, spec in rw.custom_functions.items():
         problem = target_error(spec, f"reward.custom_functions[{src!r}]", "function")
         if problem:
@@ -329,6 +339,43 @@ def sandbox_errors(s: SandboxConfig) -> list[str]:
         e.append(f"sandbox.pool_size={s.pool_size} must be at least 0")
     if s.uid <= 0:
         e.append(f"sandbox.uid={s.uid} must be a positive uid (never root)")
+    return e
+
+
+def _reward_models(rw) -> list[str]:
+    e: list[str] = []
+    for name, m in rw.models.items():
+        where = f"reward.models.{name}"
+        if name == "rule" or not name.replace("_", "").replace("-", "").isalnum():
+            e.append(f"{where}: a reward model's name is letters, digits, '-' and '_', and not 'rule' (the rule's)")
+        if not is_choice(m.kind, RewardModelKind):
+            _choice(e, f"{where}.kind", m.kind, RewardModelKind)
+        elif m.kind == RewardModelKind.generative:
+            e.append(f"{where}.kind=generative: LLM judges are not implemented yet (issue 33); use a classifier")
+        if not m.hf_path and not m.url:
+            e.append(f"{where}.hf_path is empty: name the reward model's HF checkpoint (or its server's url)")
+        if m.engines < 1 or m.tp < 1 or m.batch_size < 1 or m.max_retries < 0 or m.timeout_s <= 0:
+            e.append(f"{where}: engines={m.engines}, tp={m.tp}, batch_size={m.batch_size} must be at least 1, "
+                     f"max_retries={m.max_retries} non-negative and timeout_s={m.timeout_s} positive")
+        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
+               for a in m.server_args):
+            e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
+    for name, sv in rw.services.items():
+        where = f"reward.services.{name}"
+        if name == "rule" or name in rw.models:
+            e.append(f"{where}: the name is the rule's or a reward model's already")
+        if not sv.url.startswith(("http://", "https://")):
+            e.append(f"{where}.url={sv.url!r}: an http:// or https:// URL")
+        if sv.timeout_s <= 0 or sv.max_retries < 0 or sv.backoff_s < 0 or sv.concurrency < 1:
+            e.append(f"{where}: timeout_s={sv.timeout_s} and concurrency={sv.concurrency} must be positive, "
+                     f"max_retries={sv.max_retries} and backoff_s={sv.backoff_s} non-negative")
+        if sv.api_key_env and not os.environ.get(sv.api_key_env):
+            e.append(f"{where}.api_key_env={sv.api_key_env}: the variable is not set (or empty)")
+    for src, weights in rw.compose.items():
+        for scorer in weights:
+            if scorer != "rule" and scorer not in rw.models and scorer not in rw.services:
+                e.append(f"reward.compose[{src!r}]: {scorer!r} is neither 'rule' nor a reward.models or "
+                         f"reward.services entry ({sorted({*rw.models, *rw.services}) or 'none'})")
     return e
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mgrpo.config import ConfigError, seeds
 from mgrpo.config.schema import DataConfig
@@ -44,6 +44,9 @@ class PromptItem:
     """The prompt as chat messages (empty for a raw-text prompt); multi-turn rollouts continue them."""
     tools: Optional[list] = None
     """Multi-turn: the tool schemas the template rendered into the prompt (`tools_for`), else None."""
+    prompt: Any = None
+    """The record's prompt as written (a string or chat messages): what a reward model's own chat template
+    formats, next to the response."""
 
 
 class PromptDataset:
@@ -122,7 +125,7 @@ class PromptDataset:
             self.items.append(PromptItem(index=len(self.items), prompt_ids=list(tok_ids), prompt_text=text,
                                          data_source=rec.data_source, ground_truth=rec.ground_truth,
                                          extra_info=rec.extra_info, ability=rec.ability, where=rec.where,
-                                         messages=self._messages(rec), tools=self._tools(rec)))
+                                         messages=self._messages(rec), tools=self._tools(rec), prompt=rec.prompt))
         if records and not self.items:
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")

@@ -28,11 +28,12 @@ def experience_metrics(exp, *, max_response_length: int) -> dict:
     sampled = exp.sampled_mask or [None] * len(exp)  # multi-turn context tokens have no engine log-prob
     diffs = [abs(a - b) for ro, old, m in zip(exp.rollout_logprobs, exp.old_logprobs or [], sampled)
              for k, (a, b) in enumerate(zip(ro, old)) if m is None or m[k]]
+    scores = [s for s in exp.scores if s is not None]  # a sample without a reward is counted under reward/
     out = {
-        "critic/score/mean": _mean(exp.scores),
-        "critic/score/max": max(exp.scores, default=0.0),
-        "critic/score/min": min(exp.scores, default=0.0),
-        "critic/rewards/mean": _mean(exp.rewards),
+        "critic/score/mean": _mean(scores),
+        "critic/score/max": max(scores, default=0.0),
+        "critic/score/min": min(scores, default=0.0),
+        "critic/rewards/mean": _mean(r for r in exp.rewards if r is not None),
         "critic/advantages/mean": _mean(adv_tokens),
         "critic/advantages/max": max(adv_tokens, default=0.0),
         "critic/advantages/min": min(adv_tokens, default=0.0),

@@ -3,18 +3,20 @@
 Reward functions are arbitrary code (user functions, symbolic math that can hang), so each call is
 isolated: with reward.num_workers > 0 they run in that many worker processes (mgrpo.rewards.worker).
 Each worker gets its share of a step's requests as one message and answers call by call, so a step
-costs one round trip per worker, not one per response. A call that raises scores 0 and counts as
-`failed`; a call that runs past reward.timeout_s (timed from the worker's previous answer) gets its
-worker killed and restarted and scores 0 as `timeout`; the calls after it in that share go to the
-fresh worker. Nothing a reward function does can crash the run or stall it for longer than the timeout.
+costs one round trip per worker, not one per response. A call that raises (or returns something that is
+not a finite number) has no score (None) and the outcome `failed`; a call that runs past reward.timeout_s
+(timed from the worker's previous answer) gets its worker killed and restarted and has no score, outcome
+`timeout`; the calls after it in that share go to the fresh worker. A failed call is never scored 0: the
+experience leaves it out of the loss and its group's baseline (mgrpo/algorithms/failed_samples.py).
+Nothing a reward function does can crash the run or stall it for longer than the timeout.
 
 A worker that dies (killed from outside, out of memory, or a function that ends the interpreter) is
 replaced and counted (`worker_restarts`); the call it was running goes to the fresh worker once more,
 so a worker lost to something outside costs no score, and only a call that kills its worker twice
-scores 0 as `failed`.
+is `failed`.
 
 With num_workers=0 functions run in the calling process: cheaper, but a hung function cannot be
-interrupted; a call that took longer than timeout_s still scores 0 and counts as a timeout.
+interrupted; a call that took longer than timeout_s still has no score and counts as a timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from mgrpo.config.schema import RewardConfig
 from mgrpo.rewards.registry import absolute_spec, get_reward_fn, gsm8k_options, reward_functions, to_score
@@ -46,24 +48,33 @@ class ScoreRequest:
     """The decoded response (the reward function's `solution_str`)."""
     ground_truth: str
     extra_info: Optional[dict] = None
+    prompt: Any = None
+    """The record's prompt as written (a string or chat messages), for scorers that read it (reward models)."""
 
 
 @dataclass
 class ScoreResult:
-    scores: list[float]
+    scores: list[Optional[float]]
+    """Per request: its score, or None when the call failed (see `status`)."""
     failed: int = 0
-    """Calls that raised or returned something other than a finite number (scored 0)."""
+    """Calls that raised or returned something other than a finite number (no score)."""
     timeout: int = 0
-    """Calls that exceeded reward.timeout_s (scored 0)."""
+    """Calls that exceeded reward.timeout_s (no score)."""
     worker_restarts: int = 0
     """Workers found dead (exited or killed, not timed out) and replaced."""
     status: list[str] = field(default_factory=list)
     """Per request: 'ok' | 'failed' | 'timeout'."""
+    failed_by: list[str] = field(default_factory=list)
+    """Per request: which judge failed it ('rule:<data_source>'), '' when ok."""
     errors: list[str] = field(default_factory=list)
     """The first few failure messages, for logs."""
+    components: dict[str, list[Optional[float]]] = field(default_factory=dict)
+    """Scorer name -> per request its own score (None: not asked, or failed), when several are combined."""
+    measured: dict[str, float] = field(default_factory=dict)
+    """What the scorers measured beyond the counts above (model restarts, seconds, samples/s)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"reward/failed": float(self.failed), "reward/timeout": float(self.timeout),
+        return {"reward/failed": float(self.failed), "reward/timeouts": float(self.timeout),
                 "reward/worker_restarts": float(self.worker_restarts)}
 
 
@@ -138,14 +149,15 @@ class Judger:
 
     # --- public ------------------------------------------------------------------------------------
     def score(self, requests: list[ScoreRequest]) -> ScoreResult:
-        result = ScoreResult(scores=[0.0] * len(requests), status=["ok"] * len(requests))
+        result = ScoreResult(scores=[None] * len(requests), status=["ok"] * len(requests),
+                             failed_by=[""] * len(requests))
         if requests:
             if self.cfg.num_workers > 0:
                 self._score_in_workers(requests, result)
             else:
                 self._score_in_process(requests, result)
-        if result.failed or result.timeout:
-            log.warning("reward: %d failed, %d timed out of %d; e.g. %s", result.failed, result.timeout,
+        if result.failed or result.timeout:  # the experience warns past reward.failed.warn_rate
+            log.info("reward: %d failed, %d timed out of %d; e.g. %s", result.failed, result.timeout,
                         len(requests), result.errors[:2])
         if result.worker_restarts:
             log.warning("reward: %d worker(s) found dead and replaced", result.worker_restarts)
@@ -172,7 +184,8 @@ class Judger:
     @staticmethod
     def _record(result: ScoreResult, idx: int, status: str, error: str, req: ScoreRequest) -> None:
         result.status[idx] = status
-        result.scores[idx] = 0.0
+        result.scores[idx] = None
+        result.failed_by[idx] = f"rule:{req.data_source}"
         if status == "failed":
             result.failed += 1
         else:
@@ -202,7 +215,7 @@ class Judger:
                 w.kill()  # closes its pipes
         result.worker_restarts += len(self._workers) - len(alive)
         self._workers = alive
-        retried: set[int] = set()  # requests sent again after their worker died: a second death scores them 0
+        retried: set[int] = set()  # requests sent again after their worker died: a second death fails them
         while len(self._workers) < self.cfg.num_workers:
             self._workers.append(_Worker(self.cfg))
         for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
@@ -252,8 +265,8 @@ class Judger:
 
     def _replace(self, w: _Worker, sel, result, requests, why: str, retried: set) -> None:
         """Kill `w` and give the calls it had not finished to a fresh worker in its place. `why`: 'timeout'
-        (the running call scores 0 as a timeout) or 'exited' (the worker died: counted as a restart; its
-        running call goes to the fresh worker once more, and scores 0 as failed if it was sent again already)."""
+        (the running call times out) or 'exited' (the worker died: counted as a restart; its running call goes
+        to the fresh worker once more, and fails if it was sent again already)."""
         if not w.ready:
             raise RuntimeError(f"reward worker failed to start (exit code {w.proc.poll()}); see its stderr above")
         sel.unregister(w.proc.stdout)

@@ -138,7 +138,10 @@ def check_data_sources(sources: Iterable[str], cfg: RewardConfig, samples: Optio
     once on `samples[data_source]` (a record: where, ground_truth, extra_info) with an empty response, raises or
     returns something that is not a score. Said before any process starts, instead of a failure per sample."""
     fns = reward_functions(cfg)
-    unknown = sorted(set(sources) - set(fns)) if EVERY_SOURCE not in fns else []
+    # a data_source scored by reward models alone (reward.compose without 'rule') needs no reward function
+    compose = lambda src: cfg.compose.get(src) or cfg.compose.get(EVERY_SOURCE) or {"rule": 1.0}  # noqa: E731
+    unknown = sorted(src for src in set(sources) - set(fns) if "rule" in compose(src)) \
+        if EVERY_SOURCE not in fns else []
     if unknown:
         raise ConfigError(f"no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{sorted(fns)}. {ADD_ONE}")

@@ -204,6 +204,21 @@ def _max_ckpt(v, ctx):
     return [("", "null: keep all, as in mgrpo")] if v is None else [("trainer.max_ckpt_to_keep", int(v))]
 
 
+def _reward_model(v, ctx):
+    """veRL's reward model (reward_model.enable with reward_model.model.path): the reward of every data_source is
+    the model's score (veRL's reward managers return rm_scores when there are any), served as reward.models.rm."""
+    if falsy(v):
+        return [("", "false: rule-based rewards, as in mgrpo")]
+    path = ctx.get("reward_model.model.path")
+    if not path:
+        raise Refuse("reward_model.enable=true needs reward_model.model.path (the classifier's checkpoint)")
+    model = {"hf_path": str(path)}
+    batch = ctx.get("reward_model.micro_batch_size_per_gpu") or ctx.get("reward_model.micro_batch_size")
+    if batch:
+        model["batch_size"] = int(batch)
+    return [("reward.models", {"rm": model}), ("reward.compose", {"*": {"rm": 1.0}})]
+
+
 def _adv_estimator(v, ctx):
     if v == "gae":
         raise Refuse("gae needs a critic; mgrpo trains critic-free estimators (grpo, dr_grpo, rloo, "
@@ -388,10 +403,16 @@ RULES: dict[str, Rule] = {
     "reward.reward_kwargs.max_resp_len": _max_resp_len,
     "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
-    "reward_model.enable": only(falsy, "false: rule-based rewards, as in mgrpo",
-                                "mgrpo has no reward model yet: score with a rule or your own function, "
-                                "reward.custom_functions={<data_source>: 'my_reward.py:score'} (or veRL's "
-                                "custom_reward_function.path)"),
+    "reward_model.enable": _reward_model,
+    "reward_model.model.path": ignore("the reward model's checkpoint, with reward_model.enable"),
+    **{f"reward_model.{k}": ignore("reward.models.rm.batch_size, with reward_model.enable")
+       for k in ("micro_batch_size_per_gpu", "micro_batch_size")},
+    "reward_model.model.input_tokenizer": ignore("mgrpo formats each conversation with the reward model's own "
+                                                 "tokenizer and chat template"),
+    **{f"reward_model.{k}": ignore("the reward model is served by SGLang (--is-embedding), not run by a trainer "
+                                   "worker") for k in ("strategy", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
+                                                      "ulysses_sequence_parallel_size", "model.trust_remote_code",
+                                                      "model.use_remove_padding", "max_length", "use_reward_loop")},
     **{k: only(lambda v: v in ("naive", "dapo", None),
                "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
                "algorithm.overlong_buffer)",
@@ -404,6 +425,7 @@ RULES: dict[str, Rule] = {
 # Whole subtrees with one outcome (longest prefix wins after the exact keys above).
 PREFIX_RULES: dict[str, Rule] = {
     **LAYOUT_PREFIX_RULES, "critic.": ignore("GRPO-family: no critic"),
+    "reward_model.model.fsdp_config.": ignore("the reward model is served by SGLang (--is-embedding), not FSDP"),
     M + "override_config.": refuse("mgrpo reads the architecture from config.json: change it there"),
     A + "profiler.": ignore(PROFILE), F + "profiler.": ignore(PROFILE), R + "profiler.": ignore(PROFILE),
     "global_profiler.": ignore(PROFILE), A + "checkpoint.": ignore("mgrpo checkpoints model, optimizer and state"),

@@ -241,6 +241,30 @@ class SGLangEngine(EngineDefaults):
                                            prompt_len=len(r.prompt_ids), moe_shape=self.moe_shape)
                        for r, item in zip(pending, items)]
 
+    # --- reward models (a server launched with --is-embedding) ------------------------------------------
+    def classify(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """SGLang's reward endpoint (`/classify`, http_server.py): the score head's output for each token-id
+        input, in order (a Bradley-Terry reward model: one float each). Transient failures are retried within
+        the client's budget; an answer that is not SGLang's (not a list of {"embedding": [finite floats]} of the
+        right length) raises SGLangBadResponseError."""
+        import math
+
+        if not inputs:
+            return []
+        items = self.client.json("POST", "/classify", {"input_ids": [list(x) for x in inputs]})
+        if not isinstance(items, list) or len(items) != len(inputs):
+            got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
+            raise SGLangBadResponseError(f"/classify answered {got} for {len(inputs)} inputs")
+        out = []
+        for item in items:
+            emb = item.get("embedding") if isinstance(item, dict) else None
+            if not (isinstance(emb, list) and emb and all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                          for v in emb)):
+                raise SGLangBadResponseError(f"/classify answered an item without a finite 'embedding': "
+                                             f"{str(item)[:200]}")
+            out.append([float(v) for v in emb])
+        return out
+
     def _count(self, key: str, n: int) -> None:
         with self._lock:
             self.stats[key] += n

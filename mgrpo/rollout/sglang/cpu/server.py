@@ -14,7 +14,10 @@ with released or not-yet-reloaded weights, releasing memory with requests in fli
 the command line) are enforced by SGLang's rules before any route runs (guard.py); `/generate`
 is checked and answered as SGLang does (generate.py), with sampling masks and routed experts.
 
-Not served: text prompts (the trainer tokenises), streaming, the OpenAI routes, `--tp-size` > 1 for
+With `--is-embedding` it serves a sequence classifier (a reward model) on `/classify` and `/encode`, as
+SGLang serves one (classify.py), and refuses `/generate`.
+
+Not served: text prompts to /generate (the trainer tokenises), streaming, the OpenAI routes, `--tp-size` > 1 for
 the distributed transport (the tensor transport accepts one payload per TP rank, as SGLang does).
 """
 
@@ -117,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--ep-size", "--expert-parallel-size", "--ep", type=int, default=1, dest="ep_size",
                    help="accepted (one process holds every expert); 1 or --tp-size, as SGLang checks")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="serve a sequence classifier (a reward model) on /classify and /encode (cpu/classify.py)")
     p.add_argument("--config", default=None, help="YAML file of arguments (SGLang's --config)")
     for flag in IGNORED_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -246,8 +251,17 @@ def build_app(state: State):
     async def body_of(request: Request, path: str) -> dict:
         return receive.check_request(path, await json_body(request, path))
 
+    if state.args.is_embedding:
+        from mgrpo.rollout.sglang.cpu import classify
+
+        classify.add_routes(app, state, json_body)
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
+        if state.args.is_embedding:
+            from mgrpo.rollout.sglang.cpu.classify import NOT_GENERATION
+
+            return JSONResponse({"error": {"message": NOT_GENERATION}}, status_code=400)
         t0 = time.monotonic()
         body = await json_body(request, "/generate")
         try:
@@ -277,8 +291,11 @@ def build_app(state: State):
             return Response(status_code=200)
         from mgrpo.rollout.sglang.cpu.model import Req
 
-        probe = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], temperature=0.0, max_new_tokens=1)
-        job = asyncio.ensure_future(state.on_model(model.generate, [probe]))
+        if state.args.is_embedding:  # SGLang probes an embedding model with an EmbeddingReqInput of [0]
+            job = asyncio.ensure_future(state.on_model(model.scores, [[0]]))
+        else:
+            probe = Req(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], temperature=0.0, max_new_tokens=1)
+            job = asyncio.ensure_future(state.on_model(model.generate, [probe]))
         while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
             if job.done() or model.last_progress > tic:
                 return Response(status_code=200)
@@ -288,7 +305,8 @@ def build_app(state: State):
     async def model_info():
         return {"model_path": state.args.model_path,
                 "served_model_name": state.args.served_model_name or state.args.model_path,
-                "tokenizer_path": state.args.tokenizer_path or state.args.model_path, "is_generation": True,
+                "tokenizer_path": state.args.tokenizer_path or state.args.model_path,
+                "is_generation": not state.args.is_embedding,
                 "preferred_sampling_params": None, "weight_version": state.weight_version, "load_format": None,
                 "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
                 "model_type": model.model.config.model_type,
@@ -368,10 +386,15 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     t0 = time.monotonic()
     try:
-        model = CPUModel(args.model_path, dtype=args.dtype, seed=args.random_seed,
-                         enable_memory_saver=args.enable_memory_saver,
-                         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
-                         return_routed_experts=args.enable_return_routed_experts)
+        if args.is_embedding:
+            from mgrpo.rollout.sglang.cpu.classify import ClassifierModel
+
+            model = ClassifierModel(args.model_path, dtype=args.dtype)
+        else:
+            model = CPUModel(args.model_path, dtype=args.dtype, seed=args.random_seed,
+                             enable_memory_saver=args.enable_memory_saver,
+                             enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+                             return_routed_experts=args.enable_return_routed_experts)
     except ValueError as e:
         sys.exit(f"python -m mgrpo.rollout.sglang.cpu.server: {e}")
     state = State(args, model)

@@ -1,0 +1,84 @@
+"""Samples without a reward: which prompt groups keep a baseline, and what the failures count as.
+
+A sample whose reward could not be produced (a judge that raised, timed out or answered garbage; a model,
+judge or service that was down; a producer's generation or environment failure) has no score. Scoring it 0
+would teach the policy that the answer was wrong, and put a fake 0 into its group's mean and std, moving
+every other member's advantage. So it carries a failed outcome instead, and:
+  - it is left out of the loss and out of its group's baseline: advantages are over the remaining members;
+  - a group left with fewer than reward.failed.min_group_size scored members has no baseline worth the
+    name: it is dropped from the loss (or its failed members are judged again first, small_group=rejudge);
+  - every failure is counted per step and per source (`reward/failed`, `reward/timeouts`,
+    `reward/masked_samples`, `reward/failed/<source>`, ...), with a warning line past
+    reward.failed.warn_rate and a refusal to go on past reward.failed.max_rate.
+
+Plain Python over per-sample lists (the experience's order); no torch, no processes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Hashable, Optional, Sequence
+
+OK = "ok"
+"""The outcome of a sample that was scored."""
+TIMEOUT = "timeout"
+"""A failed outcome: the judge (model, service) did not answer in time. Every other non-OK outcome is a failure
+of its own kind ('failed': raised or answered garbage; producers may name theirs, e.g. 'env_failed')."""
+
+
+class FailureRateExceeded(RuntimeError):
+    """A training step's share of failed samples passed reward.failed.max_rate: the judges are broken, not flaky."""
+
+
+def short_groups(outcomes: Sequence[str], group_index: Sequence[Hashable], min_group_size: int) -> list[Hashable]:
+    """Groups (first-seen order) that lost members to failures and have fewer than `min_group_size` scored
+    members left. A group that was small to begin with (rollout.n=1) is short only when it has none left."""
+    size: Counter = Counter(group_index)
+    scored: Counter = Counter(g for g, o in zip(group_index, outcomes) if o == OK)
+    seen = dict.fromkeys(group_index)
+    return [g for g in seen if scored[g] < size[g] and scored[g] < min(min_group_size, size[g])]
+
+
+def masked(outcomes: Sequence[str], group_index: Sequence[Hashable], dropped: Sequence[Hashable]) -> list[bool]:
+    """Per sample: left out of the loss and the baseline (its own reward failed, or its group was dropped)."""
+    gone = set(dropped)
+    return [o != OK or g in gone for o, g in zip(outcomes, group_index)]
+
+
+def failure_counts(outcomes: Sequence[str], sources: Sequence[str], masked_flags: Sequence[bool],
+                   dropped_groups: int) -> dict[str, float]:
+    """A step's failure metrics: totals and one pair per source (`sources[i]` names who failed sample i,
+    e.g. 'rule:openai/gsm8k', 'model:rm', 'env:sandbox')."""
+    out = {"reward/failed": 0.0, "reward/timeouts": 0.0, "reward/masked_samples": float(sum(masked_flags)),
+           "reward/dropped_groups": float(dropped_groups)}
+    for o, src in zip(outcomes, sources):
+        if o == OK:
+            continue
+        kind = "reward/timeouts" if o == TIMEOUT else "reward/failed"
+        out[kind] += 1
+        out[f"{kind}/{src or 'unknown'}"] = out.get(f"{kind}/{src or 'unknown'}", 0.0) + 1
+    return out
+
+
+def failure_rate(outcomes: Sequence[str]) -> float:
+    return sum(o != OK for o in outcomes) / max(len(outcomes), 1)
+
+
+def check_rate(outcomes: Sequence[str], sources: Sequence[str], *, warn_rate: float, max_rate: float,
+               enforce: bool, log, errors: Optional[Sequence[str]] = None) -> None:
+    """A warning line when the share of failed samples passes `warn_rate`; FailureRateExceeded past `max_rate`
+    when `enforce` (training batches; a validation only warns)."""
+    rate = failure_rate(outcomes)
+    if rate <= warn_rate and not (enforce and rate > max_rate):
+        return
+    by = Counter(s for o, s in zip(outcomes, sources) if o != OK)
+    said = ", ".join(f"{src} {k}" for src, k in by.most_common())
+    example = f"; e.g. {errors[0]}" if errors else ""
+    if enforce and rate > max_rate:
+        raise FailureRateExceeded(
+            f"{sum(by.values())} of {len(outcomes)} samples ({rate:.0%}) have no reward ({said}), past "
+            f"reward.failed.max_rate={max_rate}: the judges are failing, not the policy{example}. Fix them (or "
+            "raise reward.failed.max_rate) and resume")
+    log.warning("reward: %d of %d samples (%.0f%%) have no reward (%s), past reward.failed.warn_rate=%s; they are "
+                "left out of the loss and their groups' baselines%s", sum(by.values()), len(outcomes), 100 * rate,
+                said, warn_rate, example)
