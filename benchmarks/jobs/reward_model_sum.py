@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, RESULTS
+from benchmarks import REPO, add_output_args, output_path
 
 DIGITS = "0123456789"
 JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false",)
@@ -186,10 +186,11 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(RESULTS, "reward_model_sum_cpu.json"))
+    add_output_args(ap, "reward_model_sum_cpu.json")  # and the .png beside it
     ap.add_argument("--rm-steps", type=int, default=800)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
+    args.out = output_path(args, "reward_model_sum_cpu.json")
     work = tempfile.mkdtemp(prefix="mgrpo-rm-sum-")
     try:
         rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)

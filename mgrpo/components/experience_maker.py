@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from mgrpo.components.rollout_pipeline import RolloutPipeline
-from mgrpo.config import MGRPOConfig, seeds
+from mgrpo.config import MGRPOConfig, layout, seeds
 from mgrpo.config.choices import AsyncMode
 from mgrpo.experience import Experience
 from mgrpo.observe.metrics import summed
@@ -42,7 +42,7 @@ class ExperienceMaker:
             mt = cfg.rollout.multi_turn
             env = load_object(mt.environment, "rollout.multi_turn.environment") if mt.environment else None
             self.agent = AgentRunner(mt, tokenizer, tools, max_response_length=cfg.data.max_response_length,
-                                     engines=cfg.rollout.num_engines, enable_thinking=cfg.data.enable_thinking,
+                                     engines=layout(cfg).num_engines, enable_thinking=cfg.data.enable_thinking,
                                      environment=env)
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout

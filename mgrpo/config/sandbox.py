@@ -1,5 +1,5 @@
 """Typed configuration of the sandbox for model-written code (`sandbox:` in a run's config; mgrpo/sandbox/).
-Part of `MGRPOConfig` (mgrpo.config.schema); its checks are `mgrpo.config.validate.sandbox_errors`."""
+Part of `MGRPOConfig` (mgrpo.config.schema); its checks are `mgrpo.config.checks.sandbox_errors`."""
 
 from __future__ import annotations
 

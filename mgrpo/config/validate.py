@@ -15,11 +15,12 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Isolation,
-                                  Logger, LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RewardModelKind,
-                                  RolloutMode, RouterReplay, SmallGroup, is_choice, plain, values)
+from mgrpo.config.checks import choice, divides, multi_turn_errors, positive, reward_model_errors, sandbox_errors
+from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
+                                  LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
+                                  SmallGroup, is_choice, plain)
 from mgrpo.config.registry import target_error
-from mgrpo.config.schema import MGRPOConfig, SandboxConfig
+from mgrpo.config.schema import MGRPOConfig
 
 RESUME_MODES = ("auto", "off", "force", "disable")
 """trainer.resume values other than a checkpoint directory (disable: veRL's name for off)."""
@@ -45,25 +46,6 @@ class Layout:
     dp: int
     num_engines: int = 1
     """rollout.num_engines, or what it means unset (`engine_count`)."""
-
-
-def _choice(errors: list[str], name: str, value, allowed) -> None:
-    names = values(allowed) if isinstance(allowed, type) else list(allowed)
-    if value not in names:
-        errors.append(f"{name}='{value!s}' is not one of {names}")
-
-
-def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
-    if a <= 0:
-        errors.append(f"{a_name}={a} must be positive")
-    elif b % a != 0:
-        errors.append(f"{a_name}={a} does not divide {b_name}={b}")
-
-
-def _positive(errors: list[str], prefix: str, obj, names) -> None:
-    for name in names:
-        if getattr(obj, name) <= 0:
-            errors.append(f"{prefix}.{name}={getattr(obj, name)} must be positive")
 
 
 def layout(cfg: MGRPOConfig) -> Layout:
@@ -102,10 +84,10 @@ def engine_count(cfg: MGRPOConfig, total: int) -> int:
 def _model(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     m = cfg.model
-    _positive(e, "model", m, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+    positive(e, "model", m, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                               "head_dim", "ffn_hidden_size", "max_position_embeddings"))
     if m.num_query_groups > 0:
-        _divides(e, "model.num_query_groups", m.num_query_groups, "model.num_attention_heads", m.num_attention_heads)
+        divides(e, "model.num_query_groups", m.num_query_groups, "model.num_attention_heads", m.num_attention_heads)
     if m.hf_path is not None and not os.path.isfile(os.path.join(m.hf_path, "config.json")):
         hub_id = m.hf_path.count("/") == 1 and not os.path.exists(m.hf_path)
         hint = (f"; it looks like a Hugging Face hub id, and mgrpo never downloads at run time: "
@@ -117,44 +99,44 @@ def _model(cfg: MGRPOConfig) -> list[str]:
 def _actor(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     m, d, a, t = cfg.model, cfg.data, cfg.actor, cfg.trainer
-    _divides(e, "actor.tp", a.tp, "model.num_attention_heads", m.num_attention_heads)
-    _divides(e, "actor.tp", a.tp, "model.num_query_groups", m.num_query_groups)
+    divides(e, "actor.tp", a.tp, "model.num_attention_heads", m.num_attention_heads)
+    divides(e, "actor.tp", a.tp, "model.num_query_groups", m.num_query_groups)
     if not m.num_experts:  # a MoE model has no dense MLP to split, and TP never splits its experts
-        _divides(e, "actor.tp", a.tp, "model.ffn_hidden_size", m.ffn_hidden_size)
-    _divides(e, "actor.pp", a.pp, "model.num_layers", m.num_layers)
+        divides(e, "actor.tp", a.tp, "model.ffn_hidden_size", m.ffn_hidden_size)
+    divides(e, "actor.pp", a.pp, "model.num_layers", m.num_layers)
     if a.ep < 1:
         e.append(f"actor.ep={a.ep} must be positive")
     elif a.ep > 1 and not m.num_experts:
         e.append(f"actor.ep={a.ep} splits experts, but model.num_experts=0 (model.family={m.family!r} is dense)")
     elif m.num_experts:
-        _divides(e, "actor.ep", a.ep, "model.num_experts", m.num_experts)
+        divides(e, "actor.ep", a.ep, "model.num_experts", m.num_experts)
     if a.cp < 1:
         e.append(f"actor.cp={a.cp} must be positive")
-    _choice(e, "actor.cp_comm_type", a.cp_comm_type, CP_COMM_TYPES)
+    choice(e, "actor.cp_comm_type", a.cp_comm_type, CP_COMM_TYPES)
     if a.recompute is not None:
-        _choice(e, "actor.recompute", a.recompute, Recompute)
+        choice(e, "actor.recompute", a.recompute, Recompute)
     if a.cp > 1 and a.cp_comm_type in ("a2a", "a2a+p2p") and (m.num_attention_heads // max(a.tp, 1)) % a.cp:
         e.append(f"actor.cp_comm_type={a.cp_comm_type!r} splits each rank's attention heads over CP ranks: "
                  f"model.num_attention_heads/actor.tp={m.num_attention_heads // max(a.tp, 1)} is not divisible by "
                  f"actor.cp={a.cp} (use actor.cp_comm_type=p2p)")
     if a.fp8 is not None:
-        _choice(e, "actor.fp8", a.fp8, Fp8Format)
-    _choice(e, "actor.fp8_recipe", a.fp8_recipe, Fp8Recipe)
+        choice(e, "actor.fp8", a.fp8, Fp8Format)
+    choice(e, "actor.fp8_recipe", a.fp8_recipe, Fp8Recipe)
     if a.fp8 is not None and t.device == Device.cpu:
         e.append(f"actor.fp8='{a.fp8!s}' needs Transformer Engine on a GPU; on trainer.device=cpu use actor.fp8=null")
     if a.use_distributed_optimizer and t.device == Device.cpu:
         e.append("actor.use_distributed_optimizer=True needs CUDA tensors in megatron-core; "
                  "on trainer.device=cpu use actor.use_distributed_optimizer=false")
-    _choice(e, "actor.logprob_impl", a.logprob_impl, LogprobImpl)
+    choice(e, "actor.logprob_impl", a.logprob_impl, LogprobImpl)
     if a.logprob_chunk_size < 1 or (a.logprob_chunk_mb is not None and a.logprob_chunk_mb <= 0):
         e.append(f"actor.logprob_chunk_size={a.logprob_chunk_size} and actor.logprob_chunk_mb={a.logprob_chunk_mb} "
                  "must be positive (logprob_chunk_mb=null: no cap)")
-    _choice(e, "actor.router_replay", a.router_replay, RouterReplay)  # which families route: preflight
-    _choice(e, "actor.dtype", a.dtype, Dtype)
+    choice(e, "actor.router_replay", a.router_replay, RouterReplay)  # which families route: preflight
+    choice(e, "actor.dtype", a.dtype, Dtype)
     if a.dtype == Dtype.bf16 and t.device == Device.cpu:
         e.append("actor.dtype=bf16 needs CUDA (megatron's mixed-precision optimizer); on trainer.device=cpu "
                  "use actor.dtype=fp32")
-    _choice(e, "actor.lr_decay_style", a.lr_decay_style, LrDecayStyle)
+    choice(e, "actor.lr_decay_style", a.lr_decay_style, LrDecayStyle)
     if a.lr <= 0:
         e.append(f"actor.lr={a.lr} must be positive")
     if a.ppo_epochs < 1:
@@ -164,16 +146,16 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
         e.append(f"actor.max_tokens_per_gpu={a.max_tokens_per_gpu} is smaller than one sequence "
                  f"(data.max_prompt_length + data.max_response_length = {one_sequence})")
     if a.ppo_mini_batch_size is not None:
-        _divides(e, "actor.ppo_mini_batch_size", a.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
+        divides(e, "actor.ppo_mini_batch_size", a.ppo_mini_batch_size, "data.train_batch_size", d.train_batch_size)
     return e
 
 
 def _resources(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     a, r, t = cfg.actor, cfg.rollout, cfg.trainer
-    _choice(e, "trainer.device", t.device, Device)
-    _choice(e, "rollout.engine", r.engine, Engine)
-    _choice(e, "rollout.mode", r.mode, RolloutMode)
+    choice(e, "trainer.device", t.device, Device)
+    choice(e, "rollout.engine", r.engine, Engine)
+    choice(e, "rollout.mode", r.mode, RolloutMode)
     if t.nnodes < 1:
         e.append(f"trainer.nnodes={t.nnodes} must be at least 1")
     if t.n_gpus_per_node is not None and t.n_gpus_per_node < 1:
@@ -217,7 +199,7 @@ def _data(cfg: MGRPOConfig, check_files: bool) -> list[str]:
                 e.append(f"data.{key}[{i}]={f!r} does not exist")
             elif not f.endswith((".jsonl", ".json", ".parquet")):
                 e.append(f"data.{key}[{i}]={f!r} is neither .jsonl nor .parquet")
-    _positive(e, "data", d, ("max_prompt_length", "max_response_length", "train_batch_size"))
+    positive(e, "data", d, ("max_prompt_length", "max_response_length", "train_batch_size"))
     if d.max_prompt_length + d.max_response_length > m.max_position_embeddings:
         e.append(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length} "
                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
@@ -227,7 +209,7 @@ def _data(cfg: MGRPOConfig, check_files: bool) -> list[str]:
 def _algorithm(cfg: MGRPOConfig) -> list[str]:
     e: list[str] = []
     al, d = cfg.algorithm, cfg.data
-    _choice(e, "algorithm.logprob_support", al.logprob_support, LogprobSupport)
+    choice(e, "algorithm.logprob_support", al.logprob_support, LogprobSupport)
     if al.clip_ratio_low < 0 or al.clip_ratio_high < 0:
         e.append(f"algorithm.clip_ratio_low={al.clip_ratio_low} and clip_ratio_high={al.clip_ratio_high} "
                  "must be non-negative")
@@ -261,7 +243,7 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         e.append(f"rollout.health_check_interval_s={r.health_check_interval_s} and rollout.health_check_timeout_s="
                  f"{r.health_check_timeout_s} must be positive")
     if not is_choice(r.async_mode, AsyncMode):
-        _choice(e, "rollout.async_mode", r.async_mode, AsyncMode)
+        choice(e, "rollout.async_mode", r.async_mode, AsyncMode)
     elif r.async_mode != AsyncMode.off:
         if r.shares_actor_devices:
             e.append(f"rollout.async_mode='{r.async_mode!s}' overlaps generation with training, which rollout.mode="
@@ -281,101 +263,16 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         e.append(f"reward.failed.min_group_size={f.min_group_size} must be at least 1 and "
                  f"reward.failed.rejudge_attempts={f.rejudge_attempts} non-negative")
     if not is_choice(f.small_group, SmallGroup):
-        _choice(e, "reward.failed.small_group", f.small_group, SmallGroup)
+        choice(e, "reward.failed.small_group", f.small_group, SmallGroup)
     for name in ("warn_rate", "max_rate"):
         if not 0 <= getattr(f, name) <= 1:
             e.append(f"reward.failed.{name}={getattr(f, name)} must be in [0, 1]")
-    e += _reward_models(rw)
+    e += reward_model_errors(rw)
     for src, spec in rw.custom_functions.items():
         problem = target_error(spec, f"reward.custom_functions[{src!r}]", "function")
         if problem:
             e.append(problem)
-    m = r.multi_turn
-    if m.enable:
-        for key, v in (("max_assistant_turns", m.max_assistant_turns), ("max_parallel_calls", m.max_parallel_calls),
-                       ("max_tool_response_length", m.max_tool_response_length),
-                       ("max_concurrent_per_engine", m.max_concurrent_per_engine)):
-            if v < 1:
-                e.append(f"rollout.multi_turn.{key}={v} must be at least 1")
-        if m.max_tokens_per_turn < 0:
-            e.append(f"rollout.multi_turn.max_tokens_per_turn={m.max_tokens_per_turn} must be >= 0 (0: the rest of "
-                     "data.max_response_length)")
-        if m.tool_response_truncate_side not in ("left", "right", "middle"):
-            e.append(f"rollout.multi_turn.tool_response_truncate_side={m.tool_response_truncate_side!r}: left | right "
-                     "| middle")
-        if m.on_tool_error not in ("reply", "mask"):
-            e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
-        if not m.keep_thinking:
-            e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
-                     "blocks (what each turn was sampled from)")
-        if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
-            e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
-                     f"{m.trajectory_timeout_s} must be positive")
-        if not m.function_tools and not m.tool_config_path and not m.environment:
-            e.append("rollout.multi_turn.enable=True needs tools or an environment: rollout.multi_turn.function_tools, "
-                     "rollout.multi_turn.tool_config_path or rollout.multi_turn.environment")
-        if m.tool_config_path and not os.path.isfile(m.tool_config_path):
-            e.append(f"rollout.multi_turn.tool_config_path={m.tool_config_path!r}: file not found")
-        if cfg.model.tokenizer == "synthetic":
-            e.append("rollout.multi_turn.enable=True needs a tokenizer with a chat template (model.tokenizer=qwen3 "
-                     "or a directory); 'synthetic' has none")
-    return e
-
-
-def sandbox_errors(s: SandboxConfig) -> list[str]:
-    """The sandbox's limits (mgrpo-sandbox checks its flags with this too). Whether the machine gives the
-    isolation asked for is a capability check: mgrpo.sandbox.isolation.resolve."""
-    e: list[str] = []
-    _choice(e, "sandbox.isolation", s.isolation, Isolation)
-    _positive(e, "sandbox", s, ("cpu_time_s", "wall_time_s", "max_file_size_mb", "scratch_mb",
-                                "max_output_bytes", "max_concurrency"))
-    if s.max_processes < 2:  # the stub and the code it runs
-        e.append(f"sandbox.max_processes={s.max_processes} must be at least 2")
-    if s.max_open_files < 8:  # stdin/out/err, the code's pipe and the interpreter's own files
-        e.append(f"sandbox.max_open_files={s.max_open_files} must be at least 8")
-    if s.memory_mb < 64:
-        e.append(f"sandbox.memory_mb={s.memory_mb} must be at least 64 (the interpreter alone maps about 30 MiB)")
-    if s.pool_size < 0:
-        e.append(f"sandbox.pool_size={s.pool_size} must be at least 0")
-    if s.uid <= 0:
-        e.append(f"sandbox.uid={s.uid} must be a positive uid (never root)")
-    return e
-
-
-def _reward_models(rw) -> list[str]:
-    e: list[str] = []
-    for name, m in rw.models.items():
-        where = f"reward.models.{name}"
-        if name == "rule" or not name.replace("_", "").replace("-", "").isalnum():
-            e.append(f"{where}: a reward model's name is letters, digits, '-' and '_', and not 'rule' (the rule's)")
-        if not is_choice(m.kind, RewardModelKind):
-            _choice(e, f"{where}.kind", m.kind, RewardModelKind)
-        elif m.kind == RewardModelKind.generative:
-            e.append(f"{where}.kind=generative: LLM judges are not implemented yet (issue 33); use a classifier")
-        if not m.hf_path and not m.url:
-            e.append(f"{where}.hf_path is empty: name the reward model's HF checkpoint (or its server's url)")
-        if m.engines < 1 or m.tp < 1 or m.batch_size < 1 or m.max_retries < 0 or m.timeout_s <= 0:
-            e.append(f"{where}: engines={m.engines}, tp={m.tp}, batch_size={m.batch_size} must be at least 1, "
-                     f"max_retries={m.max_retries} non-negative and timeout_s={m.timeout_s} positive")
-        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
-               for a in m.server_args):
-            e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
-    for name, sv in rw.services.items():
-        where = f"reward.services.{name}"
-        if name == "rule" or name in rw.models:
-            e.append(f"{where}: the name is the rule's or a reward model's already")
-        if not sv.url.startswith(("http://", "https://")):
-            e.append(f"{where}.url={sv.url!r}: an http:// or https:// URL")
-        if sv.timeout_s <= 0 or sv.max_retries < 0 or sv.backoff_s < 0 or sv.concurrency < 1:
-            e.append(f"{where}: timeout_s={sv.timeout_s} and concurrency={sv.concurrency} must be positive, "
-                     f"max_retries={sv.max_retries} and backoff_s={sv.backoff_s} non-negative")
-        if sv.api_key_env and not os.environ.get(sv.api_key_env):
-            e.append(f"{where}.api_key_env={sv.api_key_env}: the variable is not set (or empty)")
-    for src, weights in rw.compose.items():
-        for scorer in weights:
-            if scorer != "rule" and scorer not in rw.models and scorer not in rw.services:
-                e.append(f"reward.compose[{src!r}]: {scorer!r} is neither 'rule' nor a reward.models or "
-                         f"reward.services entry ({sorted({*rw.models, *rw.services}) or 'none'})")
+    e += multi_turn_errors(r.multi_turn, cfg.model.tokenizer)
     return e
 
 
@@ -385,7 +282,7 @@ def _trainer(cfg: MGRPOConfig) -> list[str]:
     if t.total_training_steps is not None and t.total_training_steps < 1:
         e.append(f"trainer.total_training_steps={t.total_training_steps} must be at least 1 (or null)")
     for name in t.logger:
-        _choice(e, "trainer.logger[]", name, Logger)
+        choice(e, "trainer.logger[]", name, Logger)
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         e.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1 (or null to keep all)")
     if t.max_logprob_diff is not None and not t.max_logprob_diff > 0:

@@ -19,7 +19,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Optional
 
 from mgrpo.config.schema import SandboxConfig
-from mgrpo.config.validate import raise_errors, sandbox_errors
+from mgrpo.config.checks import sandbox_errors
+from mgrpo.config.validate import raise_errors
 from mgrpo.sandbox import process
 from mgrpo.sandbox.counts import OutcomeCounts
 from mgrpo.sandbox.isolation import describe

@@ -5,7 +5,7 @@ e.g. min_lr_ratio x lr) and returns [(mgrpo key, value), ...], or [("", reason)]
 ignored, or raises Refuse(reason). Exact keys first (RULES), then whole subtrees (PREFIX_RULES);
 VALUE_RULES translate the values of keys both projects spell the same.
 Layout keys (parallel sizes for the actor and the reference, offloading, Megatron engine settings) are in
-layout.py. Sources: veRL's verl/trainer/config/_generated_ppo_{,megatron_}trainer.yaml, examples/ and the DAPO
+layout.py, the multi-turn keys (actor_rollout_ref.rollout.multi_turn.*) in multi_turn.py. Sources: veRL's verl/trainer/config/_generated_ppo_{,megatron_}trainer.yaml, examples/ and the DAPO
 recipe (verl-recipe dapo/).
 """
 
@@ -15,6 +15,7 @@ from typing import Optional
 
 from mgrpo.compat.verl.kit import A, F, M, MICRO, PROFILE, R, TUNING, Refuse, Rule, falsy, ignore, only, refuse, to
 from mgrpo.compat.verl.layout import LAYOUT_PREFIX_RULES, LAYOUT_RULES
+from mgrpo.compat.verl.multi_turn import MULTI_TURN_RULES
 from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
 
 VERL_ONLY_PREFIXES = ("actor_rollout_ref.", "critic.", "reward_model.", "reward_manager.", "custom_reward_function.",
@@ -43,37 +44,6 @@ DEFAULT_DIFFS = (
     ("trainer.total_epochs", "30 (trainer.total_training_steps null: epochs x batches)",
      "trainer.total_training_steps", "150"),
 )
-
-
-def _max_turns(v, ctx):
-    if v is None:  # veRL: no limit. mgrpo bounds every trajectory
-        return [("", "unlimited in veRL; mgrpo keeps its bound rollout.multi_turn.max_assistant_turns")]
-    return [("rollout.multi_turn.max_assistant_turns", int(v))]
-
-
-def _function_tools(v, ctx):
-    return [("rollout.multi_turn.function_tools", list(v) if isinstance(v, (list, tuple)) else [v])]
-
-
-# actor_rollout_ref.rollout.multi_turn.* (veRL's ToolAgentLoop settings) -> rollout.multi_turn.*
-MULTI_TURN_RULES: dict[str, Rule] = {
-    R + "multi_turn.enable": to("rollout.multi_turn.enable", bool),
-    R + "multi_turn.max_assistant_turns": _max_turns,
-    R + "multi_turn.max_user_turns": only(lambda v: v is None or isinstance(v, int), "mgrpo's trajectories have "
-                                          "no user turns (tools only)", "expected an integer or null"),
-    R + "multi_turn.max_parallel_calls": to("rollout.multi_turn.max_parallel_calls", int),
-    R + "multi_turn.max_tool_response_length": to("rollout.multi_turn.max_tool_response_length", int),
-    R + "multi_turn.tool_response_truncate_side": to("rollout.multi_turn.tool_response_truncate_side", str),
-    R + "multi_turn.format": to("rollout.multi_turn.format", str),  # SGLang's parser names (hermes, qwen25, ...)
-    R + "multi_turn.tool_config_path": to("rollout.multi_turn.tool_config_path", str),
-    R + "multi_turn.function_tool_path": _function_tools,
-    R + "multi_turn.interaction_config_path": only(falsy, "no interaction", "mgrpo has no interaction / "
-                                                   "environment classes yet (tools only)"),
-    R + "multi_turn.use_inference_chat_template": ignore("mgrpo keeps the sampled token ids; the template's own "
-                                                         "rendering is only compared (multi_turn/template_drift_tokens)"),
-    R + "multi_turn.tokenization_sanity_check_mode": ignore("mgrpo never re-tokenises: it counts drift instead "
-                                                            "(multi_turn/template_drift_tokens)"),
-}
 
 
 def _kl_name(v):

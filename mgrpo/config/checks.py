@@ -1,0 +1,122 @@
+"""Checks of single config groups, each returning its error lines, collected by `validate.field_errors` (the one
+validator): the primitive checks, and the groups that live in files of their own (rollout.multi_turn, sandbox,
+reward.models / services / compose). `mgrpo-sandbox` checks its flags with `sandbox_errors` too."""
+
+from __future__ import annotations
+
+import os
+
+from mgrpo.config.choices import Isolation, RewardModelKind, is_choice, values
+from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.sandbox import SandboxConfig
+
+
+def choice(errors: list[str], name: str, value, allowed) -> None:
+    names = values(allowed) if isinstance(allowed, type) else list(allowed)
+    if value not in names:
+        errors.append(f"{name}='{value!s}' is not one of {names}")
+
+
+def divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
+    if a <= 0:
+        errors.append(f"{a_name}={a} must be positive")
+    elif b % a != 0:
+        errors.append(f"{a_name}={a} does not divide {b_name}={b}")
+
+
+def positive(errors: list[str], prefix: str, obj, names) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            errors.append(f"{prefix}.{name}={getattr(obj, name)} must be positive")
+
+
+def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
+    """rollout.multi_turn, when enabled."""
+    e: list[str] = []
+    if not m.enable:
+        return e
+    for key, v in (("max_assistant_turns", m.max_assistant_turns), ("max_parallel_calls", m.max_parallel_calls),
+                   ("max_tool_response_length", m.max_tool_response_length),
+                   ("max_concurrent_per_engine", m.max_concurrent_per_engine)):
+        if v < 1:
+            e.append(f"rollout.multi_turn.{key}={v} must be at least 1")
+    if m.max_tokens_per_turn < 0:
+        e.append(f"rollout.multi_turn.max_tokens_per_turn={m.max_tokens_per_turn} must be >= 0 (0: the rest of "
+                 "data.max_response_length)")
+    if m.tool_response_truncate_side not in ("left", "right", "middle"):
+        e.append(f"rollout.multi_turn.tool_response_truncate_side={m.tool_response_truncate_side!r}: left | right "
+                 "| middle")
+    if m.on_tool_error not in ("reply", "mask"):
+        e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
+    if not m.keep_thinking:
+        e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
+                 "blocks (what each turn was sampled from)")
+    if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
+        e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
+                 f"{m.trajectory_timeout_s} must be positive")
+    if not m.function_tools and not m.tool_config_path and not m.environment:
+        e.append("rollout.multi_turn.enable=True needs tools or an environment: rollout.multi_turn.function_tools, "
+                 "rollout.multi_turn.tool_config_path or rollout.multi_turn.environment")
+    if m.tool_config_path and not os.path.isfile(m.tool_config_path):
+        e.append(f"rollout.multi_turn.tool_config_path={m.tool_config_path!r}: file not found")
+    if tokenizer == "synthetic":
+        e.append("rollout.multi_turn.enable=True needs a tokenizer with a chat template (model.tokenizer=qwen3 "
+                 "or a directory); 'synthetic' has none")
+    return e
+
+
+def sandbox_errors(s: SandboxConfig) -> list[str]:
+    """The sandbox's limits (mgrpo-sandbox checks its flags with this too). Whether the machine gives the
+    isolation asked for is a capability check: mgrpo.sandbox.isolation.resolve."""
+    e: list[str] = []
+    choice(e, "sandbox.isolation", s.isolation, Isolation)
+    positive(e, "sandbox", s, ("cpu_time_s", "wall_time_s", "max_file_size_mb", "scratch_mb",
+                                "max_output_bytes", "max_concurrency"))
+    if s.max_processes < 2:  # the stub and the code it runs
+        e.append(f"sandbox.max_processes={s.max_processes} must be at least 2")
+    if s.max_open_files < 8:  # stdin/out/err, the code's pipe and the interpreter's own files
+        e.append(f"sandbox.max_open_files={s.max_open_files} must be at least 8")
+    if s.memory_mb < 64:
+        e.append(f"sandbox.memory_mb={s.memory_mb} must be at least 64 (the interpreter alone maps about 30 MiB)")
+    if s.pool_size < 0:
+        e.append(f"sandbox.pool_size={s.pool_size} must be at least 0")
+    if s.uid <= 0:
+        e.append(f"sandbox.uid={s.uid} must be a positive uid (never root)")
+    return e
+
+
+def reward_model_errors(rw) -> list[str]:
+    e: list[str] = []
+    for name, m in rw.models.items():
+        where = f"reward.models.{name}"
+        if name == "rule" or not name.replace("_", "").replace("-", "").isalnum():
+            e.append(f"{where}: a reward model's name is letters, digits, '-' and '_', and not 'rule' (the rule's)")
+        if not is_choice(m.kind, RewardModelKind):
+            choice(e, f"{where}.kind", m.kind, RewardModelKind)
+        elif m.kind == RewardModelKind.generative:
+            e.append(f"{where}.kind=generative: LLM judges are not implemented yet (issue 33); use a classifier")
+        if not m.hf_path and not m.url:
+            e.append(f"{where}.hf_path is empty: name the reward model's HF checkpoint (or its server's url)")
+        if m.engines < 1 or m.tp < 1 or m.batch_size < 1 or m.max_retries < 0 or m.timeout_s <= 0:
+            e.append(f"{where}: engines={m.engines}, tp={m.tp}, batch_size={m.batch_size} must be at least 1, "
+                     f"max_retries={m.max_retries} non-negative and timeout_s={m.timeout_s} positive")
+        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
+               for a in m.server_args):
+            e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
+    for name, sv in rw.services.items():
+        where = f"reward.services.{name}"
+        if name == "rule" or name in rw.models:
+            e.append(f"{where}: the name is the rule's or a reward model's already")
+        if not sv.url.startswith(("http://", "https://")):
+            e.append(f"{where}.url={sv.url!r}: an http:// or https:// URL")
+        if sv.timeout_s <= 0 or sv.max_retries < 0 or sv.backoff_s < 0 or sv.concurrency < 1:
+            e.append(f"{where}: timeout_s={sv.timeout_s} and concurrency={sv.concurrency} must be positive, "
+                     f"max_retries={sv.max_retries} and backoff_s={sv.backoff_s} non-negative")
+        if sv.api_key_env and not os.environ.get(sv.api_key_env):
+            e.append(f"{where}.api_key_env={sv.api_key_env}: the variable is not set (or empty)")
+    for src, weights in rw.compose.items():
+        for scorer in weights:
+            if scorer != "rule" and scorer not in rw.models and scorer not in rw.services:
+                e.append(f"reward.compose[{src!r}]: {scorer!r} is neither 'rule' nor a reward.models or "
+                         f"reward.services entry ({sorted({*rw.models, *rw.services}) or 'none'})")
+    return e
