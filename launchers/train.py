@@ -30,6 +30,7 @@ from mgrpo.config import InputError, MGRPOConfig
 from mgrpo.observe import logs
 from mgrpo_launchers import overrides
 from mgrpo.config.choices import plain
+from mgrpo.config.vocab import register_resolver
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_STOPPED = 75
@@ -38,6 +39,10 @@ EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (with a checkpoint written after the first, nothing more after a second)."""
 
 ConfigStore.instance().store(name="mgrpo_schema", node=MGRPOConfig)
+# configs/model/ size the vocabulary from model.tokenizer (`${tokenizer_vocab:...}`). Registered here, where
+# configs are composed, not on `import mgrpo.config`: light importers (the sandbox, the GPU checks) stay
+# free of OmegaConf.
+register_resolver()
 
 
 def to_config(cfg: DictConfig) -> MGRPOConfig:

@@ -16,9 +16,6 @@ from mgrpo.config.schema import (
     TrainerConfig,
 )
 from mgrpo.config.validate import ConfigError, InputError, Layout, layout, output_dir, resolve_device, validate
-from mgrpo.config.vocab import register_resolver
-
-register_resolver()  # configs/model/ size the vocabulary from model.tokenizer (mgrpo/config/vocab.py)
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "ConfigError", "InputError", "DataConfig", "EvaluationConfig",
