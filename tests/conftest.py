@@ -3,7 +3,7 @@
 - `unit` (the default for an unmarked test): in-process only. Starting a process (subprocess, multiprocessing,
   fork, spawn), a torch.distributed group (gloo) or a listening server fails the test, naming the marker to use.
 - `integration`: one process tree per test, one case per parallel axis. The README's test command runs
-  unit + integration (`python -m pytest -m "not system"`).
+  unit + integration (`python -m pytest -m "not system" -n 2`).
 - `system`: learning runs, soaks, chaos, SLURM, fuzz, full layout matrices, kill/stop matrices. `.ci/run` runs
   it after the README's command.
 

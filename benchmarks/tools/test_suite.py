@@ -29,7 +29,7 @@ from benchmarks.tools.proctree import machine
 
 COMMANDS = {
     "unit": ["-m", "unit"],
-    "readme": ["-m", "not system"],  # the README's test command: unit + integration
+    "readme": ["-m", "not system", "-n", "2"],  # the README's test command: unit + integration
     "system": ["-m", "system", "-n", "2"],  # as .ci/run runs it
 }
 BUDGET_S = {"unit": 180, "readme": 1200, "system": None, "ci": 3000}
