@@ -20,6 +20,7 @@ import pytest
 
 from mgrpo.config.schema import SandboxConfig
 from mgrpo.net import free_port
+from tests.helpers.procs import processes_mentioning
 
 pytestmark = pytest.mark.integration
 
@@ -278,18 +279,6 @@ def test_sleep_past_the_wall_time(sandbox):
     assert CFG.wall_time_s <= r.wall_s < CFG.wall_time_s + 2
 
 
-def _processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
 def test_a_detached_daemon_is_gone_after_the_call(sandbox):
     marker = f"mgrpo-daemon-{os.getpid()}-{time.monotonic_ns()}"
     code = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -299,9 +288,9 @@ def test_a_detached_daemon_is_gone_after_the_call(sandbox):
     r = run_counted(sandbox, code)
     assert (r.outcome, r.stdout) == ("ok", "started\n"), r
     deadline = time.monotonic() + 5
-    while _processes_with(marker) and time.monotonic() < deadline:
+    while processes_mentioning(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _processes_with(marker) == []
+    assert processes_mentioning(marker) == []
 
 
 def test_concurrent_calls_are_capped_and_isolated(sandbox):
