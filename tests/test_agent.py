@@ -474,3 +474,49 @@ def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():
     line = parse_line(json.dumps(row), 3, "t.jsonl")
     d = line.diffs
     assert d[0] == 0.25 and d[3] == 0.0 and math.isnan(d[1]) and math.isnan(d[2]) and line.context_tokens == 2
+
+
+@pytest.mark.integration
+def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwen3):
+    """rollout.multi_turn.function_tools naming `mgrpo.sandbox.tool:python`: the experience maker makes the
+    sandbox from cfg.sandbox, each call runs there (the model sees its output), and the step's metrics carry
+    every call's outcome."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from mgrpo.components.experience_maker import ExperienceMaker
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.data.dataset import PromptItem
+
+    spec = "mgrpo.sandbox.tool:python"
+    tools = ToolSet.from_config([spec], None)
+    cfg = MGRPOConfig()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="qwen3"),
+                              sandbox=dataclasses.replace(cfg.sandbox, wall_time_s=1.0, cpu_time_s=2),
+                              rollout=dataclasses.replace(cfg.rollout, n=2, multi_turn=MultiTurnConfig(
+                                  enable=True, function_tools=[spec])))
+    prompts = _prompts(qwen3, tools, 2)
+    schemas = tools.schemas(list(tools.tools))
+    items = [PromptItem(index=i, prompt_ids=prompts[i], prompt_text="", data_source="s", ground_truth="42",
+                        messages=[{"role": "user", "content": f"question {i}"}], tools=schemas) for i in range(2)]
+    codes = ["print(6 * 7)", "import time\nwhile True: pass"]  # prompt 1's samples loop past the wall limit
+
+    def generate(prompts_, n, params, desc):  # the rollout group's signature; n is 1 per turn
+        out = []
+        for ids in prompts_:
+            text = (_call("python", {"code": codes[prompts.index(ids)]}) if ids in prompts
+                    else "<think>\nok\n</think>\n\n42")
+            new = qwen3(text, add_special_tokens=False)["input_ids"] + [qwen3.eos_token_id]
+            out.append(GenerateResult(uid=0, token_ids=new, logprobs=[-0.5] * len(new), finish_reason="stop",
+                                      weight_version=0))
+        return out, SimpleNamespace(retries=0, restarts=0, auth_refused=0)
+
+    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, judger=None,
+                            rollout=SimpleNamespace(generate=generate), tools=tools)
+    try:
+        exp, measured = maker.generate(items, 2, SamplingParams(max_new_tokens=256))
+    finally:
+        maker.close()
+    assert (measured["sandbox/calls"], measured["sandbox/ok"], measured["sandbox/timeout"]) == (4, 2, 2), measured
+    replies = [t["text"] for traj in exp.turns for t in traj["turns"] if t["role"] == "tool"]
+    assert sorted(r.splitlines()[0] for r in replies)[:2] == ["42", "42"], replies

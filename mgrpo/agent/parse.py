@@ -14,11 +14,12 @@ found by counting the format's call openings (`bot_token`) against the calls it 
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.util
 import json
 import logging
 import sys
 import threading
-import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,9 +36,11 @@ def _sglang_function_call():
         raise ImportError("rollout.multi_turn needs SGLang's tool-call parser: pip install --no-deps "
                           "-r requirements-sglang.txt, plus orjson partial-json-parser openai pybase64 xgrammar")
     if "sglang" not in sys.modules:
-        pkg = types.ModuleType("sglang")
-        pkg.__path__ = [d]
-        sys.modules["sglang"] = pkg
+        # with a spec, as the import system makes a package: importlib.util.find_spec("sglang") (the wheel's
+        # other readers, mgrpo.rollout.sglang.protocol.wheel) must keep working in this process
+        spec = importlib.machinery.ModuleSpec("sglang", None, is_package=True)
+        spec.submodule_search_locations = [d]
+        sys.modules["sglang"] = importlib.util.module_from_spec(spec)
     from sglang.srt.entrypoints.openai.protocol import Tool
     from sglang.srt.environ import envs
     from sglang.srt.function_call.function_call_parser import FunctionCallParser

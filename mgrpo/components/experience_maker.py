@@ -44,6 +44,15 @@ class ExperienceMaker:
             self.agent = AgentRunner(mt, tokenizer, tools, max_response_length=cfg.data.max_response_length,
                                      engines=layout(cfg).num_engines, enable_thinking=cfg.data.enable_thinking,
                                      environment=env)
+        self.sandbox = None
+        """The code tool's module (mgrpo.sandbox.tool) when the run gives that tool: its sandbox is made from
+        cfg.sandbox now (refusing a level the machine cannot give; the line names the isolation in force) and
+        its per-call outcomes are drained into every step's metrics."""
+        if self.agent is not None and any(t.startswith("mgrpo.sandbox.tool:") for t in mt.function_tools):
+            from mgrpo.sandbox import tool as sandbox_tool
+
+            sandbox_tool.configure(cfg.sandbox)
+            self.sandbox = sandbox_tool
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""
@@ -92,6 +101,8 @@ class ExperienceMaker:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        if self.sandbox is not None:
+            self.sandbox.close()  # its pre-started sandboxes
 
     # --- generate and judge ---------------------------------------------------------------------------
     def sampling(self, step: int, round_: int = 0) -> SamplingParams:
@@ -133,6 +144,8 @@ class ExperienceMaker:
             reasons = sorted({t.finish_reason for t in trajs})
             raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
                                "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
+        if self.sandbox is not None:
+            measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0
         return Experience.from_trajectories(items, kept, n), measured
 
