@@ -493,6 +493,7 @@ def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwe
     cfg = MGRPOConfig()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="qwen3"),
                               sandbox=dataclasses.replace(cfg.sandbox, wall_time_s=1.0, cpu_time_s=2),
+                              data=dataclasses.replace(cfg.data, max_response_length=512),
                               rollout=dataclasses.replace(cfg.rollout, n=2, multi_turn=MultiTurnConfig(
                                   enable=True, function_tools=[spec])))
     prompts = _prompts(qwen3, tools, 2)
