@@ -89,9 +89,15 @@ def run_ci() -> dict[str, dict]:
     load, t0 = os.getloadavg()[0], time.time()
     proc = subprocess.run(["bash", ".ci/run"], cwd=REPO, capture_output=True, text=True)
     wall = time.time() - t0
+    # The whole output kept (untracked): a failure seen only in the timed run must leave its traceback behind.
+    log_path = os.path.join(REPO, "outputs", "tests", "ci_run.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
     summaries = [ln.strip("= ") for ln in proc.stdout.splitlines()
                  if re.match(r"^=+ .*\b(passed|failed|error)\b.* in [\d.]+s", ln)]
     out = {"ci": {"command": "bash .ci/run", "exit_status": proc.returncode, "wall_s": round(wall, 1),
+                  "log": os.path.relpath(log_path, REPO),
                   "budget_s": BUDGET_S["ci"], "load_1m_at_start": round(load, 2),
                   "load_1m_at_end": round(os.getloadavg()[0], 2), "summaries": summaries,
                   "passed": 0, "skipped": 0, "failed": 0}}
