@@ -8,8 +8,8 @@
   it after the README's command.
 
 Every run writes each test's tier, outcome, seconds and what it started to `outputs/tests/durations.json`,
-so that tiers move by data (`python -m benchmarks.tools.test_suite` keeps a committed summary and the per-test
-seconds in `tests/durations_cpu.json`). pytest-timeout is the backstop against a hang: each tier has a default
+so that tiers move by data (`python -m benchmarks.tools.test_suite --update-results` keeps a committed summary
+and the per-test seconds in `tests/durations_cpu.json`). pytest-timeout is the backstop against a hang: each tier has a default
 budget per test, a `@pytest.mark.timeout(...)` overrides it.
 
 With pytest-xdist (`-n 2 --dist loadgroup`, as `.ci/run` runs) a module's tests go to one worker (its

@@ -414,7 +414,7 @@ def test_tiers_block() -> str:
     d = _json("test_suite_cpu.json")
     if d is None:
         return "(not measured yet: `python -m benchmarks.tools.test_suite`)"
-    lines = ["Measured with `python -m benchmarks.tools.test_suite` on the 2-core machine:", "",
+    lines = ["Measured with `python -m benchmarks.tools.test_suite --update-results` on the 2-core machine:", "",
              "| command | tests | wall time (budget) | load | commit |", "|---|---|---|---|---|"]
     for name in ("unit", "readme", "system", "ci"):
         t = d["tiers"].get(name)
