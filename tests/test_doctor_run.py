@@ -106,6 +106,36 @@ def test_missing_log_probs_are_counted_not_averaged(tmp_path):
     assert rep["tokens"]["max"] == pytest.approx(1e-6, rel=1e-6)
 
 
+def _multi_turn_line(step, late):
+    """[assistant 3 tokens][tool 2 context tokens][assistant 3 tokens]: the second turn `late` off."""
+    row = _line(step, [1], [4, 5, 6, 7, 8, 9, 10, 11], [1e-7] * 3 + [0.0, 0.0] + [late] * 3)
+    row["sampled_mask"] = [1, 1, 1, 0, 0, 1, 1, 1]
+    row["rollout_logprobs"][3:5] = [0.0, 0.0]  # context: no engine log-prob, written as 0.0
+    row["trainer_logprobs"][3:5] = [-2.0, -3.0]
+    row["multi_turn"] = {"finish_reason": "stop", "turns": [
+        {"role": "assistant", "span": [0, 3]}, {"role": "tool", "span": [3, 5]}, {"role": "assistant", "span": [5, 8]}]}
+    return row
+
+
+def test_multi_turn_mismatch_is_reported_per_assistant_turn(tmp_path):
+    # a fault that grows with the context the tool replies add: the second turn is 100x off, the context
+    # tokens (no engine log-prob) are neither averaged nor counted as missing
+    rows = [_multi_turn_line(s, 1e-5) for s in (1, 2) for _ in range(6)]
+    rep = analyse(write_run(tmp_path / "mt", rows))
+    assert rep["tokens"]["count"] == 12 * 6 and rep["nonfinite_tokens"] == 0
+    turn = rep["concentration"]["turn"]
+    assert [g["group"] for g in turn["groups"]] == ["1", "2"] and [g["tokens"] for g in turn["groups"]] == [36, 36]
+    assert turn["concentrated"] and turn["group"] == "2" and turn["ratio"] == pytest.approx(100, rel=1e-6)
+    assert "CONCENTRATED in turn 2" in render(rep)
+    # single-turn lines have no turn dimension
+    assert "turn" not in analyse(write_run(tmp_path / "st", [_line(1, [1], [2, 3], [0.0, 0.0])]))["concentration"]
+    bad = _multi_turn_line(1, 0.0)
+    bad["multi_turn"]["turns"][2]["span"] = [5, 9]
+    with pytest.raises(DoctorError, match=r"trajectories.jsonl:1: multi_turn.turns\[2\].span must be \[start, end\] "
+                                          r"within the 8 response tokens, got \[5, 9\]"):
+        analyse(write_run(tmp_path / "bad", [bad]))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"),

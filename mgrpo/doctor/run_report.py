@@ -132,7 +132,7 @@ def analyse(run_dir: str) -> dict:
                        key=lambda i: -float(np.nanmax(np.where(np.isfinite(per_line[i]), per_line[i], -1.0))))
     worst = [_sequence(lines[i], per_line[i]) for i in worst_idx[:WORST]]
 
-    dims = {k: defaultdict(list) for k in ("position", "token", "length", "engine")}
+    dims = {k: defaultdict(list) for k in ("position", "token", "length", "engine", "turn")}
     for t, d in zip(lines, per_line):
         for pos, (tok, x) in enumerate(zip(t.response_ids, d)):
             if math.isfinite(x):
@@ -140,12 +140,16 @@ def analyse(run_dir: str) -> dict:
                 dims["token"][str(tok)].append(x)
                 dims["length"][_bucket(len(t.response_ids))].append(x)
                 dims["engine"][str(t.engine)].append(x)
+                if t.turn is not None:  # multi-turn: which assistant turn sampled it (later turns see more context)
+                    dims["turn"][str(t.turn[pos])].append(x)
     concentration = {
         "position": _groups(dims["position"], order=_bucket_order),
         "token": _groups(dims["token"]),
         "length": _groups(dims["length"], order=_bucket_order),
         "engine": _groups(dims["engine"], order=str),
     }
+    if dims["turn"]:
+        concentration["turn"] = _groups(dims["turn"], order=int)
     dtype = run_setting(run_dir, "actor.dtype")
     worst_step = max(steps, key=lambda s: s.get("mean", 0.0))
     return {

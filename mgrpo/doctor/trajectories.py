@@ -34,6 +34,9 @@ class TokenLine:
     sampled: Optional[list[int]] = None
     """Multi-turn runs (the line's `sampled_mask`): 1 where the policy sampled the token, 0 for context (tool
     replies, template tokens), which has no engine log-prob; None: every token sampled."""
+    turn: Optional[list[int]] = None
+    """Multi-turn runs (the spans of the line's `multi_turn.turns`): per response token, the number of the
+    assistant turn that sampled it (1, 2, ...), 0 for context; None: a single-turn line."""
 
     @property
     def diffs(self) -> list[float]:
@@ -97,7 +100,8 @@ def parse_line(raw: str, line: int, path: str) -> Optional[TokenLine]:
                      prompt_ids=row["prompt_ids"], response_ids=row["response_ids"],
                      rollout=[_number(v, where, "rollout_logprobs") for v in row["rollout_logprobs"]],
                      trainer=[_number(v, where, "trainer_logprobs") for v in row["trainer_logprobs"]],
-                     response=str(row.get("response", "")), sampled=_mask(row.get("sampled_mask"), n, where))
+                     response=str(row.get("response", "")), sampled=_mask(row.get("sampled_mask"), n, where),
+                     turn=_turns(row.get("multi_turn"), n, where))
 
 
 def _mask(value, n: int, where: str) -> Optional[list[int]]:
@@ -106,6 +110,26 @@ def _mask(value, n: int, where: str) -> Optional[list[int]]:
     if not isinstance(value, list) or len(value) != n or any(v not in (0, 1) for v in value):
         raise DoctorError(f"{where}: sampled_mask must be {n} values of 0 or 1, one per response token")
     return [int(v) for v in value]
+
+
+def _turns(value, n: int, where: str) -> Optional[list[int]]:
+    """Assistant turn number per response token from the line's `multi_turn.turns` spans."""
+    if value is None:
+        return None
+    turns = value.get("turns") if isinstance(value, dict) else None
+    if not isinstance(turns, list):
+        raise DoctorError(f"{where}: multi_turn.turns must be a list of turns")
+    out, k = [0] * n, 0
+    for j, t in enumerate(turns):
+        span = t.get("span") if isinstance(t, dict) else None
+        if (not isinstance(span, list) or len(span) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                                   for v in span) or not 0 <= span[0] <= span[1] <= n):
+            raise DoctorError(f"{where}: multi_turn.turns[{j}].span must be [start, end] within the {n} response "
+                              f"tokens, got {span!r}")
+        if t.get("role") == "assistant":
+            k += 1
+            out[span[0]:span[1]] = [k] * (span[1] - span[0])
+    return out
 
 
 def read_token_lines(path: str) -> tuple[list[TokenLine], int]:
