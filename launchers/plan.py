@@ -121,6 +121,30 @@ def placement(cfg: MGRPOConfig, lay: Layout) -> tuple[list[dict], list[dict]]:
     return ranks, engines
 
 
+def multi_turn_plan(cfg: MGRPOConfig, lay: Layout, samples: int) -> dict:
+    """What a multi-turn step asks of the engines. Tool replies and template tokens count in
+    data.max_response_length (mgrpo/agent/runner.py ends a trajectory as `length` when they would not fit), so
+    the trainer's sequence bound is unchanged; what grows is the generation side: one request per assistant turn,
+    each re-sending the accumulated context (SGLang's prefix cache serves the repeated part on the engine that
+    holds it), and the KV cache of every trajectory in flight."""
+    d, mt = cfg.data, cfg.rollout.multi_turn
+    seq = d.max_prompt_length + d.max_response_length
+    turns = mt.max_assistant_turns
+    per_turn = min(mt.max_tokens_per_turn or d.max_response_length, d.max_response_length)
+    in_flight = min(samples, mt.max_concurrent_per_engine * max(lay.num_engines, 1))
+    out = {"max_assistant_turns": turns, "new_tokens_per_turn_at_most": per_turn,
+           "generate_requests_per_step_at_most": samples * turns,
+           "trajectories_in_flight_at_most": in_flight,
+           "kv_tokens_in_flight_at_most": in_flight * seq,
+           "prefill_tokens_per_trajectory_at_most": turns * seq,
+           "warnings": []}
+    if per_turn * turns < d.max_response_length // 2:
+        out["warnings"].append(f"rollout.multi_turn: {turns} turn(s) x {per_turn} new tokens use at most "
+                               f"{per_turn * turns} of data.max_response_length={d.max_response_length}: the rest "
+                               "is left to tool replies")
+    return out
+
+
 def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     mini = a.ppo_mini_batch_size or d.train_batch_size
@@ -146,6 +170,9 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
         "total_epochs": cfg.trainer.total_epochs,
         "warnings": [],
     }
+    if r.multi_turn.enable:
+        out["multi_turn"] = multi_turn_plan(cfg, lay, out["samples_per_step"])
+        out["warnings"] += out["multi_turn"].pop("warnings")
     if mini * r.n < lay.dp:
         out["warnings"].append(f"a mini-batch has {mini * r.n} samples for {lay.dp} data-parallel replicas: "
                                "the trainer refuses to split it (raise data.train_batch_size or rollout.n)")
@@ -320,6 +347,13 @@ def render(p: dict) -> str:
         f"{b['token_budget_per_micro_batch']} = {b['max_length_samples_per_micro_batch']} max-length sample(s) per "
         f"micro-batch -> at most {b['micro_batches_per_dp_rank_per_mini_batch_at_most']} micro-batch(es)",
     ]
+    if "multi_turn" in b:
+        mt = b["multi_turn"]
+        out.append(f"multi-turn up to {mt['max_assistant_turns']} assistant turn(s) of <= {mt['new_tokens_per_turn_at_most']} "
+                   f"new tokens; tool replies count in the response budget; <= {mt['generate_requests_per_step_at_most']:,} "
+                   f"generate requests per step, <= {mt['trajectories_in_flight_at_most']} trajectories in flight "
+                   f"(<= {mt['kv_tokens_in_flight_at_most']:,} KV tokens), each re-sending <= "
+                   f"{mt['prefill_tokens_per_trajectory_at_most']:,} prompt tokens over its turns")
     out += [f"  warning: {w}" for w in b["warnings"]]
     out.append("")
     rm = p["reward_models"]

@@ -130,6 +130,26 @@ def test_batch_arithmetic(capsys):
     assert b["micro_batches_per_dp_rank_per_mini_batch_at_most"] == 16
 
 
+def test_multi_turn_context_is_counted(capsys):
+    over = ["data.train_batch_size=4", "rollout.n=8", "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_concurrent_per_engine=10",
+            "rollout.multi_turn.function_tools=[mgrpo.agent.examples:calculator]",
+            "model.tokenizer=printable"]
+    b = plan_json(capsys, *over)["batch"]
+    seq = b["max_sequence_tokens"]  # tool replies count in it, so it does not grow
+    mt = b["multi_turn"]
+    assert mt["generate_requests_per_step_at_most"] == 32 * 3
+    assert mt["trajectories_in_flight_at_most"] == 10  # 10 per engine x 1 engine < 32 samples
+    assert (mt["kv_tokens_in_flight_at_most"], mt["prefill_tokens_per_trajectory_at_most"]) == (10 * seq, 3 * seq)
+    assert not b["warnings"]
+    b = plan_json(capsys, *over, "rollout.multi_turn.max_tokens_per_turn=2", "data.max_response_length=32")["batch"]
+    assert b["multi_turn"]["new_tokens_per_turn_at_most"] == 2
+    assert any("3 turn(s) x 2 new tokens use at most 6 of data.max_response_length=32" in w for w in b["warnings"])
+    main(over)
+    assert "multi-turn up to 3 assistant turn(s)" in capsys.readouterr().out
+    assert "multi_turn" not in plan_json(capsys)["batch"]
+
+
 @pytest.mark.integration
 def test_invalid_config_exits_2_naming_the_field():
     out = subprocess.run(["mgrpo-plan", "actor.tp=3"], capture_output=True, text=True, timeout=60)
