@@ -24,12 +24,14 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import shutil
+
 import pytest
 import yaml
 
 from mgrpo.compat.verl.translate import schema_keys
 from tests.helpers.verl_scripts import QWEN3_8B_CONFIG
-from tests.helpers.verl_scripts import replace_args, verl_argv
+from tests.helpers.verl_scripts import SCRIPTS, replace_args, verl_argv
 
 A, R, F, M = ("actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref.",
               "actor_rollout_ref.model.")
@@ -47,6 +49,11 @@ HUB = {
     "Qwen/Qwen2-7B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "Qwen/Qwen2.5-3B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "Qwen/Qwen3-30B-A3B-Base": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
+    "Qwen/Qwen3-4B": {  # the released config.json's architecture fields
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560,
+        "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16"},
 }
 
 
@@ -68,6 +75,8 @@ def hub(tmp_path):
     qwen25 = tmp_path / "home" / "verl" / "models" / "Qwen2.5-32B"
     qwen25.mkdir(parents=True)
     (qwen25 / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    # the multi-turn script runs from veRL's checkout and names its YAML files under examples/
+    shutil.copytree(SCRIPTS / "examples", tmp_path / "examples")
     return {"tmp": tmp_path, "HF_HUB_CACHE": str(cache), "qwen3": str(local), "qwen3moe": str(moe),
             "snapshot": str(cache / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abcd")}
 
@@ -149,6 +158,20 @@ CASES = [
                  "trainer.val_before_train": False},
          plan={"world": 16, "tp": 1, "pp": 1, "cp": 1, "dp": 16, "engines": 16, "rollout_tp": 1, "steps": 500,
                "epochs": 10}),
+    # Qwen3 multi-turn with veRL's GSM8K tool: multi-turn is turned on in the YAML behind --config-path/-name
+    Case("run_qwen3-4b_gsm8k_multiturn.sh",
+         refused=[R + "over_sample_rate", F + "fsdp_config.param_offload"],
+         changes={R + "over_sample_rate": None, F + "fsdp_config.param_offload": None},
+         expect={"rollout.multi_turn.enable": True, "rollout.multi_turn.max_assistant_turns": 5,
+                 "rollout.multi_turn.tool_config_path":
+                     "{tmp}/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml",
+                 "data.max_prompt_length": 1024, "data.max_response_length": 1024, "data.train_batch_size": 256,
+                 "rollout.n": 16, "rollout.tp": 2, "rollout.num_engines": 4, "actor.lr": 1e-6,
+                 "algorithm.kl_coef": 0.001, "algorithm.kl_loss_type": "low_var_kl", "model.hf_path": "{snapshot4b}",
+                 "model.tokenizer": "qwen3", "model.tie_word_embeddings": True, "trainer.total_epochs": 15,
+                 "trainer.total_training_steps": None},
+         plan={"world": 8, "tp": 1, "pp": 1, "cp": 1, "dp": 8, "engines": 4, "rollout_tp": 2, "steps": None,
+               "epochs": 15}),
     Case("run_qwen3moe-30b_megatron_96gb.sh",
          refused=["data.truncation", M + "path", "+" + M + "override_config.model_config.max_position_embeddings",
                   *(f"+{A}optim.override_optimizer_config.{k}" for k in (
@@ -184,7 +207,8 @@ CASES = [
 
 def _fill(value, hub, home):
     if isinstance(value, str):
-        return value.format(qwen3=hub["qwen3"], qwen3moe=hub["qwen3moe"], snapshot=hub["snapshot"], home=home)
+        return value.format(qwen3=hub["qwen3"], qwen3moe=hub["qwen3moe"], snapshot=hub["snapshot"], home=home,
+                            tmp=hub["tmp"], snapshot4b=hub["snapshot"].replace("Qwen3-8B", "Qwen3-4B"))
     if isinstance(value, list):
         return [_fill(v, hub, home) for v in value]
     return value
@@ -279,3 +303,37 @@ def test_reference_layout_must_equal_the_actors(hub):
         assert out.returncode == 2 and _refused(out.stderr) == [F + "megatron.expert_model_parallel_size"]
         assert (f"mgrpo's reference model shares the actor's layout ({A}megatron.expert_model_parallel_size=8)"
                 in out.stderr)
+
+
+@pytest.mark.integration
+def test_a_users_config_file_behind_config_path_is_read_key_by_key(hub, tmp_path, monkeypatch):
+    """veRL's multi-turn examples turn multi-turn on in their own YAML (defaults: [ppo_trainer, _self_]): its keys
+    are translated as if written before the command line, each named by file and line; the command line wins."""
+    from mgrpo.compat.verl.translate import VerlKeyError, translate
+
+    monkeypatch.setenv("HF_HUB_CACHE", hub["HF_HUB_CACHE"])
+    case = next(c for c in CASES if c.script == "run_qwen3-4b_gsm8k_multiturn.sh")
+    line = replace_args(verl_argv(case.script, hub["tmp"]), case.changes)
+    yaml_path = hub["tmp"] / "examples" / "sglang_multiturn" / "config" / "gsm8k_multiturn_grpo.yaml"
+    lines = yaml_path.read_text().splitlines()
+    at = {text.strip(): i + 1 for i, text in enumerate(lines)}  # the file's own line numbers
+    rows = dict(translate(line).rows)
+    name = "gsm8k_multiturn_grpo.yaml"
+    assert rows[f"{R}multi_turn.enable=true ({name}:{at['enable: True']})"] == "rollout.multi_turn.enable=true"
+    assert rows[f"{R}multi_turn.max_assistant_turns=5 ({name}:{at['max_assistant_turns: 5']})"] == \
+        "rollout.multi_turn.max_assistant_turns=5"
+    assert rows[f"data.train_batch_size=256 ({name}:{at['train_batch_size: 256']})"] == \
+        "superseded by the command line's data.train_batch_size"
+    assert rows[f"--config-name=gsm8k_multiturn_grpo"].startswith(f"{yaml_path}: 8 keys over veRL's FSDP trainer")
+
+    # what cannot be honoured is named by file and line; a second config in defaults is refused
+    bad = tmp_path / "conf"
+    bad.mkdir()
+    (bad / "mine.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n"
+                                   "    over_sample_rate: 0.1\n    no_such_knob: 3\n")
+    with pytest.raises(VerlKeyError) as e:
+        translate([f"--config-path={bad}", "--config-name=mine", "trainer.nnodes=1"])
+    assert f"{R}no_such_knob=3 (mine.yaml:7): no mgrpo equivalent" in str(e.value)
+    (bad / "two.yaml").write_text("defaults:\n  - ppo_trainer\n  - reward_model: my_rm\n  - _self_\n")
+    with pytest.raises(VerlKeyError, match=r"two.yaml:3: defaults entry \{'reward_model': 'my_rm'\}: mgrpo composes"):
+        translate([f"--config-path={bad}", "--config-name=two"])

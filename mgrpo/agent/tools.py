@@ -11,7 +11,8 @@
            tool_schema: {type: function, function: {name: calc, description: ..., parameters: {...}}}
    The class is built as veRL builds it, `cls(config=config, tool_schema=schema)`; `execute` may return
    veRL's `(response, reward, metrics)` or just the response; a response is a string, a dict with "text",
-   or an object with `.text` (veRL's ToolResponse).
+   or an object with `.text` (veRL's ToolResponse). veRL's own tools (`verl.tools.gsm8k_tool.Gsm8kTool`)
+   run as written, without veRL installed (mgrpo/compat/verl/tools.py).
 
 Per record: `extra_info.tools_kwargs[name]` holds `create_kwargs` (passed to create), `execute_kwargs`
 (merged into every execute call) and `calc_reward_kwargs`, as veRL reads them; `extra_info.tools` (a list of
@@ -31,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from mgrpo.compat.verl import tools as verl_tools
 from mgrpo.config import ConfigError, InputError
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
@@ -201,11 +203,13 @@ def load_verl_tool_config(path: str) -> list[BaseTool]:
         if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
                 or "name" not in schema["function"]:
             raise InputError(f"{where}: field 'tool_schema.function.name' missing")
-        mod, _, cls_name = e["class_name"].rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(mod), cls_name)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise InputError(f"{where}: field 'class_name': cannot load {e['class_name']!r} ({err})") from err
+        cls = verl_tools.BUILTIN_TOOLS.get(e["class_name"])  # veRL's own tools run without veRL
+        if cls is None:
+            mod, _, cls_name = e["class_name"].rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(mod), cls_name)
+            except (ImportError, AttributeError, ValueError) as err:
+                raise InputError(f"{where}: field 'class_name': cannot load {e['class_name']!r} ({err})") from err
         tools.append(cls(config=e.get("config") or {}, tool_schema=schema))
     return tools
 

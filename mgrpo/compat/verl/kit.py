@@ -49,3 +49,18 @@ def only(ok: Callable[[Any], bool], reason_ok: str, reason_refused: str) -> Rule
 
 def falsy(v) -> bool:
     return v in (False, None, 0, "", "none", "None", "null") or v == [] or v == {}
+
+
+def hydra_value(v: Any) -> str:
+    """A Python value as Hydra override text (strings quoted, so they stay strings)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    return "'" + str(v).replace("'", "\\'") + "'"

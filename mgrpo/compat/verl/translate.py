@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 from mgrpo.config.schema import schema_keys
 from mgrpo.config.validate import ConfigError
-from mgrpo.compat.verl.kit import Refuse
+from mgrpo.compat.verl import user_config
+from mgrpo.compat.verl.kit import Refuse, hydra_value
 from mgrpo.compat.verl.layout import rollout_engines
 from mgrpo.compat.verl.rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
                                      VERL_ONLY_PREFIXES, rule_for)
@@ -52,21 +53,6 @@ class Translation:
         out += [f"  {v:<{width}} -> {m}" for v, m in self.rows]
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)
-
-
-def hydra_value(v: Any) -> str:
-    """A Python value as Hydra override text (strings quoted, so they stay strings)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    return "'" + str(v).replace("'", "\\'") + "'"
 
 
 # --- the translation -----------------------------------------------------------------------------------
@@ -103,7 +89,9 @@ def translate(argv: Sequence[str]) -> Translation:
     that cannot be honoured; returns the new argument list and the table of what became of each key."""
     flags, tokens = _split_flags(argv)
     t = _Translator()
-    verl_config = t.config_flags(flags)
+    verl_config, user = t.config_flags(flags)
+    if user is not None:
+        tokens = t.user_tokens(user, tokens) + tokens
     parsed = t.parse(tokens)
     # A line without veRL-only keys is mgrpo's own and passes through untouched.
     t.verl_line = verl_config or any(o is not None and o.key_or_group not in t.shared and _is_verl_key(o.key_or_group)
@@ -132,17 +120,34 @@ class _Translator:
         self.produced: dict[str, tuple[Any, str]] = {}
         """mgrpo key -> (value, the token that set it): two tokens setting one key differently is an error."""
         self.overrides: list[str] = []
+        self.where: dict[str, str] = {}
+        """token -> 'file:line' for the keys read from a user's config file (`user_config.py`)."""
 
     # --- the line's parts ---------------------------------------------------------------------------
-    def config_flags(self, flags: list[list[str]]) -> bool:
+    def config_flags(self, flags: list[list[str]]) -> tuple[bool, Optional[user_config.UserConfig]]:
         """Hydra's flags pass through, except veRL's --config-name/--config-path (noted in the table).
-        Returns whether the line names one of veRL's trainer configs."""
+        Returns whether the line names one of veRL's trainer configs, or a user's config built on one."""
         names = {_flag_value(g)[0]: _flag_value(g)[1] for g in flags}
         config_name = (names.get("--config-name") or names.get("-cn") or "").removesuffix(".yaml")
-        verl_config = config_name in VERL_CONFIG_NAMES
+        config_path = names.get("--config-path") or names.get("-cp")
+        user = None
+        found = user_config.find(config_path, config_name)
+        if found is not None:
+            try:
+                user = user_config.read(found)
+            except Refuse as r:
+                self.errors.append(f"--config-name={config_name}: {r}")
+                return True, None
+        verl_config = config_name in VERL_CONFIG_NAMES or user is not None
         for g in flags:
             name, value = _flag_value(g)
-            if verl_config and name in ("--config-name", "-cn"):
+            if user is not None and name in ("--config-name", "-cn"):
+                self.out.rows.append((" ".join(g), f"{found}: {len(user.tokens)} keys over {VERL_CONFIG_NAMES[user.base]}, "
+                                                   "translated below (file:line); mgrpo composes its own "
+                                                   "configs/config.yaml under them"))
+            elif user is not None and name in ("--config-path", "-cp"):
+                self.out.rows.append((" ".join(g), f"the folder of {config_name}.yaml: read"))
+            elif verl_config and name in ("--config-name", "-cn"):
                 self.out.rows.append((" ".join(g), f"{VERL_CONFIG_NAMES[config_name]}: mgrpo trains with Megatron "
                                                    "from its own configs/config.yaml; veRL defaults that differ are "
                                                    "noted below"))
@@ -150,7 +155,25 @@ class _Translator:
                 self.out.rows.append((" ".join(g), f"the folder of veRL's {config_name}.yaml: not read"))
             else:
                 self.out.args += g
-        return verl_config
+        return verl_config, user
+
+    def user_tokens(self, user: "user_config.UserConfig", tokens: list[str]) -> list[str]:
+        """The user config's keys as tokens before the line's own; a key the line also sets is the line's
+        (Hydra's precedence), and the file's value is said to be superseded."""
+        on_line = {tok.lstrip("+~").split("=", 1)[0] for tok in tokens}
+        out = []
+        for tok, where in user.tokens:
+            key = tok.split("=", 1)[0]
+            if key in on_line:
+                self.out.rows.append((f"{tok} ({where})", "superseded by the command line's " + key))
+                continue
+            self.where[tok] = where
+            out.append(tok)
+        return out
+
+    def label(self, tok: str) -> str:
+        """A token as the table and the errors show it: with its file:line when a config file set it."""
+        return f"{tok} ({self.where[tok]})" if tok in self.where else tok
 
     def parse(self, tokens: list[str]) -> list:
         """(token, Hydra override or None when it does not parse), and the line's values in `ctx`."""
@@ -166,7 +189,8 @@ class _Translator:
                 parsed.append((tok, parser.parse_overrides([tok])[0]))
             except HydraException as e:
                 if _is_verl_key(key):
-                    self.errors.append(f"{tok}: Hydra cannot parse the value ({str(e).splitlines()[0]}); quote it")
+                    self.errors.append(f"{self.label(tok)}: Hydra cannot parse the value ({str(e).splitlines()[0]}); "
+                                       "quote it")
                 parsed.append((tok, None))
         self.ctx = {o.key_or_group: o.value() for _, o in parsed if o is not None and not o.is_sweep_override()
                     and o.type != OverrideType.DEL}
@@ -175,8 +199,8 @@ class _Translator:
 
     def emit(self, key, value, source, raw=False) -> None:
         if key in self.produced and self.produced[key][0] != value:
-            self.errors.append(f"{source} and {self.produced[key][1]} both set {key}, to {value!r} and "
-                               f"{self.produced[key][0]!r}")
+            self.errors.append(f"{self.label(source)} and {self.label(self.produced[key][1])} both set {key}, to "
+                               f"{value!r} and {self.produced[key][0]!r}")
         self.produced[key] = (value, source)
         self.overrides.append(source if raw else f"{key}={hydra_value(value)}")
 
@@ -191,7 +215,7 @@ class _Translator:
         verl_only = key not in self.shared and _is_verl_key(key)
         rule = rule_for(key) if verl_only else VALUE_RULES.get(key) if self.verl_line else None
         if verl_only and rule is None:
-            self.errors.append(f"{tok}: no mgrpo equivalent (not translated); remove it")
+            self.errors.append(f"{self.label(tok)}: no mgrpo equivalent (not translated); remove it")
             return
         if rule is None:  # mgrpo's own key (or a group): as typed, checked against what veRL keys set
             if key in self.shared and self.verl_line and not o.is_sweep_override():
@@ -200,12 +224,12 @@ class _Translator:
                 self.overrides.append(tok)
             return
         if o.is_sweep_override() or o.type == OverrideType.DEL:
-            self.errors.append(f"{tok}: sweeps and deletions of veRL keys are not translated")
+            self.errors.append(f"{self.label(tok)}: sweeps and deletions of veRL keys are not translated")
             return
         try:
             results = rule(o.value(), self.ctx)
         except Refuse as r:
-            self.errors.append(f"{tok}: {r}")
+            self.errors.append(f"{self.label(tok)}: {r}")
             return
         shown = []
         for k, v in results:
@@ -215,7 +239,8 @@ class _Translator:
             elif v:
                 shown.append(f"ignored: {v}")
         if verl_only or shown != [f"{key}={hydra_value(o.value())}"]:  # shared keys: only when the value changed
-            self.out.rows.append((tok, "; ".join(shown) if shown else "nothing (superseded by other keys of the line)"))
+            self.out.rows.append((self.label(tok), "; ".join(shown) if shown else
+                                  "nothing (superseded by other keys of the line)"))
 
     # --- what the whole line implies --------------------------------------------------------------------
     def engines(self) -> None:

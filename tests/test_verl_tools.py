@@ -1,0 +1,71 @@
+"""veRL's own GSM8K tool, as veRL's multi-turn example configures it (its tool-config YAML stored verbatim under
+tests/data/verl_scripts/examples/), runs without veRL: the class name resolves to mgrpo/compat/verl/tools.py, and
+its replies and step rewards are veRL's, written out here by hand from verl/tools/gsm8k_tool.py for a GSM8K
+record laid out as veRL's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import yaml
+
+from mgrpo.agent.tools import ToolSet
+from mgrpo.config import InputError
+from tests.helpers.verl_scripts import SCRIPTS
+
+TOOL_CONFIG = SCRIPTS / "examples" / "sglang_multiturn" / "config" / "tool_config" / "gsm8k_tool_config.yaml"
+GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "train.jsonl")
+
+
+def _verl_record() -> dict:
+    """GSM8K's first training question as veRL's preprocessing lays it out (the fields the tool reads)."""
+    with open(GSM8K) as f:
+        raw = json.loads(f.readline())
+    solution = raw["answer"].split("#### ")[1].replace(",", "")
+    return {"data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": solution},
+            "extra_info": {"need_tools_kwargs": True,
+                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": solution}}}}}
+
+
+def test_verl_gsm8k_tool_runs_as_written_with_verls_replies_and_step_rewards():
+    tools = ToolSet.from_config([], str(TOOL_CONFIG))
+    assert list(tools.tools) == ["calc_gsm8k_reward"]
+    written = yaml.safe_load(TOOL_CONFIG.read_text())["tools"][0]
+    assert tools.schemas(["calc_gsm8k_reward"]) == [written["tool_schema"]]
+    tool = tools.tools["calc_gsm8k_reward"]
+    record = _verl_record()
+    assert record["reward_model"]["ground_truth"] == "72"
+
+    async def episode():
+        kwargs = record["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]
+        iid = await tool.create(**kwargs)
+        replies = [await tool.execute(iid, {"answer": a}) for a in ("70", "#### 72", 72, "72")]
+        final = await tool.calc_reward(iid)
+        await tool.release(iid)
+        # veRL's agent loop passes the create kwargs as one argument; both forms create the same state
+        other = await tool.create(create_kwargs=kwargs)
+        second = await tool.execute(other, {"answer": "The answer is 72."})
+        return replies, final, second
+
+    replies, final, second = asyncio.run(episode())
+    # veRL: f"Current parsed {answer=} {reward=}", step reward 0.0 when the score improves on the best so far
+    # and -0.05 otherwise (a wrong first answer does not improve on 0.0; a repeated right one does not either)
+    assert [(r[0], r[1]) for r in replies] == [
+        ("Current parsed answer='70' reward=0.0", -0.05),
+        ("Current parsed answer='#### 72' reward=1.0", 0.0),
+        ("Current parsed answer='72' reward=1.0", -0.05),
+        ("Current parsed answer='72' reward=1.0", -0.05)]
+    assert final == 1.0
+    assert second[0] == "Current parsed answer='The answer is 72.' reward=0.0" and second[1] == -0.05  # flexible: '.'
+
+
+def test_a_tool_class_that_does_not_load_is_named_by_file_and_entry(tmp_path):
+    bad = tmp_path / "tools.yaml"
+    entry = yaml.safe_load(TOOL_CONFIG.read_text())["tools"][0]
+    bad.write_text(yaml.safe_dump({"tools": [entry, {**entry, "class_name": "verl.tools.no_such.Tool"}]}))
+    with pytest.raises(InputError, match=r"tools.yaml: tools\[1\]: field 'class_name': cannot load "
+                                         r"'verl.tools.no_such.Tool'"):
+        ToolSet.from_config([], str(bad))
