@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -144,24 +145,39 @@ class RolloutGroup:
         return [self.spec.direct_sender(self.cfg, addresses, self.generation, self.api_key)]
 
     # --- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout"
-                 ) -> tuple[list[GenerateResult], RolloutStats]:
-        """n samples per prompt; result i*n + j is sample j of prompt i.
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout",
+                 sessions: Optional[list[str]] = None) -> tuple[list[GenerateResult], RolloutStats]:
+        """n samples per prompt; result i*n + j is sample j of prompt i. `sessions` (one per prompt, n=1: the
+        turns of multi-turn trajectories): the requests of one session go to one engine, for its prefix cache.
 
         The requests go out in chunks, to the engines in turn or through the router, and come back as
         futures. One loop waits for them: a chunk that fails is sent again (at most rollout.max_retries
         times, each counted) after the engines were checked, and while it waits the loop health-checks
         the engines every rollout.health_check_interval_s, restarting a dead or hung one."""
         r = self.cfg.rollout
-        requests = [GenerateRequest(uid=i * n + j, prompt_ids=p) for i, p in enumerate(prompts) for j in range(n)]
+        if sessions is not None and (n != 1 or len(sessions) != len(prompts)):
+            raise ValueError(f"sessions: one per prompt with n=1, got {len(sessions)} for {len(prompts)} x n={n}")
+        requests = [GenerateRequest(uid=i * n + j, prompt_ids=p, session=sessions[i] if sessions else None)
+                    for i, p in enumerate(prompts) for j in range(n)]
         size = r.generate_chunk
         if self.front is not None:  # a router places each request it gets: give it enough to spread
             size = max(1, min(size, -(-len(requests) // (2 * len(self.engines)))))
-        chunks = [requests[k:k + size] for k in range(0, len(requests), size)]
+        home: Optional[list[int]] = None  # chunk -> the engine its sessions live on
+        if sessions is not None and self.front is None:
+            by_engine: dict[int, list[GenerateRequest]] = {}
+            for q in requests:
+                by_engine.setdefault(session_engine(q.session, len(self.engines)), []).append(q)
+            chunks, home = [], []
+            for e, qs in sorted(by_engine.items()):
+                for k in range(0, len(qs), size):
+                    chunks.append(qs[k:k + size])
+                    home.append(e)
+        else:
+            chunks = [requests[k:k + size] for k in range(0, len(requests), size)]
         params = [SamplingParams(**{**sampling.__dict__, "seed": seeds.chunk_seed(sampling.seed, k)})
                   for k in range(len(chunks))]
         stats, t0 = RolloutStats(), time.perf_counter()
-        route = _ViaRouter(self, chunks, params) if self.front is not None else _ToEngines(self, chunks, params)
+        route = _ViaRouter(self, chunks, params) if self.front is not None else _ToEngines(self, chunks, params, home)
         pending: dict[Future, tuple[int, Optional[int], int]] = {}  # future -> (chunk, engine or None, attempt)
 
         def send(k: int, attempt: int, engine: Optional[int] = None) -> None:
@@ -355,6 +371,12 @@ class RolloutGroup:
                 ray.kill(e)
 
 
+def session_engine(session: Optional[str], engines: int) -> int:
+    """The engine of a session: a stable hash (the same in every process and run), so a trajectory's turns
+    meet its context in that engine's prefix cache; sessions spread evenly over the engines."""
+    return zlib.crc32((session or "").encode()) % engines
+
+
 class _ToEngines:
     """Chunks sent to the engines in turn, as Ray calls. A failed chunk restarts its engine if it died and
     goes back to it; the periodic check restarts a dead or hung engine holding chunks and resends them
@@ -363,11 +385,13 @@ class _ToEngines:
     where = ""
     retryable = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
 
-    def __init__(self, group: RolloutGroup, chunks: list, params: list):
-        self.group, self.chunks, self.params = group, chunks, params
+    def __init__(self, group: RolloutGroup, chunks: list, params: list, home: Optional[list[int]] = None):
+        self.group, self.chunks, self.params, self.home = group, chunks, params, home
 
     def send(self, k: int, engine: Optional[int]) -> tuple[Future, int]:
-        e = k % len(self.group.engines) if engine is None else engine
+        if engine is None:
+            engine = self.home[k] if self.home is not None else k % len(self.group.engines)
+        e = engine
         return self.group.engines[e].generate.remote(self.chunks[k], self.params[k]).future(), e
 
     def recover(self, e: int) -> int:

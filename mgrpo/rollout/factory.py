@@ -119,8 +119,10 @@ def _sglang_router(cfg: MGRPOConfig, urls: list[str], ctx: EngineContext):
 
     r = cfg.rollout
     m = cfg.model
+    # multi-turn: a trajectory's turns to the engine whose prefix cache holds its context (sticky sessions)
+    policy = "manual" if r.multi_turn.enable else "round_robin"
     return RoutedClient(urls, host=node_ip(), log_dir=os.path.join(ctx.log_dir, "router") if ctx.log_dir else None,
-                        stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
+                        policy=policy, stop_token_ids=list(ctx.eos_token_ids), max_retries=r.max_retries,
                         request_timeout_s=r.request_timeout_s, api_key=ctx.api_key,
                         moe_shape=(m.num_layers, m.moe_router_topk) if m.num_experts else None)
 

@@ -34,6 +34,10 @@ class GenerateRequest:
     uid: int
     """Position of the request in the caller's list; results come back under the same uid."""
     prompt_ids: list[int]
+    session: Optional[str] = None
+    """Requests of one session (the turns of a multi-turn trajectory) go to one engine, whose prefix cache
+    holds the context they share: the rollout group sends them to the same engine, SGLang's router (its
+    `manual` policy) by the `x-smg-routing-key` header. None: any engine."""
 
 
 @dataclass

@@ -34,7 +34,7 @@ from mgrpo.rollout.sglang.generate_io import (build_generate_payload, checkpoint
                                               parse_generate_item)
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLangRequestError
 from mgrpo.rollout.sglang.protocol.buckets import FLATTENED, bucket_bytes
-from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
+from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS, ROUTING_KEY
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
@@ -187,8 +187,11 @@ class SGLangEngine(EngineDefaults):
             body = build_generate_payload(pending, sampling, rids=rids, stop_token_ids=self.stop_token_ids,
                                           single=self.unbatched,
                                           send_seed=self.send_seed)
+            # one request through SGLang's router: its session key keeps a trajectory's turns on one engine
+            session = pending[0].session if self.unbatched else None
             try:
-                resp = self.client.post("/generate", body, max_retries=0)
+                resp = self.client.post("/generate", body, max_retries=0,
+                                        headers={ROUTING_KEY: session} if session else None)
                 items, parsed = self._parse(resp, pending, sampling)
             except SGLangRequestError as e:
                 dead = self._dead_message()

@@ -112,7 +112,8 @@ class HTTPClient:
             self.retries += 1
 
     def request(self, method: str, path: str, payload: Any = None, *, timeout_s: Optional[float] = None,
-                max_retries: Optional[int] = None, ok_statuses: tuple = (200,)) -> requests.Response:
+                max_retries: Optional[int] = None, ok_statuses: tuple = (200,),
+                headers: Optional[dict] = None) -> requests.Response:
         """Send one request; retry transient failures up to `max_retries` times; return the response
         when its status is in `ok_statuses`, raise SGLangRequestError otherwise."""
         url = f"{self.url}{path}"
@@ -121,7 +122,7 @@ class HTTPClient:
         attempt = 0
         while True:
             try:
-                resp = self._session().request(method, url, json=payload, timeout=timeout)
+                resp = self._session().request(method, url, json=payload, timeout=timeout, headers=headers)
                 if resp.status_code in ok_statuses:
                     return resp
                 if resp.status_code in (401, 403):

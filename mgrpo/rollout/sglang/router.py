@@ -50,6 +50,9 @@ class Router:
     def __init__(self, urls: Sequence[str], *, host: str, port: Optional[int] = None, policy: str = "round_robin",
                  log_dir: Optional[str] = None, startup_timeout_s: float = 120.0, request_timeout_s: float = 600.0,
                  max_retries: int = 2, api_key: Optional[str] = None):
+        """`policy`: round_robin for independent requests; `manual` for sessions (multi-turn trajectories):
+        the requests carrying one `x-smg-routing-key` go to one worker, and a new key to the worker holding
+        the fewest keys (`--assignment-mode min_group`), so trajectories spread evenly over the engines."""
         require_router()
         host = check_host(host)
         port = port or free_port(host)
@@ -60,6 +63,8 @@ class Router:
                "--worker-urls", *urls, "--request-timeout-secs", str(int(request_timeout_s)),
                "--retry-max-retries", str(max_retries), "--log-level", "warn", "--prometheus-host", host,
                "--prometheus-port", str(self.metrics_port)]
+        if policy == "manual":
+            cmd += ["--assignment-mode", "min_group"]
         env = {**os.environ, KEY_ENV: api_key} if api_key else {k: v for k, v in os.environ.items() if k != KEY_ENV}
         log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-router-")
         self.log_path = os.path.join(log_dir, f"router-{port}.log")
@@ -122,8 +127,9 @@ class RoutedClient:
     an `SGLangEngine` client pointed at it (the same client that talks to a single server). A router that
     died is started again in front of the engines' current servers (`restart`)."""
 
-    def __init__(self, urls: Sequence[str], *, host: str, log_dir: Optional[str] = None, **client_kwargs):
-        self.host, self.log_dir, self.client_kwargs = host, log_dir, client_kwargs
+    def __init__(self, urls: Sequence[str], *, host: str, log_dir: Optional[str] = None, policy: str = "round_robin",
+                 **client_kwargs):
+        self.host, self.log_dir, self.policy, self.client_kwargs = host, log_dir, policy, client_kwargs
         self._retries_before = 0
         """Retries counted by the clients of routers that were replaced."""
         self._start(urls)
@@ -133,7 +139,7 @@ class RoutedClient:
 
         kw = self.client_kwargs
         self.router = Router(urls, host=self.host, log_dir=self.log_dir, api_key=kw.get("api_key"),
-                             request_timeout_s=kw.get("request_timeout_s", 600.0))
+                             request_timeout_s=kw.get("request_timeout_s", 600.0), policy=self.policy)
         # One request per POST, many in flight: the router places each one on an engine.
         self.client = SGLangEngine.connect(self.router.url, unbatched=True, concurrency=32, **kw)
 

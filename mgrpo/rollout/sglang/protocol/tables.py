@@ -14,6 +14,10 @@ from __future__ import annotations
 SGLANG_VERSION = "0.5.23"
 """The version the shapes here were read from (requirements-sglang.txt pins it)."""
 
+ROUTING_KEY = "x-smg-routing-key"
+"""sglang-router's header for its `manual` policy (0.3.x): requests with the same key go to the same worker
+(sticky), a new key to the worker `--assignment-mode` picks. tests/test_router_sessions.py checks it."""
+
 # sglang/api/v1/api_types.py::SamplingParams (0.5.23): /generate refuses other keys.
 SAMPLING_FIELDS = frozenset({
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
