@@ -69,3 +69,42 @@ def test_a_tool_class_that_does_not_load_is_named_by_file_and_entry(tmp_path):
     with pytest.raises(InputError, match=r"tools.yaml: tools\[1\]: field 'class_name': cannot load "
                                          r"'verl.tools.no_such.Tool'"):
         ToolSet.from_config([], str(bad))
+
+
+INTERACTION_CONFIG = TOOL_CONFIG.parent.parent / "interaction_config" / "gsm8k_interaction_config.yaml"
+
+
+def test_verl_gsm8k_interaction_runs_as_written_as_an_environment():
+    """veRL's interaction config (verbatim) and a record's interaction_kwargs as veRL's
+    gsm8k_multiturn_w_interaction.py writes them; replies and turn scores from verl/interactions/gsm8k_interaction.py
+    (strict judging: only '#### <answer>' counts). Turn scores stay out of the reward, as in veRL's agent loop."""
+    from mgrpo.agent.interaction import InteractionEnvironment, load_interactions
+
+    interactions = load_interactions(str(INTERACTION_CONFIG))
+    assert list(interactions) == ["gsm8k"] and interactions["gsm8k"].name == "gsm8k"
+    solution = _verl_record()["reward_model"]["ground_truth"]
+    extra = {"interaction_kwargs": {"name": "gsm8k", "query": "How many clips?", "ground_truth": solution}}
+    prompt = [{"role": "user", "content": "How many clips?"}]
+
+    async def episode():
+        env = InteractionEnvironment(interactions)
+        await env.reset(extra)
+        first = await env.step("It is 72.", prompt + [{"role": "assistant", "content": "It is 72."}])
+        msgs = prompt + [{"role": "assistant", "content": "It is 72."}, *first.messages,
+                         {"role": "assistant", "content": "#### 72"}]
+        second = await env.step("#### 72", msgs)
+        await env.close()
+        return env, first, second
+
+    env, first, second = asyncio.run(episode())
+    assert (first.done, first.messages, first.reward) == (
+        False, [{"role": "user", "content": "Your response is incorrect! You need to reflect on your answer and "
+                                            "try again."}], None)
+    assert (second.done, second.messages, second.reward) == (
+        True, [{"role": "user", "content": "Your response is correct!"}], None)
+    assert env.scores == [0.0, 1.0] and interactions["gsm8k"]._instances == {}  # finalized
+
+    bad = InteractionEnvironment(interactions)
+    with pytest.raises(InputError, match="extra_info.interaction_kwargs.name': 'chess' is not one of the "
+                                         r"configured interactions \['gsm8k'\]"):
+        asyncio.run(bad.reset({"interaction_kwargs": {"name": "chess"}}))

@@ -1,9 +1,11 @@
-"""veRL's own tools, by the class names veRL's tool configs write (`class_name: verl.tools.gsm8k_tool.Gsm8kTool`):
-a veRL tool config runs as written, without veRL installed. `rollout.multi_turn.tool_config_path` loads the
-class named here instead of importing veRL (mgrpo/agent/tools.py::load_verl_tool_config).
+"""veRL's own tools and interactions by the class names veRL's configs write (`verl.tools.gsm8k_tool.Gsm8kTool`,
+`verl.interactions.gsm8k_interaction.Gsm8kInteraction`): a veRL tool or interaction config runs as written,
+without veRL installed. mgrpo/agent/tools.py::load_verl_tool_config and mgrpo/agent/interaction.py load the
+class named here instead of importing veRL.
 
 Each class keeps veRL's behaviour and replies to the character (the model was prompted with veRL's examples),
-with veRL's lifecycle (create / execute / calc_reward / release; duck-typed like any user tool)."""
+with veRL's lifecycle (tools: create / execute / calc_reward / release; interactions: start_interaction /
+generate_response / calculate_score / finalize_interaction), duck-typed like any user class."""
 
 from __future__ import annotations
 
@@ -56,3 +58,41 @@ class Gsm8kTool:
 
 BUILTIN_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kTool}
 """veRL's class name -> the class that runs in its place."""
+
+
+class Gsm8kInteraction:
+    """verl/interactions/gsm8k_interaction.py: after each assistant turn without a tool call, the last
+    assistant message is judged with veRL's GSM8K judge (strict: '#### <answer>'); correct -> "Your response is
+    correct!" and the episode ends, otherwise "Your response is incorrect! You need to reflect on your answer
+    and try again." as the user's next message. Its turn score is the judge's (0.0 or 1.0)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.name = config.get("name", "interaction_agent")
+        self._instances: dict[str, dict] = {}
+
+    async def start_interaction(self, instance_id: Optional[str] = None, ground_truth: Optional[str] = None,
+                                **kwargs) -> str:
+        instance_id = instance_id or str(uuid.uuid4())
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id
+
+    async def generate_response(self, instance_id: str, messages: list[dict], **kwargs) -> tuple[bool, str, float, dict]:
+        content = next((m.get("content") for m in reversed(messages) if m.get("role") == "assistant"), "")
+        self._instances[instance_id]["response"] = content
+        reward = await self.calculate_score(instance_id)
+        if reward == 1.0:
+            return True, "Your response is correct!", reward, {}
+        return False, "Your response is incorrect! You need to reflect on your answer and try again.", reward, {}
+
+    async def calculate_score(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        return gsm8k.compute_score("openai/gsm8k", state["response"] or "", state["ground_truth"], method="strict",
+                                   format_score=0.0, score=1.0)
+
+    async def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+BUILTIN_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction": Gsm8kInteraction}
+"""veRL's interaction class name -> the class that runs in its place."""
