@@ -15,9 +15,8 @@ Three measures, all glibc's own:
 - `trim_after_call()` at the end of each call: `malloc_trim(0)`, the free pages inside the heap, not only at
   its top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's
   peak; only once the process's resident memory grew by `CALL_TRIM_MIN_GROWTH` since its last trim. A trim
-  costs ~0.3 ms of walking the heap plus the page faults of the next call refilling what it returned (+1-3 ms
-  for a call that allocates 200 small tensors: 1.6 -> 2.6 ms, /tmp-free microbenchmark in the commit that
-  added the gate); the tiny default job's calls free a few MB and skip it, a step at Qwen3's vocabulary
+  walks the heap and the next call faults in again what it returned (`python -m benchmarks.measure.call_trim`,
+  load ~12: the trim 0.52 ms; a call of 200 small tensors 1.30 ms, 1.56 ms right after a trim); the tiny job's calls free a few MB and skip it, a step at Qwen3's vocabulary
   (hundreds of MB per call) still trims every call.
 - `trim_heap()` every `DECODE_TRIM_EVERY` decode steps of an in-process engine (rollout/hf_engine.py): within
   one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
