@@ -12,8 +12,12 @@ Three measures, all glibc's own:
 - `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: Ray's
   runtime_env): every thread allocates from the one main arena, so what one call frees the next call reuses,
   whichever thread runs it.
-- `trim_heap()` (`malloc_trim(0)`) at the end of each call: the free pages inside the heap, not only at its
-  top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's peak.
+- `trim_after_call()` at the end of each call: `malloc_trim(0)`, the free pages inside the heap, not only at
+  its top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's
+  peak; only once the process's resident memory grew by `CALL_TRIM_MIN_GROWTH` since its last trim. A trim
+  walks the heap and the next call faults in again what it returned (`python -m benchmarks.measure.call_trim`,
+  load ~12: the trim 0.52 ms; a call of 200 small tensors 1.30 ms, 1.56 ms right after a trim); the tiny job's calls free a few MB and skip it, a step at Qwen3's vocabulary
+  (hundreds of MB per call) still trims every call.
 - `trim_heap()` every `DECODE_TRIM_EVERY` decode steps of an in-process engine (rollout/hf_engine.py): within
   one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
   cache growing by a column) come from the heap once glibc has raised its threshold, small long-lived blocks
@@ -45,6 +49,23 @@ def arena_env() -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in ARENA_ENV.items()}
 
 
+CALL_TRIM_MIN_GROWTH = 32 << 20
+"""Resident bytes a process may gain since its last trim before `trim_after_call` trims again: what a rank
+may hold beyond its live tensors between calls."""
+
+_resident_after_trim: list = [None]
+"""This process's resident bytes right after its last trim (None: not trimmed yet)."""
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux: /proc/self/statm); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
     try:
@@ -64,3 +85,15 @@ def trim_heap() -> bool:
         return False
     fn(0)
     return True
+
+
+def trim_after_call(min_growth: int = CALL_TRIM_MIN_GROWTH) -> bool:
+    """`trim_heap()` unless the process's resident memory grew by less than `min_growth` since its last trim
+    (freed pages it still holds show there: a call that freed hundreds of MB grows it by as much); True if it
+    trimmed. The first call trims."""
+    now, last = resident_bytes(), _resident_after_trim[0]
+    if now is not None and last is not None and now - last < min_growth:
+        return False
+    trimmed = trim_heap()
+    _resident_after_trim[0] = resident_bytes()
+    return trimmed

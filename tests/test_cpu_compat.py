@@ -124,3 +124,33 @@ def test_megatron_imports_without_torch_compile_on_cpu():
                              env={**env, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": interpret})
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-2:] == [str(interpret == "1"), loaded]
+
+
+@pytest.mark.integration
+def test_rank_leaves_out_optional_packages_it_never_uses(tmp_path):
+    """After lean_megatron_import() a rank's libraries see accelerate, kernels, scipy and boto3 as not installed
+    (RANK_UNUSED_OPTIONAL) and still do a rank's work: megatron-core with its tensorboard timers, and the hybrid
+    engine's transformers model loaded from a checkpoint and sampling; none of the four is imported."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.sglang_cpu import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(str(tmp_path))
+    code = ("import sys, torch\n"
+            "from mgrpo.training.cpu_compat import RANK_UNUSED_OPTIONAL, lean_megatron_import\n"
+            "print(lean_megatron_import())\n"
+            "import megatron.core.timers\n"
+            "from transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({ckpt!r}, dtype=torch.float32)\n"
+            "out = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, min_new_tokens=4, do_sample=True)\n"
+            "print(tuple(out.shape))\n"
+            "print(sorted(n for n in RANK_UNUSED_OPTIONAL if sys.modules.get(n) is not None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    done, shape, loaded = out.stdout.strip().splitlines()[-3:]
+    assert all(f"no_{n}" in done for n in ("accelerate", "kernels", "scipy", "boto3")), done
+    assert shape == "(1, 7)"
+    assert loaded == "[]"

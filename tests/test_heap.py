@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from mgrpo import heap
 from mgrpo.heap import DECODE_TRIM_EVERY, arena_env, trim_heap
 from mgrpo.rollout import hf_engine
 
@@ -72,3 +73,18 @@ def test_trim_heap_processor_trims_every_n_steps_and_leaves_scores(monkeypatch):
 def test_user_setting_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert arena_env() == {"MALLOC_ARENA_MAX": "4"}
+
+
+def test_call_trim_runs_once_the_process_grew_by_its_threshold(monkeypatch):
+    """trim_after_call trims on its first call, then only once resident memory grew by min_growth since that trim:
+    a call that freed little (the tiny job's) costs no trim, one that holds ~64 MiB more does."""
+    monkeypatch.setattr(heap, "_resident_after_trim", [None])
+    trims = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1) or True)
+    assert heap.trim_after_call(min_growth=32 << 20) is True
+    small = torch.ones(1 << 18)  # 1 MiB more
+    assert heap.trim_after_call(min_growth=32 << 20) is False
+    big = torch.ones(16 << 20)  # 64 MiB more, touched: resident
+    assert heap.trim_after_call(min_growth=32 << 20) is True
+    assert heap.trim_after_call(min_growth=32 << 20) is False  # measured again after that trim
+    assert len(trims) == 2 and small.sum() + big.sum() > 0

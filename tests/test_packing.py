@@ -136,3 +136,12 @@ def test_packed_matches_padded_tp2_and_pp2(hf_dir):
     assert_same_run(tp2_packed, tp2, label="tp2")
     assert_same_run(pp2_packed, pp2, label="pp2")
     assert len(pp2_packed["micro_batches"]) > 1  # several packs of different lengths through the pipeline
+
+
+def test_split_per_sample_inverts_the_flattening():
+    from mgrpo.training.batch import split_per_sample
+
+    values = torch.arange(9, dtype=torch.float64, requires_grad=True) * 0.5
+    assert split_per_sample(values, [2, 0, 3, 4]) == [[0.0, 0.5], [], [1.0, 1.5, 2.0], [2.5, 3.0, 3.5, 4.0]]
+    with pytest.raises(ValueError, match="9 values for responses of 8 tokens"):
+        split_per_sample(values, [4, 4])

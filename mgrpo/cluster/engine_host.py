@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ray
 
-from mgrpo.heap import trim_heap
+from mgrpo.heap import trim_after_call
 from mgrpo.rollout.factory import build_engine
 from mgrpo.rollout.types import RolloutEngine
 
@@ -39,7 +39,7 @@ class EngineSlot:
         try:
             return self.engine.generate(requests, sampling)
         finally:
-            trim_heap()  # an in-process engine's decode steps freed their logits (mgrpo/heap.py)
+            trim_after_call()  # an in-process engine's decode steps freed their logits (mgrpo/heap.py)
 
     @ray.method(concurrency_group="engine")
     def update_weights(self, named_tensors):

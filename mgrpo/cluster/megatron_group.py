@@ -14,7 +14,7 @@ import ray
 
 from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
-from mgrpo.heap import arena_env, trim_heap
+from mgrpo.heap import arena_env, trim_after_call
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 from mgrpo.rollout.types import WeightDeliveryError
@@ -60,29 +60,29 @@ class MegatronRank(EngineSlot):
         info = self.impl.info()
         if self.engine is not None:  # rollout.mode=hybrid: the engine in this process
             info["engine_shared_bytes"] = self.engine.share(self.impl.shareable_weights())
-        trim_heap()
+        trim_after_call()
         return info
 
     # --- the rank's work (training/actor.py::MegatronActor), one typed call each ---------------------------
-    # Each returns what its call freed to the system (mgrpo/heap.py): the rank holds its live tensors
-    # between calls, not the last call's peak.
+    # Each returns what its call freed to the system once that is worth a trim (mgrpo/heap.py): the rank
+    # holds its live tensors between calls, not the last call's peak.
     def compute_logprobs(self, batch, which: str, keep: bool = False):
         try:
             return self.impl.compute_logprobs(batch, which, keep=keep)
         finally:
-            trim_heap()
+            trim_after_call()
 
     def train_mini_batch(self, batch) -> dict:
         try:
             return self.impl.train_mini_batch(batch)
         finally:
-            trim_heap()
+            trim_after_call()
 
     def sync_weights(self, receivers: list, bucket_bytes: int, finish_version: Optional[int] = None) -> dict:
         try:
             return self.impl.sync_weights(receivers, bucket_bytes, finish_version)
         finally:
-            trim_heap()
+            trim_after_call()
 
     def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
         self.impl.save_hf(out_dir, tokenizer_dir)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -128,12 +129,15 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
-    init_dir = initial_weights(cfg, run_dir, tokenizer)
     judger = group = rollout = None
     phase = _Phases()
     try:
-        with phase("Ray placement"):
+        with phase("Ray placement + initial weights"), ThreadPoolExecutor(1, thread_name_prefix="mgrpo-init") as pool:
+            # The initial weights (transformers' import, a check or a seeded init written) while ray.init waits
+            # for the processes it starts: ~1 s of the driver's start-up off the path to the first step.
+            weights = pool.submit(initial_weights, cfg, run_dir, tokenizer)
             placement = place(cfg, layout)
+            init_dir = weights.result()
         with phase(f"{layout.megatron_world} Megatron rank process(es)"):
             group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
                                   need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)

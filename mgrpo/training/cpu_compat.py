@@ -297,6 +297,8 @@ def lean_megatron_import() -> list[str]:
     - `no_triton`: `import triton` fails in this process unless TRITON_INTERPRET=1 asks for Triton on
       the CPU. megatron-core imports Triton only to probe for symmetric-memory collectives, which need
       CUDA, and mgrpo's fused kernel needs CUDA or the interpreter; the import alone is ~40 MiB of PSS.
+    - `no_<package>` for each of `RANK_UNUSED_OPTIONAL`: packages a rank's libraries import only when they
+      are installed, for features a rank never calls; each reads as not installed here.
     """
     import os
     import sys
@@ -310,7 +312,25 @@ def lean_megatron_import() -> list[str]:
     if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
         sys.modules["triton"] = None  # `import triton` raises ImportError; find_spec("triton") is None
         done.append("no_triton")
+    for name in RANK_UNUSED_OPTIONAL:
+        if name not in sys.modules:
+            sys.modules[name] = None
+            done.append("no_" + name)
     return done
+
+
+RANK_UNUSED_OPTIONAL = ("accelerate", "kernels", "scipy", "boto3")
+"""Optional imports of a Megatron rank's libraries that it never uses, kept out of its process by
+`lean_megatron_import`. Each importer checks availability (transformers: `importlib.util.find_spec`,
+tensorboard: `try: import`) and goes on without the package:
+- accelerate: transformers' big-model loading (device_map, offload); the hybrid engine loads a plain model.
+- kernels: transformers' Hub kernels (CUDA kernels fetched from the Hub), never fetched offline on CPU.
+- scipy: transformers' object-detection losses (Hungarian matching), imported with every model class.
+- boto3: tensorboard's S3 file system, imported by `torch.utils.tensorboard` (megatron's timers).
+Measured in a rank-like process (megatron imported, then the engine's transformers model loaded from a checkpoint
+and sampling, 3 runs each interleaved, load 10-14): 48 MiB less resident memory (422 -> 374 MiB); its CPU time
+4.0/4.4/3.4 -> 4.0/2.6/3.1 s, within the noise of that load. In the tiny lockstep comparison mgrpo's peak tree
+PSS went from a median of 925 to 892 MiB (4 runs each, load 10-30)."""
 
 
 def _eager_jit_module():
