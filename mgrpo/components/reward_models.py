@@ -40,6 +40,10 @@ RULE = "rule"
 class RewardModel:
     """One named reward model: its servers, its tokenizer, its scoring."""
 
+    label = "model"
+    """How a failure it causes is named (failed_by 'model:<name>', reward/failed/model:<name>)."""
+    server_flags: tuple[str, ...] = ("--is-embedding",)
+
     def __init__(self, name: str, cfg: RewardModelConfig, *, api_key: Optional[str], log_dir: str):
         from transformers import AutoTokenizer
 
@@ -68,7 +72,7 @@ class RewardModel:
         # with the ranks and the rollout engines, and thread hand-offs cost more than a small model's forward
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         return SGLangEngine.launch(self.cfg.hf_path, tp=self.cfg.tp, enable_memory_saver=False,
-                                   extra_args=["--is-embedding", *self.cfg.server_args], api_key=self.api_key,
+                                   extra_args=[*self.server_flags, *self.cfg.server_args], api_key=self.api_key,
                                    log_dir=self.log_dir, request_timeout_s=self.cfg.timeout_s,
                                    max_retries=self.cfg.max_retries, env=env)
 
@@ -168,6 +172,8 @@ class ComposedJudger:
                 result.measured[f"reward/{name}/seconds"] = dt
                 result.measured[f"reward/{name}/samples_per_s"] = len(idx) / max(dt, 1e-9)
         result.measured["reward/model_restarts"] = float(sum(getattr(m, "restarts", 0) for m in self.models.values()))
+        for name, model in self.models.items():  # a judge's own counts (unparsed answers, pairwise disagreements)
+            result.measured.update({f"reward/{name}/{k}": float(v) for k, v in getattr(model, "counts", {}).items()})
         own: list[dict[str, tuple[Optional[float], str]]] = [{} for _ in range(n)]
         for name, (idx, scores, status, errors) in parts.items():
             result.components[name] = [None] * n
@@ -179,7 +185,8 @@ class ComposedJudger:
             failed = next(((name, st) for name in w if (st := own[i][name][1]) != OK), None)
             if failed is not None:  # a scorer with weight failed: no reward (a weight-0 rule cannot fail it)
                 name, st = failed
-                kind = "service" if isinstance(self.models.get(name), RewardService) else "model"
+                kind = "service" if isinstance(self.models.get(name), RewardService) \
+                    else getattr(self.models.get(name), "label", "model")
                 result.status[i], result.failed_by[i] = st, f"{RULE}:{requests[i].data_source}" if name == RULE \
                     else f"{kind}:{name}"
                 result.failed += st != TIMEOUT
@@ -205,9 +212,13 @@ def build_judger(cfg: RewardConfig, *, api_key: Optional[str], log_dir: str):
     try:
         for name, mcfg in cfg.models.items():
             t0 = time.perf_counter()
-            models[name] = RewardModel(name, mcfg, api_key=api_key, log_dir=os.path.join(log_dir, f"reward-{name}"))
-            log.info("start | reward model %s (%d engine(s), %s) in %.1fs", name, len(models[name].engines),
-                     mcfg.url or mcfg.hf_path, time.perf_counter() - t0)
+            from mgrpo.components.judges import GenerativeJudge
+
+            cls = GenerativeJudge if mcfg.kind == "generative" else RewardModel
+            models[name] = cls(name, mcfg, api_key=api_key, log_dir=os.path.join(log_dir, f"reward-{name}"))
+            log.info("start | reward %s %s (%d engine(s), %s) in %.1fs", models[name].label, name,
+                     len(models[name].engines), mcfg.judge.openai_url or mcfg.url or mcfg.hf_path,
+                     time.perf_counter() - t0)
     except BaseException:
         for m in models.values():
             m.close()

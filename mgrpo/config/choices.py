@@ -136,7 +136,18 @@ class RewardModelKind(StrEnum):
     classifier = "classifier"
     """a sequence classifier (Bradley-Terry reward model), SGLang --is-embedding, scored through /classify"""
     generative = "generative"
-    """a chat model used as a judge (not implemented yet: refused by name)"""
+    """a chat model used as a judge (reward.models.<name>.judge): a prompt template, its answer parsed to a score"""
+
+
+class JudgeParser(StrEnum):
+    """How a generative judge's answer becomes a score (mgrpo/rewards/judge.py)."""
+
+    number = "number"
+    """the last match of judge.pattern, within judge.range"""
+    json = "json"
+    """judge.json_key of the last JSON object in the answer, within judge.range"""
+    yes_no = "yes_no"
+    """P(yes) / (P(yes) + P(no)) at the first answer position, from the engine's top log-probs"""
 
 
 class SmallGroup(StrEnum):
