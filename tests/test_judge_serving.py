@@ -168,3 +168,82 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
         assert again == scores and status == [("ok" if s is not None else "failed") for s in scores]
     finally:
         own.close()
+
+
+class ChatEndpoint:
+    """A stand-in OpenAI-compatible /v1/chat/completions (the judge's other front door) that answers from a script
+    and records what it was sent: the real openai client is under test, not the endpoint."""
+
+    def __init__(self, answers: list):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.answers, self.seen = list(answers), []
+        me = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                me.seen.append((self.path, self.headers.get("Authorization"), body))
+                status, content, top = me.answers.pop(0)
+                if status != 200:
+                    data = json.dumps({"error": {"message": "injected"}}).encode()
+                else:
+                    lp = {"content": [{"token": "x", "logprob": 0.0, "bytes": None, "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": None} for t, v in top]}]} if top else None
+                    data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                       "choices": [{"index": 0, "finish_reason": "stop", "logprobs": lp, "message":
+                                                    {"role": "assistant", "content": content}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.integration
+def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(monkeypatch):
+    import math
+
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test-123")
+    reqs = requests_()[:2]
+    end = ChatEndpoint([(500, "", None), (200, "Score: 7", None), (200, "no idea", None)])
+    cfg = RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
+        template=NUMBER, system="You grade.", openai_url=end.url, openai_model="judge-m", api_key_env="JUDGE_TEST_KEY",
+        concurrency=1))
+    j = GenerativeJudge("api", cfg, api_key=None, log_dir="")
+    try:
+        scores, status, errors = j.score(reqs)
+        assert scores == [7.0, None] and status == ["ok", "failed"] and "unparsed answer" in errors[1]
+        assert j.counts["unparsed"] == 1 and len(end.seen) == 3  # the 500 retried once by the openai client
+        path, auth, body = end.seen[1]
+        assert path == "/v1/chat/completions" and auth == "Bearer sk-test-123" and body["model"] == "judge-m"
+        assert body["messages"][0] == {"role": "system", "content": "You grade."}
+        assert body["messages"][1]["content"] == render(compile_template(NUMBER), prompt=reqs[0].prompt,
+                                                        response="3", reference="3", rubric="")
+        assert "sk-test-123" not in repr(j.__dict__.get("cfg"))  # the key lives in the environment only
+        j.close()
+        # yes/no from OpenAI's top_logprobs (token text), and a 5xx past the retry budget: failed, no score
+        end.answers = [(200, "Y", [(" Y", math.log(0.3)), ("N", math.log(0.1))]), (503, "", None), (503, "", None)]
+        yn = GenerativeJudge("api", RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
+            template=YES_NO, parser="yes_no", yes="Y", no="N", openai_url=end.url, openai_model="judge-m",
+            concurrency=1)), api_key=None, log_dir="")
+        scores, status, _ = yn.score(reqs)
+        assert scores[0] == pytest.approx(0.75) and scores[1] is None and status == ["ok", "failed"]
+        assert end.seen[3][2]["logprobs"] is True and end.seen[3][2]["top_logprobs"] == 20
+        assert end.seen[3][2]["max_tokens"] == 1
+        yn.close()
+    finally:
+        end.close()
