@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from mgrpo.algorithms.failed_samples import OK, TIMEOUT
-from mgrpo.config.reward import RewardConfig, RewardModelConfig
+from mgrpo.config.reward import RewardConfig, RewardModelConfig, engine_share
 from mgrpo.rewards import Judger, ScoreRequest, ScoreResult
 from mgrpo.rewards.registry import EVERY_SOURCE, reward_functions
 from mgrpo.rewards.service import RewardService
@@ -72,6 +72,7 @@ class RewardModel:
         # with the ranks and the rollout engines, and thread hand-offs cost more than a small model's forward
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         return SGLangEngine.launch(self.cfg.hf_path, tp=self.cfg.tp, enable_memory_saver=False,
+                                   mem_fraction_static=engine_share(self.cfg),
                                    extra_args=[*self.server_flags, *self.cfg.server_args], api_key=self.api_key,
                                    log_dir=self.log_dir, request_timeout_s=self.cfg.timeout_s,
                                    max_retries=self.cfg.max_retries, env=env)

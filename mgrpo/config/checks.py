@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-from mgrpo.config.choices import Isolation, JudgeParser, RewardModelKind, is_choice, values
+from mgrpo.config.choices import Isolation, JudgeParser, RewardModelKind, RewardPlacement, is_choice, values
 from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.sandbox import SandboxConfig
 
@@ -135,9 +135,15 @@ def reward_model_errors(rw) -> list[str]:
         if m.engines < 1 or m.tp < 1 or m.batch_size < 1 or m.max_retries < 0 or m.timeout_s <= 0:
             e.append(f"{where}: engines={m.engines}, tp={m.tp}, batch_size={m.batch_size} must be at least 1, "
                      f"max_retries={m.max_retries} non-negative and timeout_s={m.timeout_s} positive")
-        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
+        if not is_choice(m.placement, RewardPlacement):
+            choice(e, f"{where}.placement", m.placement, RewardPlacement)
+        if m.gpu_memory_utilization is not None and not 0 < m.gpu_memory_utilization < 1:
+            e.append(f"{where}.gpu_memory_utilization={m.gpu_memory_utilization}: a share of the card in (0, 1)")
+        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path",
+                                  "--mem-fraction-static"))
                for a in m.server_args):
-            e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
+            e.append(f"{where}.server_args: the key, host, port, model path and memory share are the run's to set "
+                     "(the share is gpu_memory_utilization), not server_args")
     for name, sv in rw.services.items():
         where = f"reward.services.{name}"
         if name == "rule" or name in rw.models:

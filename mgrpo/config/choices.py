@@ -139,6 +139,15 @@ class RewardModelKind(StrEnum):
     """a chat model used as a judge (reward.models.<name>.judge): a prompt template, its answer parsed to a score"""
 
 
+class RewardPlacement(StrEnum):
+    """Where a reward.models entry's engines run (reward.models.<name>.placement)."""
+
+    own = "own"
+    """accelerators of their own, beside the trainer's and the rollout's"""
+    shared = "shared"
+    """on the rollout engines' accelerators, holding gpu_memory_utilization of each card all run long"""
+
+
 class JudgeParser(StrEnum):
     """How a generative judge's answer becomes a score (mgrpo/rewards/judge.py)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mgrpo.config.choices import Gsm8kMethod, JudgeParser, RewardModelKind, SmallGroup
+from mgrpo.config.choices import Gsm8kMethod, JudgeParser, RewardModelKind, RewardPlacement, SmallGroup
 
 
 @dataclass
@@ -99,6 +99,10 @@ class RewardModelConfig:
     """Servers of this model (requests spread over them in turn)."""
     tp: int = 1
     """Tensor-parallel size of each server."""
+    placement: RewardPlacement = "own"
+    """own (accelerators of its own) | shared (the rollout engines' accelerators); mgrpo-plan counts either."""
+    gpu_memory_utilization: Optional[float] = None
+    """Each server's share of its card (SGLang --mem-fraction-static); None: 0.8 with placement=own, 0.15 shared."""
     server_args: list[str] = field(default_factory=list)
     """More SGLang launch arguments (e.g. ['--context-length', '4096']); never an API key."""
     url: Optional[str] = None
@@ -111,6 +115,17 @@ class RewardModelConfig:
     """Inputs per /classify (or, for a judge, /generate) request."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """kind=generative: the judge's template and parser."""
+
+
+OWN_SHARE, SHARED_SHARE = 0.8, 0.15
+"""reward.models.<name>.gpu_memory_utilization when unset, by placement."""
+
+
+def engine_share(m: RewardModelConfig) -> float:
+    """The card share a reward model's server takes (its --mem-fraction-static)."""
+    if m.gpu_memory_utilization is not None:
+        return float(m.gpu_memory_utilization)
+    return SHARED_SHARE if m.placement == "shared" else OWN_SHARE
 
 
 @dataclass
