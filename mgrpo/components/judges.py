@@ -155,9 +155,9 @@ class GenerativeJudge(RewardModel):
         chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
         def run(k: int) -> None:
-            engine = self.engines[(self._turn + k) % len(self.engines)]
             try:
-                got = self._generate(engine, [users[i] for i in chunks[k]])
+                got = self.on_engine((self._turn + k) % len(self.engines),
+                                     lambda engine: self._generate(engine, [users[i] for i in chunks[k]]))
             except SGLangRequestError as e:
                 for i in chunks[k]:
                     status[i], errors[i] = TIMEOUT if e.timeout else "failed", f"judge:{self.name}: {e}"

@@ -4,7 +4,8 @@ A reward model (reward.models.<name>) is a sequence classifier served as SGLang 
 scored through `/classify` (on CPU the CPU server does the same over transformers, rollout/sglang/cpu/classify.py).
 Its servers are launched by `SGLangEngine.launch`, the rollout engines' launcher, with the run's API key; they are
 frozen (no weight sync, no memory release). Before each scoring call a server whose process has died is started
-again (counted: reward/model_restarts); a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
+again (counted: reward/model_restarts), and a call that failed because its server died mid-call is sent once more to
+the server started in its place; a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
 each retried within reward.models.<name>.max_retries with backoff) leaves its samples without a score, never 0:
 the experience masks and counts them (algorithms/failed_samples.py).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -53,6 +55,7 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_path)
         self.restarts = 0
         self._turn = 0
+        self._lock = threading.Lock()
         kw = dict(request_timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, api_key=api_key)
         if cfg.url:
             self.engines = [SGLangEngine.connect(cfg.url, **kw)]
@@ -78,14 +81,37 @@ class RewardModel:
                                    max_retries=self.cfg.max_retries, env=env)
 
     def _revive(self) -> None:
-        """Start again each server whose process has exited (a reward engine killed mid-run)."""
-        for k, engine in enumerate(self.engines):
-            if engine.process is not None and engine.process.poll() is not None:
-                log.warning("reward model %s: server %s exited (code %s); starting it again", self.name, engine.url,
-                            engine.process.returncode)
-                engine.shutdown()
-                self.engines[k] = self._launch()
-                self.restarts += 1
+        """Start again each server whose process has exited (a reward engine killed between steps)."""
+        for k in range(len(self.engines)):
+            self._restart_if_dead(k, self.engines[k])
+
+    def _restart_if_dead(self, k: int, engine) -> bool:
+        """Start server k again if `engine` (what the caller used) is it and its process has exited. Scoring threads
+        share the engines, so the check and the restart hold a lock: one restart per death."""
+        with self._lock:
+            if self.engines[k] is not engine:
+                return True  # another thread started it again already
+            if engine.process is None or engine.process.poll() is None:
+                return False
+            log.warning("reward %s %s: server %s exited (code %s); starting it again", self.label, self.name,
+                        engine.url, engine.process.returncode)
+            engine.shutdown()
+            self.engines[k] = self._launch()
+            self.restarts += 1
+            return True
+
+    def on_engine(self, k: int, call):
+        """`call(engine)` on server k; when it fails because the server died (killed mid-call), the server is
+        started again and the call sent to it once, as a killed reward worker's call is (rewards/judger.py)."""
+        from mgrpo.rollout.sglang.http import SGLangRequestError
+
+        engine = self.engines[k]
+        try:
+            return call(engine)
+        except SGLangRequestError:
+            if self.cfg.url or not self._restart_if_dead(k, engine):
+                raise
+        return call(self.engines[k])
 
     def inputs(self, req: ScoreRequest) -> list[int]:
         """The token ids the reward model reads for one response (see the module docstring)."""
@@ -115,10 +141,10 @@ class RewardModel:
         chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
         def run(k: int) -> None:
-            engine = self.engines[(self._turn + k) % len(self.engines)]
             idx = chunks[k]
             try:
-                got = engine.classify([inputs[i] for i in idx])
+                got = self.on_engine((self._turn + k) % len(self.engines),
+                                     lambda engine: engine.classify([inputs[i] for i in idx]))
             except SGLangRequestError as e:
                 for i in idx:
                     status[i], errors[i] = TIMEOUT if e.timeout else "failed", f"model:{self.name}: {e}"
