@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from mgrpo.algorithms.failed_samples import OK, TIMEOUT
-from mgrpo.components.reward_models import RewardModel
+from mgrpo.components.reward_engines import RewardModel
 from mgrpo.config.reward import RewardModelConfig
 from mgrpo.rewards import ScoreRequest
 
