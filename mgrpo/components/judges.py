@@ -36,7 +36,13 @@ class GenerativeJudge(RewardModel):
         self.counts = {"unparsed": 0, "disagreements": 0, "judgements": 0}
         self.openai = None
         if j.openai_url:
-            from openai import OpenAI
+            try:
+                from openai import OpenAI
+            except ImportError:
+                from mgrpo.config import ConfigError
+
+                raise ConfigError(f"reward.models.{name}.judge.openai_url needs the openai package "
+                                  "(pip install openai)") from None
 
             self.name, self.cfg, self.api_key, self.log_dir = name, cfg, None, log_dir
             self.tokenizer, self.engines, self.restarts, self._turn = None, [], 0, 0
