@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, output_dir
 from mgrpo.models.registry import param_counts  # the model family's count; imports no torch
+from mgrpo.plan.rewards import render_reward_models, reward_model_plan
 from mgrpo.preflight import preflight
 
 GIB = 1024**3
@@ -188,11 +189,13 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
 
 
 def gpu_use(cfg: MGRPOConfig, lay: Layout) -> dict:
-    """How many of the job's accelerators train and how many generate, and a warning for those idle in a phase.
-    (Reward engines, served reward models and judges, do not exist yet: rewards are functions on CPU.)"""
+    """How many of the job's accelerators train, generate and score (reward engines with accelerators of their
+    own; mgrpo/plan/rewards.py), and a warning for those idle in a phase."""
     r = cfg.rollout
+    own = sum(m.engines * m.tp for m in cfg.reward.models.values() if m.placement == "own" and not m.url
+              and not (m.kind == "generative" and m.judge.openai_url))
     out = {"total": lay.total, "training": lay.megatron_world, "generation": lay.rollout_devices,
-           "reward_engines": 0, "warnings": []}
+           "reward_engines": own, "warnings": []}
     if r.shares_actor_devices and lay.rollout_devices < lay.total:
         idle = lay.total - lay.rollout_devices
         fix = ("rollout.num_engines=null puts one on every rollout.tp GPUs"
@@ -235,27 +238,9 @@ def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Opt
                   "params_per_rank_by_stage": counts["per_rank_by_stage"],
                   "expert_params": counts["expert_total"],
                   "expert_params_per_rank_by_stage": counts["expert_per_rank_by_stage"]},
-        "memory_per_accelerator": memory_plan(cfg, lay, dtype=dtype, gpu_mem_gb=gpu_mem_gb),
-        "reward_models": reward_model_plan(cfg, lay),
+        "memory_per_accelerator": (mem := memory_plan(cfg, lay, dtype=dtype, gpu_mem_gb=gpu_mem_gb)),
+        "reward_models": reward_model_plan(cfg, lay, mem),
     }
-
-
-def reward_model_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
-    """The auxiliary reward-model engines (reward.models): accelerators and weights, and whether the cluster has
-    the accelerators for them beside the trainer's and the rollout's."""
-    import glob
-
-    models = []
-    for name, m in cfg.reward.models.items():
-        files = glob.glob(os.path.join(m.hf_path, "*.safetensors")) + glob.glob(os.path.join(m.hf_path, "*.bin")) \
-            if m.hf_path else []
-        models.append({"name": name, "kind": str(m.kind), "engines": 0 if m.url else m.engines, "tp": m.tp,
-                       "accelerators": 0 if m.url else m.engines * m.tp, "url": m.url,
-                       "weights_bytes": sum(os.path.getsize(f) for f in files) if files else None})
-    need = sum(x["accelerators"] for x in models)
-    used = lay.megatron_world + (lay.rollout_devices if cfg.rollout.mode == "disaggregated" else 0)
-    return {"models": models, "accelerators": need, "fits": not need or used + need <= lay.total,
-            "cluster_free_accelerators": lay.total - used}
 
 
 def _fmt(n: float) -> str:
@@ -322,7 +307,8 @@ def render(p: dict) -> str:
                f"accelerator(s), {where}{'' if ro['num_engines_set'] else _unset_engines(ro['mode'], p['device'])}")
     g = p["gpus"]
     out.append(f"{acc:<10}{g['training']} of {g['total']} train, {g['generation']} of {g['total']} generate, "
-               "no reward engines")
+               + (f"{g['reward_engines']} more score (reward engines)" if g["reward_engines"] else
+                  "no reward engines of their own"))
     out.append("")
     out.append("placement (rank = Megatron bundle; Ray's PACK strategy fills nodes in this order)")
     out.append("  rank  node  local    tp  pp  cp  dp  role")
@@ -356,19 +342,7 @@ def render(p: dict) -> str:
                    f"{mt['prefill_tokens_per_trajectory_at_most']:,} prompt tokens over its turns")
     out += [f"  warning: {w}" for w in b["warnings"]]
     out.append("")
-    rm = p["reward_models"]
-    for x in rm["models"]:
-        size = _size(x["weights_bytes"]) if x["weights_bytes"] is not None else "size unknown (no checkpoint here)"
-        where = f"at {x['url']} (not launched)" if x["url"] else \
-            f"{x['engines']} engine(s) x tp {x['tp']} = {x['accelerators']} accelerator(s)"
-        out.append(f"reward    {x['name']}: {x['kind']} reward model, {where}, weights {size} per engine, frozen "
-                   "(SGLang --is-embedding)")
-    if rm["accelerators"] and p["device"] == "cpu":
-        out.append("          on CPU each reward engine is one more server process on the driver's node")
-    elif rm["accelerators"]:
-        out.append(f"          {'FITS' if rm['fits'] else 'DOES NOT FIT'}: the reward models need {rm['accelerators']} "
-                   f"accelerator(s); {rm['cluster_free_accelerators']} are left beside the trainer's and the "
-                   "rollout's (they are launched on the driver's node, not in the run's placement groups)")
+    out += render_reward_models(p["reward_models"], p["device"])
     out.append(f"model     {mo['name']}: {_fmt(mo['params_hf'])} params ({mo['params_hf']:,} in HF layout; "
                f"{mo['params_megatron']:,} in megatron with the vocabulary padded to {mo['padded_vocab']:,})")
     out += render_memory(me)

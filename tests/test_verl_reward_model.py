@@ -30,3 +30,48 @@ def test_reward_model_keys_translate_and_gae_is_refused_naming_the_critic():
         translate(RM_KEYS[:3] + ["algorithm.adv_estimator=gae"])
     assert "algorithm.adv_estimator=gae: gae needs a critic" in str(info.value)
     assert "reward_model" not in str(info.value)  # the reward model keys themselves are honoured
+
+
+NEW_LAYOUT = ["reward.reward_model.enable=True", "reward.reward_model.model_path=/models/FsfairX-LLaMA3-RM-v0.1",
+              "reward.reward_model.enable_resource_pool=True", "reward.reward_model.n_gpus_per_node=4",
+              "reward.reward_model.nnodes=1", "reward.reward_model.rollout.name=sglang",
+              "reward.reward_model.rollout.tensor_model_parallel_size=2",
+              "reward.reward_model.rollout.gpu_memory_utilization=0.5",
+              "reward.reward_model.rollout.free_cache_engine=True", "reward.reward_manager.name=naive",
+              "reward.reward_manager.source=register", "reward.custom_reward_function.path=pkg://my_rewards.math",
+              "reward.custom_reward_function.name=score", "algorithm.adv_estimator=grpo"]
+
+
+def test_verl_newer_reward_layout_translates_and_the_plan_counts_its_pool():
+    """veRL's reward.* layout (reward.reward_model.*, model_path, reward.custom_reward_function.*, pkg:// paths): its
+    own resource pool becomes placement=own with GPUs / TP engines, the global pool placement=shared; mgrpo-plan
+    (the second front door) counts the engines and says DOES NOT FIT where the trainer and rollout take every GPU."""
+    from mgrpo_launchers.plan import build_plan, render
+
+    t = translate(NEW_LAYOUT)
+    cfg = compose_config(t.args)
+    rm = cfg.reward.models["rm"]
+    assert (rm.hf_path, rm.engines, rm.tp, rm.placement, rm.gpu_memory_utilization) == \
+        ("/models/FsfairX-LLaMA3-RM-v0.1", 2, 2, "own", 0.5)
+    assert dict(cfg.reward.compose) == {"*": {"rm": 1.0}}
+    assert dict(cfg.reward.custom_functions) == {"*": "my_rewards.math:score"}
+    assert "vllm" not in t.render() and "reward.reward_model.rollout.free_cache_engine=True" in t.render()
+    p = build_plan(cfg)
+    assert p["reward_models"]["accelerators"] == 4 and p["reward_models"]["fits"] is False
+    assert "placement=own needs 4 accelerator(s); 0 are left" in render(p)
+
+    # the global pool (veRL's default): the rollout's cards, the legacy layout the same way
+    for keys in (["reward.reward_model.enable=True", "reward.reward_model.model_path=/m/rm"],
+                 ["reward_model.enable=True", "reward_model.model.path=/m/rm", "reward_model.enable_resource_pool=False"]):
+        shared = compose_config(translate(keys).args)
+        assert (shared.reward.models["rm"].placement, shared.reward.models["rm"].engines) == ("shared", 1)
+        assert build_plan(shared)["reward_models"]["fits"] is True
+    # refused by name: a pool that does not divide into engines, SandboxFusion, another reward manager source
+    for bad, why in [(["reward.reward_model.enable=True", "reward.reward_model.model_path=/m",
+                       "reward.reward_model.n_gpus_per_node=3", "reward.reward_model.enable_resource_pool=True"], "3 GPUs do not divide into engines"),
+                     (["reward.sandbox_fusion.url=http://sandbox:8080"], "reward.sandbox_fusion.url=http://sandbox"
+                                                                         ":8080: SandboxFusion code execution"),
+                     (["reward.reward_manager.source=importlib"], "reward.reward_manager.source=importlib"),
+                     (["reward.reward_model.enable=True"], "needs reward.reward_model.model_path")]:
+        with pytest.raises(VerlKeyError, match=why):
+            translate(bad)

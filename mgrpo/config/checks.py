@@ -5,8 +5,9 @@ reward.models / services / compose). `mgrpo-sandbox` checks its flags with `sand
 from __future__ import annotations
 
 import os
+import re
 
-from mgrpo.config.choices import Isolation, RewardModelKind, is_choice, values
+from mgrpo.config.choices import Isolation, JudgeParser, RewardModelKind, RewardPlacement, is_choice, values
 from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.sandbox import SandboxConfig
 
@@ -85,6 +86,40 @@ def sandbox_errors(s: SandboxConfig) -> list[str]:
     return e
 
 
+def judge_errors(where: str, j) -> list[str]:
+    """A generative judge's settings: one template, its parser's settings usable, its OpenAI endpoint named with a key
+    variable that is set. (The template's Jinja is checked with the reward functions, rewards/judge.py::check_judges:
+    config imports no Jinja.)"""
+    e: list[str] = []
+    if bool(j.template) == bool(j.template_file):
+        e.append(f"{where}: give exactly one of template (inline) and template_file")
+    if j.template_file and not os.path.isfile(j.template_file):
+        e.append(f"{where}.template_file={j.template_file}: no such file")
+    if not is_choice(j.parser, JudgeParser):
+        choice(e, f"{where}.parser", j.parser, JudgeParser)
+    if j.parser == JudgeParser.number:
+        try:
+            re.compile(j.pattern)
+        except re.error as err:
+            e.append(f"{where}.pattern={j.pattern!r}: not a regular expression ({err})")
+    if len(j.range) != 2 or not float(j.range[0]) < float(j.range[1]):
+        e.append(f"{where}.range={list(j.range)}: [low, high] with low < high")
+    if j.parser == JudgeParser.yes_no and (not j.yes or not j.no or j.yes == j.no or j.top_logprobs < 1):
+        e.append(f"{where}: yes={j.yes!r} and no={j.no!r} must be two different tokens and top_logprobs="
+                 f"{j.top_logprobs} at least 1")
+    if j.max_new_tokens < 1 or j.temperature < 0 or j.concurrency < 1:
+        e.append(f"{where}: max_new_tokens={j.max_new_tokens} and concurrency={j.concurrency} must be at least 1, "
+                 f"temperature={j.temperature} non-negative")
+    if j.openai_url is not None:
+        if not str(j.openai_url).startswith(("http://", "https://")):
+            e.append(f"{where}.openai_url={j.openai_url!r}: an http:// or https:// URL")
+        if not j.openai_model:
+            e.append(f"{where}.openai_model is empty: name the model the endpoint serves")
+    if j.api_key_env and not os.environ.get(j.api_key_env):
+        e.append(f"{where}.api_key_env={j.api_key_env}: the variable is not set (or empty)")
+    return e
+
+
 def reward_model_errors(rw) -> list[str]:
     e: list[str] = []
     for name, m in rw.models.items():
@@ -94,15 +129,21 @@ def reward_model_errors(rw) -> list[str]:
         if not is_choice(m.kind, RewardModelKind):
             choice(e, f"{where}.kind", m.kind, RewardModelKind)
         elif m.kind == RewardModelKind.generative:
-            e.append(f"{where}.kind=generative: LLM judges are not implemented yet (issue 33); use a classifier")
-        if not m.hf_path and not m.url:
+            e.extend(judge_errors(f"{where}.judge", m.judge))
+        if not m.hf_path and not m.url and not (m.kind == RewardModelKind.generative and m.judge.openai_url):
             e.append(f"{where}.hf_path is empty: name the reward model's HF checkpoint (or its server's url)")
         if m.engines < 1 or m.tp < 1 or m.batch_size < 1 or m.max_retries < 0 or m.timeout_s <= 0:
             e.append(f"{where}: engines={m.engines}, tp={m.tp}, batch_size={m.batch_size} must be at least 1, "
                      f"max_retries={m.max_retries} non-negative and timeout_s={m.timeout_s} positive")
-        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path"))
+        if not is_choice(m.placement, RewardPlacement):
+            choice(e, f"{where}.placement", m.placement, RewardPlacement)
+        if m.gpu_memory_utilization is not None and not 0 < m.gpu_memory_utilization < 1:
+            e.append(f"{where}.gpu_memory_utilization={m.gpu_memory_utilization}: a share of the card in (0, 1)")
+        if any(str(a).startswith(("--api-key", "--admin-api-key", "--host", "--port", "--model-path",
+                                  "--mem-fraction-static"))
                for a in m.server_args):
-            e.append(f"{where}.server_args: the key, host, port and model path are the run's to set, not server_args")
+            e.append(f"{where}.server_args: the key, host, port, model path and memory share are the run's to set "
+                     "(the share is gpu_memory_utilization), not server_args")
     for name, sv in rw.services.items():
         where = f"reward.services.{name}"
         if name == "rule" or name in rw.models:

@@ -136,7 +136,27 @@ class RewardModelKind(StrEnum):
     classifier = "classifier"
     """a sequence classifier (Bradley-Terry reward model), SGLang --is-embedding, scored through /classify"""
     generative = "generative"
-    """a chat model used as a judge (not implemented yet: refused by name)"""
+    """a chat model used as a judge (reward.models.<name>.judge): a prompt template, its answer parsed to a score"""
+
+
+class RewardPlacement(StrEnum):
+    """Where a reward.models entry's engines run (reward.models.<name>.placement)."""
+
+    own = "own"
+    """accelerators of their own, beside the trainer's and the rollout's"""
+    shared = "shared"
+    """on the rollout engines' accelerators, holding gpu_memory_utilization of each card all run long"""
+
+
+class JudgeParser(StrEnum):
+    """How a generative judge's answer becomes a score (mgrpo/rewards/judge.py)."""
+
+    number = "number"
+    """the last match of judge.pattern, within judge.range"""
+    json = "json"
+    """judge.json_key of the last JSON object in the answer, within judge.range"""
+    yes_no = "yes_no"
+    """P(yes) / (P(yes) + P(no)) at the first answer position, from the engine's top log-probs"""
 
 
 class SmallGroup(StrEnum):

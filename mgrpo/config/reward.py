@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mgrpo.config.choices import Gsm8kMethod, RewardModelKind, SmallGroup
+from mgrpo.config.choices import Gsm8kMethod, JudgeParser, RewardModelKind, RewardPlacement, SmallGroup
 
 
 @dataclass
@@ -45,6 +45,49 @@ class FailedSamplesConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative judge (reward.models.<name>.kind=generative): what it is asked and how its answer is read
+    (mgrpo/rewards/judge.py)."""
+
+    template: str = ""
+    """The judge's user message as a Jinja template over question, messages, response, reference, rubric (pairwise:
+    response_a, response_b); rendered with the judge model's own chat template (client-side) for an SGLang engine."""
+    template_file: Optional[str] = None
+    """A file holding the template instead (one of template / template_file)."""
+    system: Optional[str] = None
+    """A system message before the template's user message."""
+    rubric: str = ""
+    """The template's `rubric` (a record's extra_info.rubric replaces it for that record)."""
+    parser: JudgeParser = "number"
+    pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """parser=number: a regular expression; the last match (its first group) is the score."""
+    json_key: str = "score"
+    """parser=json: the key holding the score."""
+    range: list[float] = field(default_factory=lambda: [0.0, 10.0])
+    """[low, high] a number or JSON score must lie in (outside: a failed judgement); pairwise scales it to [0, 1]."""
+    yes: str = "Yes"
+    """parser=yes_no: the text of the yes token (one token of the judge's tokenizer)."""
+    no: str = "No"
+    top_logprobs: int = 20
+    """parser=yes_no: how many of the first position's most likely tokens the engine returns."""
+    max_new_tokens: int = 256
+    """The answer's length limit (parser=yes_no reads one token and asks for one)."""
+    temperature: float = 0.0
+    pairwise: bool = False
+    """Judge the response against the reference answer in both orders (A/B then B/A), the score the mean
+    preference for the response in [0, 1]; orders that disagree are counted (reward/<name>/disagreements)."""
+    openai_url: Optional[str] = None
+    """An OpenAI-compatible endpoint (base URL ending in /v1) instead of an SGLang engine: /chat/completions through
+    the openai client; nothing is launched."""
+    openai_model: str = ""
+    """The model name sent to openai_url."""
+    api_key_env: Optional[str] = None
+    """The environment variable holding openai_url's key; never the key itself."""
+    concurrency: int = 16
+    """Requests in flight at once."""
+
+
+@dataclass
 class RewardModelConfig:
     """One named reward model (reward.models.<name>): an auxiliary SGLang engine, frozen (no weight sync),
     launched with the run's API key and health-checked, restarted when found dead."""
@@ -56,6 +99,10 @@ class RewardModelConfig:
     """Servers of this model (requests spread over them in turn)."""
     tp: int = 1
     """Tensor-parallel size of each server."""
+    placement: RewardPlacement = "own"
+    """own (accelerators of its own) | shared (the rollout engines' accelerators); mgrpo-plan counts either."""
+    gpu_memory_utilization: Optional[float] = None
+    """Each server's share of its card (SGLang --mem-fraction-static); None: 0.8 with placement=own, 0.15 shared."""
     server_args: list[str] = field(default_factory=list)
     """More SGLang launch arguments (e.g. ['--context-length', '4096']); never an API key."""
     url: Optional[str] = None
@@ -65,7 +112,20 @@ class RewardModelConfig:
     max_retries: int = 2
     """Retries of a failed request (connection, 5xx, garbage), with exponential backoff."""
     batch_size: int = 64
-    """Inputs per /classify request."""
+    """Inputs per /classify (or, for a judge, /generate) request."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """kind=generative: the judge's template and parser."""
+
+
+OWN_SHARE, SHARED_SHARE = 0.8, 0.15
+"""reward.models.<name>.gpu_memory_utilization when unset, by placement."""
+
+
+def engine_share(m: RewardModelConfig) -> float:
+    """The card share a reward model's server takes (its --mem-fraction-static)."""
+    if m.gpu_memory_utilization is not None:
+        return float(m.gpu_memory_utilization)
+    return SHARED_SHARE if m.placement == "shared" else OWN_SHARE
 
 
 @dataclass

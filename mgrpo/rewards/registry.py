@@ -145,6 +145,9 @@ def check_data_sources(sources: Iterable[str], cfg: RewardConfig, samples: Optio
     if unknown:
         raise ConfigError(f"no reward function for data_source {', '.join(map(repr, unknown))}; known: "
                          f"{sorted(fns)}. {ADD_ONE}")
+    from mgrpo.rewards.judge import check_judges
+
+    check_judges(cfg)  # the judges' templates, read and rendered once
     custom = cfg.custom_functions
     for src, (where, ground_truth, extra_info) in sorted((samples or {}).items()):
         key = src if src in custom else EVERY_SOURCE if EVERY_SOURCE in custom else None

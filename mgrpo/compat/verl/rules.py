@@ -16,11 +16,13 @@ from typing import Optional
 from mgrpo.compat.verl.kit import A, F, M, MICRO, PROFILE, R, TUNING, Refuse, Rule, falsy, ignore, only, refuse, to
 from mgrpo.compat.verl.layout import LAYOUT_PREFIX_RULES, LAYOUT_RULES
 from mgrpo.compat.verl.multi_turn import MULTI_TURN_RULES
+from mgrpo.compat.verl.reward import REWARD_PREFIX_RULES, REWARD_RULES
 from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
 
 VERL_ONLY_PREFIXES = ("actor_rollout_ref.", "critic.", "reward_model.", "reward_manager.", "custom_reward_function.",
                       "ray_kwargs.", "ray_init.", "global_profiler.", "transfer_queue.", "reward.reward_kwargs.",
-                      "reward.reward_manager.")
+                      "reward.reward_manager.", "reward.reward_model.", "reward.custom_reward_function.",
+                      "reward.sandbox_fusion.", "sandbox_fusion.")
 # veRL's trainer configs (verl/trainer/config/, and the DAPO recipe's): what --config-name=<name> is taken to mean.
 VERL_CONFIG_NAMES = {
     "ppo_trainer": "veRL's FSDP trainer config",
@@ -140,18 +142,6 @@ def _resume_mode(v, ctx):
     raise Refuse(f"resume_mode {v!r}: mgrpo has auto | disable | a checkpoint directory")
 
 
-def _custom_reward(v, ctx):
-    """veRL's reward file: its function (custom_reward_function.name, default compute_score) scores every
-    data_source, which is reward.custom_functions' '*' entry."""
-    if not v:
-        return [("", "null: the reward function of each data_source")]
-    if not str(v).endswith(".py"):
-        raise Refuse("veRL imports a Python file here; give the path of a .py file (or mgrpo's "
-                     "reward.custom_functions={<data_source>: 'module:function'})")
-    name = ctx.get("custom_reward_function.name") or "compute_score"
-    return [("reward.custom_functions", {"*": f"{v}:{name}"})]
-
-
 def _max_resp_len(v, ctx):
     limit = ctx.get("data.max_response_length")
     if limit is not None and int(v) == int(limit):
@@ -172,21 +162,6 @@ def _total_epochs(v, ctx):
 
 def _max_ckpt(v, ctx):
     return [("", "null: keep all, as in mgrpo")] if v is None else [("trainer.max_ckpt_to_keep", int(v))]
-
-
-def _reward_model(v, ctx):
-    """veRL's reward model (reward_model.enable with reward_model.model.path): the reward of every data_source is
-    the model's score (veRL's reward managers return rm_scores when there are any), served as reward.models.rm."""
-    if falsy(v):
-        return [("", "false: rule-based rewards, as in mgrpo")]
-    path = ctx.get("reward_model.model.path")
-    if not path:
-        raise Refuse("reward_model.enable=true needs reward_model.model.path (the classifier's checkpoint)")
-    model = {"hf_path": str(path)}
-    batch = ctx.get("reward_model.micro_batch_size_per_gpu") or ctx.get("reward_model.micro_batch_size")
-    if batch:
-        model["batch_size"] = int(batch)
-    return [("reward.models", {"rm": model}), ("reward.compose", {"*": {"rm": 1.0}})]
 
 
 def _adv_estimator(v, ctx):
@@ -373,29 +348,13 @@ RULES: dict[str, Rule] = {
     "reward.reward_kwargs.max_resp_len": _max_resp_len,
     "data.gen_batch_size": only(lambda v: v is None, "null", "mgrpo generates data.train_batch_size prompts per round "
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
-    "reward_model.enable": _reward_model,
-    "reward_model.model.path": ignore("the reward model's checkpoint, with reward_model.enable"),
-    **{f"reward_model.{k}": ignore("reward.models.rm.batch_size, with reward_model.enable")
-       for k in ("micro_batch_size_per_gpu", "micro_batch_size")},
-    "reward_model.model.input_tokenizer": ignore("mgrpo formats each conversation with the reward model's own "
-                                                 "tokenizer and chat template"),
-    **{f"reward_model.{k}": ignore("the reward model is served by SGLang (--is-embedding), not run by a trainer "
-                                   "worker") for k in ("strategy", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
-                                                      "ulysses_sequence_parallel_size", "model.trust_remote_code",
-                                                      "model.use_remove_padding", "max_length", "use_reward_loop")},
-    **{k: only(lambda v: v in ("naive", "dapo", None),
-               "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
-               "algorithm.overlong_buffer)",
-               "mgrpo scores each sample with the function of its data_source")
-       for k in ("reward_model.reward_manager", "reward.reward_manager.name")},
-    "custom_reward_function.path": _custom_reward,
-    "custom_reward_function.name": ignore("used with custom_reward_function.path"),
+    **REWARD_RULES,
     **LAYOUT_RULES,
 }
 # Whole subtrees with one outcome (longest prefix wins after the exact keys above).
 PREFIX_RULES: dict[str, Rule] = {
     **LAYOUT_PREFIX_RULES, "critic.": ignore("GRPO-family: no critic"),
-    "reward_model.model.fsdp_config.": ignore("the reward model is served by SGLang (--is-embedding), not FSDP"),
+    **REWARD_PREFIX_RULES,
     M + "override_config.": refuse("mgrpo reads the architecture from config.json: change it there"),
     A + "profiler.": ignore(PROFILE), F + "profiler.": ignore(PROFILE), R + "profiler.": ignore(PROFILE),
     "global_profiler.": ignore(PROFILE), A + "checkpoint.": ignore("mgrpo checkpoints model, optimizer and state"),

@@ -11,7 +11,7 @@ routed-experts start check (scheduler.py). Each failure is a `RequestError`, ans
 sampling parameters the CPU server does not implement are refused when set, instead of being ignored.
 
 The answer (tokenizer_manager.py::_handle_batch_output): `meta_info` with output_token_logprobs as
-[logprob, token_id, None], output_token_sampling_mask / _logprobs / _mask_length, and routed_experts as
+[logprob, token_id, None] (and output_top_logprobs, per position the top_logprobs_num [logprob, token_id, None]), output_token_sampling_mask / _logprobs / _mask_length, and routed_experts as
 base64 of int32 [rows, num_layers, top_k].
 """
 
@@ -152,9 +152,8 @@ def parse(body: Any, limits: Limits):
         raise RequestError(f"/generate: {extra} not implemented by the CPU server (it takes {sorted(GENERATE_FIELDS)})")
     if body.get("stream"):
         raise RequestError("/generate: stream=true is not implemented by the CPU server")
-    if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num") not in (None, 0):
-        raise RequestError("/generate: prompt and top log-probs are not implemented by the CPU server "
-                           "(logprob_start_len -1, top_logprobs_num 0)")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise RequestError("/generate: prompt log-probs are not implemented by the CPU server (logprob_start_len -1)")
     ids = body.get("input_ids")
     if ids is None:
         raise RequestError("/generate: the CPU server takes input_ids only (no tokenizer: send token ids)")
@@ -180,6 +179,8 @@ def parse(body: Any, limits: Limits):
     if len(sps) != n:
         raise RequestError(f"/generate: sampling_params has {len(sps)} entries for a batch of {n} requests")
     logprob = _per_request(body.get("return_logprob"), n, single, "return_logprob", _bool, False)
+    tops = _per_request(body.get("top_logprobs_num"), n, single, "top_logprobs_num",
+                        lambda v: v is None or (_is_int(v) and v >= 0), 0)
     mask = _per_request(body.get("return_sampling_mask"), n, single, "return_sampling_mask", _bool, False)
     modes = _per_request(body.get("sampling_logprobs_mode"), n, single, "sampling_logprobs_mode",
                          lambda v: v in (None, "selected", "support"), None)
@@ -209,6 +210,7 @@ def parse(body: Any, limits: Limits):
         reqs.append(Req(rid=rid, input_ids=list(prompt), temperature=float(s["temperature"]),
                         top_p=float(s["top_p"]), top_k=min(s["top_k"], limits.vocab_size), max_new_tokens=max_new,
                         stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"], seed=s["seed"],
+                        top_logprobs_num=(tops[i] or 0) if logprob[i] else 0,
                         mask_mode=(modes[i] or "selected") if mask[i] else None,
                         routes_from=start if routes and limits.routes else None))
     return reqs, single, logprob
@@ -241,6 +243,8 @@ def answer(r, weight_version: str, return_logprob: bool, t0: float) -> dict:
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
         meta["output_token_logprobs_length"] = len(r.out)
+        if r.top_logprobs_num:  # tokenizer_manager.py::detokenize_top_logprobs_tokens, no text
+            meta["output_top_logprobs"] = [[[v, t, None] for v, t in zip(*row)] for row in r.top_logprobs]
     if r.mask_mode is not None:
         masks, values = mask_lists(r.masks, r.mask_logprobs, r.mask_mode == "support")
         meta["output_token_sampling_mask"] = masks

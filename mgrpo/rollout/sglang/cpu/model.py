@@ -37,12 +37,15 @@ class Req:
     seed: Optional[int] = None
     mask_mode: Optional[str] = None
     """'selected' | 'support': return each token's sampling support (SGLang's return_sampling_mask)."""
+    top_logprobs_num: int = 0
+    """Keep each output position's top log-probs (SGLang's top_logprobs_num, under return_logprob)."""
     routes_from: Optional[int] = None
     """Return the routed experts of positions [routes_from, prompt + output - 1)."""
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
     mask_logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
     route_rows: list = field(default_factory=list)
     routes: Optional[torch.Tensor] = None
     finish: Optional[dict] = None
@@ -198,6 +201,9 @@ class CPUModel:
         greedy = r.temperature == 0.0 or r.top_k == 1
         scaled = logits / (1.0 if r.temperature == 0.0 else r.temperature)
         logp = torch.log_softmax(scaled, dim=-1)
+        if r.top_logprobs_num:  # the same distribution output_token_logprobs reads, highest first (torch.topk)
+            vals, idx = torch.topk(logp, min(r.top_logprobs_num, logp.numel()))
+            r.top_logprobs.append((vals.tolist(), idx.tolist()))
         if greedy:
             tok = int(torch.argmax(logits))
             if r.mask_mode is not None:  # sampler.py::_build_greedy_sampling_mask_output

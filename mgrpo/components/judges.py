@@ -1,0 +1,227 @@
+"""Generative judges (reward.models.<name>.kind=generative) on auxiliary engines: a chat model asked, through its
+own chat template, what the judge's template says about each response; its answer parsed to a score
+(mgrpo/rewards/judge.py holds the templates and parsers). The engines are launched, keyed, revived and spread over
+exactly as a classifier reward model's (RewardModel, whose launch is the rollout engines' SGLangEngine.launch);
+an OpenAI-compatible endpoint (judge.openai_url) is called through the openai client instead.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+from mgrpo.algorithms.failed_samples import OK, TIMEOUT
+from mgrpo.components.reward_engines import RewardModel
+from mgrpo.config.reward import RewardModelConfig
+from mgrpo.rewards import ScoreRequest
+
+
+class GenerativeJudge(RewardModel):
+    """A chat model as a judge (kind=generative, rewards/judge.py): each response (pairwise: each order of response
+    and reference) rendered into the judge's template, formatted with the judge model's own chat template and sent
+    to its engines' /generate as token ids (or, judge.openai_url, to an OpenAI-compatible /chat/completions through
+    the openai client, which owns that call's timeout and retries); the answer parsed to a score. A request that
+    fails (timeout, 5xx, a dead engine, each retried within max_retries by the client) or an answer the parser
+    refuses leaves the sample without a score, never 0: counted per judge (reward/<name>/unparsed) and masked."""
+
+    label = "judge"
+    server_flags = ()
+
+    def __init__(self, name: str, cfg: RewardModelConfig, *, api_key: Optional[str], log_dir: str):
+        from mgrpo.rewards.judge import template_of
+
+        j = cfg.judge
+        self.template = template_of(f"reward.models.{name}.judge", j)
+        self.counts = {"unparsed": 0, "disagreements": 0, "judgements": 0}
+        self.openai = None
+        if j.openai_url:
+            try:
+                from openai import OpenAI
+            except ImportError:
+                from mgrpo.config import ConfigError
+
+                raise ConfigError(f"reward.models.{name}.judge.openai_url needs the openai package "
+                                  "(pip install openai)") from None
+
+            self.name, self.cfg, self.api_key, self.log_dir = name, cfg, None, log_dir
+            self.tokenizer, self.engines, self.restarts, self._turn = None, [], 0, 0
+            key = os.environ.get(j.api_key_env) if j.api_key_env else None
+            # the openai client retries connection errors, 408/409/429 and 5xx with exponential backoff
+            self.openai = OpenAI(base_url=j.openai_url, api_key=key or "none", timeout=cfg.timeout_s,
+                                 max_retries=cfg.max_retries)
+            return
+        super().__init__(name, cfg, api_key=api_key, log_dir=log_dir)
+        if j.parser == "yes_no":
+            self.yes_no_ids = tuple(self._one_token(f"reward.models.{name}.judge.{k}", t)
+                                    for k, t in (("yes", j.yes), ("no", j.no)))
+
+    def _one_token(self, where: str, text: str) -> int:
+        from mgrpo.config import ConfigError
+
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            self.close()
+            raise ConfigError(f"{where}={text!r} is {len(ids)} tokens of {self.cfg.hf_path}'s tokenizer ({ids}); "
+                              "the yes/no parser reads one token's probability")
+        return ids[0]
+
+    def messages(self, user: str) -> list[dict]:
+        system = self.cfg.judge.system
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+    def prompts(self, req: ScoreRequest) -> list[str]:
+        """The judge's user message(s) for one request: one, or the two orders in pairwise mode."""
+        from mgrpo.rewards.judge import render
+
+        j = self.cfg.judge
+        rubric = str((req.extra_info or {}).get("rubric") or j.rubric)
+        kw = dict(prompt=req.prompt, response=req.response, reference=req.ground_truth, rubric=rubric)
+        if not j.pairwise:
+            return [render(self.template, **kw)]
+        ref = "" if req.ground_truth is None else str(req.ground_truth)
+        return [render(self.template, pair=(req.response, ref), **kw),
+                render(self.template, pair=(ref, req.response), **kw)]
+
+    def _generate(self, engine, users: list[str]) -> list[tuple[str, list]]:
+        """One /generate batch: (answer text, first position's top log-probs [(logprob, token_id)]) per message."""
+        from mgrpo.rollout.sglang.http import SGLangBadResponseError
+
+        j, tok = self.cfg.judge, self.tokenizer
+        ids = [tok.apply_chat_template(self.messages(u), tokenize=True, add_generation_prompt=True,
+                                       return_dict=False) for u in users]
+        yes_no = j.parser == "yes_no"
+        sp = {"temperature": j.temperature, "max_new_tokens": 1 if yes_no else j.max_new_tokens}
+        if tok.eos_token_id is not None:
+            sp["stop_token_ids"] = [tok.eos_token_id]
+        body = {"input_ids": [list(x) for x in ids], "sampling_params": sp}
+        if yes_no:
+            body.update(return_logprob=True, top_logprobs_num=j.top_logprobs)
+        items = engine.client.json("POST", "/generate", body)
+        if not isinstance(items, list) or len(items) != len(users):
+            raise SGLangBadResponseError(f"/generate answered {type(items).__name__} for {len(users)} prompts")
+        out = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("output_ids"), list):
+                raise SGLangBadResponseError(f"/generate answered an item without output_ids: {str(item)[:200]}")
+            text = tok.decode(item["output_ids"], skip_special_tokens=True)
+            tops = (item.get("meta_info") or {}).get("output_top_logprobs") or [[]]
+            out.append((text, [(float(v), int(t)) for v, t, *_ in (tops[0] or [])]))
+        return out
+
+    def _chat(self, user: str) -> tuple[str, list]:
+        """One /chat/completions call: (answer text, first position's top log-probs [(logprob, token text)])."""
+        j = self.cfg.judge
+        yes_no = j.parser == "yes_no"
+        kw = dict(logprobs=True, top_logprobs=j.top_logprobs) if yes_no else {}
+        resp = self.openai.chat.completions.create(model=j.openai_model, messages=self.messages(user),
+                                                   temperature=j.temperature,
+                                                   max_tokens=1 if yes_no else j.max_new_tokens, **kw)
+        choice = resp.choices[0]
+        top = []
+        if yes_no and choice.logprobs and choice.logprobs.content:
+            top = [(float(t.logprob), t.token.strip()) for t in choice.logprobs.content[0].top_logprobs]
+        return choice.message.content or "", top
+
+    def _parse(self, text: str, top: list) -> float:
+        from mgrpo.rewards import judge
+
+        j = self.cfg.judge
+        lo, hi = float(j.range[0]), float(j.range[1])
+        if j.parser == "yes_no":
+            keys = self.yes_no_ids if self.openai is None else (j.yes.strip(), j.no.strip())
+            return judge.p_yes(top, *keys)
+        if j.parser == "json":
+            return judge.parse_json(text, j.json_key, lo, hi)
+        return judge.parse_number(text, j.pattern, lo, hi)
+
+    def _ask(self, users: list[str]) -> tuple[list, list[str], list[str]]:
+        """(text, top) or None per message, with its outcome and error."""
+        n = len(users)
+        answers: list = [None] * n
+        status, errors = [OK] * n, [""] * n
+        if self.openai is not None:
+            import openai
+
+            def one(i: int) -> None:
+                try:
+                    answers[i] = self._chat(users[i])
+                except openai.APITimeoutError as e:
+                    status[i], errors[i] = TIMEOUT, f"judge:{self.name}: {e}"
+                except openai.OpenAIError as e:
+                    status[i], errors[i] = "failed", f"judge:{self.name}: {type(e).__name__}: {e}"
+
+            with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.judge.concurrency, n))) as pool:
+                list(pool.map(one, range(n)))
+            return answers, status, errors
+        from mgrpo.rollout.sglang.http import SGLangRequestError
+
+        self._revive()
+        size = self.cfg.batch_size
+        chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+        def run(k: int) -> None:
+            try:
+                got = self.on_engine((self._turn + k) % len(self.engines),
+                                     lambda engine: self._generate(engine, [users[i] for i in chunks[k]]))
+            except SGLangRequestError as e:
+                for i in chunks[k]:
+                    status[i], errors[i] = TIMEOUT if e.timeout else "failed", f"judge:{self.name}: {e}"
+                return
+            for i, a in zip(chunks[k], got):
+                answers[i] = a
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(self.engines), len(chunks)))) as pool:
+            list(pool.map(run, range(len(chunks))))
+        self._turn += len(chunks)
+        return answers, status, errors
+
+    def score(self, reqs: Sequence[ScoreRequest]) -> tuple[list[Optional[float]], list[str], list[str]]:
+        """(score or None, outcome, error or '') per request; never raises for an engine's or a parser's failure."""
+        from mgrpo.rewards import judge
+
+        j = self.cfg.judge
+        self.counts = {"unparsed": 0, "disagreements": 0, "judgements": 0}  # this call's (the step's) counts
+        per = [self.prompts(r) for r in reqs]
+        flat = [u for p in per for u in p]
+        if not flat:
+            return [], [], []
+        answers, status, errors = self._ask(flat)
+        values: list[Optional[float]] = [None] * len(flat)
+        for i, a in enumerate(answers):
+            if a is None:
+                continue
+            try:
+                values[i] = self._parse(*a)
+            except judge.Unparsed as e:
+                status[i], errors[i] = "failed", f"judge:{self.name}: unparsed answer: {e}"
+                self.counts["unparsed"] += 1
+        self.counts["judgements"] += len(flat)
+        scores: list[Optional[float]] = []
+        out_status, out_errors = [], []
+        k = 0
+        lo, hi = float(j.range[0]), float(j.range[1])
+        for p in per:
+            idx = list(range(k, k + len(p)))
+            k += len(p)
+            bad = next((i for i in idx if status[i] != OK), None)
+            if bad is not None:
+                scores.append(None)
+                out_status.append(status[bad])
+                out_errors.append(errors[bad])
+                continue
+            if j.pairwise:
+                first, swapped = (judge.preference(values[i], j.parser, lo, hi) for i in idx)
+                value, disagree = judge.swap_average(first, swapped)
+                self.counts["disagreements"] += disagree
+            else:
+                value = values[idx[0]]
+            scores.append(value)
+            out_status.append(OK)
+            out_errors.append("")
+        return scores, out_status, out_errors
+
+    def close(self) -> None:
+        if self.openai is not None:
+            self.openai.close()
+        super().close()
