@@ -317,15 +317,20 @@ def test_context_tokens_get_exactly_zero_gradient(mode):
         assert f["token_weight"][sampled].tolist() == pytest.approx([1 / int(sampled.sum())] * int(sampled.sum()))
 
 
-# --- into the experience: failed samples leave their group, the rest keep their masks ----------------------
-def test_experience_maker_drops_failed_trajectories_before_any_group_statistic(qwen3):
+# --- into the experience: failed samples stay in place, out of the loss and their group's baseline ---------
+def _maker_run(qwen3, tmp_digits: list[list], *, min_group_size: int = 2, **mt):
+    """Two prompts, n=3 each, through the experience maker: sample j of prompt i first calls `add` with
+    a=digits[i][j] (or the hanging tool where the digit is None), then answers the tool's reply; the judge
+    (flaky_digit_reward) scores an answer d as d/10. Judged; returns the experience and both metric dicts."""
     import dataclasses
+    import re
     import threading
     from types import SimpleNamespace
 
     from mgrpo.components.experience_maker import ExperienceMaker
     from mgrpo.config import MGRPOConfig
     from mgrpo.data.dataset import PromptItem
+    from mgrpo.rewards import Judger
 
     release = threading.Event()
 
@@ -337,53 +342,83 @@ def test_experience_maker_drops_failed_trajectories_before_any_group_statistic(q
     tools = ToolSet([FunctionTool(add), FunctionTool(hang)])
     cfg = MGRPOConfig()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="qwen3"),
-                              rollout=dataclasses.replace(cfg.rollout, n=2, multi_turn=MultiTurnConfig(
-                                  enable=True, function_tools=["x:y"], tool_timeout_s=0.5)))
+                              data=dataclasses.replace(cfg.data, max_response_length=512),
+                              rollout=dataclasses.replace(cfg.rollout, n=3, multi_turn=MultiTurnConfig(
+                                  enable=True, function_tools=["x:y"], tool_timeout_s=0.5, **mt)))
+    cfg.reward.custom_functions = {"s": "tests.helpers.reward_fns:flaky_digit_reward"}
+    cfg.reward.num_workers = 0
+    cfg.reward.failed.min_group_size = min_group_size
     prompts = _prompts(qwen3, tools, 2)
     schemas = tools.schemas(list(tools.tools))
     items = [PromptItem(index=i, prompt_ids=prompts[i], prompt_text="", data_source="s", ground_truth="3",
                         messages=[{"role": "user", "content": f"question {i}"}], tools=schemas) for i in range(2)]
-    first_turns = []
+    seen = {0: 0, 1: 0}
 
     def generate(prompts_, n, params, desc):  # the rollout group's signature; n is 1 per turn
         out = []
         for ids in prompts_:
-            if ids in prompts:  # a first turn: prompt 0's second sample calls the hanging tool
-                first_turns.append(ids)
-                hangs = ids == prompts[0] and first_turns.count(ids) == 2
-                text = _call("hang", {"x": 1}) if hangs else _call("add", {"a": 1, "b": 2})
-            else:
-                text = "<think>\nok\n</think>\n\n3"
+            if ids in prompts:  # a first turn
+                i = prompts.index(ids)
+                d = tmp_digits[i][seen[i]]
+                seen[i] += 1
+                text = _call("hang", {"x": 1}) if d is None else _call("add", {"a": d, "b": 0})
+            else:  # answer with the tool's reply
+                text = re.findall(r"<tool_response>\n(\d+)", qwen3.decode(ids))[-1]
             new = qwen3(text, add_special_tokens=False)["input_ids"] + [qwen3.eos_token_id]
             out.append(GenerateResult(uid=0, token_ids=new, logprobs=[-0.5] * len(new), finish_reason="stop",
                                       weight_version=0))
         return out, SimpleNamespace(retries=0, restarts=0, auth_refused=0)
 
-    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, judger=None, rollout=SimpleNamespace(generate=generate),
-                            tools=tools)
+    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, rollout=SimpleNamespace(generate=generate),
+                            tools=tools, judger=None)
     try:
-        exp, measured = maker.generate(items, 2, SamplingParams(max_new_tokens=256))
+        exp, measured = maker.generate(items, 3, SamplingParams(max_new_tokens=256))
     finally:
         release.set()
-    assert measured["multi_turn/failed"] == 1 and measured["multi_turn/finish/tool_timeout"] == 1
-    assert len(exp) == 3 and exp.group_index == [0, 1, 1]  # the hung sample left prompt 0's group
-    # data.enable_thinking=false (the default) puts an empty think block in every generation prompt, the next
-    # turn's included; the official template keeps it for no turn but the last: 4 tokens per trajectory, named
-    empty_think = qwen3("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
-    assert len(empty_think) == 4 and measured["multi_turn/template_drift_tokens"] == 3 * 4
-    exp.rewards = [1.0, 0.0, 1.0]
+    with Judger(cfg.reward) as judger:
+        judged = exp.judge(judger, qwen3, cfg)
     exp.compute_advantages(cfg)
-    # the survivor's advantage is that of a group holding it alone (the estimator's rule for one sample): the
-    # failed sample gave no reward and no baseline
-    from mgrpo.algorithms.advantages import compute_advantages
+    return exp, measured, judged
 
-    alone = compute_advantages(torch.tensor([1.0]), torch.tensor([0]), exp.select([0]).response_mask(), cfg.algorithm)
-    assert exp.advantages[0] == alone[0].tolist()
+
+def _grpo(scores: list[float]) -> list[float]:
+    import statistics
+
+    mean, std = statistics.fmean(scores), statistics.stdev(scores)
+    return [(s - mean) / (std + 1e-6) for s in scores]
+
+
+def test_a_failed_trajectory_stays_in_its_group_out_of_the_loss_and_the_baseline(qwen3):
+    """One failure path: the hung trajectory (tool_timeout) keeps its place, marked failed through
+    Experience.mark_failed; the judge never sees it, it has no reward (None, not 0.0), and its group's
+    advantages are the GRPO statistics of the two members left, computed here by hand."""
+    exp, measured, judged = _maker_run(qwen3, [[1, None, 4], [3, 6, 2]])
+    assert len(exp) == 6 and exp.group_index == [0, 0, 0, 1, 1, 1]  # the group keeps its shape
+    assert exp.outcomes == ["ok", "tool_timeout", "ok", "ok", "ok", "ok"] and exp.failed_by[1] == "multi_turn"
+    assert exp.scores == [.1, None, .4, .3, .6, .2] and exp.rewards[1] is None
+    assert exp.in_loss == [True, False, True, True, True, True]
+    assert measured["multi_turn/failed"] == 1 and measured["multi_turn/finish/tool_timeout"] == 1
+    assert (judged["reward/failed"], judged["reward/failed/multi_turn"], judged["reward/masked_samples"],
+            judged["reward/dropped_groups"]) == (1, 1, 1, 0)
+    want = _grpo([.1, .4]) + _grpo([.3, .6, .2])
+    got = [a[0] for i, a in enumerate(exp.advantages) if i != 1]
+    assert got == pytest.approx(want, abs=1e-6)
+    assert all(x == 0.0 for x in exp.advantages[1])
     mask = exp.response_mask()
-    for i in range(3):
+    for i in range(6):
         assert mask[i, :len(exp.sampled_mask[i])].tolist() == [float(x) for x in exp.sampled_mask[i]]
         assert all(a == 0.0 for a, m in zip(exp.advantages[i], exp.sampled_mask[i]) if not m)
+    assert exp.response_mask(loss_only=True)[1].sum() == 0  # the failed sample carries no loss
 
+
+def test_a_group_left_too_small_by_failed_trajectories_is_dropped_and_counted(qwen3):
+    """reward.failed.min_group_size applies to multi-turn failures as to judges': two of three hung, the group
+    has one scored member left and is dropped whole; the other group is untouched."""
+    exp, measured, judged = _maker_run(qwen3, [[None, 5, None], [3, 6, 2]])
+    assert exp.outcomes[:3] == ["tool_timeout", "ok", "tool_timeout"] and exp.scores[1] == .5
+    assert exp.reward_masked == [True, True, True, False, False, False]
+    assert (judged["reward/failed"], judged["reward/masked_samples"], judged["reward/dropped_groups"]) == (2, 3, 1)
+    assert [a[0] for a in exp.advantages] == pytest.approx([0.0] * 3 + _grpo([.3, .6, .2]), abs=1e-6)
 
 
 def test_a_generation_that_fails_after_the_groups_retries_fails_its_trajectories(qwen3):
@@ -461,7 +496,7 @@ def test_an_environment_continues_the_conversation_and_its_crash_fails_the_traje
     runner.environment = CrashEnv
     trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
                           ScriptedPolicy(qwen3, script, prompts))
-    assert trajs[0].finish_reason == "tool_env_error" and trajs[0].failed and m["multi_turn/env_errors"] == 1
+    assert trajs[0].finish_reason == "env_failed" and trajs[0].failed and m["multi_turn/env_errors"] == 1
 
 
 def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():

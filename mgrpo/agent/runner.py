@@ -109,7 +109,7 @@ class AgentRunner:
                 except _GenerationFailed:
                     traj.finish_reason = "generation_error"
                 except _EnvFailed as err:
-                    traj.finish_reason = "tool_env_error"
+                    traj.finish_reason = "env_failed"
                     traj.count("multi_turn/env_errors")
                     traj.counts["env_error"] = str(err)
                 traj.counts["seconds"] = time.perf_counter() - t0
@@ -278,7 +278,7 @@ class AgentRunner:
         return text
 
     async def _env(self, traj: Trajectory, method, *args):
-        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise tool_env_error."""
+        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise env_failed."""
         try:
             return await asyncio.wait_for(_call_maybe_sync(method, *args), self.cfg.tool_timeout_s)
         except asyncio.TimeoutError:

@@ -124,8 +124,9 @@ class ExperienceMaker:
 
     def _generate_trajectories(self, items, n: int, sampling: SamplingParams, desc: str) -> tuple[Experience, dict]:
         """Multi-turn: one trajectory per sample, each turn through the rollout group (`mgrpo/agent/runner.py`).
-        Failed trajectories (tool or trajectory timeout, generation failure) are dropped here, before any
-        group statistics: they are in no loss and no baseline, and are counted by finish reason."""
+        Failed trajectories (tool or trajectory timeout, generation or environment failure, aborted) stay in
+        place, marked failed (`Experience.from_trajectories`): no reward, no loss, no baseline, counted by
+        finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
         def generate(prompts, params):
@@ -139,15 +140,14 @@ class ExperienceMaker:
                  if not t.failed]
         measured["multi_turn/template_drift_tokens"] = sum(drift)
         measured["multi_turn/template_drift_trajectories"] = sum(d > 0 for d in drift)
-        kept = [t for t in trajs if not t.failed]
-        if not kept:
+        if all(t.failed for t in trajs):
             reasons = sorted({t.finish_reason for t in trajs})
             raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
                                "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0
-        return Experience.from_trajectories(items, kept, n), measured
+        return Experience.from_trajectories(items, trajs, n), measured
 
     def judge(self, exp: Experience, *, training: bool = True) -> dict:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward
