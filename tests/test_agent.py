@@ -556,3 +556,67 @@ def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwe
     assert (measured["sandbox/calls"], measured["sandbox/ok"], measured["sandbox/timeout"]) == (4, 2, 2), measured
     replies = [t["text"] for traj in exp.turns for t in traj["turns"] if t["role"] == "tool"]
     assert sorted(r.splitlines()[0] for r in replies)[:2] == ["42", "42"], replies
+
+
+# --- veRL's rollout.over_sample_rate: the long tail is cut, aborted, counted, never in a group -------------
+def test_over_sample_rate_aborts_the_slowest_trajectories(qwen3):
+    """veRL's rule: with N=10 and rate 0.2 the step ends when int(10 x 0.8) = 8 trajectories have finished; the two
+    waiting on a 20 s tool end as 'aborted' at once, the engines' abort is asked once, and nothing is waited for."""
+    async def slow(x: int) -> str:
+        """Slow.
+
+        Args:
+            x: a number
+        """
+        await asyncio.sleep(20.0)
+        return "1"
+
+    tools = ToolSet([FunctionTool(slow), FunctionTool(add)])
+    script = lambda uid, turn: (_call("slow" if uid in (3, 7) else "add", {"x": 1} if uid in (3, 7) else {"a": 1})  # noqa: E731
+                                if turn == 0 else "done")
+    runner = AgentRunner(MultiTurnConfig(function_tools=["x:y"]), qwen3, tools, max_response_length=1024)
+    prompts = _prompts(qwen3, tools, 10)
+    aborts = []
+    t0 = time.monotonic()
+    trajs, m = runner.run([(p, {}, "") for p in prompts], SamplingParams(max_new_tokens=10_000),
+                          ScriptedPolicy(qwen3, script, prompts), over_sample_rate=0.2,
+                          abort=lambda: aborts.append(time.monotonic()))
+    assert time.monotonic() - t0 < 10
+    assert [t.finish_reason for t in trajs] == ["stop"] * 3 + ["aborted"] + ["stop"] * 3 + ["aborted"] + ["stop"] * 2
+    assert m["rollout/aborted"] == 2 and m["multi_turn/finish/aborted"] == 2 and len(aborts) == 1
+    assert trajs[3].failed and trajs[3].turns[0].calls[0]["name"] == "slow"  # what it did before the cut is kept
+
+
+def test_aborted_samples_leave_their_group_and_are_not_failures(qwen3):
+    """An aborted trajectory goes through the failed-sample path with outcome 'aborted' (by over_sample): out of
+    the loss and its group's baseline (GRPO over the members left, by hand), counted in rollout/aborted and not
+    in reward/failed or the failure rate (reward.failed.max_rate would refuse a 1-in-3 failure rate of 0.2)."""
+    from mgrpo.agent.trajectory import Trajectory
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.data.dataset import PromptItem
+    from mgrpo.experience import Experience
+    from mgrpo.rewards import Judger
+
+    item = PromptItem(index=0, prompt_ids=[1, 2], prompt_text="", data_source="s", ground_truth="3")
+    trajs = []
+    for uid, answer in enumerate(["2", None, "5"]):
+        t = Trajectory(uid=uid, prompt_ids=[1, 2])
+        if answer is None:
+            t.finish_reason = "aborted"
+        else:
+            ids = qwen3(answer, add_special_tokens=False)["input_ids"] + [qwen3.eos_token_id]
+            t.add(ids, [-0.1] * len(ids), "assistant", text=answer + qwen3.eos_token)
+            t.finish_reason = "stop"
+        trajs.append(t)
+    exp = Experience.from_trajectories([item], trajs, 3)
+    cfg = MGRPOConfig()
+    cfg.reward.custom_functions = {"s": "tests.helpers.reward_fns:flaky_digit_reward"}
+    cfg.reward.num_workers = 0
+    cfg.reward.failed.max_rate = 0.2
+    with Judger(cfg.reward) as judger:
+        got = exp.judge(judger, qwen3, cfg)
+    assert exp.outcomes == ["ok", "aborted", "ok"] and exp.failed_by[1] == "over_sample"
+    assert exp.scores == [.2, None, .5] and exp.reward_masked == [False, True, False]
+    assert got["reward/failed"] == 0 and got["reward/masked_samples"] == 1
+    exp.compute_advantages(cfg)
+    assert [a[0] for a in exp.advantages if a] == pytest.approx(_grpo([.2, .5]), abs=1e-6)

@@ -312,6 +312,20 @@ class RolloutGroup:
             restarted += 1
         return restarted
 
+    def abort_all(self) -> int:
+        """Cut every engine's requests in flight (rollout.over_sample_rate: SGLang's /abort_request with
+        abort_all); their answers come back as finish_reason 'abort', not retried. Returns how many engines cut
+        (an engine that cannot, like the in-process one, finishes its calls instead). Bounded: an engine that
+        does not answer within rollout.health_check_timeout_s is left to the health checks."""
+        refs = [e.abort_all.remote() for e in self.engines]
+        cut = 0
+        for ref in refs:
+            try:
+                cut += bool(ray.get(ref, timeout=self.cfg.rollout.health_check_timeout_s))
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                log.warning("rollout engine did not take the long-tail abort (%s: %s)", type(err).__name__, err)
+        return cut
+
     def release_memory(self, tags=None) -> int:
         """Colocated engines free their accelerator memory; returns how many engines had to be restarted
         (one that died since its last request is restarted here, not left to fail the next phase)."""
