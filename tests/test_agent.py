@@ -620,3 +620,29 @@ def test_aborted_samples_leave_their_group_and_are_not_failures(qwen3):
     assert got["reward/failed"] == 0 and got["reward/masked_samples"] == 1
     exp.compute_advantages(cfg)
     assert [a[0] for a in exp.advantages if a] == pytest.approx(_grpo([.2, .5]), abs=1e-6)
+
+
+def test_a_failed_sample_without_response_tokens_goes_through_the_batch_path():
+    """A trajectory cut or failed before its first turn has no response token; it keeps its place in the batch
+    (its group's shape), so the trainer's sharding and micro-batches must take a 0-token response: packed and
+    padded, every per-token field as long as the tokens, log-probs split back with an empty row for it."""
+    from mgrpo.components.actor_client import ActorClient
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.experience import Experience
+    from mgrpo.training.batch import batch_layout, build_micro_batch, split_per_sample
+
+    cfg = MGRPOConfig()
+    masks = [[1, 1, 0, 1], [], [1, 1, 1]]
+    exp = Experience(prompt_ids=[[1, 2], [3], [4, 5, 6]], response_ids=[[3] * len(m) for m in masks],
+                     rollout_logprobs=[[-1.0] * len(m) for m in masks], finish_reasons=["stop"] * 3,
+                     weight_versions=[0] * 3, group_index=[0, 0, 0], in_loss=[True] * 3, sampled_mask=masks)
+    exp.mark_failed(1, "aborted", "over_sample")
+    exp.reward_masked, exp.rewards = [False, True, False], [1.0, None, 0.0]
+    exp.compute_advantages(cfg)
+    assert exp.advantages[1] == [] and exp.advantages[0][0] == pytest.approx(-exp.advantages[2][0])
+    exp.old_logprobs = exp.ref_logprobs = [[-1.0] * len(m) for m in masks]
+    for packed in (True, False):
+        (shard,) = ActorClient(None, cfg, dp=1)._shards(exp, range(3), for_training=True)
+        mb = build_micro_batch(shard, batch_layout(packed=packed))
+        assert mb.response_lens == [4, 0, 3] and mb.fields["advantages"].shape == (7,)
+        assert [len(x) for x in split_per_sample(mb.fields["old_logprobs"], mb.response_lens)] == [4, 0, 3]
