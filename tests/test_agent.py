@@ -646,3 +646,24 @@ def test_a_failed_sample_without_response_tokens_goes_through_the_batch_path():
         mb = build_micro_batch(shard, batch_layout(packed=packed))
         assert mb.response_lens == [4, 0, 3] and mb.fields["advantages"].shape == (7,)
         assert [len(x) for x in split_per_sample(mb.fields["old_logprobs"], mb.response_lens)] == [4, 0, 3]
+
+
+def test_a_ready_multi_turn_batch_survives_the_checkpoint_unchanged(qwen3):
+    """One-step-off rollout saves the batches it has ready with each checkpoint and replays them on resume
+    (components/rollout_pipeline.py). A multi-turn batch with a failed trajectory comes back field for field:
+    masks, turns, tool rewards and the failed sample's outcome, so a resumed step trains on exactly what the
+    killed run would have, its failed sample still out of the loss and the baseline."""
+    import json
+
+    from mgrpo.components.rollout_pipeline import experience_from_json, experience_to_json
+
+    exp, _, _ = _maker_run(qwen3, [[1, None, 4], [3, 6, 2]])
+    items = list({id(it): it for it in exp.items}.values())
+    saved = json.loads(json.dumps(experience_to_json(exp)))  # what pending_rollouts.json holds
+    back = experience_from_json(saved, items)
+    for name in ("prompt_ids", "response_ids", "rollout_logprobs", "sampled_mask", "turns", "tool_rewards",
+                 "outcomes", "failed_by", "reward_masked", "scores", "rewards", "in_loss", "group_index",
+                 "advantages"):
+        assert getattr(back, name) == getattr(exp, name), name
+    assert [it.index for it in back.items] == [it.index for it in exp.items]
+    assert back.outcomes[1] == "tool_timeout" and back.response_mask(loss_only=True)[1].sum() == 0
