@@ -585,6 +585,20 @@ def test_over_sample_rate_aborts_the_slowest_trajectories(qwen3):
     assert [t.finish_reason for t in trajs] == ["stop"] * 3 + ["aborted"] + ["stop"] * 3 + ["aborted"] + ["stop"] * 2
     assert m["rollout/aborted"] == 2 and m["multi_turn/finish/aborted"] == 2 and len(aborts) == 1
     assert trajs[3].failed and trajs[3].turns[0].calls[0]["name"] == "slow"  # what it did before the cut is kept
+    assert {t.weight_version for t in trajs} == {3}  # the policy's version (ScriptedPolicy)
+
+    # cut before their first turn (an environment that is slow to start every fourth episode): no token, no turn,
+    # and the batch's weight version, so that a staleness bound does not drop them as version 0
+    from tests.helpers.agent import SlowEveryFourth
+
+    runner = AgentRunner(MultiTurnConfig(function_tools=["x:y"]), qwen3, tools, max_response_length=1024,
+                         environment=SlowEveryFourth)
+    prompts = _prompts(qwen3, tools, 8)
+    trajs, m = runner.run([(p, {}, "") for p in prompts], SamplingParams(max_new_tokens=10_000),
+                          ScriptedPolicy(qwen3, lambda u, t: "done", prompts), over_sample_rate=0.25)
+    cut = [t for t in trajs if t.finish_reason == "aborted"]
+    assert len(cut) == 2 and m["rollout/aborted"] == 2 and all(not t.turns and not t.response_ids for t in cut)
+    assert {t.weight_version for t in trajs} == {3}
 
 
 def test_aborted_samples_leave_their_group_and_are_not_failures(qwen3):

@@ -160,6 +160,10 @@ class AgentRunner:
                     raise task.exception()
         finally:
             dispatcher.cancel()
+        batch_version = min((t.weight_version for t in trajs if t.weight_version is not None), default=0)
+        for t in trajs:
+            if t.weight_version is None:
+                t.weight_version = batch_version
         return trajs, self._metrics(trajs, measured)
 
     async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict,
@@ -173,6 +177,7 @@ class AgentRunner:
             await asyncio.sleep(0)  # trajectories woken by the same result put their next requests first
             while not queue.empty():
                 ready.append(queue.get_nowait())
+            ready = [r for r in ready if not r.future.done()]  # its trajectory was cut or timed out meanwhile
             by_budget: dict[int, list[_Request]] = {}
             for r in ready:
                 by_budget.setdefault(r.max_new, []).append(r)
@@ -261,7 +266,7 @@ class AgentRunner:
                          latency_s=time.perf_counter() - t1)
                 traj.messages.extend(msgs)
         finally:
-            traj.weight_version = min(versions) if versions else 0
+            traj.weight_version = min(versions) if versions else None
             await self._release(traj, instances, kwargs)
 
     async def _run_calls(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,

@@ -44,7 +44,9 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     finish_reason: str = ""
-    weight_version: int = 0
+    weight_version: Optional[int] = None
+    """The oldest weights that sampled a turn of it; one that never generated (failed or cut before its first
+    turn) takes its batch's (AgentRunner.run), so the staleness bound never drops it for a version it lacks."""
     engine: object = None
     tool_reward: float = 0.0
     masked: bool = False
