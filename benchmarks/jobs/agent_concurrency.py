@@ -16,9 +16,12 @@ requests at once (SGLang's /abort_request). So what is measured is the schedulin
     starts the next one of the step at once; a ready turn is sent at once, joining the engine's running batch,
     without waiting for the calls in flight);
   - concurrent_over_sample: the same with rollout.over_sample_rate=0.1 (veRL's multi-turn examples' value): the
-    step ends when int(256 x 0.9) = 230 trajectories are done, the other 26 are aborted (not trained on).
+    step ends when int(256 x 0.9) = 230 trajectories are done (a few more when they finish in the same instant),
+    the others are aborted (not trained on).
 All use the same parser, template and tool code. Numbers: the batch's seconds, the trajectories kept (finished,
-not aborted), kept trajectories/s and sampled tokens/s of the kept ones.
+not aborted), kept trajectories/s and sampled tokens/s of the kept ones; each the median of --repeats runs of the
+mode, interleaved with the others' (with the fastest and slowest run's seconds), since a shared machine's load
+moves between runs.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def concurrent(tok, latency_s: float, over_sample_rate: float = 0.0) -> tuple[fl
         engine.close()
     kept = [t for t in trajs if t.finish_reason != "aborted"]
     assert all(t.finish_reason == "stop" and len(t.turns) == 2 * TURNS - 1 for t in kept)
-    assert len(kept) == (int(K * (1 - over_sample_rate)) if over_sample_rate else K)
+    # at least veRL's target: trajectories that finished in the same instant as the target-th are kept, as in veRL
+    assert len(kept) >= int(K * (1 - over_sample_rate)) and (over_sample_rate or len(kept) == K)
     return seconds, len(kept), sum(sum(t.sampled) for t in kept)
 
 
@@ -185,6 +189,8 @@ def lockstep(tok, latency_s: float) -> tuple[float, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latencies-ms", default="50,200,500", help="tool latencies to measure (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each mode, interleaved; the row is the median run (a shared machine's load moves)")
     add_output_args(parser, "agent_concurrency_cpu")
     args = parser.parse_args()
     tok = printable_tokenizer()
@@ -192,13 +198,20 @@ def main() -> None:
     latencies = [int(x) for x in args.latencies_ms.split(",")]
     rows = []
     for ms in latencies:
-        for mode, fn in (("lockstep", lambda: lockstep(tok, ms / 1000)),
-                         ("concurrent", lambda: concurrent(tok, ms / 1000)),
-                         ("concurrent_over_sample", lambda: concurrent(tok, ms / 1000, OVER_SAMPLE_RATE))):
-            seconds, kept, tokens = fn()
+        modes = (("lockstep", lambda: lockstep(tok, ms / 1000)),
+                 ("concurrent", lambda: concurrent(tok, ms / 1000)),
+                 ("concurrent_over_sample", lambda: concurrent(tok, ms / 1000, OVER_SAMPLE_RATE)))
+        runs: dict[str, list] = {mode: [] for mode, _ in modes}
+        for _ in range(args.repeats):
+            for mode, fn in modes:
+                runs[mode].append(fn())
+        for mode, _ in modes:
+            seconds, kept, tokens = sorted(runs[mode])[len(runs[mode]) // 2]  # the median run
             rows.append({"tool_latency_ms": ms, "mode": mode, "trajectories": K, "kept": kept, "turns": TURNS,
                          "seconds": round(seconds, 3), "trajectories_per_s": round(kept / seconds, 2),
-                         "sampled_tokens_per_s": round(tokens / seconds, 1)})
+                         "sampled_tokens_per_s": round(tokens / seconds, 1), "repeats": args.repeats,
+                         "seconds_min": round(min(r[0] for r in runs[mode]), 3),
+                         "seconds_max": round(max(r[0] for r in runs[mode]), 3)})
             print(rows[-1], flush=True)
     for ms in latencies:
         by = {r["mode"]: r for r in rows if r["tool_latency_ms"] == ms}
