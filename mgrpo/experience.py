@@ -123,8 +123,11 @@ class Experience:
     @classmethod
     def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int) -> "Experience":
         """Multi-turn samples (`mgrpo.agent.trajectory.Trajectory`, in rollout order: trajectory i*n + j is the
-        j-th of prompt i). The caller has taken the failed ones out (they never enter a group)."""
-        return cls(
+        j-th of prompt i), every one of them: a failed trajectory (tool or trajectory timeout, generation or
+        environment failure, aborted as the long tail) keeps its place and is marked failed with its finish
+        reason as the outcome, so its group keeps its shape and `judge` leaves it unscored, out of the loss and
+        out of the baseline, counted with every other failure (failed_samples.py)."""
+        exp = cls(
             prompt_ids=[t.prompt_ids for t in trajs],
             response_ids=[t.response_ids for t in trajs],
             rollout_logprobs=[t.logprobs for t in trajs],
@@ -139,6 +142,11 @@ class Experience:
             turns=[t.to_json() for t in trajs],
             tool_rewards=[t.tool_reward for t in trajs],
         )
+        for i, t in enumerate(trajs):
+            if t.failed:
+                exp.mark_failed(i, t.finish_reason, failed_samples.ROLLOUT_CUT if t.finish_reason == failed_samples.ABORTED
+                                else "multi_turn")
+        return exp
 
     @classmethod
     def concat(cls, parts: Sequence["Experience"]) -> "Experience":

@@ -83,3 +83,34 @@ def test_kill_with_the_pipeline_full_resumes_each_step_once(tmp_path):
             assert b[step - 1][key] == pytest.approx(a[step - 1][key], abs=1e-6), (step, key)
     rows = trajectories(killed)
     assert all(sum(1 for r in rows if r["step"] == s) == 8 * 4 for s in range(1, 6)) and len(rows) == 5 * 8 * 4
+
+
+@pytest.mark.system
+def test_multi_turn_with_the_long_tail_cut_one_step_off_killed_and_resumed(tmp_path):
+    """Multi-turn rollouts (the peek tool task) produced one step ahead, with veRL's over_sample_rate=0.25 and an
+    environment whose every fourth episode is slow: each step's 8 x 4 trajectories, of which exactly 8 were cut
+    (aborted, counted, out of the loss), appear once; SIGKILL with the next batch ready in the pipeline and
+    trainer.resume=auto replays that batch from the checkpoint: no step lost, none twice, every trajectory line
+    of a step in it exactly once."""
+    args = ("recipe=tool-peek-tiny-cpu", "rollout.mode=disaggregated", "rollout.async_mode=one_step_off",
+            "trainer.n_gpus_per_node=2", "rollout.over_sample_rate=0.25",
+            "rollout.multi_turn.environment=tests.helpers.agent:SlowEveryFourth")
+    ray_tmp = tempfile.mkdtemp(prefix="mgrpo-async-mt-", dir="/tmp")
+    run_dir = str(tmp_path / "killed")
+    p = train(run_dir, ray_tmp + "/a", *args)
+    wait_for_checkpoint(run_dir, "step_000002", p)
+    kill_everything(p, ray_tmp + "/a")
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", "step_000002", "pending_rollouts.json"))
+    p = train(run_dir, ray_tmp + "/b", *args, "trainer.resume=auto")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    m = read_metrics(run_dir)
+    assert [x["step"] for x in m] == [1, 2, 3, 4, 5]
+    assert all(x["rollout/aborted"] == 8 and x["multi_turn/finish/aborted"] == 8 for x in m)
+    assert all(x["reward/failed"] == 0 and x["reward/masked_samples"] >= 8 for x in m)  # aborted: masked, no failure
+    rows = trajectories(run_dir)
+    assert all(sum(1 for r in rows if r["step"] == s) == 8 * 4 for s in range(1, 6)) and len(rows) == 5 * 8 * 4
+    for s in range(1, 6):
+        cut = [r for r in rows if r["step"] == s and r["multi_turn"]["finish_reason"] == "aborted"]
+        assert len(cut) == 8 and all(r["score"] is None and r["reward"] is None and r["reward_status"] == "aborted"
+                                     and r["failed_by"] == "over_sample" for r in cut), s

@@ -187,6 +187,42 @@ def test_client_resends_what_the_server_aborted(engine, ref):
 
 
 @pytest.mark.integration
+def test_a_cut_is_answered_as_aborted_not_retried(engine):
+    """rollout.over_sample_rate's cut: abort_all(cut=True) on the client that is generating ends its requests in
+    flight with SGLang's answer for an aborted running request, which the client hands back as finish_reason
+    'abort' (counted in stats['cut']) instead of sending them again; an abort of a rid the server does not hold
+    is ignored, as SGLang's tokenizer manager ignores it."""
+    assert post(engine.url, "/abort_request", {"rid": "later0"}).status_code == 200  # not in flight: no effect
+    items = post(engine.url, "/generate", {**_long_body(1, ["later0"]), "sampling_params": {
+        "temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True}}).json()
+    assert items[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+    box = {}
+    th = threading.Thread(target=lambda: box.update(items=post(engine.url, "/generate", _long_body(4, [
+        f"cutme-{i}" for i in range(4)])).json()))
+    th.start()
+    time.sleep(0.4)
+    assert post(engine.url, "/abort_request", {"rid": "cutme"}).status_code == 200  # no such rid: ignored
+    assert post(engine.url, "/abort_request", {"rid": "cutme-1"}).status_code == 200
+    th.join(timeout=60)
+    fin = [it["meta_info"]["finish_reason"] for it in box["items"]]
+    assert fin[1] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT()
+    assert [f["type"] for f in fin] == ["length", "abort", "length", "length"]
+
+    eng = SGLangEngine.connect(engine.url, max_retries=2)
+    reqs = [GenerateRequest(uid=i, prompt_ids=[1, 2 + i % 5]) for i in range(24)]
+    th = threading.Thread(target=lambda: box.update(out=eng.generate(reqs, SamplingParams(temperature=1.0,
+                                                                                            max_new_tokens=200))))
+    th.start()
+    time.sleep(0.4)
+    eng.abort_all(cut=True)
+    th.join(timeout=60)
+    out = box["out"]
+    assert [r.uid for r in out] == list(range(24)) and all(r.finish_reason == "abort" and not r.token_ids for r in out)
+    assert eng.stats["cut"] == 24 and eng.stats["aborted_retries"] == 0
+
+
+@pytest.mark.integration
 def test_release_and_resume_memory(engine, ref):
     engine.release_memory()
     h = engine.health()

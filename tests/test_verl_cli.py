@@ -290,3 +290,46 @@ def test_dict_and_list_fields_take_what_users_type_on_the_command_line():
     with pytest.raises(ValueError, match=r"unknown config key reward.custom_function \(did you mean "
                                          r"reward.custom_functions\?\)"):
         check(str(CONFIG_DIR), shaped(["reward.custom_function={a: m:f}"]))
+
+
+# --- veRL's multi-turn GSM8K line (examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh at b178a3cd, the
+# keys its gsm8k_multiturn_grpo.yaml sets written out, the model ours): rollout.over_sample_rate is honoured -------
+RUN_MULTITURN = RUN_QWEN3_8B.replace("rollout.n=5", "rollout.n=16").replace("rollout.name=vllm", "rollout.name=sglang") \
+    .replace("ref.fsdp_config.param_offload=True", "ref.fsdp_config.param_offload=False") + """
+    data.return_raw_chat=True
+    actor_rollout_ref.rollout.over_sample_rate=0.1
+    actor_rollout_ref.rollout.multi_turn.enable=True
+    actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5
+    actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/peek.yaml
+"""
+
+
+def test_over_sample_rate_translates_and_is_validated():
+    from mgrpo.config.validate import field_errors
+
+    t = translate(["actor_rollout_ref.rollout.over_sample_rate=0.1", "actor_rollout_ref.rollout.multi_turn.enable=True",
+                   "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/peek.yaml"])
+    cfg = compose_config(t.args)
+    assert cfg.rollout.over_sample_rate == pytest.approx(0.1) and cfg.rollout.multi_turn.enable
+    assert not [e for e in field_errors(cfg, check_files=False) if "over_sample_rate" in e]
+    # veRL's single-turn path ignores the key; mgrpo says so instead of ignoring it, and refuses a rate of 1
+    single = compose_config(translate(["actor_rollout_ref.rollout.over_sample_rate=0.1"]).args)
+    assert any("rollout.over_sample_rate=0.1 cuts the long tail of multi-turn rollouts" in e
+               for e in field_errors(single, check_files=False))
+    whole = compose_config(translate(["actor_rollout_ref.rollout.over_sample_rate=1.0"]).args)
+    assert any("rollout.over_sample_rate=1.0 must be in [0, 1)" in e for e in field_errors(whole, check_files=False))
+
+
+@pytest.mark.integration
+def test_verl_multi_turn_line_with_over_sample_rate_through_both_front_doors(env):
+    args = argv(RUN_MULTITURN, env)
+    run = dict(capture_output=True, text=True, timeout=180, env={**os.environ, "HF_HUB_CACHE": env["HF_HUB_CACHE"]})
+    train = subprocess.run(["mgrpo-train", *args, "--cfg", "job"], **run)
+    plan = subprocess.run(["mgrpo-plan", *args, "--json"], **run)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    job = yaml.safe_load(train.stdout)
+    assert job["rollout"]["over_sample_rate"] == pytest.approx(0.1) and job["rollout"]["multi_turn"]["enable"]
+    for out in (train, plan):
+        assert "actor_rollout_ref.rollout.over_sample_rate=0.1" in out.stderr
+        assert "-> rollout.over_sample_rate=0.1" in out.stderr

@@ -1,26 +1,41 @@
 """Per-trajectory concurrency against turn-lockstep batching for multi-turn tool rollouts.
 
-    python -m benchmarks.jobs.agent_concurrency       # -> benchmarks/results/agent_concurrency_cpu.{csv,json}
+    python -m benchmarks.jobs.agent_concurrency                    # -> outputs/benchmarks/agent_concurrency_cpu.*
+    python -m benchmarks.jobs.agent_concurrency --update-results   # -> benchmarks/results/agent_concurrency_cpu.*
 
-64 trajectories of 4 assistant turns (3 tool calls, then the answer) on the printable tokenizer's Qwen3-style
-template. The tool sleeps a latency drawn per call from [0.5, 1.5] x L (L = 50, 200, 500 ms). The engine is
-simulated (a generate call costs 30 ms + 2 ms per request in the batch, as batched decoding on a busy server
-roughly does), so what is measured is the scheduling, nothing else:
-  - concurrent: mgrpo's AgentRunner (each trajectory its own coroutine; ready turns go out together);
-  - lockstep: every turn, one generate for all live trajectories, then all their tool calls, and the next turn
-    waits for the slowest call (TRL's GRPO trainer's multi-turn loop works this way).
-Both use the same parser, template and tool code; the numbers are trajectories/s and sampled tokens/s.
+A step's 256 trajectories of 4 assistant turns (3 tool calls, then the answer) on the printable tokenizer's
+Qwen3-style template, at most 64 in flight (rollout.multi_turn.max_concurrent_per_engine=64, one engine). The tool sleeps a latency drawn per call from [0.5, 1.5] x L (L = 50, 200, 500 ms). The engine is
+simulated as a continuously batching server (SGLang's scheduler): one decode step at a time, each costing
+STEP_MS + PER_REQUEST_MS x the requests running; a request sent while steps run joins at the next step and
+leaves when its tokens are out; a call returns when all its requests are done; abort_all ends the running
+requests at once (SGLang's /abort_request). So what is measured is the scheduling, nothing else:
+  - lockstep: batches of 64; every turn, one generate for all live trajectories of the batch, then all their tool
+    calls, and the next turn waits for the slowest call (TRL's GRPO trainer's multi-turn loop works this way);
+    the next batch starts when the slowest trajectory of this one is done;
+  - concurrent: mgrpo's AgentRunner (each trajectory its own coroutine; a slot freed by a finished trajectory
+    starts the next one of the step at once; a ready turn is sent at once, joining the engine's running batch,
+    without waiting for the calls in flight);
+  - concurrent_over_sample: the same with rollout.over_sample_rate=0.1 (veRL's multi-turn examples' value): the
+    step ends when int(256 x 0.9) = 230 trajectories are done (a few more when they finish in the same instant),
+    the others are aborted (not trained on).
+All use the same parser, template and tool code. Numbers: the batch's seconds, the trajectories kept (finished,
+not aborted), kept trajectories/s and sampled tokens/s of the kept ones; each the median of --repeats runs of the
+mode, interleaved with the others' (with the fastest and slowest run's seconds), since a shared machine's load
+moves between runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import json
 import os
 import random
+import threading
 import time
 
+from benchmarks import add_output_args, output_path
 from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.runner import AgentRunner
 from mgrpo.agent.template import ChatTemplate
@@ -29,7 +44,9 @@ from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.data.printable import printable_tokenizer
 from mgrpo.rollout.types import GenerateResult, SamplingParams
 
-K, TURNS = 64, 4
+K, CAP, TURNS = 256, 64, 4
+STEP_MS, PER_REQUEST_MS = 1.0, 0.05
+OVER_SAMPLE_RATE = 0.1
 SCHEMA = {"type": "function", "function": {"name": "lookup", "description": "Slow lookup.",
                                            "parameters": {"type": "object", "properties": {}}}}
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'
@@ -45,23 +62,73 @@ class SlowTool(BaseTool):
         return "42", None, {}
 
 
+class _Running:
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.out, self.aborted = tokens, 0, False
+        self.done = threading.Event()
+
+
 class SimulatedEngine:
-    def __init__(self, tok, prompt_lens: dict):
-        self.tok, self.calls = tok, 0
+    """A continuously batching server (see the module docstring), driven by one scheduler thread."""
+
+    def __init__(self, tok):
+        self.tok, self.calls, self.steps = tok, 0, 0
         self.call_ids = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         self.answer_ids = tok("It is 42.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.cond = threading.Condition()
+        self.waiting: list[_Running] = []
+        self.running: list[_Running] = []
+        self.stop = False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            with self.cond:
+                while not self.stop and not self.waiting and not self.running:
+                    self.cond.wait()
+                if self.stop:
+                    return
+                self.running += self.waiting  # joins at the next step
+                self.waiting = []
+                n = len(self.running)
+            time.sleep((STEP_MS + PER_REQUEST_MS * n) / 1000)
+            with self.cond:
+                self.steps += 1
+                for r in self.running:
+                    r.out += 1
+                    if r.out >= len(r.tokens):
+                        r.done.set()
+                self.running = [r for r in self.running if not r.done.is_set()]
 
     def __call__(self, prompts, sampling):
-        time.sleep(0.030 + 0.002 * len(prompts))
         self.calls += 1
-        out = []
+        reqs = []
         for ids in prompts:
             # assistant turns so far: the prompt ends 2 turns (system, user) with <|im_end|>, each tool round 2 more
             turns = (ids.count(self.tok.eos_token_id) - 2) // 2
-            new = self.call_ids if turns < TURNS - 1 else self.answer_ids
-            out.append(GenerateResult(uid=0, token_ids=list(new), logprobs=[-0.1] * len(new), finish_reason="stop",
-                                      weight_version=0))
-        return out, {}
+            reqs.append(_Running(self.call_ids if turns < TURNS - 1 else self.answer_ids))
+        with self.cond:
+            self.waiting += reqs
+            self.cond.notify()
+        for r in reqs:
+            r.done.wait()
+        return [GenerateResult(uid=0, token_ids=[] if r.aborted else list(r.tokens),
+                               logprobs=[] if r.aborted else [-0.1] * len(r.tokens),
+                               finish_reason="abort" if r.aborted else "stop", weight_version=0) for r in reqs], {}
+
+    def abort_all(self):
+        with self.cond:
+            for r in self.waiting + self.running:
+                r.aborted = True
+                r.done.set()
+            self.waiting, self.running = [], []
+
+    def close(self):
+        with self.cond:
+            self.stop = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
 
 
 def _prompts(tok):
@@ -70,64 +137,99 @@ def _prompts(tok):
             for i in range(K)]
 
 
-def concurrent(tok, latency_s: float) -> tuple[float, int]:
-    cfg = MultiTurnConfig(enable=True, max_assistant_turns=TURNS, function_tools=["x:y"])
+def concurrent(tok, latency_s: float, over_sample_rate: float = 0.0) -> tuple[float, int, int]:
+    cfg = MultiTurnConfig(enable=True, max_assistant_turns=TURNS, function_tools=["x:y"], max_concurrent_per_engine=CAP)
     runner = AgentRunner(cfg, tok, ToolSet([SlowTool(latency_s, 0)]), max_response_length=4096)
-    prompts = _prompts(tok)
-    t0 = time.perf_counter()
-    trajs, _ = runner.run([(p, {}, "") for p in prompts], SamplingParams(max_new_tokens=4096),
-                          SimulatedEngine(tok, {}))
-    assert all(t.finish_reason == "stop" and len(t.turns) == 2 * TURNS - 1 for t in trajs)
-    return time.perf_counter() - t0, sum(sum(t.sampled) for t in trajs)
+    prompts, engine = _prompts(tok), SimulatedEngine(tok)
+    try:
+        t0 = time.perf_counter()
+        trajs, _ = runner.run([(p, {}, "") for p in prompts], SamplingParams(max_new_tokens=4096), engine,
+                              over_sample_rate=over_sample_rate, abort=engine.abort_all)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    kept = [t for t in trajs if t.finish_reason != "aborted"]
+    assert all(t.finish_reason == "stop" and len(t.turns) == 2 * TURNS - 1 for t in kept)
+    # at least veRL's target: trajectories that finished in the same instant as the target-th are kept, as in veRL
+    assert len(kept) >= int(K * (1 - over_sample_rate)) and (over_sample_rate or len(kept) == K)
+    return seconds, len(kept), sum(sum(t.sampled) for t in kept)
 
 
-def lockstep(tok, latency_s: float) -> tuple[float, int]:
-    tool, template, engine = SlowTool(latency_s, 0), ChatTemplate(tok), SimulatedEngine(tok, {})
+def lockstep(tok, latency_s: float) -> tuple[float, int, int]:
+    tool, template, engine = SlowTool(latency_s, 0), ChatTemplate(tok), SimulatedEngine(tok)
     parser = ToolCallParser("qwen25", [SCHEMA])
     ids = _prompts(tok)
     sampled = 0
-    t0 = time.perf_counter()
-    live = list(range(K))
-    for _ in range(TURNS):
-        results, _ = engine([ids[i] for i in live], SamplingParams(max_new_tokens=4096))
-        calling = []
-        for i, r in zip(live, results):
-            ids[i] = ids[i] + r.token_ids
-            sampled += len(r.token_ids)
-            if parser.parse(tok.decode(r.token_ids).removesuffix(tok.eos_token)).calls:
-                calling.append(i)
+    try:
+        t0 = time.perf_counter()
+        for start in range(0, K, CAP):
+            live = list(range(start, min(start + CAP, K)))
+            for _ in range(TURNS):
+                results, _ = engine([ids[i] for i in live], SamplingParams(max_new_tokens=4096))
+                calling = []
+                for i, r in zip(live, results):
+                    ids[i] = ids[i] + r.token_ids
+                    sampled += len(r.token_ids)
+                    if parser.parse(tok.decode(r.token_ids).removesuffix(tok.eos_token)).calls:
+                        calling.append(i)
 
-        async def run_all():
-            return await asyncio.gather(*(tool.execute("i", {}) for _ in calling))
+                async def run_all():
+                    return await asyncio.gather(*(tool.execute("i", {}) for _ in calling))
 
-        replies = asyncio.run(run_all())  # the turn waits for its slowest call
-        for i, (text, _, _) in zip(calling, replies):
-            ids[i] = ids[i] + template.tool_suffix([text])
-        live = calling
-    return time.perf_counter() - t0, sampled
+                replies = asyncio.run(run_all())  # the turn waits for its slowest call
+                for i, (text, _, _) in zip(calling, replies):
+                    ids[i] = ids[i] + template.tool_suffix([text])
+                live = calling
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    return seconds, K, sampled
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latencies-ms", default="50,200,500", help="tool latencies to measure (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each mode, interleaved; the row is the median run (a shared machine's load moves)")
+    add_output_args(parser, "agent_concurrency_cpu")
+    args = parser.parse_args()
     tok = printable_tokenizer()
     ToolCallParser("qwen25", [SCHEMA]).parse(CALL)  # SGLang's parser loads once (seconds), outside the timings
+    latencies = [int(x) for x in args.latencies_ms.split(",")]
     rows = []
-    for ms in (50, 200, 500):
-        for mode, fn in (("concurrent", concurrent), ("lockstep", lockstep)):
-            seconds, tokens = fn(tok, ms / 1000)
-            rows.append({"tool_latency_ms": ms, "mode": mode, "trajectories": K, "turns": TURNS,
-                         "seconds": round(seconds, 3), "trajectories_per_s": round(K / seconds, 2),
-                         "sampled_tokens_per_s": round(tokens / seconds, 1)})
+    for ms in latencies:
+        modes = (("lockstep", lambda: lockstep(tok, ms / 1000)),
+                 ("concurrent", lambda: concurrent(tok, ms / 1000)),
+                 ("concurrent_over_sample", lambda: concurrent(tok, ms / 1000, OVER_SAMPLE_RATE)))
+        runs: dict[str, list] = {mode: [] for mode, _ in modes}
+        for _ in range(args.repeats):
+            for mode, fn in modes:
+                runs[mode].append(fn())
+        for mode, _ in modes:
+            seconds, kept, tokens = sorted(runs[mode])[len(runs[mode]) // 2]  # the median run
+            rows.append({"tool_latency_ms": ms, "mode": mode, "trajectories": K, "kept": kept, "turns": TURNS,
+                         "seconds": round(seconds, 3), "trajectories_per_s": round(kept / seconds, 2),
+                         "sampled_tokens_per_s": round(tokens / seconds, 1), "repeats": args.repeats,
+                         "seconds_min": round(min(r[0] for r in runs[mode]), 3),
+                         "seconds_max": round(max(r[0] for r in runs[mode]), 3)})
             print(rows[-1], flush=True)
-    for ms in (50, 200, 500):
-        c, lk = (next(r for r in rows if r["tool_latency_ms"] == ms and r["mode"] == m) for m in ("concurrent", "lockstep"))
-        print(f"tool latency {ms} ms: concurrent / lockstep = {c['trajectories_per_s'] / lk['trajectories_per_s']:.2f}x")
-    out = os.path.join(os.path.dirname(__file__), "..", "results", "agent_concurrency_cpu")
+    for ms in latencies:
+        by = {r["mode"]: r for r in rows if r["tool_latency_ms"] == ms}
+        base = by["lockstep"]["trajectories_per_s"]
+        print(f"tool latency {ms} ms: concurrent / lockstep = {by['concurrent']['trajectories_per_s'] / base:.2f}x, "
+              f"with over_sample_rate={OVER_SAMPLE_RATE} = {by['concurrent_over_sample']['trajectories_per_s'] / base:.2f}x "
+              f"(batch time {by['lockstep']['seconds'] / by['concurrent_over_sample']['seconds']:.2f}x shorter)")
+    out = output_path(args, "agent_concurrency_cpu")
     with open(out + ".json", "w") as f:
-        json.dump({"engine": "simulated: 30 ms + 2 ms per request per generate call", "rows": rows}, f, indent=1)
+        json.dump({"trajectories": K, "max_concurrent": CAP, "turns": TURNS,
+                   "engine": f"simulated continuous batching: {STEP_MS} ms + {PER_REQUEST_MS} ms per running request "
+                             "per decode step", "over_sample_rate": OVER_SAMPLE_RATE,
+                   "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    print(f"wrote {out}.csv and .json")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ no arguments. `reset(extra_info)` starts it from the record; after every assista
 the chat template as context tokens, e.g. `{"role": "user", "content": ...}`), an optional reward (added to
 the sample's score) and whether the episode is done. Both may be sync or async and run under
 rollout.multi_turn.tool_timeout_s; an environment that raises or hangs ends its trajectory as
-`tool_env_error` / `tool_timeout`: failed, dropped from the loss and its group's baseline, counted.
+`env_failed` / `tool_timeout`: failed, dropped from the loss and its group's baseline, counted.
 """
 
 from __future__ import annotations

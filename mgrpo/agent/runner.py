@@ -19,6 +19,7 @@ hung one is abandoned at its timeout (Python cannot kill a thread), its trajecto
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ from mgrpo.agent.trajectory import Trajectory
 from mgrpo.config import seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
+
+log = logging.getLogger("mgrpo")
 
 Generate = Callable[[list[list[int]], SamplingParams], tuple[list[GenerateResult], dict]]
 """prompts, sampling -> one result per prompt (in order), and what the call measured (summed into metrics)."""
@@ -72,16 +75,22 @@ class AgentRunner:
         self.eos = tokenizer.eos_token_id
 
     # --- the batch ----------------------------------------------------------------------------------
-    def run(self, prompts: Sequence[tuple[list[int], dict, str]], sampling: SamplingParams, generate: Generate
+    def run(self, prompts: Sequence[tuple[list[int], dict, str]], sampling: SamplingParams, generate: Generate, *,
+            over_sample_rate: float = 0.0, abort: Optional[Callable[[], None]] = None
             ) -> tuple[list[Trajectory], dict]:
-        """One trajectory per (prompt ids, extra_info, where) in order, and the batch's metrics."""
+        """One trajectory per (prompt ids, extra_info, where) in order, and the batch's metrics.
+
+        `over_sample_rate` (veRL's rollout.over_sample_rate; training batches only): once int(N x (1 - rate))
+        trajectories have finished, the others end as 'aborted' and `abort` (the engines' abort_all, SGLang's
+        /abort_request) stops their requests in flight; the generate calls already sent are waited for (bounded
+        by trajectory_timeout_s) so that nothing of this batch runs on into the next."""
         # Not asyncio.run: at its end it waits for every worker thread, and a hung sync tool would hold the
         # batch forever. Its threads are abandoned instead (counted as tool_timeout where they hung).
-        pool = ThreadPoolExecutor(max_workers=min(self.cap, len(prompts)) + 4, thread_name_prefix="mgrpo-agent")
+        pool = ThreadPoolExecutor(max_workers=2 * min(self.cap, len(prompts)) + 4, thread_name_prefix="mgrpo-agent")
         loop = asyncio.new_event_loop()
         loop.set_default_executor(pool)
         try:
-            return loop.run_until_complete(self._run(prompts, sampling, generate))
+            return loop.run_until_complete(self._run(prompts, sampling, generate, over_sample_rate, abort))
         finally:
             for task in asyncio.all_tasks(loop):
                 task.cancel()
@@ -89,15 +98,16 @@ class AgentRunner:
             loop.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, prompts, sampling: SamplingParams, generate: Generate):
+    async def _run(self, prompts, sampling: SamplingParams, generate: Generate, over_sample_rate: float, abort):
         queue: asyncio.Queue[_Request] = asyncio.Queue()
         measured: dict = {}
-        dispatcher = asyncio.create_task(self._dispatch(queue, sampling, generate, measured))
-        gate = asyncio.Semaphore(self.cap)
+        in_flight: set[asyncio.Future] = set()
+        dispatcher = asyncio.create_task(self._dispatch(queue, sampling, generate, measured, in_flight))
+        gate = asyncio.Semaphore(self.cap)  # a slot freed by a finished trajectory starts the next one at once
+        trajs = [Trajectory(uid=i, prompt_ids=list(ids)) for i, (ids, _, _) in enumerate(prompts)]
 
-        async def one(uid: int, ids: list[int], extra: dict, where: str) -> Trajectory:
+        async def one(traj: Trajectory, extra: dict, where: str) -> None:
             async with gate:
-                traj = Trajectory(uid=uid, prompt_ids=list(ids))
                 t0 = time.perf_counter()
                 try:
                     await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling),
@@ -109,26 +119,65 @@ class AgentRunner:
                 except _GenerationFailed:
                     traj.finish_reason = "generation_error"
                 except _EnvFailed as err:
-                    traj.finish_reason = "tool_env_error"
+                    traj.finish_reason = "env_failed"
                     traj.count("multi_turn/env_errors")
                     traj.counts["env_error"] = str(err)
-                traj.counts["seconds"] = time.perf_counter() - t0
-                return traj
+                finally:
+                    traj.counts["seconds"] = time.perf_counter() - t0
 
+        tasks = [asyncio.create_task(one(t, extra, where)) for t, (_, extra, where) in zip(trajs, prompts)]
+        # veRL's cut (sglang_rollout.py, PR 2929): wait for int(N x (1 - rate)) completions, then abort the rest
+        target = int(len(tasks) * (1 - over_sample_rate)) if over_sample_rate > 0 else len(tasks)
         try:
-            out = await asyncio.gather(*(one(i, ids, extra, where) for i, (ids, extra, where) in enumerate(prompts)))
+            pending, finished = set(tasks), 0
+            while pending and finished < target:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                finished += len(done)
+            aborted = 0
+            if pending:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                for t, task in zip(trajs, tasks):
+                    if task.cancelled() or not t.finish_reason:
+                        t.finish_reason = "aborted"
+                        aborted += 1
+                t_abort = time.perf_counter()
+                if abort is not None:
+                    try:
+                        await asyncio.to_thread(abort)
+                    except Exception as err:  # noqa: BLE001 - counted; their results are dropped anyway
+                        measured["rollout/abort_errors"] = measured.get("rollout/abort_errors", 0) + 1
+                        log.warning("aborting the long tail's requests failed (%s: %s); waiting for them instead",
+                                    type(err).__name__, err)
+                if in_flight:  # no generation of this batch may run on into the next
+                    _, late = await asyncio.wait(set(in_flight), timeout=self.cfg.trajectory_timeout_s)
+                    measured["rollout/abort_unfinished_calls"] = len(late)
+                measured["timing_s/abort_wait"] = time.perf_counter() - t_abort
+            measured["rollout/aborted"] = aborted
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
         finally:
             dispatcher.cancel()
-        return list(out), self._metrics(out, measured)
+        batch_version = min((t.weight_version for t in trajs if t.weight_version is not None), default=0)
+        for t in trajs:
+            if t.weight_version is None:
+                t.weight_version = batch_version
+        return trajs, self._metrics(trajs, measured)
 
-    async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict):
-        """Send every ready request as one batch per token budget; wake each trajectory with its result."""
+    async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict,
+                        in_flight: set):
+        """Send the ready requests as soon as they are ready, one call per token budget, without waiting for
+        the calls already in flight (the engines batch concurrent calls continuously, as SGLang's scheduler
+        does); wake each trajectory with its own result."""
         batch_no = 0
         while True:
             ready = [await queue.get()]
             await asyncio.sleep(0)  # trajectories woken by the same result put their next requests first
             while not queue.empty():
                 ready.append(queue.get_nowait())
+            ready = [r for r in ready if not r.future.done()]  # its trajectory was cut or timed out meanwhile
             by_budget: dict[int, list[_Request]] = {}
             for r in ready:
                 by_budget.setdefault(r.max_new, []).append(r)
@@ -136,18 +185,27 @@ class AgentRunner:
                 params = replace(sampling, max_new_tokens=budget, seed=seeds.chunk_seed(sampling.seed, batch_no)
                                  if sampling.seed is not None else None)
                 batch_no += 1
-                try:
-                    results, stats = await asyncio.to_thread(generate, [r.ids for r in reqs], params)
-                except Exception as err:  # the group retried already: every trajectory waiting on it fails
-                    for r in reqs:
-                        if not r.future.done():
-                            r.future.set_exception(_GenerationFailed(f"{type(err).__name__}: {err}"))
-                    continue
-                for k, v in stats.items():
-                    measured[k] = measured.get(k, 0) + v
-                for r, res in zip(reqs, results):
-                    if not r.future.done():  # (a trajectory that timed out meanwhile is gone)
-                        r.future.set_result(res)
+                call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params))
+                in_flight.add(call)
+                call.add_done_callback(lambda f, reqs=reqs: self._deliver(f, reqs, measured, in_flight))
+
+    @staticmethod
+    def _deliver(call: asyncio.Future, reqs: list, measured: dict, in_flight: set) -> None:
+        in_flight.discard(call)
+        if call.cancelled():
+            return
+        err = call.exception()
+        if err is not None:  # the group retried already: every trajectory waiting on it fails
+            for r in reqs:
+                if not r.future.done():
+                    r.future.set_exception(_GenerationFailed(f"{type(err).__name__}: {err}"))
+            return
+        results, stats = call.result()
+        for k, v in stats.items():
+            measured[k] = measured.get(k, 0) + v
+        for r, res in zip(reqs, results):
+            if not r.future.done():  # (a trajectory that timed out or was aborted meanwhile is gone)
+                r.future.set_result(res)
 
     # --- one trajectory -------------------------------------------------------------------------------
     async def _trajectory(self, traj: Trajectory, extra: dict, where: str, queue: asyncio.Queue,
@@ -208,7 +266,7 @@ class AgentRunner:
                          latency_s=time.perf_counter() - t1)
                 traj.messages.extend(msgs)
         finally:
-            traj.weight_version = min(versions) if versions else 0
+            traj.weight_version = min(versions) if versions else None
             await self._release(traj, instances, kwargs)
 
     async def _run_calls(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,
@@ -278,7 +336,7 @@ class AgentRunner:
         return text
 
     async def _env(self, traj: Trajectory, method, *args):
-        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise tool_env_error."""
+        """One environment call under tool_timeout_s: a hang is tool_timeout, a raise env_failed."""
         try:
             return await asyncio.wait_for(_call_maybe_sync(method, *args), self.cfg.tool_timeout_s)
         except asyncio.TimeoutError:

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_timeout", "trajectory_timeout", "generation_error",
-                  "tool_env_error")
+                  "env_failed", "aborted")
 """How a trajectory ends. stop: an assistant turn without tool calls ended on EOS; length: the response
 budget (data.max_response_length) is used up; max_turns: rollout.multi_turn.max_assistant_turns reached.
-The rest are failures (`FAILED`): the sample is dropped from the loss and from its group's baseline, and
-counted; it never enters the batch with a made-up reward."""
+The rest are failures (`FAILED`); aborted: cut as the step's long tail (rollout.over_sample_rate). A failed
+trajectory stays in its place in the batch and goes through the one failed-sample path: its finish reason
+is its outcome (`Experience.mark_failed`), so it has no reward, leaves the loss and its group's baseline, and
+is counted with every other failure (mgrpo/algorithms/failed_samples.py); never a made-up reward."""
 
-FAILED = ("tool_timeout", "trajectory_timeout", "generation_error", "tool_env_error")
+FAILED = ("tool_timeout", "trajectory_timeout", "generation_error", "env_failed", "aborted")
 
 
 @dataclass
@@ -42,7 +44,9 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     finish_reason: str = ""
-    weight_version: int = 0
+    weight_version: Optional[int] = None
+    """The oldest weights that sampled a turn of it; one that never generated (failed or cut before its first
+    turn) takes its batch's (AgentRunner.run), so the staleness bound never drops it for a version it lacks."""
     engine: object = None
     tool_reward: float = 0.0
     masked: bool = False

@@ -24,6 +24,12 @@ OK = "ok"
 TIMEOUT = "timeout"
 """A failed outcome: the judge (model, service) did not answer in time. Every other non-OK outcome is a failure
 of its own kind ('failed': raised or answered garbage; producers may name theirs, e.g. 'env_failed')."""
+ABORTED = "aborted"
+"""Not a failure: cut on purpose as the step's long tail (rollout.over_sample_rate, veRL's). Left out of the
+loss and its group's baseline like a failure, and of reward/failed and the failure rate: the rollout counts
+it (`rollout/aborted`)."""
+ROLLOUT_CUT = "over_sample"
+"""Who marks an aborted sample (its failed_by)."""
 
 
 class FailureRateExceeded(RuntimeError):
@@ -52,7 +58,7 @@ def failure_counts(outcomes: Sequence[str], sources: Sequence[str], masked_flags
     out = {"reward/failed": 0.0, "reward/timeouts": 0.0, "reward/masked_samples": float(sum(masked_flags)),
            "reward/dropped_groups": float(dropped_groups)}
     for o, src in zip(outcomes, sources):
-        if o == OK:
+        if o in (OK, ABORTED):
             continue
         kind = "reward/timeouts" if o == TIMEOUT else "reward/failed"
         out[kind] += 1
@@ -61,7 +67,9 @@ def failure_counts(outcomes: Sequence[str], sources: Sequence[str], masked_flags
 
 
 def failure_rate(outcomes: Sequence[str]) -> float:
-    return sum(o != OK for o in outcomes) / max(len(outcomes), 1)
+    """The share of failed samples among those not cut on purpose (ABORTED)."""
+    kept = [o for o in outcomes if o != ABORTED]
+    return sum(o != OK for o in kept) / max(len(kept), 1)
 
 
 def check_rate(outcomes: Sequence[str], sources: Sequence[str], *, warn_rate: float, max_rate: float,
@@ -71,14 +79,15 @@ def check_rate(outcomes: Sequence[str], sources: Sequence[str], *, warn_rate: fl
     rate = failure_rate(outcomes)
     if rate <= warn_rate and not (enforce and rate > max_rate):
         return
-    by = Counter(s for o, s in zip(outcomes, sources) if o != OK)
+    by = Counter(s for o, s in zip(outcomes, sources) if o not in (OK, ABORTED))
+    total = sum(o != ABORTED for o in outcomes)
     said = ", ".join(f"{src} {k}" for src, k in by.most_common())
     example = f"; e.g. {errors[0]}" if errors else ""
     if enforce and rate > max_rate:
         raise FailureRateExceeded(
-            f"{sum(by.values())} of {len(outcomes)} samples ({rate:.0%}) have no reward ({said}), past "
-            f"reward.failed.max_rate={max_rate}: the judges are failing, not the policy{example}. Fix them (or "
-            "raise reward.failed.max_rate) and resume")
+            f"{sum(by.values())} of {total} samples ({rate:.0%}) have no reward ({said}), past "
+            f"reward.failed.max_rate={max_rate}: the judges (or the rollouts: 'multi_turn') are failing, not the "
+            f"policy{example}. Fix them (or raise reward.failed.max_rate) and resume")
     log.warning("reward: %d of %d samples (%.0f%%) have no reward (%s), past reward.failed.warn_rate=%s; they are "
-                "left out of the loss and their groups' baselines%s", sum(by.values()), len(outcomes), 100 * rate,
+                "left out of the loss and their groups' baselines%s", sum(by.values()), total, 100 * rate,
                 said, warn_rate, example)

@@ -41,6 +41,15 @@ class EngineSlot:
         finally:
             trim_after_call()  # an in-process engine's decode steps freed their logits (mgrpo/heap.py)
 
+    @ray.method(concurrency_group="health")  # answered while generations run: it is what ends them
+    def abort_all(self) -> bool:
+        """Cut every request in flight (rollout.over_sample_rate's long tail); False: this engine cannot."""
+        cut = getattr(self.engine, "abort_all", None)
+        if cut is None:
+            return False
+        cut(cut=True)
+        return True
+
     @ray.method(concurrency_group="engine")
     def update_weights(self, named_tensors):
         self.engine.update_weights(named_tensors)

@@ -109,6 +109,10 @@ class RolloutGroup:
         self._refused: dict[str, int] = {}
         self._refusal_asks: Optional[tuple] = None
         self._refusal_lock = threading.Lock()
+        self._heal_lock = threading.RLock()
+        """`generate` may run in several threads at once (multi-turn rollouts send each ready turn without
+        waiting for the calls in flight): one at a time decides whether an engine is dead and restarts it, so
+        two calls that saw the same failure restart it once, and the retry counts are read once."""
         self._front_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgrpo-refusals")
         self._receivers: Optional[tuple[int, list]] = None
 
@@ -250,12 +254,13 @@ class RolloutGroup:
 
     def _finish_generate(self, results: dict, stats: RolloutStats, t0: float):
         # Retries the engines' clients did themselves (HTTP errors, aborted requests) count as well.
-        engine_retries = sum(ray.get([e.retries.remote() for e, a in zip(self.engines, self.addresses)
-                                      if a["counts_retries"]]))
-        if self.front is not None:
-            engine_retries += self.front.retries
-        stats.retries += max(engine_retries - self._engine_retries, 0)
-        self._engine_retries = engine_retries
+        with self._heal_lock:
+            engine_retries = sum(ray.get([e.retries.remote() for e, a in zip(self.engines, self.addresses)
+                                          if a["counts_retries"]]))
+            if self.front is not None:
+                engine_retries += self.front.retries
+            stats.retries += max(engine_retries - self._engine_retries, 0)
+            self._engine_retries = engine_retries
         stats.auth_refused = self._refusals_since_last()
         stats.seconds = time.perf_counter() - t0
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
@@ -316,17 +321,32 @@ class RolloutGroup:
         hangs (started again in front of the engines' current servers); return how many processes were
         restarted. A hybrid engine without a server is objects inside its Megatron rank, alive exactly
         while the rank is (which the trainer's own calls find out): it is not asked."""
-        restarted = 0
-        for i in range(len(self.engines)):
-            if self.hosts is not None and self.addresses[i]["url"] is None:
-                continue
-            if not self._alive(i):
-                self._restart(i)
+        with self._heal_lock:
+            restarted = 0
+            for i in range(len(self.engines)):
+                if self.hosts is not None and self.addresses[i]["url"] is None:
+                    continue
+                if not self._alive(i):
+                    self._restart(i)
+                    restarted += 1
+            if self.front is not None and not self.front.alive(self.cfg.rollout.health_check_timeout_s):
+                self.front.restart(self.urls)
                 restarted += 1
-        if self.front is not None and not self.front.alive(self.cfg.rollout.health_check_timeout_s):
-            self.front.restart(self.urls)
-            restarted += 1
-        return restarted
+            return restarted
+
+    def abort_all(self) -> int:
+        """Cut every engine's requests in flight (rollout.over_sample_rate: SGLang's /abort_request with
+        abort_all); their answers come back as finish_reason 'abort', not retried. Returns how many engines cut
+        (an engine that cannot, like the in-process one, finishes its calls instead). Bounded: an engine that
+        does not answer within rollout.health_check_timeout_s is left to the health checks."""
+        refs = [e.abort_all.remote() for e in self.engines]
+        cut = 0
+        for ref in refs:
+            try:
+                cut += bool(ray.get(ref, timeout=self.cfg.rollout.health_check_timeout_s))
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                log.warning("rollout engine did not take the long-tail abort (%s: %s)", type(err).__name__, err)
+        return cut
 
     def release_memory(self, tags=None) -> int:
         """Colocated engines free their accelerator memory; returns how many engines had to be restarted
@@ -395,21 +415,23 @@ class _ToEngines:
         return self.group.engines[e].generate.remote(self.chunks[k], self.params[k]).future(), e
 
     def recover(self, e: int) -> int:
-        if self.group._alive(e):
-            return 0
-        self.group._restart(e)
-        return 1
+        with self.group._heal_lock:  # (another call may have restarted it meanwhile: then it is alive)
+            if self.group._alive(e):
+                return 0
+            self.group._restart(e)
+            return 1
 
     def check(self, pending: dict, retry: Callable) -> int:
         restarted = 0
         for e in sorted({e for _, e, _ in pending.values()}):
-            if self.group._alive(e):
-                continue
-            lost = [(f, v) for f, v in pending.items() if v[1] == e]
-            for f, _ in lost:
-                del pending[f]
-            self.group._restart(e)
-            restarted += 1
+            with self.group._heal_lock:
+                if self.group._alive(e):
+                    continue
+                lost = [(f, v) for f, v in pending.items() if v[1] == e]
+                for f, _ in lost:
+                    del pending[f]
+                self.group._restart(e)
+                restarted += 1
             for _, (k, _, attempt) in lost:
                 retry(k, e, attempt, "engine failed its health check")
         return restarted

@@ -36,7 +36,8 @@ class Evaluator:
         timer = PhaseTimer()
         with timer("validation"), self.experiences.idle():
             exp, generated = self.experiences.generate(self.val_data.all_items(limit=self.cfg.max_prompts),
-                                                       self.cfg.n, self.sampling, desc="validation")
+                                                       self.cfg.n, self.sampling, desc="validation",
+                                                       training=False)
             judged = self.experiences.judge(exp, training=False)
         out = eval_metrics(exp.scores, exp.group_index, [it.data_source for it in exp.items], self.cfg.n)
         return {**out, **timer.metrics()}, summed(generated, judged)

@@ -113,19 +113,24 @@ class ExperienceMaker:
                               return_support=self.cfg.algorithm.logprob_support == "sampled",
                               return_routed_experts=returns_routes(self.cfg))
 
-    def generate(self, items, n: int, sampling: SamplingParams, desc: str = "rollout") -> tuple[Experience, dict]:
-        """n samples per prompt of `items`, and the generation's time, retries, restarts and refused requests."""
+    def generate(self, items, n: int, sampling: SamplingParams, desc: str = "rollout", *, training: bool = True
+                 ) -> tuple[Experience, dict]:
+        """n samples per prompt of `items`, and the generation's time, retries, restarts and refused requests.
+        `training`: a training batch (rollout.over_sample_rate cuts only those, as veRL's; a validation runs
+        every trajectory to its end)."""
         if self.agent is not None:
-            return self._generate_trajectories(items, n, sampling, desc)
+            return self._generate_trajectories(items, n, sampling, desc, training)
         results, stats = self.rollout.generate([it.prompt_ids for it in items], n, sampling, desc=desc)
         measured = {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                     "rollout/auth_refused": stats.auth_refused, "timing_s/gen": stats.seconds}
         return Experience.from_rollout(items, results, n, want_support=sampling.return_support), measured
 
-    def _generate_trajectories(self, items, n: int, sampling: SamplingParams, desc: str) -> tuple[Experience, dict]:
+    def _generate_trajectories(self, items, n: int, sampling: SamplingParams, desc: str, training: bool
+                               ) -> tuple[Experience, dict]:
         """Multi-turn: one trajectory per sample, each turn through the rollout group (`mgrpo/agent/runner.py`).
-        Failed trajectories (tool or trajectory timeout, generation failure) are dropped here, before any
-        group statistics: they are in no loss and no baseline, and are counted by finish reason."""
+        Failed trajectories (tool or trajectory timeout, generation or environment failure, aborted) stay in
+        place, marked failed (`Experience.from_trajectories`): no reward, no loss, no baseline, counted by
+        finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
         def generate(prompts, params):
@@ -133,21 +138,22 @@ class ExperienceMaker:
             return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                              "rollout/auth_refused": stats.auth_refused}
 
+        rate = self.cfg.rollout.over_sample_rate if training else 0.0
         trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where) for it in items for _ in range(n)],
-                                         sampling, generate)
+                                         sampling, generate, over_sample_rate=rate,
+                                         abort=getattr(self.rollout, "abort_all", None))
         drift = [self.agent.drift(t, items[t.uid // n].messages, items[t.uid // n].tools) for t in trajs
                  if not t.failed]
         measured["multi_turn/template_drift_tokens"] = sum(drift)
         measured["multi_turn/template_drift_trajectories"] = sum(d > 0 for d in drift)
-        kept = [t for t in trajs if not t.failed]
-        if not kept:
+        if all(t.failed for t in trajs):
             reasons = sorted({t.finish_reason for t in trajs})
             raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
                                "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0
-        return Experience.from_trajectories(items, kept, n), measured
+        return Experience.from_trajectories(items, trajs, n), measured
 
     def judge(self, exp: Experience, *, training: bool = True) -> dict:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward

@@ -289,6 +289,11 @@ class RolloutConfig:
     max_staleness: int = 1
     """bounded_staleness: a sample may be at most this many weight versions older than the policy that
     trains it; older ones are dropped and counted (rollout/stale_dropped), never trained."""
+    over_sample_rate: float = 0.0
+    """veRL's long-tail cut (multi-turn rollouts, training batches only): once int(N x (1 - rate)) of a step's N
+    trajectories have finished, the rest are aborted (the engines' in-flight requests through SGLang's
+    /abort_request) and marked failed with outcome 'aborted': out of the loss and their groups' baselines,
+    counted in rollout/aborted, never a reward. 0: every trajectory runs to its end."""
     generate_chunk: int = 512
     """Sequences per forward batch of the hf engine."""
     api_key: str = "auto"

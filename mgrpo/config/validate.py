@@ -242,6 +242,12 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
     if r.health_check_interval_s <= 0 or r.health_check_timeout_s <= 0:
         e.append(f"rollout.health_check_interval_s={r.health_check_interval_s} and rollout.health_check_timeout_s="
                  f"{r.health_check_timeout_s} must be positive")
+    if not 0.0 <= r.over_sample_rate < 1.0:
+        e.append(f"rollout.over_sample_rate={r.over_sample_rate} must be in [0, 1): the share of a step's "
+                 "trajectories cut as the long tail")
+    elif r.over_sample_rate > 0 and not r.multi_turn.enable:
+        e.append(f"rollout.over_sample_rate={r.over_sample_rate} cuts the long tail of multi-turn rollouts (as veRL's, "
+                 "whose single-turn path ignores it); set rollout.multi_turn.enable=true or drop the key")
     if not is_choice(r.async_mode, AsyncMode):
         choice(e, "rollout.async_mode", r.async_mode, AsyncMode)
     elif r.async_mode != AsyncMode.off:

@@ -57,3 +57,21 @@ class AlwaysReply:
 
         self.n += 1
         return EnvStep(messages=[{"role": "user", "content": f"again {self.n}"}])
+
+
+class SlowEveryFourth(AlwaysReply):
+    """AlwaysReply whose every fourth episode (in the order the process builds them) takes 3 s to start: in a batch
+    of 4k trajectories those k are the long tail that rollout.over_sample_rate=0.25 cuts, whatever the model does."""
+
+    built = 0
+
+    def __init__(self):
+        SlowEveryFourth.built += 1
+        self.slow = SlowEveryFourth.built % 4 == 0
+
+    async def reset(self, extra_info):
+        import asyncio
+
+        self.n = 0
+        if self.slow:
+            await asyncio.sleep(3.0)

@@ -267,7 +267,7 @@ RULES: dict[str, Rule] = {
     R + "checkpoint_engine.update_weights_bucket_megabytes": to("rollout.update_weights_bucket_mb", int),
     R + "do_sample": only(lambda v: v is True, "true: training rollouts sample", "training rollouts must sample"),
     R + "ignore_eos": only(falsy, "false, as in mgrpo", "mgrpo stops at EOS"),
-    R + "over_sample_rate": only(falsy, "0", "mgrpo waits for every sample"),
+    R + "over_sample_rate": to("rollout.over_sample_rate", float),
     R + "calculate_log_probs": ignore("mgrpo always keeps the rollout log-probs"),
     R + "dtype": only(lambda v: v in ("bfloat16", "bf16"), "bf16, as mgrpo's SGLang", "mgrpo's SGLang serves bf16"),
     R + "mode": ignore("mgrpo's engines are servers driven asynchronously"),

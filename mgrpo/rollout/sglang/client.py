@@ -86,7 +86,10 @@ class SGLangEngine(EngineDefaults):
         self.server_module: Optional[str] = None
         """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
         self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "bad_answer_retries": 0,
-                      "weight_buckets": 0, "weight_bytes": 0}
+                      "weight_buckets": 0, "weight_bytes": 0, "cut": 0}
+        self._cut_at = float("-inf")
+        """When `abort_all(cut=True)` last cut the requests in flight (monotonic): SGLang's abort answers of
+        requests sent before it are what was asked for, not a failure to retry."""
 
     @property
     def retries(self) -> int:
@@ -189,6 +192,7 @@ class SGLangEngine(EngineDefaults):
                                           send_seed=self.send_seed)
             # one request through SGLang's router: its session key keeps a trajectory's turns on one engine
             session = pending[0].session if self.unbatched else None
+            sent = time.monotonic()
             try:
                 resp = self.client.post("/generate", body, max_retries=0,
                                         headers={ROUTING_KEY: session} if session else None)
@@ -215,6 +219,11 @@ class SGLangEngine(EngineDefaults):
                     aborted.append(r)
                 else:
                     done.append(res)
+            if aborted and sent < self._cut_at:  # cut on purpose (the long tail): answered as aborted, no retry
+                self._count("cut", len(aborted))
+                done.extend(GenerateResult(uid=r.uid, token_ids=[], logprobs=[], finish_reason="abort",
+                                           weight_version=self.weight_version) for r in aborted)
+                aborted = []
             if aborted:
                 if attempt >= self.max_retries:
                     reason = next((it.get("meta_info") or {}).get("finish_reason") for it in items
@@ -358,7 +367,12 @@ class SGLangEngine(EngineDefaults):
         self.client.post("/resume_memory_occupation", {"tags": todo})
         self._released.difference_update(todo)
 
-    def abort_all(self) -> None:
+    def abort_all(self, cut: bool = False) -> None:
+        """SGLang's /abort_request with abort_all. `cut`: the requests in flight are being cut on purpose
+        (rollout.over_sample_rate): their abort answers come back as results with finish_reason 'abort'
+        (no tokens) instead of being retried."""
+        if cut:
+            self._cut_at = time.monotonic()
         self.client.post("/abort_request", {"abort_all": True})
 
     def shutdown(self) -> None:

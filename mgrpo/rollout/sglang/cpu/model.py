@@ -126,7 +126,7 @@ class CPUModel:
         for r in reqs:
             if r.max_new_tokens == 0:  # SGLang answers at once: nothing generated, finished by length
                 r.finish = {"type": "length", "length": 0}
-        active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, "Abort before prefill")]
+        active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, running=False)]
         if active:
             self._decode(active, started)
         for r in reqs:
@@ -140,9 +140,12 @@ class CPUModel:
     def routes_shape(self) -> tuple[int, int]:
         return (len(self.routes.modules), self.routes.top_k)
 
-    def _abort_if(self, r: Req, started: float, message: str) -> bool:
+    def _abort_if(self, r: Req, started: float, running: bool) -> bool:
+        """SGLang 0.5.23's answers: a running request finishes with FINISH_ABORT().to_json() (scheduler.py
+        abort_request, method 3); a waiting one with the tokenizer manager's own (_handle_abort_req)."""
         if r.finish is None and self._is_aborted(r, started):
-            r.finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+            r.finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None} if running \
+                else {"type": "abort", "message": "Abort in waiting queue"}
             return True
         return False
 
@@ -166,7 +169,7 @@ class CPUModel:
         for step in range(max(r.max_new_tokens for r in reqs)):
             nxt = torch.full((n,), self.pad_id, dtype=torch.long)
             for i, r in enumerate(reqs):
-                if r.finish is not None or self._abort_if(r, started, "Aborted by AbortReq"):
+                if r.finish is not None or self._abort_if(r, started, running=True):
                     continue
                 tok, lp = self._sample(logits[i], r, gens[i])
                 r.out.append(tok)

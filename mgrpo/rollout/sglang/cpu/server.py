@@ -153,6 +153,7 @@ class State:
         self.pending = 0  # generation jobs queued or running
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.queue: list = []  # (reqs, submitted, future) of /generate calls waiting for the model
+        self.in_flight: dict[str, int] = {}  # rids of the /generate calls not answered yet (SGLang's rid_to_state)
         self.draining = False
         self.refusals = Refusals()
         cfg = model.model.config
@@ -166,10 +167,18 @@ class State:
         would be a forward pass of its own)."""
         fut = asyncio.get_running_loop().create_future()
         self.queue.append((reqs, submitted, fut))
+        for r in reqs:
+            self.in_flight[r.rid] = self.in_flight.get(r.rid, 0) + 1
         if not self.draining:
             self.draining = True
             asyncio.get_running_loop().create_task(self._drain())
-        return await fut
+        try:
+            return await fut
+        finally:
+            for r in reqs:
+                self.in_flight[r.rid] -= 1
+                if not self.in_flight[r.rid]:
+                    del self.in_flight[r.rid]
 
     async def _drain(self) -> None:
         from mgrpo.rollout.sglang.cpu.model import ModelError
@@ -325,7 +334,14 @@ def build_app(state: State):
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await body_of(request, "/abort_request")
-        model.abort(body.get("rid"), bool(body.get("abort_all", False)))
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
+        if abort_all:
+            model.abort(None, True)
+        elif rid in state.in_flight:
+            # SGLang 0.5.23: the tokenizer manager passes on only a rid it holds (one tokenizer worker; an empty or
+            # unknown rid is ignored), and the scheduler then aborts every request whose rid starts with it.
+            for other in [r for r in state.in_flight if r.startswith(rid)]:
+                model.abort(other, False)
         return Response(status_code=200)
 
     @app.post("/update_weight_version")
