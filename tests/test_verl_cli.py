@@ -320,6 +320,24 @@ def test_over_sample_rate_translates_and_is_validated():
     assert any("rollout.over_sample_rate=1.0 must be in [0, 1)" in e for e in field_errors(whole, check_files=False))
 
 
+def test_verl_interaction_keys_translate():
+    """veRL's interaction config and max_user_turns (its gsm8k_multiturn_grpo_w_interaction.yaml sets both)."""
+    from mgrpo.config.validate import field_errors
+
+    path = "tests/data/verl_scripts/examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml"
+    t = translate(["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_user_turns=5",
+                   f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={path}", "model.tokenizer=printable"])
+    cfg = compose_config(t.args)
+    mt = cfg.rollout.multi_turn
+    assert (mt.interaction_config_path, mt.max_user_turns) == (path, 5)
+    assert not [e for e in field_errors(cfg) if "multi_turn" in e]
+    none = compose_config(translate(["actor_rollout_ref.rollout.multi_turn.max_user_turns=null",
+                                     "actor_rollout_ref.rollout.multi_turn.interaction_config_path=null"]).args)
+    assert (none.rollout.multi_turn.max_user_turns, none.rollout.multi_turn.interaction_config_path) == (0, None)
+    both = compose_config(t.args + ["rollout.multi_turn.environment=tests.helpers.agent:AlwaysReply"])
+    assert any("two environments for one trajectory" in e for e in field_errors(both))
+
+
 @pytest.mark.integration
 def test_verl_multi_turn_line_with_over_sample_rate_through_both_front_doors(env):
     args = argv(RUN_MULTITURN, env)

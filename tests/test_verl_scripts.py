@@ -160,9 +160,10 @@ CASES = [
                "epochs": 10}),
     # Qwen3 multi-turn with veRL's GSM8K tool: multi-turn is turned on in the YAML behind --config-path/-name
     Case("run_qwen3-4b_gsm8k_multiturn.sh",
-         refused=[R + "over_sample_rate", F + "fsdp_config.param_offload"],
-         changes={R + "over_sample_rate": None, F + "fsdp_config.param_offload": None},
+         refused=[F + "fsdp_config.param_offload"],
+         changes={F + "fsdp_config.param_offload": None},
          expect={"rollout.multi_turn.enable": True, "rollout.multi_turn.max_assistant_turns": 5,
+                 "rollout.over_sample_rate": 0.1,
                  "rollout.multi_turn.tool_config_path":
                      "{tmp}/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml",
                  "data.max_prompt_length": 1024, "data.max_response_length": 1024, "data.train_batch_size": 256,

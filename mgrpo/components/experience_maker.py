@@ -15,6 +15,7 @@ merges those into the step's metrics and the run-long counters.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Optional
@@ -41,6 +42,10 @@ class ExperienceMaker:
 
             mt = cfg.rollout.multi_turn
             env = load_object(mt.environment, "rollout.multi_turn.environment") if mt.environment else None
+            if mt.interaction_config_path:  # veRL's interactions: one episode per trajectory, shared instances
+                from mgrpo.agent.interaction import InteractionEnvironment, load_interactions
+
+                env = functools.partial(InteractionEnvironment, load_interactions(mt.interaction_config_path))
             self.agent = AgentRunner(mt, tokenizer, tools, max_response_length=cfg.data.max_response_length,
                                      engines=layout(cfg).num_engines, enable_thinking=cfg.data.enable_thinking,
                                      environment=env)

@@ -55,11 +55,19 @@ def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
     if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
         e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
                  f"{m.trajectory_timeout_s} must be positive")
-    if not m.function_tools and not m.tool_config_path and not m.environment:
+    if not m.function_tools and not m.tool_config_path and not m.environment and not m.interaction_config_path:
         e.append("rollout.multi_turn.enable=True needs tools or an environment: rollout.multi_turn.function_tools, "
-                 "rollout.multi_turn.tool_config_path or rollout.multi_turn.environment")
-    if m.tool_config_path and not os.path.isfile(m.tool_config_path):
-        e.append(f"rollout.multi_turn.tool_config_path={m.tool_config_path!r}: file not found")
+                 "rollout.multi_turn.tool_config_path, rollout.multi_turn.environment or "
+                 "rollout.multi_turn.interaction_config_path")
+    for key in ("tool_config_path", "interaction_config_path"):
+        path = getattr(m, key)
+        if path and not os.path.isfile(path):
+            e.append(f"rollout.multi_turn.{key}={path!r}: file not found")
+    if m.environment and m.interaction_config_path:
+        e.append("rollout.multi_turn.environment and rollout.multi_turn.interaction_config_path are two environments "
+                 "for one trajectory: set one")
+    if m.max_user_turns < 0:
+        e.append(f"rollout.multi_turn.max_user_turns={m.max_user_turns} must be >= 0 (0: no bound of its own)")
     if tokenizer == "synthetic":
         e.append("rollout.multi_turn.enable=True needs a tokenizer with a chat template (model.tokenizer=qwen3 "
                  "or a directory); 'synthetic' has none")

@@ -33,6 +33,13 @@ class MultiTurnConfig:
     """An environment class by import path (module:Class): one instance per trajectory, `reset(extra_info)`,
     then `step(assistant_text)` after every assistant turn without tool calls -> (messages, reward, done);
     its messages (e.g. a user simulator's) continue the conversation (mgrpo/agent/environment.py)."""
+    interaction_config_path: Optional[str] = None
+    """A veRL interaction config YAML (interaction: [{name, class_name, config}]; veRL's BaseInteraction): the
+    environment of every trajectory, the interaction its record names in extra_info.interaction_kwargs.name
+    (mgrpo/agent/interaction.py). Not together with `environment`."""
+    max_user_turns: int = 0
+    """Environment (user) turns per trajectory, veRL's max_user_turns; 0: bounded by max_assistant_turns only.
+    A trajectory that reaches it ends as max_turns."""
     tool_timeout_s: float = 30.0
     """One tool call's limit; a call past it ends the trajectory as tool_timeout (dropped from the loss and
     its group's baseline, counted)."""
