@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 import pytest
-
-from mgrpo.config.multi_turn import MultiTurnConfig
 from hydra import compose, initialize_config_dir
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from mgrpo.config import ActorConfig, AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, layout
 from mgrpo.config.choices import LogprobImpl
+from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.preflight import preflight
 from mgrpo_launchers.train import CONFIG_DIR, to_config
 
