@@ -2,8 +2,8 @@
 
 `PeekTool` is a veRL-style stateful tool (create / execute / calc_reward / release) for the `peek` task
 (data.synthetic_task=peek): each record's hidden digit reaches its tool instance through veRL's
-`extra_info.tools_kwargs.p.create_kwargs` (configs/tools/peek.yaml names it `p`), and `execute` reveals it. configs/tools/peek.yaml lists it in
-veRL's tool-config format.
+`extra_info.tools_kwargs.peek.create_kwargs`, and `execute` reveals it. configs/tools/peek.yaml lists it in veRL's
+tool-config format.
 """
 
 from __future__ import annotations
