@@ -68,8 +68,8 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
     tag = parser.constraint("required")[1]
     prompt = tok("<|im_start|>user\nHidden digit?<|im_end|>\n<|im_start|>assistant\n",
                  add_special_tokens=False)["input_ids"]
-    out = engine.generate([GenerateRequest(uid=i, prompt_ids=prompt) for i in range(6)],
-                          SamplingParams(temperature=1.0, max_new_tokens=80, seed=3, structural_tag=tag,
+    out = engine.generate([GenerateRequest(uid=i, prompt_ids=prompt) for i in range(4)],
+                          SamplingParams(temperature=1.0, max_new_tokens=60, seed=3, structural_tag=tag,
                                          stop=("</tool_call>",)))
     g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
     for r in out:
@@ -85,18 +85,20 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
                         SamplingParams(max_new_tokens=4, structural_tag="{not json"))
 
 
-def test_tokens_the_grammar_chose_are_context(tok):
-    """auto + stop_after_call: free text and the trigger are sampled (mask 1, their log-probs kept); the
-    call the grammar wrote is context; the turn's end-of-turn token, never sampled, is inserted as context
-    before the tool's reply; the request carried the tag and the stop token."""
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tokens_the_grammar_chose_are_context(tok, choice):
+    """stop_after_call: free text and the trigger are sampled (mask 1, their log-probs kept) where the
+    grammar left them free (auto); the call the grammar wrote is context; the turn's end-of-turn token, never
+    sampled, is inserted as context before the tool's reply; the request carried the tag and the stop text.
+    After the call, tool_choice is auto again (reset_tool_choice)."""
     tools = ToolSet.from_config([], "configs/tools/peek.yaml")
     cfg = MultiTurnConfig(enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=2,
-                          stop_after_call=True)
+                          stop_after_call=True, tool_choice=choice)
     runner = AgentRunner(cfg, tok, tools, max_response_length=512)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hidden digit?"}], tools=tools.schemas(["peek"]),
                                      tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    turns = ['ab<tool_call>\n{"name":"peek", "arguments":{ }}\n</tool_call>', "7"]
+    turns = [('ab' if choice == "auto" else "") + '<tool_call>\n{"name":"peek", "arguments":{ }}\n</tool_call>', "7"]
     seen = []
 
     def generate(prompts, sampling):
@@ -110,14 +112,17 @@ def test_tokens_the_grammar_chose_are_context(tok):
     (t,), metrics = runner.run([(prompt_ids, {"tools_kwargs": {"peek": {"create_kwargs": {"secret": 7}}}}, "")],
                                SamplingParams(max_new_tokens=100), generate)
     assert t.finish_reason == "stop" and t.counts["multi_turn/tool_calls"] == 1
-    assert json.loads(seen[0].structural_tag) == EXPECTED
+    assert json.loads(seen[0].structural_tag) == {**EXPECTED, "at_least_one": choice == "required"}
+    assert json.loads(seen[1].structural_tag) == EXPECTED
     assert seen[0].stop == ("</tool_call>",)
     first = tok(turns[0], add_special_tokens=False)["input_ids"]
-    # a, b and <tool_call> were free; the grammar wrote the rest (the space inside {} was one of 4 choices)
-    assert t.sampled[:len(first)] == [1, 1, 1] + [0] * (len(first) - 3)
-    assert t.logprobs[:len(first)] == [-1.5] * 3 + [0.0] * (len(first) - 3)
+    # auto: a, b and <tool_call> were free; the grammar wrote the rest (the space inside {} was one of 4
+    # choices); required: the grammar wrote the whole call
+    free = 3 if choice == "auto" else 0
+    assert t.sampled[:len(first)] == [1] * free + [0] * (len(first) - free)
+    assert t.logprobs[:len(first)] == [-1.5] * free + [0.0] * (len(first) - free)
     reply = t.turns[1]
     assert t.response_ids[reply.start] == tok.eos_token_id and not any(t.sampled[reply.start:reply.end])
     assert tok.decode(t.response_ids[reply.start:reply.end]).startswith("<|im_end|>\n<|im_start|>user\n"
                                                                          "<tool_response>\n7\n</tool_response>")
-    assert t.sampled[t.turns[2].start:] == [1, 1] and metrics["multi_turn/constrained_tokens"] == len(first) - 3
+    assert t.sampled[t.turns[2].start:] == [1, 1] and metrics["multi_turn/constrained_tokens"] == len(first) - free

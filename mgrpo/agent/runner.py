@@ -174,11 +174,8 @@ class AgentRunner:
         instances: dict[str, str] = {}
         versions: list[int] = []
         env = self.environment() if self.environment is not None else None
-        constraint = parser.constraint(self.cfg.tool_choice)
-        if constraint is not None and constraint[0] != "structural_tag":
-            raise ValueError(f"rollout.multi_turn.tool_choice={self.cfg.tool_choice}: SGLang constrains the "
-                             f"{self.cfg.format} format with {constraint[0]}, which the runner does not send yet")
-        tag = constraint[1] if constraint is not None else None
+        tags = {choice: self._tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
+        called = False
         try:
             if env is not None:
                 await self._env(traj, env.reset, extra)
@@ -188,6 +185,7 @@ class AgentRunner:
                     traj.finish_reason = "length"
                     return
                 budget = min(left, self.cfg.max_tokens_per_turn or left, sampling.max_new_tokens)
+                tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
                 await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop))
@@ -201,6 +199,7 @@ class AgentRunner:
                 traj.count("turns")
                 parsed = parser.parse(text.removesuffix(self.tok.eos_token))
                 t.calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
+                called = called or bool(parsed.calls or parsed.malformed)
                 traj.messages.append(_assistant_message(parsed))
                 if res.finish_reason != "stop":
                     traj.finish_reason = "length"  # cut by the budget: whatever it was writing is not run
@@ -259,6 +258,14 @@ class AgentRunner:
                                                    '{"name": ..., "arguments": {...}} inside the call tags)',
                                        "parse_errors"))
         return [r for r in replies if r is not None]
+
+    def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
+        """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
+        constraint = parser.constraint(choice)
+        if constraint is not None and constraint[0] != "structural_tag":
+            raise ValueError(f"rollout.multi_turn.tool_choice={choice}: SGLang constrains the {self.cfg.format} "
+                             f"format with {constraint[0]}, which the runner does not send yet")
+        return constraint[1] if constraint is not None else None
 
     def _free(self, tag: Optional[str], token_ids: Sequence[int], traj: Trajectory) -> Optional[list[int]]:
         """Under a grammar: per token 1 where the policy chose freely (the grammar allowed every token), 0
