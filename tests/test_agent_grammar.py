@@ -126,3 +126,19 @@ def test_tokens_the_grammar_chose_are_context(tok, choice):
     assert tok.decode(t.response_ids[reply.start:reply.end]).startswith("<|im_end|>\n<|im_start|>user\n"
                                                                          "<tool_response>\n7\n</tool_response>")
     assert t.sampled[t.turns[2].start:] == [1, 1] and metrics["multi_turn/constrained_tokens"] == len(first) - free
+
+
+def test_the_peek_judge_reads_the_first_digit_of_the_last_assistant_turn():
+    from mgrpo.rewards.synthetic import peek_score
+
+    def turns(*texts):
+        return {"turns": {"turns": [{"role": r, "text": t} for r, t in texts]}}
+
+    call = '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>'
+    assert peek_score("mgrpo/peek", "", "7", turns(("assistant", call), ("tool", "7"), ("assistant", "ab7c3"))) == 1.0
+    assert peek_score("mgrpo/peek", "", "7", turns(("assistant", call), ("tool", "7"), ("assistant", "3 7"))) == 0.0
+    assert peek_score("mgrpo/peek", "", "7", turns(("assistant", "<think>7</think>x"),)) == 0.0  # thinking is not the answer
+    assert peek_score("mgrpo/peek", "", "7", turns(("assistant", "7<|im_end|>"),)) == 1.0  # a guess counts as a guess
+    assert peek_score("mgrpo/peek", "", "7", turns(("assistant", call),)) == 0.0  # no answer: 0, no credit
+    with pytest.raises(ValueError, match="multi-turn"):
+        peek_score("mgrpo/peek", "7", "7", {})

@@ -27,7 +27,9 @@ class PeekTool(BaseTool):
         return iid
 
     async def execute(self, instance_id: str, parameters: dict, **kwargs):
-        return str(self.secrets[instance_id]), None, {}
+        # config.repeat: the digit said that many times (configs/tools/peek.yaml: a reply a random tiny model
+        # can pick the digit out of by its frequency in the context; 1 by default)
+        return str(self.secrets[instance_id]) * int(self.config.get("repeat", 1)), None, {}
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self.secrets.pop(instance_id, None)
