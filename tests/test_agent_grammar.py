@@ -24,7 +24,7 @@ PEEK = yaml.safe_load(open("configs/tools/peek.yaml"))["tools"][0]["tool_schema"
 # get_legacy_structural_tag with Qwen25Detector.structure_info), written out
 EXPECTED = {"type": "structural_tag",
             "structures": [{"begin": '<tool_call>\n{"name":"peek", "arguments":',
-                            "schema": {"type": "object", "properties": {}}, "end": "}\n</tool_call>"}],
+                            "schema": {"type": "object", "properties": {}, "const": {}}, "end": "}\n</tool_call>"}],
             "triggers": ["<tool_call>"], "at_least_one": False}
 
 
@@ -98,7 +98,7 @@ def test_tokens_the_grammar_chose_are_context(tok, choice):
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hidden digit?"}], tools=tools.schemas(["peek"]),
                                      tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    turns = [('ab' if choice == "auto" else "") + '<tool_call>\n{"name":"peek", "arguments":{ }}\n</tool_call>', "7"]
+    turns = [('ab' if choice == "auto" else "") + '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>', "7"]
     seen = []
 
     def generate(prompts, sampling):
@@ -116,15 +116,15 @@ def test_tokens_the_grammar_chose_are_context(tok, choice):
     assert json.loads(seen[1].structural_tag) == EXPECTED
     assert seen[0].stop == ("</tool_call>",)
     first = tok(turns[0], add_special_tokens=False)["input_ids"]
-    # auto: a, b and <tool_call> were free; the grammar wrote the rest (the space inside {} was one of 4
-    # choices); required: the grammar wrote the whole call
+    # auto: a, b and <tool_call> were free; the grammar wrote the rest (</tool_call> was one of 2 choices:
+    # the token or '<'); required: the grammar wrote the whole call
     free = 3 if choice == "auto" else 0
     assert t.sampled[:len(first)] == [1] * free + [0] * (len(first) - free)
     assert t.logprobs[:len(first)] == [-1.5] * free + [0.0] * (len(first) - free)
     reply = t.turns[1]
     assert t.response_ids[reply.start] == tok.eos_token_id and not any(t.sampled[reply.start:reply.end])
     assert tok.decode(t.response_ids[reply.start:reply.end]).startswith("<|im_end|>\n<|im_start|>user\n"
-                                                                         "<tool_response>\n7\n</tool_response>")
+                                                                         "<tool_response>\n" + "7" * 32 + "\n</tool_response>")  # peek.yaml: repeat 32
     assert t.sampled[t.turns[2].start:] == [1, 1] and metrics["multi_turn/constrained_tokens"] == len(first) - free
 
 
