@@ -142,3 +142,11 @@ def test_the_peek_judge_reads_the_first_digit_of_the_last_assistant_turn():
     assert peek_score("mgrpo/peek", "", "7", turns(("assistant", call),)) == 0.0  # no answer: 0, no credit
     with pytest.raises(ValueError, match="multi-turn"):
         peek_score("mgrpo/peek", "7", "7", {})
+
+
+def test_tool_choice_is_validated():
+    from mgrpo.config.checks import multi_turn_errors
+
+    errors = multi_turn_errors(MultiTurnConfig(enable=True, tool_choice="sometimes", function_tools=["x:y"]),
+                               "printable")
+    assert errors == ["rollout.multi_turn.tool_choice='sometimes': auto | required"]
