@@ -150,3 +150,20 @@ def test_tool_choice_is_validated():
     errors = multi_turn_errors(MultiTurnConfig(enable=True, tool_choice="sometimes", function_tools=["x:y"]),
                                "printable")
     assert errors == ["rollout.multi_turn.tool_choice='sometimes': auto | required"]
+
+
+def test_the_sglang_payload_carries_the_constraint():
+    """What goes to an SGLang server: structural_tag and stop in sampling_params, through SGLang's own JSON
+    contract (the wheel's decoder is strict about field names and types)."""
+    from mgrpo.rollout.sglang.client import build_generate_payload
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    tag = ToolCallParser("qwen25", [PEEK]).constraint("auto")[1]
+    body = build_generate_payload([GenerateRequest(uid=0, prompt_ids=[1, 2, 3])],
+                                  SamplingParams(max_new_tokens=8, structural_tag=tag, stop=("</tool_call>",)),
+                                  rids=["a"], send_seed=False)
+    assert body["sampling_params"]["structural_tag"] == tag and body["sampling_params"]["stop"] == ["</tool_call>"]
+    contract = wheel.contract()
+    if contract is None:
+        pytest.skip("sglang wheel or msgspec not installed (pip install --no-deps -r requirements-sglang.txt)")
+    contract.GenerateRequest.from_json_value(body)
