@@ -2,7 +2,8 @@
 the in-process engine, Megatron ranks with TP=2 and packed (THD) micro-batches. Step 1's engine and trainer
 log-probs must agree on every sampled token, also on the turns that follow a context span (an environment's
 user message inserted by the template: tests/helpers/agent.py::AlwaysReply), which proves the ids the engine continued from are the ids the
-trainer scores."""
+trainer scores. The first turn's call is constrained (tool_choice=required: SGLang's structural tag, enforced
+with xgrammar): the tokens the grammar wrote are context, so the diff is on the policy's free tokens only."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
         actor=dataclasses.replace(cfg.actor, tp=2, pack_sequences=True),
         rollout=dataclasses.replace(r, engine="hf", mode="hybrid", n=8, multi_turn=dataclasses.replace(
             r.multi_turn, enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=3,
-            max_tokens_per_turn=48, environment="tests.helpers.agent:AlwaysReply")),
+            max_tokens_per_turn=48, environment="tests.helpers.agent:AlwaysReply", tool_choice="required",
+            stop_after_call=True)),
         trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path), device="cpu", total_training_steps=1,
                                     logger=["tensorboard"], save_hf=False, log_token_logprobs=True),
     )
@@ -50,16 +52,21 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
                 assert row["rollout_logprobs"][k] == 0.0
     # a random model ends a turn on EOS now and then: the environment's reply (context) and a next turn follow
     assert after_context > 0 and m["multi_turn/context_tokens"] > 0
+    # every trajectory's first turn is the grammar's call (context; some are cut by the turn's budget while
+    # the grammar still lets the model write whitespace); later turns are the policy's
+    assert m["multi_turn/constrained_tokens"] >= 16 * 8 * 30 and m["multi_turn/tool_calls"] > 0
+    assert all(row["sampled_mask"][0] == 0 for row in rows)
 
 
 @pytest.mark.system
-@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu does not learn yet: the tiny policy collapses onto the first "
-                         "piece of the call it gets format credit for (README, 'The tool task'); remove this mark "
-                         "once a task design learns")
+@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu does not learn yet: with the call constrained and required, the "
+                         "tiny policy reads the reply for one digit and collapses (last-10 0.184 after 100 steps: "
+                         "README, 'The tool task'); remove this mark once it learns")
 def test_tool_task_learns(tmp_path):
     """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu): the hidden digit is only in the
-    tool's reply, so the reward can pass chance (0.1) only by calling the tool and copying its answer. First 10
-    steps <= chance + 0.1, last 10 >= 0.8, and the tool-call rate rises to about 1 per trajectory."""
+    tool's reply, so the reward can pass chance (0.1) only by reading it. First 10 steps <= chance + 0.1,
+    last 10 >= 0.8, one call per trajectory (the first turn's call is required and written by the grammar),
+    and the tokens the grammar wrote are context in every step."""
     import os
     import subprocess
     import sys
@@ -74,4 +81,5 @@ def test_tool_task_learns(tmp_path):
     calls = [m["multi_turn/tool_calls_per_trajectory"] for m in metrics]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert first <= 0.2 and last >= 0.8, (first, last)
-    assert sum(calls[:10]) / 10 < 0.2 and sum(calls[-10:]) / 10 >= 0.9, calls
+    assert sum(calls[-10:]) / 10 >= 0.9, calls
+    assert all(m["multi_turn/constrained_tokens"] > 0 for m in metrics)

@@ -2,8 +2,9 @@
 
     python -m benchmarks.jobs.tool_task                    # runs it (minutes on 2 cores)
     python -m benchmarks.jobs.tool_task --from RUN_DIR     # summarises a finished run
--> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, turns) and the
-markdown table the README shows (every 10th step), printed.
+-> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, turns, tokens the
+grammar wrote), the README's plot benchmarks/results/tool_peek_cpu.png (reward and calls per trajectory vs step)
+and the markdown table the README shows (every 10th step), printed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 import time
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "tool_peek_cpu.json")
+PLOT = os.path.join(os.path.dirname(__file__), "..", "results", "tool_peek_cpu.png")
 
 
 def summarise(run_dir: str, seconds: float | None) -> dict:
@@ -24,7 +26,9 @@ def summarise(run_dir: str, seconds: float | None) -> dict:
         rows = [json.loads(line) for line in f]
     steps = [{"step": i + 1, "reward": round(m["critic/score/mean"], 4),
               "tool_calls_per_trajectory": round(m.get("multi_turn/tool_calls_per_trajectory", 0.0), 4),
-              "turns": round(m.get("multi_turn/turns_mean", 0.0), 4)} for i, m in enumerate(rows)]
+              "turns": round(m.get("multi_turn/turns_mean", 0.0), 4),
+              "constrained_tokens": m.get("multi_turn/constrained_tokens", 0),
+              "step_s": round(m.get("timing_s/step", 0.0), 2)} for i, m in enumerate(rows)]
     r = [s["reward"] for s in steps]
     return {"command": "mgrpo-train recipe=tool-peek-tiny-cpu", "seconds": seconds, "chance": 0.1,
             "first10_reward": round(sum(r[:10]) / 10, 4), "last10_reward": round(sum(r[-10:]) / 10, 4),
@@ -39,9 +43,30 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in summary["steps"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(x, [s["reward"] for s in summary["steps"]], label="reward (right digit)")
+    ax.plot(x, [s["tool_calls_per_trajectory"] for s in summary["steps"]], color="tab:green",
+            label="tool calls per trajectory")
+    ax.axhline(summary["chance"], color="gray", linestyle=":", label="chance")
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.05)
+    ax.legend(loc="center right", fontsize=8)
+    ax.set_title("recipe=tool-peek-tiny-cpu: the tiny model from random weights (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--from", dest="run_dir", default=None)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for the run (none for the README's numbers)")
     args = ap.parse_args()
     seconds = None
     run_dir = args.run_dir
@@ -49,11 +74,12 @@ def main() -> None:
         run_dir = tempfile.mkdtemp(prefix="tool-peek-")
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
-                        f"trainer.output_dir={run_dir}", "trainer.save_hf=false"], check=True)
+                        f"trainer.output_dir={run_dir}", "trainer.save_hf=false", *args.overrides], check=True)
         seconds = round(time.perf_counter() - t0, 1)
     summary = summarise(run_dir, seconds)
     with open(RESULTS, "w") as f:
         json.dump(summary, f, indent=1)
+    plot(summary, PLOT)
     print(f"first-10 reward {summary['first10_reward']}, last-10 {summary['last10_reward']} (chance 0.1)")
     print(table(summary))
 

@@ -2,8 +2,8 @@
 
 `PeekTool` is a veRL-style stateful tool (create / execute / calc_reward / release) for the `peek` task
 (data.synthetic_task=peek): each record's hidden digit reaches its tool instance through veRL's
-`extra_info.tools_kwargs.p.create_kwargs` (configs/tools/peek.yaml names it `p`), and `execute` reveals it. configs/tools/peek.yaml lists it in
-veRL's tool-config format.
+`extra_info.tools_kwargs.peek.create_kwargs`, and `execute` reveals it. configs/tools/peek.yaml lists it in veRL's
+tool-config format.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class PeekTool(BaseTool):
         return iid
 
     async def execute(self, instance_id: str, parameters: dict, **kwargs):
-        return str(self.secrets[instance_id]), None, {}
+        # config.repeat: the digit said that many times (configs/tools/peek.yaml: a reply a random tiny model
+        # can pick the digit out of by its frequency in the context; 1 by default)
+        return str(self.secrets[instance_id]) * int(self.config.get("repeat", 1)), None, {}
 
     async def release(self, instance_id: str, **kwargs) -> None:
         self.secrets.pop(instance_id, None)

@@ -81,6 +81,34 @@ class ToolCallParser:
         self.tools = [Tool.model_validate(s) for s in schemas]
         self.known = {t.function.name for t in self.tools}
 
+    def constraint(self, tool_choice: str) -> Optional[tuple[str, str]]:
+        """SGLang's tool-call constraint for `tool_choice` ('auto' | 'required'), as serving_chat puts it into
+        sampling_params: (kind, value) with kind 'structural_tag' | 'json_schema' | 'ebnf' and the value as
+        the JSON string it sends, or None where SGLang constrains nothing ('auto' with no strict tool, or a
+        format without a structural tag). FunctionCallParser.get_structure_constraint decides, with
+        parallel_tool_calls=True (OpenAI's default) and thinking_mode=False (SGLang's when no reasoning parser
+        frames the output: the template's think block is the model's free text)."""
+        FunctionCallParser, _, _ = _sglang_function_call()
+        if tool_choice == "none" or not self.tools:
+            return None
+        parser = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt)
+        got = parser.get_structure_constraint(tool_choice, parallel_tool_calls=True, thinking_mode=False)
+        if got is None:
+            return None
+        kind, value = got
+        if kind == "structural_tag":  # serving_chat: json.dumps(tag.model_dump(by_alias=True))
+            value = json.dumps(value.model_dump(by_alias=True)) if hasattr(value, "model_dump") else json.dumps(value)
+        elif not isinstance(value, str):
+            value = json.dumps(value)
+        return kind, value
+
+    def end_of_call(self) -> str:
+        """The text that closes one call in this format, without surrounding whitespace ('</tool_call>' for
+        qwen25): what rollout.multi_turn.stop_after_call stops generation on."""
+        FunctionCallParser, _, _ = _sglang_function_call()
+        detector = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt).detector
+        return (getattr(detector, "eot_token", "") or "").strip()
+
     def parse(self, text: str) -> ParsedTurn:
         FunctionCallParser, _, envs = _sglang_function_call()
         with _lock, envs.SGLANG_FORWARD_UNKNOWN_TOOLS.override(True):  # the override is process-wide

@@ -14,6 +14,11 @@ end the trajectory as `length`), tool-reply truncation, the per-call tool timeou
 wall-clock timeout. A call that cannot run (malformed, unknown tool, bad arguments, the tool raised) gets
 an error as its reply: the model sees it, the run counts it per tool. Sync tools run in worker threads: a
 hung one is abandoned at its timeout (Python cannot kill a thread), its trajectory ends as tool_timeout.
+
+Constrained calls (rollout.multi_turn.tool_choice, stop_after_call): each turn's request carries the
+constraint SGLang's chat serving would send for the trajectory's tools (`ToolCallParser.constraint`), and
+each returned turn is replayed through the same grammar (mgrpo/rollout/grammar.py): a token the grammar
+restricted is context (sampled mask 0, log-prob 0.0), so only the policy's free choices carry loss.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class _Request:
     ids: list[int]
     max_new: int
     future: asyncio.Future
+    structural_tag: Optional[str] = None
+    stop: tuple[str, ...] = ()
 
 
 class AgentRunner:
@@ -73,6 +80,14 @@ class AgentRunner:
         self.max_response_length = max_response_length
         self.cap = cfg.max_concurrent_per_engine * max(engines, 1)
         self.eos = tokenizer.eos_token_id
+        self._grammars = None  # built on first constrained turn (mgrpo/rollout/grammar.py)
+        self.stop: tuple[str, ...] = ()
+        if cfg.stop_after_call:
+            end = ToolCallParser(cfg.format, []).end_of_call()
+            if not end:
+                raise ValueError(f"rollout.multi_turn.stop_after_call: the {cfg.format} format has no text that "
+                                 "ends a call")
+            self.stop = (end,)
 
     # --- the batch ----------------------------------------------------------------------------------
     def run(self, prompts: Sequence[tuple[list[int], dict, str]], sampling: SamplingParams, generate: Generate, *,
@@ -178,12 +193,13 @@ class AgentRunner:
             while not queue.empty():
                 ready.append(queue.get_nowait())
             ready = [r for r in ready if not r.future.done()]  # its trajectory was cut or timed out meanwhile
-            by_budget: dict[int, list[_Request]] = {}
-            for r in ready:
-                by_budget.setdefault(r.max_new, []).append(r)
-            for budget, reqs in sorted(by_budget.items()):
+            by_budget: dict[tuple, list[_Request]] = {}
+            for r in ready:  # one batch per budget and constraint
+                by_budget.setdefault((r.max_new, r.structural_tag or "", r.stop), []).append(r)
+            for (budget, tag, stops), reqs in sorted(by_budget.items()):
                 params = replace(sampling, max_new_tokens=budget, seed=seeds.chunk_seed(sampling.seed, batch_no)
-                                 if sampling.seed is not None else None)
+                                 if sampling.seed is not None else None, structural_tag=tag or None,
+                                 stop=tuple(sampling.stop) + stops)
                 batch_no += 1
                 call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params))
                 in_flight.add(call)
@@ -216,6 +232,8 @@ class AgentRunner:
         instances: dict[str, str] = {}
         versions: list[int] = []
         env = self.environment() if self.environment is not None else None
+        tags = {choice: self._tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
+        called = False
         try:
             if env is not None:
                 await self._env(traj, env.reset, extra)
@@ -225,18 +243,21 @@ class AgentRunner:
                     traj.finish_reason = "length"
                     return
                 budget = min(left, self.cfg.max_tokens_per_turn or left, sampling.max_new_tokens)
+                tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
-                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut))
+                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop))
                 res: GenerateResult = await fut
                 versions.append(res.weight_version)
                 traj.engine = res.engine
                 text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
+                free = self._free(tag, res.token_ids, traj)
                 t = traj.add(list(res.token_ids), list(res.logprobs), "assistant", text=text,
-                             latency_s=time.perf_counter() - t0)
+                             latency_s=time.perf_counter() - t0, sampled=free)
                 traj.count("turns")
                 parsed = parser.parse(text.removesuffix(self.tok.eos_token))
                 t.calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
+                called = called or bool(parsed.calls or parsed.malformed)
                 traj.messages.append(_assistant_message(parsed))
                 if res.finish_reason != "stop":
                     traj.finish_reason = "length"  # cut by the budget: whatever it was writing is not run
@@ -259,6 +280,8 @@ class AgentRunner:
                     msgs = [{"role": "tool", "content": r}
                             for r in await self._run_calls(traj, parsed, names, kwargs, instances)]
                 ids = self.template.suffix(msgs)
+                if self.stop and text.endswith(self.stop):
+                    ids = [self.eos] + ids  # the end of the turn the stop cut: the template's, not sampled
                 if len(traj.response_ids) + len(ids) >= self.max_response_length:
                     traj.finish_reason = "length"  # no room for the replies and a next turn
                     return
@@ -293,6 +316,27 @@ class AgentRunner:
                                                    '{"name": ..., "arguments": {...}} inside the call tags)',
                                        "parse_errors"))
         return [r for r in replies if r is not None]
+
+    def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
+        """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
+        constraint = parser.constraint(choice)
+        if constraint is not None and constraint[0] != "structural_tag":
+            raise ValueError(f"rollout.multi_turn.tool_choice={choice}: SGLang constrains the {self.cfg.format} "
+                             f"format with {constraint[0]}, which the runner does not send yet")
+        return constraint[1] if constraint is not None else None
+
+    def _free(self, tag: Optional[str], token_ids: Sequence[int], traj: Trajectory) -> Optional[list[int]]:
+        """Under a grammar: per token 1 where the policy chose freely (the grammar allowed every token), 0
+        where the grammar restricted the choice (context); None without one (every token sampled)."""
+        if tag is None:
+            return None
+        from mgrpo.rollout.grammar import Grammars, restricted_steps
+
+        if self._grammars is None:
+            self._grammars = Grammars(self.tok, len(self.tok), [self.eos])
+        flags = restricted_steps(self._grammars.compile_structural_tag(tag), token_ids, len(self.tok))
+        traj.count("multi_turn/constrained_tokens", sum(flags))
+        return [0 if f else 1 for f in flags]
 
     def _error(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> str:
         traj.count(f"multi_turn/{kind}")

@@ -61,11 +61,19 @@ class Trajectory:
     def failed(self) -> bool:
         return self.finish_reason in FAILED
 
-    def add(self, ids: list[int], logprobs: Optional[list[float]], role: str, **turn) -> Turn:
+    def add(self, ids: list[int], logprobs: Optional[list[float]], role: str,
+            sampled: Optional[list[int]] = None, **turn) -> Turn:
+        """`sampled`: per token 1/0 within a sampled turn (0: a token a grammar chose, context with log-prob
+        0.0); by default every token of a turn with log-probs is sampled, of one without none."""
         start = len(self.response_ids)
+        if sampled is None:
+            sampled = [1 if logprobs is not None else 0] * len(ids)
+        if len(sampled) != len(ids):
+            raise ValueError(f"{len(sampled)} sampled flags for {len(ids)} tokens")
         self.response_ids.extend(ids)
-        self.sampled.extend([1 if logprobs is not None else 0] * len(ids))
-        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.sampled.extend(sampled)
+        lps = logprobs if logprobs is not None else [0.0] * len(ids)
+        self.logprobs.extend(lp if s else 0.0 for lp, s in zip(lps, sampled))
         t = Turn(role=role, start=start, end=len(self.response_ids), **turn)
         self.turns.append(t)
         return t

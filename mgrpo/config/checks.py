@@ -49,6 +49,8 @@ def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
                  "| middle")
     if m.on_tool_error not in ("reply", "mask"):
         e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
+    if m.tool_choice not in ("auto", "required"):
+        e.append(f"rollout.multi_turn.tool_choice={m.tool_choice!r}: auto | required")
     if not m.keep_thinking:
         e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
                  "blocks (what each turn was sampled from)")

@@ -52,5 +52,20 @@ class MultiTurnConfig:
     on_tool_error: str = "reply"
     """A malformed call, an unknown tool or bad arguments: reply (the error goes back as the tool's reply,
     counted) | mask (the same, and the trajectory is kept out of the loss)."""
+    tool_choice: str = "auto"
+    """OpenAI's and SGLang's tool_choice for every assistant turn: auto | required. The runner sends the
+    constraint SGLang's chat serving would (FunctionCallParser.get_structure_constraint) as sampling_params:
+    for qwen25, a structural tag whose trigger `<tool_call>` hands the call to the grammar (the name, and
+    arguments per the tool's JSON schema). 'auto' constrains only tools marked `strict: true` in their schema
+    (as SGLang); 'required' makes a turn call a tool (see reset_tool_choice). Tokens the grammar restricted
+    are context: not the policy's choice, no loss, no behaviour log-prob (mgrpo/rollout/grammar.py)."""
+    reset_tool_choice: bool = True
+    """After a turn that called a tool, the next turns use tool_choice=auto (the OpenAI Agents SDK's
+    `reset_tool_choice`, default True there too: with 'required' on every turn a trajectory could never
+    answer)."""
+    stop_after_call: bool = False
+    """End an assistant turn when a tool call closes (SGLang's sampling_params.stop: the format's end-of-call
+    text, `</tool_call>` for qwen25); the end-of-turn token the model did not sample is then inserted as
+    context before the tool's reply."""
     max_concurrent_per_engine: int = 64
     """Trajectories in flight per rollout engine; each advances on its own."""

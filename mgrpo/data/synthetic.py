@@ -70,7 +70,7 @@ PEEK_RECORDS = 100
 def peek_records(cfg: DataConfig) -> list[dict]:
     """RL records of the `peek` tool task (rollout.multi_turn; configs/recipe/tool-peek-tiny-cpu.yaml): every
     prompt is the same question, and each record's answer is its own hidden digit, which only the peek
-    tool (named `p`) reveals (veRL's tools_kwargs.create_kwargs hand it to the tool instance). Without the tool a
+    tool (named `peek`) reveals (veRL's tools_kwargs.create_kwargs hand it to the tool instance). Without the tool a
     model can only guess: chance is 0.1."""
     import random
 
@@ -83,7 +83,7 @@ def peek_records(cfg: DataConfig) -> list[dict]:
             "prompt": [{"role": "user", "content": "Hidden digit?"}],
             "ability": "tool_use",
             "reward_model": {"ground_truth": str(d), "style": "rule"},
-            "extra_info": {"tools_kwargs": {"p": {"create_kwargs": {"secret": d}}}},
+            "extra_info": {"tools_kwargs": {"peek": {"create_kwargs": {"secret": d}}}},
         }
         for d in digits
     ]

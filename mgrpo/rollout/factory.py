@@ -71,7 +71,7 @@ def _build_hf(hf_dir: str, kw: dict):
 def _hf_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
     return dict(eos_token_ids=list(ctx.eos_token_ids), pad_token_id=ctx.pad_token_id,
                 chunk_size=cfg.rollout.generate_chunk, num_threads=cfg.trainer.cpus_per_worker,
-                return_routed_experts=returns_routes(cfg))
+                return_routed_experts=returns_routes(cfg), tokenizer=cfg.model.tokenizer)
 
 
 def returns_routes(cfg: MGRPOConfig) -> bool:

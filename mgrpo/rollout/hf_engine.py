@@ -3,7 +3,8 @@
 It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
 log-probs (and, when asked, each token's sampling support under top-k / top-p), receive HF-named
 weight buckets from the trainer, report health. It is what the default CPU job and the tests use; on
-GPUs SGLang takes its place.
+GPUs SGLang takes its place. `SamplingParams.structural_tag` (SGLang's grammar-constrained decoding) is
+enforced with xgrammar as SGLang's grammar backend does (mgrpo/rollout/grammar.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class HFRolloutEngine(EngineDefaults):
     """The in-process transformers engine (CPU): no server, no accelerator memory to give back, no retries."""
 
     def __init__(self, hf_dir: str, *, eos_token_ids: Sequence[int], pad_token_id: int, chunk_size: int = 512,
-                 num_threads: int | None = None, weight_version: int = 0, return_routed_experts: bool = False):
+                 num_threads: int | None = None, weight_version: int = 0, return_routed_experts: bool = False,
+                 tokenizer: Optional[str] = None):
+        """`tokenizer`: the run's model.tokenizer, loaded when a request first carries a grammar."""
         from transformers import AutoModelForCausalLM
 
         from mgrpo.rollout.routes import RouteCapture
@@ -97,6 +100,8 @@ class HFRolloutEngine(EngineDefaults):
         self.routes = RouteCapture(self.model, what="return_routed_experts") if return_routed_experts else None
         """The experts each token was routed to, from the model's routers (as the CPU server captures them)."""
         self._received: set[str] = set()
+        self._tokenizer = tokenizer
+        self._grammars = None
         self._generated = 0
         # one model, one global random generator: calls from several host threads take turns
         self._lock = threading.Lock()
@@ -129,6 +134,7 @@ class HFRolloutEngine(EngineDefaults):
                             dtype=torch.long)
         sample = not sampling.greedy
         supports = sampling.return_support and sample
+        grammar = self._grammar(sampling.structural_tag, len(chunk)) if sampling.structural_tag else None
         if sampling.return_routed_experts and self.routes is None:
             raise ValueError("return_routed_experts was asked, but the engine was built without "
                              "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
@@ -137,7 +143,7 @@ class HFRolloutEngine(EngineDefaults):
         step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
         capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
         with capture as forwards:
-            out = self._sample(ids, mask, sampling, supports, step_logprobs)
+            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
@@ -157,6 +163,10 @@ class HFRolloutEngine(EngineDefaults):
                 if t in eos:
                     n, finish = j + 1, "stop"
                     break
+            if sampling.stop:
+                at = self._stop_at(toks[:n], sampling.stop)
+                if at is not None:
+                    n, finish = at, "stop"
             support = None
             if sampling.return_support:  # greedy: no sampling distribution, every token 'whole vocabulary'
                 support = token_supports[i][:n] if token_supports is not None else [None] * n
@@ -166,8 +176,40 @@ class HFRolloutEngine(EngineDefaults):
                 results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)
         return results
 
+    def _tok(self):
+        """The run's tokenizer: for grammars and stop strings only (the engine otherwise works on ids)."""
+        if not isinstance(self._tokenizer, (str, type(None))):
+            return self._tokenizer
+        from mgrpo.rollout.grammar import load_engine_tokenizer
+
+        self._tokenizer = load_engine_tokenizer(self._tokenizer)
+        return self._tokenizer
+
+    def _grammar(self, structural_tag: str, rows: int):
+        """A GrammarProcessor for `rows` rows of one structural tag (GrammarError as SGLang refuses it)."""
+        from mgrpo.rollout.grammar import GrammarProcessor, Grammars
+
+        if self._grammars is None:
+            vocab = self.model.get_input_embeddings().weight.shape[0]
+            self._grammars = Grammars(self._tok(), vocab, self.eos_token_ids)
+        compiled = self._grammars.compile_structural_tag(structural_tag)
+        return GrammarProcessor(compiled, rows, self._grammars.vocab_size, self.pad_token_id)
+
+    def _stop_at(self, toks: list[int], stop: Sequence[str]) -> Optional[int]:
+        """Tokens up to and including the one with which the text first contains a stop string (SGLang checks
+        each new token's text against `stop`), or None."""
+        tok, text = self._tok(), ""
+        longest = max(len(s) for s in stop)
+        for j, t in enumerate(toks):
+            piece = tok.decode([t], skip_special_tokens=False)
+            text += piece
+            tail = text[-(longest + len(piece)):]
+            if any(s in tail for s in stop):
+                return j + 1
+        return None
+
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
-                step_logprobs: Optional[TokenLogprobs]):
+                step_logprobs: Optional[TokenLogprobs], grammar=None):
         sample = not sampling.greedy
         return self.model.generate(
             input_ids=ids,
@@ -178,9 +220,12 @@ class HFRolloutEngine(EngineDefaults):
             top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
+            stop_strings=list(sampling.stop) or None,
+            tokenizer=self._tok() if sampling.stop else None,
             pad_token_id=self.pad_token_id,
             output_scores=supports,
-            logits_processor=LogitsProcessorList([p for p in (step_logprobs, TrimHeap()) if p is not None]),
+            # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them
+            logits_processor=LogitsProcessorList([p for p in (step_logprobs, grammar, TrimHeap()) if p is not None]),
             return_dict_in_generate=True,
         )
 

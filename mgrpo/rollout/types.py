@@ -23,6 +23,12 @@ class SamplingParams:
     return_routed_experts: bool = False
     """Ask the engine for the experts each token was routed to (MoE models; an SGLang server must run with
     --enable-return-routed-experts)."""
+    structural_tag: Optional[str] = None
+    """SGLang's `sampling_params.structural_tag` (a JSON string): the grammar the engine enforces with xgrammar,
+    e.g. the tool-call constraint SGLang's FunctionCallParser builds (rollout.multi_turn.tool_choice)."""
+    stop: tuple[str, ...] = ()
+    """SGLang's `sampling_params.stop`: texts that end the response when its text reaches one (kept in it, as
+    with SGLang's no_stop_trim; finish_reason 'stop')."""
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,10 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
     }
     if stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+    if sampling.structural_tag is not None:  # the grammar SGLang's xgrammar backend enforces
+        params["structural_tag"] = sampling.structural_tag
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)  # kept in the output (no_stop_trim)
     if sampling.seed is not None and send_seed:
         # Honoured by SGLang's deterministic sampler (--enable-deterministic-inference), ignored otherwise.
         sampling_params: Any = [{**params, "sampling_seed": request_seed(sampling.seed, r.uid)} for r in requests]

@@ -1,0 +1,169 @@
+"""Grammar-constrained decoding on CPU: SGLang's `sampling_params.structural_tag`, enforced with xgrammar as
+SGLang 0.5.23's grammar backend enforces it (sglang/srt/constrained/xgrammar_backend.py).
+
+`compile_structural_tag` is SGLang's `XGrammarGrammarBackend.dispatch_structural_tag`: a legacy tag
+(`{"structures": [{begin, schema, end}], "triggers": [...], "at_least_one": ...}`, what SGLang's
+FunctionCallParser builds for tool calls) becomes `StructuralTag.from_legacy_structural_tag` with its
+`at_least_one`; any other tag (`{"format": ...}`) is compiled as xgrammar's structural-tag JSON; a missing
+schema is an empty one. The TokenizerInfo is built as SGLang builds it: `from_huggingface(tokenizer,
+vocab_size=<the model's>, stop_token_ids=<the model's EOS ids>)`. A tag that does not compile is refused
+with SGLang's message ("Failed to compile structural_tag grammar: ..."; SGLang aborts the request with it).
+
+`GrammarProcessor` applies it in transformers' `generate` (like `xgrammar.contrib.hf.LogitsProcessor`, which
+cannot skip rows that stopped on a per-request stop token): one matcher per row, the token sampled last step
+accepted, the next-token bitmask applied to the logits.
+
+`restricted_steps` replays a generated turn through a fresh matcher and says, per token, whether the
+grammar allowed fewer than all of the tokenizer's tokens there. Such a token was not the policy's free
+choice (with exactly one allowed, not a choice at all), and the trainer, which recomputes log-probs of the
+unmasked model, would disagree with the masked distribution it was sampled from: the agent runner makes
+those tokens context (mgrpo/agent/runner.py). The replay needs nothing from the engine, so it holds for
+SGLang's servers as for the CPU engines.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Optional, Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+
+class GrammarError(ValueError):
+    """A grammar SGLang would refuse, with SGLang's message."""
+
+
+def _sanitize_format(fmt) -> None:
+    """XGrammarGrammarBackend._sanitize_structural_format: missing json_schema fields become {}."""
+    if not isinstance(fmt, dict):
+        return
+    kind = fmt.get("type")
+    if kind in {"json_schema", "qwen_xml_parameter"} and fmt.get("json_schema") is None:
+        fmt["json_schema"] = {}
+    if kind == "tag":
+        _sanitize_format(fmt.get("content"))
+    elif kind in {"sequence", "or"}:
+        for element in fmt.get("elements", []):
+            _sanitize_format(element)
+    elif kind in {"triggered_tags", "tags_with_separator"}:
+        for tag in fmt.get("tags", []):
+            _sanitize_format(tag)
+
+
+class Grammars:
+    """One engine's xgrammar compiler (its tokenizer and vocabulary), with compiled grammars cached by key."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+
+    @functools.lru_cache(maxsize=64)
+    def compile_structural_tag(self, key_string: str):
+        import xgrammar as xgr
+
+        try:
+            tag = json.loads(key_string)
+            if not isinstance(tag, dict):
+                raise json.JSONDecodeError("a structural tag is a JSON object", key_string, 0)
+            if tag.get("structures", None) is not None:  # sglang/srt/constrained/utils.py is_legacy_structural_tag
+                if tag.get("triggers", None) is None:
+                    raise RuntimeError("a legacy structural tag needs 'triggers'")
+                for s in tag["structures"]:
+                    if s.get("schema") is None:
+                        s["schema"] = {}
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                         for s in tag["structures"]]
+                new = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+                new.format.at_least_one = tag.get("at_least_one", False)
+                with self._lock:
+                    return self.compiler.compile_structural_tag(new)
+            if tag.get("format", None) is None:
+                raise RuntimeError("a structural tag needs 'structures' and 'triggers' (legacy) or 'format'")
+            if isinstance(tag["format"], dict):
+                _sanitize_format(tag["format"])
+                key_string = json.dumps(tag)
+            with self._lock:
+                return self.compiler.compile_structural_tag(key_string)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # xgrammar raises RuntimeError/ValueError
+            raise GrammarError(f"Failed to compile structural_tag grammar: {e}") from None
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks each row's logits to what its grammar allows next.
+
+    A row ends at an EOS token (its grammar terminates) or where a stop string matched (transformers then
+    feeds it padding, which its matcher may refuse): from then on its matcher is left alone."""
+
+    def __init__(self, compiled, rows: int, vocab_size: int, pad_id: int):
+        import xgrammar as xgr
+
+        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+        self.bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+        self.pad = int(pad_id)
+        self.done = [False] * rows
+        self.started = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import xgrammar as xgr
+
+        if self.started:
+            for i, m in enumerate(self.matchers):
+                if self.done[i]:
+                    continue
+                tok = int(input_ids[i, -1])
+                if not m.accept_token(tok):
+                    if tok != self.pad:
+                        raise RuntimeError(f"the grammar refused token {tok} it had allowed (row {i})")
+                    self.done[i] = True  # stopped by a stop string: padding from here on
+                elif m.is_terminated():
+                    self.done[i] = True
+        self.started = True
+        for i, m in enumerate(self.matchers):
+            if not self.done[i]:
+                m.fill_next_token_bitmask(self.bitmask, i)
+        xgr.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device), vocab_size=scores.shape[-1])
+        return scores
+
+
+def restricted_steps(compiled, token_ids: Sequence[int], n_tokens: int) -> list[bool]:
+    """Per token of a turn generated under `compiled` from its start: True where the grammar allowed fewer
+    than all `n_tokens` tokens of the tokenizer (a padded vocabulary's extra rows are never allowed and do not
+    count). Raises if the turn is not one the grammar allows (it was not generated under it)."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, n_tokens)
+    probe = torch.zeros(1, n_tokens)
+    out = []
+    for k, tok in enumerate(token_ids):
+        m.fill_next_token_bitmask(bitmask, 0)
+        probe.zero_()
+        xgr.apply_token_bitmask_inplace(probe, bitmask, vocab_size=n_tokens)
+        out.append(bool(torch.isneginf(probe).any()))
+        if not m.accept_token(int(tok)):
+            raise ValueError(f"token {tok} at position {k} is not allowed by the turn's grammar")
+        if m.is_terminated():
+            if k + 1 != len(token_ids):
+                raise ValueError(f"the turn goes on after its grammar ended (position {k})")
+            break
+    return out
+
+
+def load_engine_tokenizer(name: Optional[str]):
+    """The run's tokenizer by its model.tokenizer name (an engine needs it only for grammars)."""
+    if name is None:
+        raise GrammarError("structural_tag needs the engine's tokenizer: the engine was built without "
+                           "model.tokenizer")
+    from types import SimpleNamespace
+
+    from mgrpo.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(SimpleNamespace(tokenizer=name))
