@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from mgrpo.agent.parse import ToolCallParser
-from mgrpo.agent.runner import AgentRunner, truncate
+from mgrpo.agent.calls import truncate
+from mgrpo.agent.runner import AgentRunner
 from mgrpo.agent.tools import FunctionTool, ToolSet, function_schema, load_verl_tool_config
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams

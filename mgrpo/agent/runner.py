@@ -33,7 +33,8 @@ from typing import Callable, Optional, Sequence
 
 from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.template import ChatTemplate, count_drift
-from mgrpo.agent.tools import BadArguments, ToolResult, ToolSet, as_text
+from mgrpo.agent.calls import ToolCalls, ToolTimeout
+from mgrpo.agent.tools import ToolSet
 from mgrpo.agent.trajectory import Trajectory
 from mgrpo.config import seeds
 from mgrpo.config.schema import MultiTurnConfig
@@ -43,22 +44,6 @@ log = logging.getLogger("mgrpo")
 
 Generate = Callable[[list[list[int]], SamplingParams], tuple[list[GenerateResult], dict]]
 """prompts, sampling -> one result per prompt (in order), and what the call measured (summed into metrics)."""
-
-
-class _ToolTimeout(Exception):
-    pass
-
-
-def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
-    """veRL's tool-reply truncation (ToolAgentLoop): keep `limit` characters and mark the cut."""
-    if len(text) <= limit:
-        return text, False
-    if side == "left":
-        return text[:limit] + "...(truncated)", True
-    if side == "right":
-        return "(truncated)..." + text[-limit:], True
-    half = limit // 2
-    return text[:half] + "...(truncated)..." + text[-half:], True
 
 
 @dataclass
@@ -75,6 +60,7 @@ class AgentRunner:
                  engines: int = 1, enable_thinking: bool = True, environment: Optional[type] = None):
         """`environment`: a class (mgrpo/agent/environment.py) built once per trajectory, or None."""
         self.cfg, self.tok, self.tools = cfg, tokenizer, tools
+        self.calls = ToolCalls(cfg, tools)
         self.environment = environment
         self.template = ChatTemplate(tokenizer, enable_thinking=enable_thinking)
         self.max_response_length = max_response_length
@@ -129,7 +115,7 @@ class AgentRunner:
                                            self.cfg.trajectory_timeout_s)
                 except asyncio.TimeoutError:
                     traj.finish_reason = "trajectory_timeout"
-                except _ToolTimeout:
+                except ToolTimeout:
                     traj.finish_reason = "tool_timeout"
                 except _GenerationFailed:
                     traj.finish_reason = "generation_error"
@@ -278,7 +264,7 @@ class AgentRunner:
                     return
                 if msgs is None:
                     msgs = [{"role": "tool", "content": r}
-                            for r in await self._run_calls(traj, parsed, names, kwargs, instances)]
+                            for r in await self.calls.run(traj, parsed, names, kwargs, instances)]
                 ids = self.template.suffix(msgs)
                 if self.stop and text.endswith(self.stop):
                     ids = [self.eos] + ids  # the end of the turn the stop cut: the template's, not sampled
@@ -290,32 +276,7 @@ class AgentRunner:
                 traj.messages.extend(msgs)
         finally:
             traj.weight_version = min(versions) if versions else None
-            await self._release(traj, instances, kwargs)
-
-    async def _run_calls(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,
-                         instances: dict) -> list[str]:
-        calls = list(parsed.calls)
-        replies: list[Optional[str]] = [None] * len(calls)
-        jobs = []
-        for i, c in enumerate(calls):
-            if c.error is not None or c.name not in names:
-                why = c.error or f"tool {c.name!r} is not available for this task"
-                replies[i] = self._error(traj, c.name if c.known and c.name in names else None, why,
-                                         "unknown_tool" if not c.known or c.name not in names else "bad_arguments")
-            elif i >= self.cfg.max_parallel_calls:
-                replies[i] = self._error(traj, c.name, f"more than {self.cfg.max_parallel_calls} calls in one turn",
-                                         "too_many_calls")
-            else:
-                jobs.append(i)
-        results = await asyncio.gather(*(self._call(traj, calls[i].name, calls[i].arguments, kwargs, instances)
-                                         for i in jobs))
-        for i, r in zip(jobs, results):
-            replies[i] = r
-        for _ in range(parsed.malformed):
-            replies.append(self._error(traj, None, "the tool call could not be parsed (expected "
-                                                   '{"name": ..., "arguments": {...}} inside the call tags)',
-                                       "parse_errors"))
-        return [r for r in replies if r is not None]
+            await self.calls.release(traj, instances, kwargs)
 
     def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
         """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
@@ -338,67 +299,15 @@ class AgentRunner:
         traj.count("multi_turn/constrained_tokens", sum(flags))
         return [0 if f else 1 for f in flags]
 
-    def _error(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> str:
-        traj.count(f"multi_turn/{kind}")
-        traj.count("multi_turn/tool_errors")
-        if tool:
-            traj.count(f"multi_turn/tool_errors/{tool}")
-        if self.cfg.on_tool_error == "mask":
-            traj.masked = True
-        traj.turns[-1].errors.append(why)
-        return f"Error: {why}"
-
-    async def _call(self, traj: Trajectory, name: str, args: dict, kwargs: dict, instances: dict) -> str:
-        tool = self.tools.tools[name]
-        per = kwargs.get(name) or {}
-        t0 = time.perf_counter()
-        traj.count("multi_turn/tool_calls")
-        traj.count(f"multi_turn/tool_calls/{name}")
-        try:
-            if name not in instances:
-                made = await asyncio.wait_for(tool.create(**(per.get("create_kwargs") or {})), self.cfg.tool_timeout_s)
-                instances[name] = made[0] if isinstance(made, tuple) else made  # newer veRL: (id, response)
-            out = await asyncio.wait_for(tool.execute(instances[name], args, **(per.get("execute_kwargs") or {})),
-                                         self.cfg.tool_timeout_s)
-        except asyncio.TimeoutError:
-            traj.count("multi_turn/tool_timeouts")
-            traj.count(f"multi_turn/tool_timeouts/{name}")
-            raise _ToolTimeout(name) from None
-        except BadArguments as err:
-            return self._error(traj, name, f"bad arguments for {name}: {err}", "bad_arguments")
-        except Exception as err:  # noqa: BLE001 - the tool's failure is its reply, counted
-            return self._error(traj, name, f"{name} raised {type(err).__name__}: {err}", "tool_raised")
-        finally:
-            traj.count(f"multi_turn/tool_seconds/{name}", time.perf_counter() - t0)
-        result = ToolResult(as_text(out[0]), out[1] if len(out) > 1 else None) if isinstance(out, tuple) \
-            else ToolResult(as_text(out))
-        if result.reward is not None:
-            traj.tool_reward += float(result.reward)
-        text, cut = truncate(result.text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
-        if cut:
-            traj.count("multi_turn/tool_response_truncated")
-        return text
-
     async def _env(self, traj: Trajectory, method, *args):
         """One environment call under tool_timeout_s: a hang is tool_timeout, a raise env_failed."""
         try:
             return await asyncio.wait_for(_call_maybe_sync(method, *args), self.cfg.tool_timeout_s)
         except asyncio.TimeoutError:
             traj.count("multi_turn/env_timeouts")
-            raise _ToolTimeout("environment") from None
+            raise ToolTimeout("environment") from None
         except Exception as err:  # noqa: BLE001 - the environment's failure fails its trajectory, counted
             raise _EnvFailed(f"{type(err).__name__}: {err}") from err
-
-    async def _release(self, traj: Trajectory, instances: dict, kwargs: dict) -> None:
-        for name, iid in instances.items():
-            tool, per = self.tools.tools[name], kwargs.get(name) or {}
-            try:
-                traj.tool_reward += float(await asyncio.wait_for(
-                    tool.calc_reward(iid, **(per.get("calc_reward_kwargs") or {})), self.cfg.tool_timeout_s) or 0.0)
-                await asyncio.wait_for(tool.release(iid), self.cfg.tool_timeout_s)
-            except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
-                traj.count("multi_turn/tool_release_errors")
-                traj.turns[-1].errors.append(f"{name} release: {type(err).__name__}: {err}") if traj.turns else None
 
     # --- the drift check and the batch's metrics -------------------------------------------------------
     def drift(self, traj: Trajectory, prompt_messages: list[dict], schemas: list[dict]) -> int:

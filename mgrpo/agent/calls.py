@@ -1,0 +1,114 @@
+"""A trajectory's tool calls: each run under rollout.multi_turn.tool_timeout_s (several of one turn concurrently,
+at most max_parallel_calls), veRL's lifecycle per tool instance (create once per trajectory, execute per call,
+calc_reward and release at its end), replies truncated as veRL does. A call that cannot run (malformed, unknown
+tool, bad arguments, the tool raised) gets an error as its reply: the model sees it, the run counts it per tool
+(with on_tool_error=mask the trajectory is also kept out of the loss). A hang raises ToolTimeout: the
+trajectory fails (tool_timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+from mgrpo.agent.tools import BadArguments, ToolResult, ToolSet, as_text
+from mgrpo.agent.trajectory import Trajectory
+from mgrpo.config.schema import MultiTurnConfig
+
+
+class ToolTimeout(Exception):
+    """A tool (or an environment) ran past rollout.multi_turn.tool_timeout_s: its trajectory fails."""
+
+
+def truncate(text: str, limit: int, side: str) -> tuple[str, bool]:
+    """veRL's tool-reply truncation (ToolAgentLoop): keep `limit` characters and mark the cut."""
+    if len(text) <= limit:
+        return text, False
+    if side == "left":
+        return text[:limit] + "...(truncated)", True
+    if side == "right":
+        return "(truncated)..." + text[-limit:], True
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:], True
+
+
+class ToolCalls:
+    def __init__(self, cfg: MultiTurnConfig, tools: ToolSet):
+        self.cfg, self.tools = cfg, tools
+
+    async def run(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,
+                         instances: dict) -> list[str]:
+        calls = list(parsed.calls)
+        replies: list[Optional[str]] = [None] * len(calls)
+        jobs = []
+        for i, c in enumerate(calls):
+            if c.error is not None or c.name not in names:
+                why = c.error or f"tool {c.name!r} is not available for this task"
+                replies[i] = self.error(traj, c.name if c.known and c.name in names else None, why,
+                                         "unknown_tool" if not c.known or c.name not in names else "bad_arguments")
+            elif i >= self.cfg.max_parallel_calls:
+                replies[i] = self.error(traj, c.name, f"more than {self.cfg.max_parallel_calls} calls in one turn",
+                                         "too_many_calls")
+            else:
+                jobs.append(i)
+        results = await asyncio.gather(*(self.call(traj, calls[i].name, calls[i].arguments, kwargs, instances)
+                                         for i in jobs))
+        for i, r in zip(jobs, results):
+            replies[i] = r
+        for _ in range(parsed.malformed):
+            replies.append(self.error(traj, None, "the tool call could not be parsed (expected "
+                                                   '{"name": ..., "arguments": {...}} inside the call tags)',
+                                       "parse_errors"))
+        return [r for r in replies if r is not None]
+
+    def error(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> str:
+        traj.count(f"multi_turn/{kind}")
+        traj.count("multi_turn/tool_errors")
+        if tool:
+            traj.count(f"multi_turn/tool_errors/{tool}")
+        if self.cfg.on_tool_error == "mask":
+            traj.masked = True
+        traj.turns[-1].errors.append(why)
+        return f"Error: {why}"
+
+    async def call(self, traj: Trajectory, name: str, args: dict, kwargs: dict, instances: dict) -> str:
+        tool = self.tools.tools[name]
+        per = kwargs.get(name) or {}
+        t0 = time.perf_counter()
+        traj.count("multi_turn/tool_calls")
+        traj.count(f"multi_turn/tool_calls/{name}")
+        try:
+            if name not in instances:
+                made = await asyncio.wait_for(tool.create(**(per.get("create_kwargs") or {})), self.cfg.tool_timeout_s)
+                instances[name] = made[0] if isinstance(made, tuple) else made  # newer veRL: (id, response)
+            out = await asyncio.wait_for(tool.execute(instances[name], args, **(per.get("execute_kwargs") or {})),
+                                         self.cfg.tool_timeout_s)
+        except asyncio.TimeoutError:
+            traj.count("multi_turn/tool_timeouts")
+            traj.count(f"multi_turn/tool_timeouts/{name}")
+            raise ToolTimeout(name) from None
+        except BadArguments as err:
+            return self.error(traj, name, f"bad arguments for {name}: {err}", "bad_arguments")
+        except Exception as err:  # noqa: BLE001 - the tool's failure is its reply, counted
+            return self.error(traj, name, f"{name} raised {type(err).__name__}: {err}", "tool_raised")
+        finally:
+            traj.count(f"multi_turn/tool_seconds/{name}", time.perf_counter() - t0)
+        result = ToolResult(as_text(out[0]), out[1] if len(out) > 1 else None) if isinstance(out, tuple) \
+            else ToolResult(as_text(out))
+        if result.reward is not None:
+            traj.tool_reward += float(result.reward)
+        text, cut = truncate(result.text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
+        if cut:
+            traj.count("multi_turn/tool_response_truncated")
+        return text
+
+    async def release(self, traj: Trajectory, instances: dict, kwargs: dict) -> None:
+        for name, iid in instances.items():
+            tool, per = self.tools.tools[name], kwargs.get(name) or {}
+            try:
+                traj.tool_reward += float(await asyncio.wait_for(
+                    tool.calc_reward(iid, **(per.get("calc_reward_kwargs") or {})), self.cfg.tool_timeout_s) or 0.0)
+                await asyncio.wait_for(tool.release(iid), self.cfg.tool_timeout_s)
+            except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
+                traj.count("multi_turn/tool_release_errors")
+                traj.turns[-1].errors.append(f"{name} release: {type(err).__name__}: {err}") if traj.turns else None
