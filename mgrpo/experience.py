@@ -121,12 +121,22 @@ class Experience:
         )
 
     @classmethod
-    def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int) -> "Experience":
+    def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int, want_support: bool = False) -> "Experience":
         """Multi-turn samples (`mgrpo.agent.trajectory.Trajectory`, in rollout order: trajectory i*n + j is the
         j-th of prompt i), every one of them: a failed trajectory (tool or trajectory timeout, generation or
         environment failure, aborted as the long tail) keeps its place and is marked failed with its finish
         reason as the outcome, so its group keeps its shape and `judge` leaves it unscored, out of the loss and
-        out of the baseline, counted with every other failure (failed_samples.py)."""
+        out of the baseline, counted with every other failure (failed_samples.py). `want_support`: the engine
+        was asked for sampling supports; each trajectory carries them per token (context tokens: the whole
+        vocabulary, they carry no loss)."""
+        support = None
+        if want_support:
+            missing = [t.uid for t in trajs if t.supports_missing]
+            if missing:
+                raise RuntimeError(f"algorithm.logprob_support=sampled asked the rollout engine for sampling supports "
+                                   f"and {len(missing)} multi-turn trajectories got a turn without them (e.g. "
+                                   f"{missing[0]}): this rollout.engine does not implement return_support")
+            support = [SampleSupport.from_tokens(t.supports) for t in trajs]
         exp = cls(
             prompt_ids=[t.prompt_ids for t in trajs],
             response_ids=[t.response_ids for t in trajs],
@@ -141,6 +151,7 @@ class Experience:
             sampled_mask=[t.sampled for t in trajs],
             turns=[t.to_json() for t in trajs],
             tool_rewards=[t.tool_reward for t in trajs],
+            support=support,
         )
         for i, t in enumerate(trajs):
             if t.failed:

@@ -355,7 +355,7 @@ def _maker_run(qwen3, tmp_digits: list[list], *, min_group_size: int = 2, **mt):
                         messages=[{"role": "user", "content": f"question {i}"}], tools=schemas) for i in range(2)]
     seen = {0: 0, 1: 0}
 
-    def generate(prompts_, n, params, desc):  # the rollout group's signature; n is 1 per turn
+    def generate(prompts_, n, params, desc, sessions=None):  # the rollout group's signature; n is 1 per turn
         out = []
         for ids in prompts_:
             if ids in prompts:  # a first turn
@@ -428,7 +428,7 @@ def test_a_generation_that_fails_after_the_groups_retries_fails_its_trajectories
     tools = ToolSet([FunctionTool(add)])
     calls = []
 
-    def generate(prompts, sampling):
+    def generate(prompts, sampling, sessions=None):
         calls.append(len(prompts))
         if len(calls) > 1:
             raise RuntimeError("rollout chunk 0 failed 3 times (rollout.max_retries=2)")
@@ -538,7 +538,7 @@ def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwe
                         messages=[{"role": "user", "content": f"question {i}"}], tools=schemas) for i in range(2)]
     codes = ["print(6 * 7)", "import time\nwhile True: pass"]  # prompt 1's samples loop past the wall limit
 
-    def generate(prompts_, n, params, desc):  # the rollout group's signature; n is 1 per turn
+    def generate(prompts_, n, params, desc, sessions=None):  # the rollout group's signature; n is 1 per turn
         out = []
         for ids in prompts_:
             text = (_call("python", {"code": codes[prompts.index(ids)]}) if ids in prompts

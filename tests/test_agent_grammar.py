@@ -101,7 +101,7 @@ def test_tokens_the_grammar_chose_are_context(tok, choice):
     turns = [('ab' if choice == "auto" else "") + '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>', "7"]
     seen = []
 
-    def generate(prompts, sampling):
+    def generate(prompts, sampling, sessions=None):
         seen.append(sampling)
         ids = tok(turns[len(seen) - 1], add_special_tokens=False)["input_ids"]
         if len(seen) == 2:

@@ -108,3 +108,67 @@ def test_verl_gsm8k_interaction_runs_as_written_as_an_environment():
     with pytest.raises(InputError, match="extra_info.interaction_kwargs.name': 'chess' is not one of the "
                                          r"configured interactions \['gsm8k'\]"):
         asyncio.run(bad.reset({"interaction_kwargs": {"name": "chess"}}))
+
+
+def test_interaction_runs_in_the_runner_with_the_whole_conversation_and_sticky_sessions():
+    """veRL's GSM8K interaction as a trajectory's environment (AgentRunner, the Qwen3 template): it sees the prompt
+    and every turn; its replies are context; its scores stay out of the reward; max_user_turns ends the episode;
+    every turn of a trajectory carries the trajectory's one session (the key that keeps it on one engine)."""
+    from transformers import AutoTokenizer
+
+    from mgrpo.agent.interaction import InteractionEnvironment, load_interactions
+    from mgrpo.agent.runner import AgentRunner
+    from mgrpo.config.schema import MultiTurnConfig
+    from mgrpo.data.tokenizer import qwen3_tokenizer_dir
+    from mgrpo.rollout.types import SamplingParams
+    from tests.helpers.agent import ScriptedPolicy
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    interactions = load_interactions(str(INTERACTION_CONFIG))
+    seen: list[list[dict]] = []
+    real = interactions["gsm8k"].generate_response
+
+    async def spy(iid, messages, **kw):
+        seen.append([dict(m) for m in messages])
+        return await real(iid, messages, **kw)
+
+    interactions["gsm8k"].generate_response = spy
+    extra = {"interaction_kwargs": {"name": "gsm8k", "query": "q", "ground_truth": "72"}}
+    prompts = [[{"role": "user", "content": f"How many clips, {i}?"}] for i in range(2)]
+    ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+           ["input_ids"] for m in prompts]
+
+    def run(max_user_turns):
+        seen.clear()
+        policy = ScriptedPolicy(tok, lambda uid, turn: ["It is 72.", "#### 72"][turn], ids)
+        sessions: list[list[str]] = []
+
+        def generate(p, sampling, sessions_=None, **kw):
+            sessions.append(list(kw.get("sessions", sessions_) or []))
+            return policy(p, sampling)
+
+        runner = AgentRunner(MultiTurnConfig(interaction_config_path="x", max_user_turns=max_user_turns), tok,
+                             ToolSet([]), max_response_length=512,
+                             environment=lambda: InteractionEnvironment(interactions))
+        trajs, metrics = runner.run([(p, extra, f"data.jsonl:{i + 1}", m) for i, (p, m) in enumerate(zip(ids, prompts))],
+                                    SamplingParams(max_new_tokens=64), generate)
+        return trajs, sessions
+
+    trajs, sessions = run(0)
+    for t, prompt in zip(trajs, prompts):
+        assert t.finish_reason == "stop" and t.tool_reward == 0.0  # veRL keeps turn scores out of the reward
+        assert [turn.role for turn in t.turns] == ["assistant", "environment", "assistant"]
+        reply = t.turns[1]
+        assert set(t.sampled[reply.start:reply.end]) == {0}  # the interaction's message: context
+        assert "Your response is incorrect!" in tok.decode(t.response_ids[reply.start:reply.end])
+    first = [m for m in seen if m[0]["content"] == prompts[0][0]["content"]]
+    assert [m[-1] for m in first] == [{"role": "assistant", "content": "It is 72."},
+                                      {"role": "assistant", "content": "#### 72"}]
+    assert first[1][:3] == prompts[0] + [{"role": "assistant", "content": "It is 72."},
+                                          {"role": "user", "content": "Your response is incorrect! You need to "
+                                                                      "reflect on your answer and try again."}]
+    keys = [k for call in sessions for k in call]
+    assert len(keys) == 4 and len(set(keys)) == 2  # two trajectories x two turns: one session each
+
+    trajs, _ = run(1)  # one user turn, then the episode ends before asking the interaction again
+    assert [t.finish_reason for t in trajs] == ["max_turns", "max_turns"] and len(seen) == 2

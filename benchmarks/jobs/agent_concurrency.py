@@ -101,7 +101,7 @@ class SimulatedEngine:
                         r.done.set()
                 self.running = [r for r in self.running if not r.done.is_set()]
 
-    def __call__(self, prompts, sampling):
+    def __call__(self, prompts, sampling, sessions=None):
         self.calls += 1
         reqs = []
         for ids in prompts:

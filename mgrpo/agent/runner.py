@@ -36,14 +36,16 @@ from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.tools import ToolSet
 from mgrpo.agent.trajectory import Trajectory
-from mgrpo.config import seeds
+from mgrpo.config import InputError, seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
 
 log = logging.getLogger("mgrpo")
 
-Generate = Callable[[list[list[int]], SamplingParams], tuple[list[GenerateResult], dict]]
-"""prompts, sampling -> one result per prompt (in order), and what the call measured (summed into metrics)."""
+Generate = Callable[..., tuple[list[GenerateResult], dict]]
+"""(prompts, sampling, sessions=[one key per prompt]) -> one result per prompt (in order), and what the call
+measured (summed into metrics). A session is one trajectory: its turns go to one engine (the rollout group's
+`sessions`, for the engine's prefix cache)."""
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _Request:
     future: asyncio.Future
     structural_tag: Optional[str] = None
     stop: tuple[str, ...] = ()
+    session: str = ""
 
 
 class AgentRunner:
@@ -76,10 +79,11 @@ class AgentRunner:
             self.stop = (end,)
 
     # --- the batch ----------------------------------------------------------------------------------
-    def run(self, prompts: Sequence[tuple[list[int], dict, str]], sampling: SamplingParams, generate: Generate, *,
+    def run(self, prompts: Sequence[tuple], sampling: SamplingParams, generate: Generate, *,
             over_sample_rate: float = 0.0, abort: Optional[Callable[[], None]] = None
             ) -> tuple[list[Trajectory], dict]:
-        """One trajectory per (prompt ids, extra_info, where) in order, and the batch's metrics.
+        """One trajectory per (prompt ids, extra_info, where[, prompt messages]) in order, and the batch's
+        metrics. The prompt's messages are what an environment that reads the conversation is given first.
 
         `over_sample_rate` (veRL's rollout.over_sample_rate; training batches only): once int(N x (1 - rate))
         trajectories have finished, the others end as 'aborted' and `abort` (the engines' abort_all, SGLang's
@@ -105,14 +109,15 @@ class AgentRunner:
         in_flight: set[asyncio.Future] = set()
         dispatcher = asyncio.create_task(self._dispatch(queue, sampling, generate, measured, in_flight))
         gate = asyncio.Semaphore(self.cap)  # a slot freed by a finished trajectory starts the next one at once
-        trajs = [Trajectory(uid=i, prompt_ids=list(ids)) for i, (ids, _, _) in enumerate(prompts)]
+        trajs = [Trajectory(uid=i, prompt_ids=list(p[0])) for i, p in enumerate(prompts)]
+        batch = uuid.uuid4().hex[:12]  # sessions are unique to this batch's trajectories
 
-        async def one(traj: Trajectory, extra: dict, where: str) -> None:
+        async def one(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
             async with gate:
                 t0 = time.perf_counter()
                 try:
-                    await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling),
-                                           self.cfg.trajectory_timeout_s)
+                    await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling, messages,
+                                                            f"{batch}-{traj.uid}"), self.cfg.trajectory_timeout_s)
                 except asyncio.TimeoutError:
                     traj.finish_reason = "trajectory_timeout"
                 except ToolTimeout:
@@ -126,7 +131,7 @@ class AgentRunner:
                 finally:
                     traj.counts["seconds"] = time.perf_counter() - t0
 
-        tasks = [asyncio.create_task(one(t, extra, where)) for t, (_, extra, where) in zip(trajs, prompts)]
+        tasks = [asyncio.create_task(one(t, p[1], p[2], list(p[3]) if len(p) > 3 else [])) for t, p in zip(trajs, prompts)]
         # veRL's cut (sglang_rollout.py, PR 2929): wait for int(N x (1 - rate)) completions, then abort the rest
         target = int(len(tasks) * (1 - over_sample_rate)) if over_sample_rate > 0 else len(tasks)
         try:
@@ -187,7 +192,8 @@ class AgentRunner:
                                  if sampling.seed is not None else None, structural_tag=tag or None,
                                  stop=tuple(sampling.stop) + stops)
                 batch_no += 1
-                call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params))
+                call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params,
+                                                               sessions=[r.session for r in reqs]))
                 in_flight.add(call)
                 call.add_done_callback(lambda f, reqs=reqs: self._deliver(f, reqs, measured, in_flight))
 
@@ -211,7 +217,7 @@ class AgentRunner:
 
     # --- one trajectory -------------------------------------------------------------------------------
     async def _trajectory(self, traj: Trajectory, extra: dict, where: str, queue: asyncio.Queue,
-                          sampling: SamplingParams) -> None:
+                          sampling: SamplingParams, prompt_messages: list, session: str) -> None:
         names = self.tools.for_record(extra, where)
         parser = ToolCallParser(self.cfg.format, self.tools.schemas(names))
         kwargs = extra.get("tools_kwargs") or {}
@@ -219,10 +225,13 @@ class AgentRunner:
         versions: list[int] = []
         env = self.environment() if self.environment is not None else None
         tags = {choice: self._tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
-        called = False
+        called, user_turns = False, 0
         try:
             if env is not None:
-                await self._env(traj, env.reset, extra)
+                try:
+                    await self._env(traj, env.reset, extra)
+                except InputError as err:
+                    raise InputError(f"{where}: {err}") from None
             for turn in range(self.cfg.max_assistant_turns):
                 left = self.max_response_length - len(traj.response_ids)
                 if left <= 0:
@@ -232,14 +241,16 @@ class AgentRunner:
                 tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
-                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop))
+                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop, session))
                 res: GenerateResult = await fut
+                if sampling.return_support and res.support is None:
+                    traj.supports_missing = True
                 versions.append(res.weight_version)
                 traj.engine = res.engine
                 text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
                 free = self._free(tag, res.token_ids, traj)
                 t = traj.add(list(res.token_ids), list(res.logprobs), "assistant", text=text,
-                             latency_s=time.perf_counter() - t0, sampled=free)
+                             latency_s=time.perf_counter() - t0, sampled=free, support=res.support)
                 traj.count("turns")
                 parsed = parser.parse(text.removesuffix(self.tok.eos_token))
                 t.calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
@@ -250,7 +261,15 @@ class AgentRunner:
                     return
                 t1 = time.perf_counter()
                 if not parsed.calls and not parsed.malformed:  # a turn for the environment, if there is one
-                    step = await self._env(traj, env.step, text.removesuffix(self.tok.eos_token)) if env else None
+                    if env is not None and self.cfg.max_user_turns and user_turns >= self.cfg.max_user_turns:
+                        traj.finish_reason = "max_turns"  # veRL's max_user_turns
+                        return
+                    said = text.removesuffix(self.tok.eos_token)
+                    # an environment that reads the conversation (veRL's interactions) gets all of it
+                    args = (said, prompt_messages + traj.messages) if getattr(env, "wants_messages", False) \
+                        else (said,)
+                    step = await self._env(traj, env.step, *args) if env else None
+                    user_turns += 1
                     if step is not None and step.reward is not None:
                         traj.tool_reward += float(step.reward)
                     if step is None or step.done or not step.messages:
@@ -277,6 +296,12 @@ class AgentRunner:
         finally:
             traj.weight_version = min(versions) if versions else None
             await self.calls.release(traj, instances, kwargs)
+            if env is not None and hasattr(env, "close"):
+                try:
+                    await asyncio.wait_for(_call_maybe_sync(env.close), self.cfg.tool_timeout_s)
+                except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
+                    traj.count("multi_turn/env_close_errors")
+                    log.warning("environment close failed: %s: %s", type(err).__name__, err)
 
     def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
         """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
@@ -306,6 +331,8 @@ class AgentRunner:
         except asyncio.TimeoutError:
             traj.count("multi_turn/env_timeouts")
             raise ToolTimeout("environment") from None
+        except InputError:
+            raise  # a record the environment cannot read is bad input (file, line, field), not its failure
         except Exception as err:  # noqa: BLE001 - the environment's failure fails its trajectory, counted
             raise _EnvFailed(f"{type(err).__name__}: {err}") from err
 

@@ -56,15 +56,21 @@ class Trajectory:
     messages: list[dict] = field(default_factory=list)
     """The conversation after the prompt as OpenAI messages (assistant content and parsed tool_calls, tool
     replies): what the drift check renders."""
+    supports: list = field(default_factory=list)
+    """Per response token, the engine's sampling support (algorithm.logprob_support=sampled: the ids the token
+    was sampled from) or None (the whole vocabulary; every context token)."""
+    supports_missing: bool = False
+    """Supports were asked for and an engine answered a turn without them (Experience refuses the sample)."""
 
     @property
     def failed(self) -> bool:
         return self.finish_reason in FAILED
 
     def add(self, ids: list[int], logprobs: Optional[list[float]], role: str,
-            sampled: Optional[list[int]] = None, **turn) -> Turn:
+            sampled: Optional[list[int]] = None, support: Optional[list] = None, **turn) -> Turn:
         """`sampled`: per token 1/0 within a sampled turn (0: a token a grammar chose, context with log-prob
-        0.0); by default every token of a turn with log-probs is sampled, of one without none."""
+        0.0); by default every token of a turn with log-probs is sampled, of one without none. `support`: the
+        engine's per-token sampling supports of a sampled turn (kept for the sampled tokens only)."""
         start = len(self.response_ids)
         if sampled is None:
             sampled = [1 if logprobs is not None else 0] * len(ids)
@@ -74,6 +80,10 @@ class Trajectory:
         self.sampled.extend(sampled)
         lps = logprobs if logprobs is not None else [0.0] * len(ids)
         self.logprobs.extend(lp if s else 0.0 for lp, s in zip(lps, sampled))
+        rows = support if support is not None else [None] * len(ids)
+        if len(rows) != len(ids):
+            raise ValueError(f"{len(rows)} sampling supports for {len(ids)} tokens")
+        self.supports.extend(row if s else None for row, s in zip(rows, sampled))
         t = Turn(role=role, start=start, end=len(self.response_ids), **turn)
         self.turns.append(t)
         return t

@@ -138,13 +138,14 @@ class ExperienceMaker:
         finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
-        def generate(prompts, params):
-            results, stats = self.rollout.generate(prompts, 1, params, desc=desc)
+        def generate(prompts, params, sessions=None):  # a session: one trajectory's turns, to one engine
+            results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions)
             return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                              "rollout/auth_refused": stats.auth_refused}
 
         rate = self.cfg.rollout.over_sample_rate if training else 0.0
-        trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where) for it in items for _ in range(n)],
+        trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where, it.messages)
+                                          for it in items for _ in range(n)],
                                          sampling, generate, over_sample_rate=rate,
                                          abort=getattr(self.rollout, "abort_all", None))
         drift = [self.agent.drift(t, items[t.uid // n].messages, items[t.uid // n].tools) for t in trajs
@@ -158,7 +159,7 @@ class ExperienceMaker:
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0
-        return Experience.from_trajectories(items, trajs, n), measured
+        return Experience.from_trajectories(items, trajs, n, want_support=sampling.return_support), measured
 
     def judge(self, exp: Experience, *, training: bool = True) -> dict:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward
