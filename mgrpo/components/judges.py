@@ -49,7 +49,7 @@ class GenerativeJudge(RewardModel):
 
             self.name, self.cfg, self.api_key, self.log_dir = name, cfg, None, log_dir
             self.tokenizer, self.engines, self.restarts, self._turn = None, [], 0, 0
-            self.hosts, self.addresses, self.front = [], [], None
+            self.servers, self.front = None, None
             key = os.environ.get(j.api_key_env) if j.api_key_env else None
             # the openai client retries connection errors, 408/409/429 and 5xx with exponential backoff
             self.openai = OpenAI(base_url=j.openai_url, api_key=key or "none", timeout=cfg.timeout_s,

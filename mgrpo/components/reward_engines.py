@@ -8,7 +8,7 @@ The driver talks to the servers by URL (an `SGLangEngine.connect` client each). 
 behind SGLang's router (`RoutedClient`, as several rollout engines do), which spreads its /generate requests; a
 classifier's /classify requests go to its servers in turn (the router has no route that returns a reward head's
 score, see `RewardModel.routed`). Before each scoring call every server's host is health-checked (`host_alive`,
-the rollout group's check); a dead or hung one is stopped and started again in its bundle (`stop_host`, counted in
+the rollout group's check, in cluster/aux_engines.py); a dead or hung one is started again in its bundle (counted in
 reward/model_restarts) and the router re-pointed at its new URL. A call that fails because a server died mid-call
 is sent once more after that check. `RewardModel` scores a sequence classifier through `/classify`; the generative
 judge (components/judges.py) is a RewardModel whose servers are chat servers.
@@ -59,9 +59,8 @@ class RewardModel:
         self.restarts = 0
         self._turn = 0
         self._lock = threading.Lock()
-        self.hosts: list = []
-        self.addresses: list[dict] = []
-        """`EngineSlot.address()` of each server's host: node, URL, server pid."""
+        self.servers = None
+        """The servers' hosts (cluster/aux_engines.py `AuxEngineHosts`); None for a server at a url."""
         self.front = None
         """SGLang's router in front of several servers (a `RoutedClient`): scoring goes through it."""
         if cfg.url:
@@ -74,14 +73,9 @@ class RewardModel:
             self.close()
             raise
 
-    # --- hosting (the rollout engines' host class and checks) ------------------------------------------
+    # --- hosting (cluster/aux_engines.py: the rollout engines' host class and checks) -----------------------
     def _client_kwargs(self) -> dict:
         return dict(request_timeout_s=self.cfg.timeout_s, max_retries=self.cfg.max_retries, api_key=self.api_key)
-
-    def _host_options(self, k: int) -> dict:
-        if self.placement is None:
-            return {"num_cpus": 0}
-        return self.placement.reward_options(self.name, k, cpus=self.cpus, tp=self.cfg.tp)
 
     def _engine_kwargs(self, k: int) -> dict:
         """What the registry's sglang engine is launched with: the reward flags, frozen (no memory saver)."""
@@ -91,34 +85,17 @@ class RewardModel:
                     log_dir=os.path.join(self.log_dir, f"engine-{k}"), request_timeout_s=c.timeout_s,
                     max_retries=c.max_retries, visible_devices=self.devices[k] if self.devices else None)
 
-    def _start_host(self, k: int):
-        import ray
-
-        from mgrpo.cluster.engine_host import EngineHost
-        from mgrpo.cluster.ray_env import start_ray
-
-        if not ray.is_initialized():  # outside a run: a private local Ray, as a run's
-            start_ray(address=None, num_cpus=None)
-        return EngineHost.options(**self._host_options(k)).remote(ENGINE, self.cfg.hf_path, self._engine_kwargs(k))
-
-    def _wait_ready(self, hosts: list) -> list[dict]:
-        """Wait until every host's server answers its health check; their addresses."""
-        import ray
-
-        ray.get([h.health.remote() for h in hosts], timeout=self._startup_timeout_s())
-        return ray.get([h.address.remote() for h in hosts], timeout=self.cfg.timeout_s)
-
-    def _startup_timeout_s(self) -> float:
-        return 900.0  # SGLangEngine.launch's own start-up limit; a host that dies fails the get at once
-
     def _start_all(self) -> None:
+        from mgrpo.cluster.aux_engines import AuxEngineHosts
         from mgrpo.rollout.sglang import SGLangEngine
 
-        self.hosts = [self._start_host(k) for k in range(self.cfg.engines)]
-        self.addresses = self._wait_ready(self.hosts)
-        self.engines = [SGLangEngine.connect(a["url"], **self._client_kwargs()) for a in self.addresses]
+        self.servers = AuxEngineHosts(self.name, ENGINE, self.cfg.hf_path,
+                                      [self._engine_kwargs(k) for k in range(self.cfg.engines)],
+                                      placement=self.placement, cpus=self.cpus, tp=self.cfg.tp,
+                                      timeout_s=self.cfg.timeout_s)
+        self.engines = [SGLangEngine.connect(url, **self._client_kwargs()) for url in self.servers.urls]
         if self.routed and len(self.engines) > 1:
-            self.front = self._router([a["url"] for a in self.addresses])
+            self.front = self._router(self.servers.urls)
 
     def _router(self, urls: list[str]):
         from mgrpo.net import node_ip
@@ -128,39 +105,43 @@ class RewardModel:
                             **self._client_kwargs())
 
     @property
+    def hosts(self) -> list:
+        return self.servers.hosts if self.servers is not None else []
+
+    @property
+    def addresses(self) -> list[dict]:
+        """`EngineSlot.address()` of each server's host: node, URL, server pid."""
+        return self.servers.addresses if self.servers is not None else []
+
+    @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
     def _restart(self, k: int) -> None:
-        """Stop server k's host and start a new one in the same bundle; re-point the router."""
-        from mgrpo.cluster.engine_host import stop_host
+        """Start server k again through its host, in the same bundle; re-point the router."""
         from mgrpo.rollout.sglang import SGLangEngine
 
         old = self.addresses[k]
         log.warning("reward %s %s: server %d at %s (pid %s) failed its health check; starting it again in its "
                     "bundle", self.label, self.name, k, old["url"], old.get("pid"))
-        stop_host(self.hosts[k], self.cfg.timeout_s)
-        self.hosts[k] = self._start_host(k)
-        self.addresses[k] = self._wait_ready([self.hosts[k]])[0]
-        self.engines[k] = SGLangEngine.connect(self.addresses[k]["url"], **self._client_kwargs())
+        new = self.servers.restart(k)
+        self.engines[k] = SGLangEngine.connect(new["url"], **self._client_kwargs())
         self.restarts += 1
         if self.front is not None:
             if self.front.alive(self.cfg.timeout_s):
-                self.front.replace(old["url"], self.addresses[k]["url"])
+                self.front.replace(old["url"], new["url"])
             else:
                 self.front.restart(self.urls)
 
     def _revive(self) -> int:
         """Health-check every server's host, restarting each dead or hung one (and the router if it died);
         the number restarted. Scoring threads share the servers, so this holds a lock: one restart per death."""
-        from mgrpo.cluster.engine_host import host_alive
-
-        if self.cfg.url:
+        if self.servers is None:
             return 0
         with self._lock:
             restarted = 0
-            for k in range(len(self.hosts)):
-                if not host_alive(self.hosts[k], self.cfg.timeout_s):
+            for k in range(len(self.engines)):
+                if not self.servers.alive(k):
                     self._restart(k)
                     restarted += 1
             if self.front is not None and not self.front.alive(self.cfg.timeout_s):
@@ -233,15 +214,13 @@ class RewardModel:
         return scores, status, errors
 
     def close(self) -> None:
-        from mgrpo.cluster.engine_host import stop_host
-
         if self.front is not None:
             try:
                 self.front.shutdown()
             except Exception as err:  # noqa: BLE001 - a failing shutdown must not hide what caused it
                 log.warning("reward model %s: router shutdown failed: %s", self.name, err)
             self.front = None
-        for host in self.hosts:
-            stop_host(host, self.cfg.timeout_s)
-        self.hosts, self.engines, self.addresses = [], [], []
+        if self.servers is not None:
+            self.servers.close()
+        self.engines = []
 
