@@ -1,10 +1,10 @@
-"""A run's classifier reward model of 2 engines is hosted as its rollout engines are: each server in an `EngineHost` actor in
-its own bundle of the run's placement group `mgrpo-reward-<name>` (read back from Ray's placement group table and
-from the actors' own assigned resources), keyed with the run's secret (a request without it is refused 401, by the
-servers and by the router), scores equal to transformers' forward of the checkpoint; a SIGKILLed server is found by
-its host's health check, started again in the same bundle (counted in reward/model_restarts). A judge of 2 engines
-is scored through SGLang's router (keyed, listing both servers), its answers equal to the model's own softmax; a
-SIGKILLed judge server is restarted through its host and re-registered with the router."""
+"""A run's classifier reward model of 2 engines is hosted as its rollout engines are: each server in an `EngineHost`
+actor in its own bundle of the run's placement group `mgrpo-reward-<name>` (read back from Ray's placement group table
+and from the actors' own assigned resources), keyed with the run's secret (a request without it is refused 401),
+scores equal to transformers' forward of the checkpoint; a SIGKILLed server is found by its host's health check,
+started again in the same bundle (counted in reward/model_restarts). A judge of 2 engines is scored through SGLang's
+router (keyed, listing both servers), its answers equal to the model's own softmax; a SIGKILLed judge server is
+restarted through its host and re-registered with the router."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Auxiliary engines (reward models, judges: reward.models.<name>): frozen servers hosted exactly as rollout engines
 are, by `EngineHost` actors building an engine of the rollout registry, in the run's placement groups
 (`Placement.reward_options`). Their owner (components/reward_engines.py) reaches them by URL; this module is the Ray
-side: start, wait until healthy, health-check (`host_alive`), restart in the same bundle (`stop_host`), stop.
+side: start, wait until healthy, health-check (`hosts_alive`), restart in the same bundle (`stop_host`), stop.
 Nothing here syncs weights or releases memory: the weight sync only knows the rollout group's engines.
 """
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import ray
 
-from mgrpo.cluster.engine_host import EngineHost, host_alive, stop_host
+from mgrpo.cluster.engine_host import EngineHost, hosts_alive, stop_host
 from mgrpo.cluster.ray_env import start_ray
 
 STARTUP_TIMEOUT_S = 900.0
@@ -52,8 +52,9 @@ class AuxEngineHosts:
     def urls(self) -> list[Optional[str]]:
         return [a["url"] for a in self.addresses]
 
-    def alive(self, k: int) -> bool:
-        return host_alive(self.hosts[k], self.timeout_s)
+    def dead(self) -> list[int]:
+        """The servers whose hosts fail the rollout engines' health check (`hosts_alive`, all asked at once)."""
+        return [k for k, ok in enumerate(hosts_alive(self.hosts, self.timeout_s)) if not ok]
 
     def restart(self, k: int) -> dict:
         """Stop host k (and its server) and start a new one in the same bundle; its address."""

@@ -100,10 +100,22 @@ class EngineHost(EngineSlot):
 def host_alive(host, timeout_s: float) -> bool:
     """Whether an engine's host answers its health call within `timeout_s` and the engine reports ok (a dead actor,
     a timeout or an engine reporting an error: not alive)."""
-    try:
-        return bool(ray.get(host.health.remote(), timeout=timeout_s).ok)
-    except Exception:  # noqa: BLE001 - dead actor, timeout, or an engine reporting an error
-        return False
+    return hosts_alive([host], timeout_s)[0]
+
+
+def hosts_alive(hosts: list, timeout_s: float) -> list[bool]:
+    """`host_alive` of several hosts, asked at once (one `timeout_s` for all)."""
+    import time
+
+    refs = [h.health.remote() for h in hosts]
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for ref in refs:
+        try:
+            out.append(bool(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)).ok))
+        except Exception:  # noqa: BLE001 - dead actor, timeout, or an engine reporting an error
+            out.append(False)
+    return out
 
 
 def stop_host(host, timeout_s: float, *, kill: bool = True) -> None:

@@ -165,7 +165,7 @@ class GenerativeJudge(RewardModel):
             return answers, status, errors
         from mgrpo.rollout.sglang.http import SGLangRequestError
 
-        self._revive()
+        self._check()
         size = 1 if self.front is not None else self.cfg.batch_size
         chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 

@@ -7,10 +7,10 @@ here syncs weights or releases memory, and the weight sync only knows the rollou
 The driver talks to the servers by URL (an `SGLangEngine.connect` client each). Several servers of a judge sit
 behind SGLang's router (`RoutedClient`, as several rollout engines do), which spreads its /generate requests; a
 classifier's /classify requests go to its servers in turn (the router has no route that returns a reward head's
-score, see `RewardModel.routed`). Before each scoring call every server's host is health-checked (`host_alive`,
-the rollout group's check, in cluster/aux_engines.py); a dead or hung one is started again in its bundle (counted in
-reward/model_restarts) and the router re-pointed at its new URL. A call that fails because a server died mid-call
-is sent once more after that check. `RewardModel` scores a sequence classifier through `/classify`; the generative
+score, see `RewardModel.routed`). When a call fails (and, behind a router, before each scoring call) every
+server's host is health-checked (`hosts_alive`, the rollout group's check, in cluster/aux_engines.py); a dead or hung
+one is started again in its bundle (counted in reward/model_restarts), the router re-pointed at its new URL, and the
+failed call sent once more. `RewardModel` scores a sequence classifier through `/classify`; the generative
 judge (components/judges.py) is a RewardModel whose servers are chat servers.
 """
 
@@ -140,29 +140,40 @@ class RewardModel:
             return 0
         with self._lock:
             restarted = 0
-            for k in range(len(self.engines)):
-                if not self.servers.alive(k):
-                    self._restart(k)
-                    restarted += 1
+            for k in self.servers.dead():
+                self._restart(k)
+                restarted += 1
             if self.front is not None and not self.front.alive(self.cfg.timeout_s):
                 self.front.restart(self.urls)
                 restarted += 1
             return restarted
 
     def on_engine(self, k: int, call):
-        """`call(client)` on server k, or through the router when there is one; when it fails, the servers are
-        health-checked and the call sent once more if one was restarted (a server killed mid-call)."""
+        """`call(client)` on server k, or through the router when there is one. When it fails, the servers are
+        health-checked (a dead or hung one restarted, as the rollout group recovers a failed chunk's engine) and the
+        call is sent once more if what it went to was replaced meanwhile (by this thread or another)."""
         from mgrpo.rollout.sglang.http import SGLangRequestError
 
         def target():
             return self.front.client if self.front is not None else self.engines[k]
 
+        used = target()
         try:
-            return call(target())
+            return call(used)
         except SGLangRequestError:
-            if self.cfg.url or not self._revive():
+            if self.servers is None:
+                raise
+            restarted = self._revive()
+            if not restarted and target() is used:
                 raise
         return call(target())
+
+    def _check(self) -> None:
+        """Before a scoring call: behind a router, every server is health-checked (the router would quietly route
+        around a dead one, as the rollout group's periodic check finds); servers used directly are checked when a
+        call to them fails (`on_engine`), which costs nothing while they are healthy."""
+        if self.front is not None:
+            self._revive()
 
     @property
     def parallel(self) -> int:
@@ -191,7 +202,7 @@ class RewardModel:
         status, errors = [OK] * n, [""] * n
         if not n:
             return scores, status, errors
-        self._revive()
+        self._check()
         inputs = [self.inputs(r) for r in reqs]
         size = self.cfg.batch_size
         chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]

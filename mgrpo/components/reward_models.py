@@ -4,8 +4,8 @@ A reward model (reward.models.<name>) is a sequence classifier served as SGLang 
 scored through `/classify` (on CPU the CPU server does the same over transformers, rollout/sglang/cpu/classify.py).
 Its servers are hosted as rollout engines are (reward_engines.py: `EngineHost` actors in the run's placement groups,
 the run's API key, SGLang's router in front of several); they are frozen (no weight sync, no memory release).
-Before each scoring call a server that fails its health check is started again through its host (counted:
-reward/model_restarts), and a call that failed because its server died mid-call is sent once more after that; a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
+A call that fails health-checks the servers (behind a router: every scoring call does); one that fails the check
+is started again through its host (counted: reward/model_restarts) and the call sent once more; a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
 each retried within reward.models.<name>.max_retries with backoff) leaves its samples without a score, never 0:
 the experience masks and counts them (algorithms/failed_samples.py).
 
