@@ -7,8 +7,6 @@ engine) leaves the sample without a score (never 0.0), counted; a killed engine 
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from mgrpo.data.printable import printable_tokenizer
 from mgrpo.models.hf_io import init_hf_checkpoint
 from mgrpo.rewards import Judger, ScoreRequest
 from mgrpo.rewards.judge import compile_template, parse_number, render, Unparsed
+from tests.helpers.procs import kill_and_wait
 from tests.helpers.sglang_cpu import FaultProxy
 
 YES_NO = "Q:{{ question }}\nA:{{ response }}\nRight? Y or N"
@@ -165,10 +164,7 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
                                                      judge=JudgeConfig(**spec)), api_key=None, log_dir=str(tmp_path))
     try:
         pid = own.addresses[0]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_and_wait(pid)
         again, status, _ = own.score(reqs)
         new = own.addresses[0]["pid"]
         assert own.restarts == 1 and new != pid and os.path.exists(f"/proc/{new}")

@@ -9,10 +9,7 @@ restarted through its host and re-registered with the router."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import signal
-import time
 
 import pytest
 import requests
@@ -22,6 +19,7 @@ from mgrpo.algorithms.failed_samples import OK
 from mgrpo.config.reward import RewardModelConfig
 from mgrpo.data.synthetic import synthetic_tokenizer
 from mgrpo.rewards import ScoreRequest
+from tests.helpers.procs import kill_and_wait
 from tests.helpers.reward_models import tiny_classifier
 from tests.helpers.runs import small_config
 
@@ -96,10 +94,7 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
 
         # a SIGKILLed server: restarted through its host, in the same bundle, counted, re-registered
         old_url, old_pid = rm.addresses[0]["url"], rm.addresses[0]["pid"]
-        os.kill(old_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{old_pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_and_wait(old_pid)
         got = judger.score(reqs)
         assert got.status == [OK] * 6 and got.scores == pytest.approx(want, abs=1e-5)
         assert got.measured["reward/model_restarts"] == 1 and rm.restarts == 1
@@ -173,10 +168,7 @@ def test_judge_engines_behind_the_router_keyed_and_restarted(tmp_path):
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
 
         old_pid, old_url = judge.addresses[1]["pid"], judge.urls[1]
-        os.kill(old_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{old_pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_and_wait(old_pid)
         scores, status, _ = judge.score(reqs)
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
         assert judge.restarts == 1 and judge.urls[1] != old_url and _bundle_of(judge.hosts[1]) == (pg_id, {1})

@@ -5,9 +5,6 @@ started again and counted."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from mgrpo.components.reward_models import ComposedJudger, RewardModel
 from mgrpo.config.reward import RewardConfig, RewardModelConfig
 from mgrpo.data.synthetic import synthetic_tokenizer
 from mgrpo.rewards import Judger, ScoreRequest
+from tests.helpers.procs import kill_and_wait
 from tests.helpers.reward_models import tiny_classifier
 from tests.helpers.sglang_cpu import FaultProxy
 
@@ -78,10 +76,7 @@ def test_composed_reward_failures_and_restart(tmp_path):
 
         # a reward engine killed between steps is started again (through its host) before the next call
         pid = launched.addresses[0]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_and_wait(pid)
         got = judger.score(reqs)
         assert got.status == [OK] * 8 and got.measured["reward/model_restarts"] == 1
         assert got.components["rm"] == pytest.approx(want, abs=1e-5) and launched.addresses[0]["pid"] != pid

@@ -1,7 +1,8 @@
 """Auxiliary engines (reward models, judges: reward.models.<name>): frozen servers hosted exactly as rollout engines
 are, by `EngineHost` actors building an engine of the rollout registry, in the run's placement groups
 (`Placement.reward_options`). Their owner (components/reward_engines.py) reaches them by URL; this module is the Ray
-side: start, wait until healthy, health-check (`hosts_alive`), restart in the same bundle (`stop_host`), stop.
+side: start, wait until healthy, health-check (`hosts_alive`), restart through the host (a new host in the same
+bundle if the host died), stop.
 Nothing here syncs weights or releases memory: the weight sync only knows the rollout group's engines.
 """
 
@@ -57,9 +58,15 @@ class AuxEngineHosts:
         return [k for k, ok in enumerate(hosts_alive(self.hosts, self.timeout_s)) if not ok]
 
     def restart(self, k: int) -> dict:
-        """Stop host k (and its server) and start a new one in the same bundle; its address."""
-        stop_host(self.hosts[k], self.timeout_s)
-        self.hosts[k] = self._start(k)
+        """Start server k again through its host (the host process stays, as a hybrid rollout engine's does); a host
+        that died or hangs is replaced by a new one in the same bundle. The new server's address."""
+        host = self.hosts[k]
+        try:
+            ray.get(host.stop_engine.remote(), timeout=self.timeout_s)
+            ray.get(host.start_engine.remote(self.engine, self.hf_dir, self.kwargs[k]), timeout=STARTUP_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            stop_host(host, self.timeout_s)
+            self.hosts[k] = self._start(k)
         self.addresses[k] = self._ready([self.hosts[k]])[0]
         return self.addresses[k]
 
