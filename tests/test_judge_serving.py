@@ -7,11 +7,11 @@ engine) leaves the sample without a score (never 0.0), counted; a killed engine 
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 import torch
 
+from mgrpo.cluster.ray_env import stop_ray
 from mgrpo.components.judges import GenerativeJudge
 from mgrpo.components.reward_models import ComposedJudger
 from mgrpo.config.reward import JudgeConfig, RewardConfig, RewardModelConfig
@@ -20,6 +20,7 @@ from mgrpo.data.printable import printable_tokenizer
 from mgrpo.models.hf_io import init_hf_checkpoint
 from mgrpo.rewards import Judger, ScoreRequest
 from mgrpo.rewards.judge import compile_template, parse_number, render, Unparsed
+from tests.helpers.procs import kill_and_wait
 from tests.helpers.sglang_cpu import FaultProxy
 
 YES_NO = "Q:{{ question }}\nA:{{ response }}\nRight? Y or N"
@@ -39,6 +40,7 @@ def judge_model(tmp_path_factory):
         yield d, base
     finally:
         base.close()
+        stop_ray()  # the judge engine's host ran in the local Ray its start brought up
 
 
 def requests_():
@@ -161,10 +163,11 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
     own = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf_dir, timeout_s=60,
                                                      judge=JudgeConfig(**spec)), api_key=None, log_dir=str(tmp_path))
     try:
-        os.kill(own.engines[0].process.pid, signal.SIGKILL)
-        own.engines[0].process.wait(timeout=30)
+        pid = own.addresses[0]["pid"]
+        kill_and_wait(pid)
         again, status, _ = own.score(reqs)
-        assert own.restarts == 1 and own.engines[0].process.poll() is None
+        new = own.addresses[0]["pid"]
+        assert own.restarts == 1 and new != pid and os.path.exists(f"/proc/{new}")
         assert again == scores and status == [("ok" if s is not None else "failed") for s in scores]
     finally:
         own.close()

@@ -5,17 +5,17 @@ started again and counted."""
 
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 import torch
 
 from mgrpo.algorithms.failed_samples import OK, TIMEOUT
+from mgrpo.cluster.ray_env import stop_ray
 from mgrpo.components.reward_models import ComposedJudger, RewardModel
 from mgrpo.config.reward import RewardConfig, RewardModelConfig
 from mgrpo.data.synthetic import synthetic_tokenizer
 from mgrpo.rewards import Judger, ScoreRequest
+from tests.helpers.procs import kill_and_wait
 from tests.helpers.reward_models import tiny_classifier
 from tests.helpers.sglang_cpu import FaultProxy
 
@@ -74,11 +74,12 @@ def test_composed_reward_failures_and_restart(tmp_path):
             assert got.status == [TIMEOUT] * 3 and got.timeout == 3 and got.scores == [None] * 3
             assert got.components["rule"] == rule[:3]                    # the rule still says what it says
 
-        # a reward engine killed between steps is started again before the next call
-        os.kill(launched.engines[0].process.pid, signal.SIGKILL)
-        launched.engines[0].process.wait(timeout=30)
+        # a reward engine killed between steps is started again (through its host) before the next call
+        pid = launched.addresses[0]["pid"]
+        kill_and_wait(pid)
         got = judger.score(reqs)
         assert got.status == [OK] * 8 and got.measured["reward/model_restarts"] == 1
-        assert got.components["rm"] == pytest.approx(want, abs=1e-5)
+        assert got.components["rm"] == pytest.approx(want, abs=1e-5) and launched.addresses[0]["pid"] != pid
     finally:
         judger.close()
+        stop_ray()  # the reward engine's host ran in the local Ray its start brought up

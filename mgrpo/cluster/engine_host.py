@@ -70,7 +70,8 @@ class EngineSlot:
         e = self.engine
         return {"node_ip": ray.util.get_node_ip_address(), "url": e.url, "tp": e.tp,
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "actor_id": ray.get_runtime_context().get_actor_id(),
-                "releases_memory": e.releases_memory, "counts_retries": e.retries is not None}
+                "releases_memory": e.releases_memory, "counts_retries": e.retries is not None,
+                "pid": getattr(getattr(e, "process", None), "pid", None)}
 
     @ray.method(concurrency_group="health")
     def retries(self) -> int:
@@ -103,6 +104,41 @@ class EngineHost(EngineSlot):
 
     def __init__(self, name: str, hf_dir: str, kwargs: dict):
         self.start_engine(name, hf_dir, kwargs)
+
+
+def host_alive(host, timeout_s: float) -> bool:
+    """Whether an engine's host answers its health call within `timeout_s` and the engine reports ok (a dead actor,
+    a timeout or an engine reporting an error: not alive)."""
+    return hosts_alive([host], timeout_s)[0]
+
+
+def hosts_alive(hosts: list, timeout_s: float) -> list[bool]:
+    """`host_alive` of several hosts, asked at once (one `timeout_s` for all)."""
+    import time
+
+    refs = [h.health.remote() for h in hosts]
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for ref in refs:
+        try:
+            out.append(bool(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)).ok))
+        except Exception:  # noqa: BLE001 - dead actor, timeout, or an engine reporting an error
+            out.append(False)
+    return out
+
+
+def stop_host(host, timeout_s: float, *, kill: bool = True) -> None:
+    """Let the engine stop what it owns (a server), then end its host process (`kill`; a hybrid engine's host is
+    a Megatron rank, which stays). A dead or hung engine has nothing left to stop politely."""
+    try:
+        ray.get(host.stop_engine.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001
+        pass
+    if kill:
+        try:
+            ray.kill(host)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 class HostDelivery:

@@ -11,11 +11,16 @@ with logical GPUs (`ray start --num-gpus 8`): only the compute leaf differs.
 - Hybrid rollout: no process of its own; engine i lives in Megatron rank i*tp's actor (its bundle) and its
   server, if it has one, uses the GPUs of Megatron ranks [i*tp, (i+1)*tp).
 - Disaggregated rollout: one bundle per engine with `rollout.tp` GPUs of its own.
+- Reward engines (reward.models.<name>, launched; not those at a url): placement=own, one bundle per engine with
+  `tp` GPUs of its own (a placement group per model, `mgrpo-reward-<name>`); placement=shared, engine k's host sits
+  in rollout engine (k mod num_engines)'s bundle (or its Megatron rank's, when the rollout has no bundles of its
+  own), claiming no CPU or GPU of it: its server is pointed at that rollout engine's accelerators and holds
+  `gpu_memory_utilization` of them for the whole run (mgrpo-plan checks that it fits).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -39,6 +44,10 @@ class Placement:
     engine_tp: int
     hybrid: bool = False
     """Engines live in Megatron ranks' processes (rollout.mode=hybrid): no bundles or hosts of their own."""
+    reward: dict[str, Bundles] = field(default_factory=dict)
+    """Own bundles of each launched reward model with placement=own (reward.models.<name>)."""
+    num_engines: int = 1
+    """rollout.num_engines (where shared reward engines go)."""
 
     @property
     def engines_use_actor_gpus(self) -> bool:
@@ -68,8 +77,20 @@ class Placement:
         hosts it (`hybrid`)."""
         return range(index * self.engine_tp, (index + 1) * self.engine_tp)
 
+    def reward_options(self, name: str, index: int, *, cpus: float, tp: int) -> dict:
+        """Ray options of reward model `name`'s engine `index` host: its own bundle (placement=own), else the
+        bundle of the rollout engine it shares (no CPU or GPU claimed: the rollout engine's host holds them)."""
+        if name in self.reward:
+            return {"scheduling_strategy": self.reward[name].strategy(index), "num_cpus": cpus,
+                    "num_gpus": float(tp) if self.gpus else 0.0}
+        engine = index % self.num_engines
+        if self.rollout is not None:
+            return {"scheduling_strategy": self.rollout.strategy(engine), "num_cpus": 0, "num_gpus": 0}
+        return {"scheduling_strategy": self.megatron.strategy(engine * self.engine_tp), "num_cpus": 0,
+                "num_gpus": 0}
+
     def remove(self) -> None:
-        for b in (self.megatron, self.rollout):
+        for b in (self.megatron, self.rollout, *self.reward.values()):
             if b is not None:
                 b.remove()
 
@@ -82,8 +103,9 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     # A local CPU Ray is told exactly how many CPU slots it may hand out (a bundle is a logical slot).
     hybrid = r.mode == "hybrid"
     engine_slots = 0 if hybrid else r.num_engines
-    start_ray(address=t.ray_address,
-              num_cpus=cpus * (layout.megatron_world + engine_slots) + 1 if local_cpu else None)
+    own_rewards = launched_reward_models(cfg, "own")
+    start_ray(address=t.ray_address, num_cpus=cpus * (layout.megatron_world + engine_slots + sum(
+        m.engines for m in own_rewards.values())) + 1 if local_cpu else None)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).
@@ -91,8 +113,24 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     megatron = reserve(layout.megatron_world, cpus=cpus, gpus=1 if gpus else 0, name="mgrpo-megatron")
     rollout = None if in_actor_bundles or hybrid else reserve(r.num_engines, cpus=cpus, gpus=r.tp if gpus else 0,
                                                     name="mgrpo-rollout")
+    reward = {}
+    try:
+        for name, m in own_rewards.items():
+            reward[name] = reserve(m.engines, cpus=cpus, gpus=m.tp if gpus else 0, name=f"mgrpo-reward-{name}")
+    except BaseException:
+        for b in (megatron, rollout, *reward.values()):
+            if b is not None:
+                b.remove()
+        raise
     return Placement(megatron=megatron, rollout=rollout, gpus=gpus, hosts_in_actor_bundles=in_actor_bundles,
-                     engine_tp=r.tp, hybrid=hybrid)
+                     engine_tp=r.tp, hybrid=hybrid, reward=reward, num_engines=r.num_engines)
+
+
+def launched_reward_models(cfg: MGRPOConfig, placement: str) -> dict:
+    """The reward models this run launches (not one at a url, nor a judge at an OpenAI endpoint) with the given
+    placement (own | shared)."""
+    return {name: m for name, m in cfg.reward.models.items()
+            if not m.url and not (m.kind == "generative" and m.judge.openai_url) and str(m.placement) == placement}
 
 
 def engine_gpu_ids(rank_devices: list[dict], ranks: range, index: int) -> list[str]:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import ray
 from tqdm import tqdm
 
-from mgrpo.cluster.engine_host import EngineHost, HostDelivery
+from mgrpo.cluster.engine_host import EngineHost, HostDelivery, host_alive, stop_host
 from mgrpo.cluster.placement import Placement
 from mgrpo.cluster.routes import ToEngines, ViaRouter, session_engine
 from mgrpo.cluster.megatron_group import dead_nodes
@@ -273,11 +273,7 @@ class RolloutGroup:
         self.weight_version = version
 
     def _alive(self, index: int) -> bool:
-        try:
-            health = ray.get(self.engines[index].health.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
-            return bool(health.ok)
-        except Exception:  # dead actor, timeout, or an engine reporting an error
-            return False
+        return host_alive(self.engines[index], self.cfg.rollout.health_check_timeout_s)
 
     def _node_lost(self, index: int, wait_s: float) -> None:
         """Raise, naming the node, if engine `index`'s node left the cluster (its bundle has nowhere to go)."""
@@ -289,12 +285,8 @@ class RolloutGroup:
     def _restart(self, index: int) -> None:
         self._node_lost(index, wait_s=0.0)
         log.warning("restarting rollout engine %d", index)
-        self._stop(self.engines[index])
-        if self.hosts is None:  # a hybrid engine's host is a Megatron rank: only the engine is replaced
-            try:
-                ray.kill(self.engines[index])
-            except Exception:
-                pass
+        # a hybrid engine's host is a Megatron rank: only the engine is replaced
+        stop_host(self.engines[index], self.cfg.rollout.health_check_timeout_s, kill=self.hosts is None)
         try:
             self.engines[index] = self._start(index)
         except ray.exceptions.RayActorError as err:
@@ -374,18 +366,9 @@ class RolloutGroup:
                 ray.get(getattr(self.engines[i], method).remote(*args))
         return restarted
 
-    def _stop(self, engine) -> None:
-        """Let the engine stop what it owns (a server) before its host is killed."""
-        try:
-            ray.get(engine.stop_engine.remote(), timeout=self.cfg.rollout.health_check_timeout_s)
-        except Exception:  # a dead or hung engine has nothing left to stop politely
-            pass
-
     def shutdown(self) -> None:
         self._front_pool.shutdown(wait=False, cancel_futures=True)
         if self.front is not None:
             self.front.shutdown()
-        for e in self.engines:
-            self._stop(e)
-            if self.hosts is None:  # hybrid hosts are Megatron ranks: the Megatron group takes them down
-                ray.kill(e)
+        for e in self.engines:  # hybrid hosts are Megatron ranks: the Megatron group takes them down
+            stop_host(e, self.cfg.rollout.health_check_timeout_s, kill=self.hosts is None)

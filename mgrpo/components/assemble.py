@@ -154,7 +154,9 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                                    context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
                                                          log_dir=os.path.join(run_dir, "logs")))
         with phase(f"judges ({', '.join(['rules', *cfg.reward.models])})"):  # reward models: the run's key
-            judger = build_judger(cfg.reward, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"))
+            judger = build_judger(cfg.reward, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"),
+                                  placement=placement, cpus=t.cpus_per_worker,
+                                  shared_devices=devices or [a["gpu_ids"] for a in rollout.addresses])
         with phase(f"Megatron stages (tp={cfg.actor.tp} pp={cfg.actor.pp} cp={cfg.actor.cp} dp={layout.dp})"):
             group.setup(cfg)
         log.info("start | Megatron ranks use: %s", group.info[0].get("paths", "?"))

@@ -27,8 +27,11 @@ class GenerativeJudge(RewardModel):
 
     label = "judge"
     server_flags = ()
+    routed = True
+    """Several judge servers sit behind SGLang's router, which takes one prompt per /generate request."""
 
-    def __init__(self, name: str, cfg: RewardModelConfig, *, api_key: Optional[str], log_dir: str):
+    def __init__(self, name: str, cfg: RewardModelConfig, *, api_key: Optional[str], log_dir: str, **hosting):
+        """`hosting`: where its engines go (RewardModel's placement, devices, cpus)."""
         from mgrpo.rewards.judge import template_of
 
         j = cfg.judge
@@ -46,12 +49,13 @@ class GenerativeJudge(RewardModel):
 
             self.name, self.cfg, self.api_key, self.log_dir = name, cfg, None, log_dir
             self.tokenizer, self.engines, self.restarts, self._turn = None, [], 0, 0
+            self.servers, self.front = None, None
             key = os.environ.get(j.api_key_env) if j.api_key_env else None
             # the openai client retries connection errors, 408/409/429 and 5xx with exponential backoff
             self.openai = OpenAI(base_url=j.openai_url, api_key=key or "none", timeout=cfg.timeout_s,
                                  max_retries=cfg.max_retries)
             return
-        super().__init__(name, cfg, api_key=api_key, log_dir=log_dir)
+        super().__init__(name, cfg, api_key=api_key, log_dir=log_dir, **hosting)
         if j.parser == "yes_no":
             self.yes_no_ids = tuple(self._one_token(f"reward.models.{name}.judge.{k}", t)
                                     for k, t in (("yes", j.yes), ("no", j.no)))
@@ -94,10 +98,15 @@ class GenerativeJudge(RewardModel):
         sp = {"temperature": j.temperature, "max_new_tokens": 1 if yes_no else j.max_new_tokens}
         if tok.eos_token_id is not None:
             sp["stop_token_ids"] = [tok.eos_token_id]
-        body = {"input_ids": [list(x) for x in ids], "sampling_params": sp}
+        # SGLang's router takes no batches (it places each request): one prompt per request through it
+        one = engine.unbatched
+        if one and len(ids) != 1:
+            raise ValueError(f"one prompt per request through the router, got {len(ids)}")
+        body = {"input_ids": list(ids[0]) if one else [list(x) for x in ids], "sampling_params": sp}
         if yes_no:
             body.update(return_logprob=True, top_logprobs_num=j.top_logprobs)
         items = engine.client.json("POST", "/generate", body)
+        items = [items] if one and isinstance(items, dict) else items
         if not isinstance(items, list) or len(items) != len(users):
             raise SGLangBadResponseError(f"/generate answered {type(items).__name__} for {len(users)} prompts")
         out = []
@@ -156,8 +165,8 @@ class GenerativeJudge(RewardModel):
             return answers, status, errors
         from mgrpo.rollout.sglang.http import SGLangRequestError
 
-        self._revive()
-        size = self.cfg.batch_size
+        self._check()
+        size = 1 if self.front is not None else self.cfg.batch_size
         chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
         def run(k: int) -> None:
@@ -171,10 +180,15 @@ class GenerativeJudge(RewardModel):
             for i, a in zip(chunks[k], got):
                 answers[i] = a
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(self.engines), len(chunks)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(chunks)))) as pool:
             list(pool.map(run, range(len(chunks))))
         self._turn += len(chunks)
         return answers, status, errors
+
+    @property
+    def parallel(self) -> int:
+        """Requests sent at once: one per server, or judge.concurrency through the router (one prompt each)."""
+        return self.cfg.judge.concurrency if self.front is not None else len(self.engines)
 
     def score(self, reqs: Sequence[ScoreRequest]) -> tuple[list[Optional[float]], list[str], list[str]]:
         """(score or None, outcome, error or '') per request; never raises for an engine's or a parser's failure."""

@@ -2,10 +2,10 @@
 
 A reward model (reward.models.<name>) is a sequence classifier served as SGLang serves one: `--is-embedding`,
 scored through `/classify` (on CPU the CPU server does the same over transformers, rollout/sglang/cpu/classify.py).
-Its servers are launched by `SGLangEngine.launch`, the rollout engines' launcher, with the run's API key; they are
-frozen (no weight sync, no memory release). Before each scoring call a server whose process has died is started
-again (counted: reward/model_restarts), and a call that failed because its server died mid-call is sent once more to
-the server started in its place; a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
+Its servers are hosted as rollout engines are (reward_engines.py: `EngineHost` actors in the run's placement groups,
+the run's API key, SGLang's router in front of several); they are frozen (no weight sync, no memory release).
+A call that fails health-checks the servers (behind a router: every scoring call does); one that fails the check
+is started again through its host (counted: reward/model_restarts) and the call sent once more; a request that fails anyway (timeout, 5xx, an answer that is not SGLang's,
 each retried within reward.models.<name>.max_retries with backoff) leaves its samples without a score, never 0:
 the experience masks and counts them (algorithms/failed_samples.py).
 
@@ -103,8 +103,11 @@ class ComposedJudger:
                 model.close()
 
 
-def build_judger(cfg: RewardConfig, *, api_key: Optional[str], log_dir: str):
-    """The rule Judger alone, or with reward.models: the ComposedJudger over it and the models (launched now)."""
+def build_judger(cfg: RewardConfig, *, api_key: Optional[str], log_dir: str, placement=None,
+                 shared_devices: Optional[list] = None, cpus: float = 1):
+    """The rule Judger alone, or with reward.models: the ComposedJudger over it and the models (launched now, in
+    `placement`'s reward bundles, or on the rollout engines' with placement=shared: `shared_devices[i]` the
+    accelerator ids of rollout engine i, or None)."""
     rule = Judger(cfg)
     if not cfg.models and not cfg.services:
         return rule
@@ -113,7 +116,12 @@ def build_judger(cfg: RewardConfig, *, api_key: Optional[str], log_dir: str):
         for name, mcfg in cfg.models.items():
             t0 = time.perf_counter()
             cls = GenerativeJudge if mcfg.kind == "generative" else RewardModel
-            models[name] = cls(name, mcfg, api_key=api_key, log_dir=os.path.join(log_dir, f"reward-{name}"))
+            devices = None
+            if shared_devices and str(mcfg.placement) == "shared":
+                devices = [shared_devices[k % len(shared_devices)] for k in range(mcfg.engines)]
+                devices = devices if all(devices) else None
+            models[name] = cls(name, mcfg, api_key=api_key, log_dir=os.path.join(log_dir, f"reward-{name}"),
+                               placement=placement, devices=devices, cpus=cpus)
             log.info("start | reward %s %s (%d engine(s), %s) in %.1fs", models[name].label, name,
                      len(models[name].engines), mcfg.judge.openai_url or mcfg.url or mcfg.hf_path,
                      time.perf_counter() - t0)

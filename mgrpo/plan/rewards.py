@@ -101,12 +101,14 @@ def render_reward_models(rm: dict, device: str) -> list[str]:
         return out
     if device != "cuda":
         if rm["accelerators"] or any(x["shared_accelerators"] for x in rm["models"]):
-            out.append("          on CPU each reward engine is one more server process on the driver's node")
+            out.append("          on CPU each reward engine is one more server process: placement=own in a CPU "
+                       "bundle of its own in the run's placement group mgrpo-reward-<name>, shared in a rollout "
+                       "engine's bundle")
         return out
     verdict = "FITS" if rm["fits"] else "DOES NOT FIT"
     out.append(f"          {verdict}: own accelerators {rm['accelerators']} of {rm['cluster_free_accelerators']} left; "
                f"shared {rm['shared_share_per_card']} of each rollout card"
                + "".join(f"\n          - {p}" for p in rm["problems"]))
-    out.append("          (the run still starts reward engines from the driver on its own node, not in the run's Ray "
-               "placement groups: the plan counts where they must fit)")
+    out.append("          (placed in the run's Ray placement groups: own -> mgrpo-reward-<name>, one bundle of tp "
+               "accelerators per engine; shared -> the rollout engines' bundles, on their accelerators)")
     return out

@@ -60,3 +60,21 @@ def processes_mentioning(text: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def kill_and_wait(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL `pid` and wait until it has exited: gone, or a zombie its parent (a Ray actor that started it, which
+    reaps it only when it next looks) has not collected yet."""
+    import time
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"pid {pid} still runs {timeout_s}s after SIGKILL")
