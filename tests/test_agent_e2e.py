@@ -24,7 +24,7 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
     cfg = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, tokenizer="printable", vocab_size=len(VOCAB), max_position_embeddings=512),
-        data=dataclasses.replace(cfg.data, synthetic_task="peek", max_prompt_length=256, max_response_length=128,
+        data=dataclasses.replace(cfg.data, synthetic_task="peek", max_prompt_length=256, max_response_length=224,
                                  train_batch_size=16),
         algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=False),
         actor=dataclasses.replace(cfg.actor, tp=2, pack_sequences=True),
@@ -59,9 +59,9 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
 
 
 @pytest.mark.system
-@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu does not learn yet: with the call constrained and required, the "
-                         "tiny policy reads the reply for one digit and collapses (last-10 0.184 after 100 steps: "
-                         "README, 'The tool task'); remove this mark once it learns")
+@pytest.mark.skip(reason="recipe=tool-peek-tiny-cpu learns (first-10 0.078, last-10 0.942: README, 'The tool task', "
+                         "python -m benchmarks.jobs.tool_task) but its 150 steps take ~30 min on 2 cores, beyond the "
+                         "system tier's budget; run it by hand")
 def test_tool_task_learns(tmp_path):
     """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu): the hidden digit is only in the
     tool's reply, so the reward can pass chance (0.1) only by reading it. First 10 steps <= chance + 0.1,

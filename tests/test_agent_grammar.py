@@ -124,7 +124,7 @@ def test_tokens_the_grammar_chose_are_context(tok, choice):
     reply = t.turns[1]
     assert t.response_ids[reply.start] == tok.eos_token_id and not any(t.sampled[reply.start:reply.end])
     assert tok.decode(t.response_ids[reply.start:reply.end]).startswith("<|im_end|>\n<|im_start|>user\n"
-                                                                         "<tool_response>\n" + "7" * 32 + "\n</tool_response>")  # peek.yaml: repeat 32
+                                                                         "<tool_response>\n" + "7" * 96 + "\n</tool_response>")  # peek.yaml: repeat 96
     assert t.sampled[t.turns[2].start:] == [1, 1] and metrics["multi_turn/constrained_tokens"] == len(first) - free
 
 

@@ -31,7 +31,7 @@ def _config(run_dir: str, actor: dict, rollout: dict, algorithm: dict) -> MGRPOC
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, tokenizer="printable", vocab_size=len(VOCAB), max_position_embeddings=512),
-        data=dataclasses.replace(cfg.data, synthetic_task="peek", max_prompt_length=256, max_response_length=160,
+        data=dataclasses.replace(cfg.data, synthetic_task="peek", max_prompt_length=256, max_response_length=224,
                                  train_batch_size=8),
         algorithm=dataclasses.replace(cfg.algorithm, use_kl_loss=False, **algorithm),
         actor=dataclasses.replace(cfg.actor, **actor),
