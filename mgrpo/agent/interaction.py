@@ -18,12 +18,12 @@ added to the sample's reward (veRL keeps them aside as `turn_scores`); here they
 
 from __future__ import annotations
 
-import importlib
 import os
 import uuid
 from typing import Any
 
 from mgrpo.agent.environment import EnvStep
+from mgrpo.agent.tools import load_class
 from mgrpo.compat.verl import tools as verl_tools
 from mgrpo.config import ConfigError, InputError
 
@@ -44,13 +44,7 @@ def load_interactions(path: str) -> dict[str, Any]:
         where = f"{path}: interaction[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("class_name"), str):
             raise InputError(f"{where}: field 'class_name' missing")
-        cls = verl_tools.BUILTIN_INTERACTIONS.get(e["class_name"])  # veRL's own run without veRL
-        if cls is None:
-            mod, _, cls_name = e["class_name"].rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(mod), cls_name)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise InputError(f"{where}: field 'class_name': cannot load {e['class_name']!r} ({err})") from err
+        cls = load_class(e["class_name"], verl_tools.BUILTIN_INTERACTIONS, where)
         simple = e["class_name"].rsplit(".", 1)[-1]
         name = e.get("name") or (simple[:-len("Interaction")] if simple.endswith("Interaction") else simple).lower()
         if name in out:

@@ -183,6 +183,19 @@ class FunctionTool(BaseTool):
         return out, None, {}
 
 
+def load_class(class_name: str, builtins: dict, where: str) -> type:
+    """A veRL config's `class_name`: veRL's own classes from `builtins` (they run without veRL), any other by
+    import; InputError naming `where` and the field when it cannot be loaded."""
+    cls = builtins.get(class_name)
+    if cls is not None:
+        return cls
+    mod, _, cls_name = class_name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), cls_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise InputError(f"{where}: field 'class_name': cannot load {class_name!r} ({err})") from err
+
+
 def load_verl_tool_config(path: str) -> list[BaseTool]:
     """The tools of a veRL tool-config YAML (see the module docstring); errors name the file and entry."""
     import yaml
@@ -203,13 +216,7 @@ def load_verl_tool_config(path: str) -> list[BaseTool]:
         if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
                 or "name" not in schema["function"]:
             raise InputError(f"{where}: field 'tool_schema.function.name' missing")
-        cls = verl_tools.BUILTIN_TOOLS.get(e["class_name"])  # veRL's own tools run without veRL
-        if cls is None:
-            mod, _, cls_name = e["class_name"].rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(mod), cls_name)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise InputError(f"{where}: field 'class_name': cannot load {e['class_name']!r} ({err})") from err
+        cls = load_class(e["class_name"], verl_tools.BUILTIN_TOOLS, where)
         tools.append(cls(config=e.get("config") or {}, tool_schema=schema))
     return tools
 
