@@ -4,6 +4,7 @@ checked without a model. Every trajectory needs a prompt of its own (the request
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable
 
@@ -75,3 +76,26 @@ class SlowEveryFourth(AlwaysReply):
         self.n = 0
         if self.slow:
             await asyncio.sleep(3.0)
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def tool_prompts(tok, tools, k: int) -> list[list[int]]:
+    schemas = tools.schemas(list(tools.tools))
+    return [tok(tok.apply_chat_template([{"role": "user", "content": f"question {i}"}], tools=schemas, tokenize=False,
+                                        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            for i in range(k)]
+
+
+def call_text(name: str, args: dict, compact: bool = False) -> str:
+    body = json.dumps({"name": name, "arguments": args}, separators=(",", ":") if compact else None,
+                      ensure_ascii=False)  # as the template's tojson
+    return f"<tool_call>\n{body}\n</tool_call>"
