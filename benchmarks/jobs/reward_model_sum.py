@@ -156,14 +156,15 @@ def summarise(steps: list[dict]) -> dict:
     rule = [m["reward/rule/mean"] for m in steps]
     model = [m["reward/rm/mean"] for m in steps]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    median = lambda key: sorted(m.get(key, 0.0) for m in steps)[len(steps) // 2]  # noqa: E731
+    median = lambda key: median_of([m.get(key, 0.0) for m in steps])  # noqa: E731
     # The step's time split around scoring: the judge (rule + reward model) runs in a driver thread while the loop
     # waits for the reference forward (ref); reward_wait is what scoring took beyond it, so reward - reward_wait
     # is the part of scoring the forward hid (issue 33 item 6).
     split = {f"median_{k}_s": median(f"timing_s/{k}") for k in ("reward", "reward_wait", "ref", "update_actor")}
     split["median_reward_hidden_s"] = median_of([m.get("timing_s/reward", 0.0) - m.get("timing_s/reward_wait", 0.0)
                                                  for m in steps])
-    return {**split, "steps": len(steps), "rule_accuracy_first10": mean(rule[:10]), "rule_accuracy_last10": mean(rule[-10:]),
+    return {**split, "steps": len(steps), "rule_accuracy_first10": mean(rule[:10]),
+            "rule_accuracy_last10": mean(rule[-10:]),
             "rm_score_first10": mean(model[:10]), "rm_score_last10": mean(model[-10:]),
             "rm_samples_per_s_median": sorted(m["reward/rm/samples_per_s"] for m in steps)[len(steps) // 2],
             "median_step_s": sorted(m["timing_s/step"] for m in steps)[len(steps) // 2],
