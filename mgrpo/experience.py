@@ -263,8 +263,8 @@ class Experience:
                 break
             rejudged += len(again)
             more = self._score(judger, again, tokenizer)  # counts add up; a second round's means are of its few samples
-            out = {**out, "reward/worker_restarts": out["reward/worker_restarts"] + more["reward/worker_restarts"],
-                   "errors": out["errors"] + more["errors"]}
+            out = {**out, **{k: out.get(k, 0.0) + more[k] for k in ("reward/worker_restarts", "reward/model_restarts")
+                             if k in more}, "errors": out["errors"] + more["errors"]}
         dropped = failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size)
         self.reward_masked = failed_samples.masked(self.outcomes, self.group_index, dropped)
         self.in_loss = [keep and not m for keep, m in zip(self.in_loss or [True] * n, self.reward_masked)]

@@ -110,13 +110,14 @@ class Trainer:
                 exp, made = p.experiences.next(state.step, state.weight_version)
             released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
-            if not exp.judged:
-                with timer("reward"):  # ...and run while the driver judges
-                    judged = p.experiences.judge(exp)
+            judging = None if exp.judged else p.experiences.judge_beside(exp)  # ...while a driver thread judges
+            got, waited = forwards.collect(kept=judging is not None)  # timed as old_logprob, ref
+            timer.took(waited)
+            if judging is not None:
+                with timer("reward_wait"):  # scoring beyond the forwards (its own time: timing_s/reward)
+                    judged = judging.result()
             if self.cfg.algorithm.overlong_filter:
                 filtered = {"response_length/overlong_filtered": exp.apply_overlong_filter()}
-            got, waited = forwards.collect()  # what the driver reads of them (timed as old_logprob, ref)
-            timer.took(waited)
             exp = exp.with_results(got)
             with timer("adv"):
                 exp.compute_advantages(self.cfg)

@@ -1,6 +1,7 @@
 """A run's classifier reward model of 2 engines is hosted as its rollout engines are: each server in an `EngineHost`
 actor in its own bundle of the run's placement group `mgrpo-reward-<name>` (read back from Ray's placement group table
-and from the actors' own assigned resources), keyed with the run's secret (a request without it is refused 401),
+and from the actors' own assigned resources); with placement=shared, engine k's host in rollout engine k's bundle of
+`mgrpo-rollout`, claiming no CPU or GPU of it, and scoring as transformers does; keyed with the run's secret (a request without it is refused 401),
 scores equal to transformers' forward of the checkpoint; a SIGKILLed server is found by its host's health check,
 started again in the same bundle (counted in reward/model_restarts). A judge of 2 engines is scored through SGLang's
 router (keyed, listing both servers), its answers equal to the model's own softmax; a SIGKILLed judge server is
@@ -24,16 +25,20 @@ from tests.helpers.reward_models import tiny_classifier
 from tests.helpers.runs import small_config
 
 
-def _bundle_of(host) -> tuple[str, set[int]]:
-    """(placement group id, bundle indices) of an actor, from the resources Ray assigned to its process."""
+def _bundle_of(host, claimed: bool = False):
+    """(placement group id, bundle indices) of an actor, from the resources Ray assigned to its process: a bundle's
+    CPU (CPU_group_<i>_<pg>), or for an actor that claims nothing of its bundle the bundle marker Ray gives it
+    (bundle_group_<i>_<pg>). `claimed`: also the CPU and GPU it holds ({} for a shared reward engine's host)."""
     import ray
 
     def where(self):
         ctx = ray.get_runtime_context()
-        return ctx.get_placement_group_id(), sorted(ctx.worker.core_worker.resource_ids())
+        return ctx.get_placement_group_id(), sorted(ctx.worker.core_worker.resource_ids()), \
+            ctx.get_assigned_resources()
 
-    pg, names = ray.get(host.__ray_call__.remote(where))
-    return pg, {int(m.group(1)) for n in names if (m := re.match(r"CPU_group_(\d+)_", n))}
+    pg, names, held = ray.get(host.__ray_call__.remote(where))
+    at = pg, {int(m.group(1)) for n in names if (m := re.match(r"(?:CPU|bundle)_group_(\d+)_", n))}
+    return (*at, {k: v for k, v in held.items() if k in ("CPU", "GPU")}) if claimed else at
 
 
 def _reference(hf_dir: str, reqs: list[ScoreRequest]) -> list[float]:
@@ -58,10 +63,13 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
     from mgrpo.rollout.sglang.auth import resolve_api_key
 
     hf_dir = tiny_classifier(str(tmp_path / "rm"))
-    cfg = small_config(str(tmp_path / "run"))
+    cfg = small_config(str(tmp_path / "run"), rollout={"num_engines": 2})
     cfg = dataclasses.replace(cfg, reward=dataclasses.replace(
         cfg.reward, num_workers=0, compose={"mgrpo/sum": {"rm": 1.0}},
-        models={"rm": RewardModelConfig(hf_path=hf_dir, engines=2, batch_size=2, timeout_s=30)}))
+        models={"rm": RewardModelConfig(hf_path=hf_dir, engines=2, batch_size=2, timeout_s=30),
+                # placement=shared: engine k in rollout engine k's bundle (the same checkpoint, scored directly)
+                "shared": RewardModelConfig(hf_path=hf_dir, engines=2, batch_size=4, timeout_s=30,
+                                            placement="shared")}))
     cfg = resolve_device(cfg)
     reqs = [ScoreRequest("mgrpo/sum", resp, str(eval(p[:-1])), {"finish_reason": "stop"}, prompt=p)
             for p, resp in [("2+3=", "5"), ("2+3=", "4"), ("1+1=", "2"), ("4+4=", "8"), ("3+1=", "41"), ("1+2=", "")]]
@@ -80,6 +88,15 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
         pg_id = placement.reward["rm"].pg.id.hex()
         assert [_bundle_of(h) for h in rm.hosts] == [(pg_id, {0}), (pg_id, {1})]
         assert len({a["url"] for a in rm.addresses}) == 2 and all(a["pid"] for a in rm.addresses)
+        assert "shared" not in placement.reward  # no placement group of its own...
+        shared = judger.models["shared"]
+        table = ray.util.placement_group_table(placement.rollout.pg)  # ...it sits in the rollout engines' bundles
+        assert table["name"] == "mgrpo-rollout" and table["state"] == "CREATED" and len(table["bundles"]) == 2
+        rollout_pg = table["placement_group_id"]
+        assert [_bundle_of(h, claimed=True) for h in shared.hosts] == [(rollout_pg, {0}, {}), (rollout_pg, {1}, {})]
+        assert len({a["url"] for a in shared.addresses} | {a["url"] for a in rm.addresses}) == 4
+        scores, status, _ = shared.score(reqs)
+        assert status == [OK] * 6 and scores == pytest.approx(want, abs=1e-5)
 
         # keyed: each server refuses a request without the run's key, and answers the run's client
         ids = [rm.inputs(r) for r in reqs]

@@ -3,8 +3,9 @@ resuming (as a SLURM requeue would), and at the end the same records and the sam
 without faults. The harness, its fault kinds and what each is expected to do are in tests/helpers/chaos.py,
 beside tests/test_chaos.py, which runs it in short; this is its command line and results writer.
 
-    python -m benchmarks.jobs.chaos                     # both jobs, 200 steps, 12 faults each
+    python -m benchmarks.jobs.chaos                     # every job, 200 steps, 12 faults each (of the kinds it has)
     python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
+    python -m benchmarks.jobs.chaos --job reward_model --steps 12 --faults 1 --kinds judge_kill --batch 8 --n 4
 
 Writes --out (benchmarks/results/chaos_cpu.json): per job, every step once in metrics.jsonl, TensorBoard and
 trajectories.jsonl, every fault accounted for, and the final HF export against the reference run's.

@@ -156,12 +156,24 @@ def summarise(steps: list[dict]) -> dict:
     rule = [m["reward/rule/mean"] for m in steps]
     model = [m["reward/rm/mean"] for m in steps]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    return {"steps": len(steps), "rule_accuracy_first10": mean(rule[:10]), "rule_accuracy_last10": mean(rule[-10:]),
+    median = lambda key: median_of([m.get(key, 0.0) for m in steps])  # noqa: E731
+    # The step's time split around scoring: the judge (rule + reward model) runs in a driver thread while the loop
+    # waits for the reference forward (ref); reward_wait is what scoring took beyond it, so reward - reward_wait
+    # is the part of scoring the forward hid (issue 33 item 6).
+    split = {f"median_{k}_s": median(f"timing_s/{k}") for k in ("reward", "reward_wait", "ref", "update_actor")}
+    split["median_reward_hidden_s"] = median_of([m.get("timing_s/reward", 0.0) - m.get("timing_s/reward_wait", 0.0)
+                                                 for m in steps])
+    return {**split, "steps": len(steps), "rule_accuracy_first10": mean(rule[:10]),
+            "rule_accuracy_last10": mean(rule[-10:]),
             "rm_score_first10": mean(model[:10]), "rm_score_last10": mean(model[-10:]),
             "rm_samples_per_s_median": sorted(m["reward/rm/samples_per_s"] for m in steps)[len(steps) // 2],
             "median_step_s": sorted(m["timing_s/step"] for m in steps)[len(steps) // 2],
             "failed_samples": sum(m.get("reward/masked_samples", 0) for m in steps),
             "rule_accuracy": rule, "rm_score": model}
+
+
+def median_of(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0
 
 
 def plot(result: dict, path: str) -> None:
@@ -210,6 +222,9 @@ def main(argv=None) -> None:
     print(f"rule accuracy first 10 {result['rule_accuracy_first10']:.3f}, last 10 {result['rule_accuracy_last10']:.3f}; "
           f"reward model score first 10 {result['rm_score_first10']:.2f}, last 10 {result['rm_score_last10']:.2f}; "
           f"{result['steps']} steps, median {result['median_step_s']:.2f} s; wrote {args.out}")
+    print(f"scoring (median per step): reward {result['median_reward_s']:.3f} s, of which the reference forward hid "
+          f"{result['median_reward_hidden_s']:.3f} s (reward_wait {result['median_reward_wait_s']:.3f} s, ref "
+          f"{result['median_ref_s']:.3f} s); the reward model {result['rm_samples_per_s_median']:.0f} samples/s")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,14 @@ def aligned_phases(kind: str, s: dict, interval: float) -> dict:
              "reference log-probs": g("ref_forward", 0.0),
              "update (fwd+bwd+optimizer)": g("training_step", 0.0) - g("gen_score_ref", 0.0)
              + g("clip_and_optimizer", 0.0), "weight sync": 0.0}
-    else:
+    elif "timing_s/reward_wait" in s:
+        # The reference forward runs on the ranks from the end of generation while a driver thread judges; the
+        # loop waits for the forward (timing_s/ref) and then for what scoring took beyond it (reward_wait).
+        p = {"generate": g("timing_s/gen", 0.0), "reward": g("timing_s/reward_wait", 0.0),
+             "old-policy log-probs": g("timing_s/old_logprob", 0.0), "reference log-probs": g("timing_s/ref", 0.0),
+             "update (fwd+bwd+optimizer)": g("timing_s/update_actor", 0.0),
+             "weight sync": g("timing_s/update_weights", 0.0)}
+    else:  # results written before the judge ran in a thread of its own
         # The reference forward runs on the ranks from the end of generation while the driver judges and
         # computes advantages; the update call waits for what is left of it (kept on the ranks), which is
         # counted here as reference log-probs, not as update.

@@ -36,18 +36,23 @@ class StepForwards:
         self._old = client.send_logprobs(exp, "actor") if self.old else None
         self._ref = client.send_logprobs(exp, "ref", keep=self.keep_ref) if need_ref else None
 
-    def collect(self) -> tuple[ForwardResults, dict[str, float]]:
+    def collect(self, *, kept: bool = False) -> tuple[ForwardResults, dict[str, float]]:
         """Wait for the forwards the driver reads; return them, and the seconds spent waiting for each
-        (`old_logprob`, `ref`)."""
+        (`old_logprob`, `ref`). `kept`: also wait until a reference forward the ranks keep is done (its values
+        stay there). The loop asks for it while a driver thread judges, so that what it then waits for the
+        judge is what scoring took beyond the forwards (timing_s/reward_wait); otherwise the update waits for
+        it on the ranks, its own shards already sent (`update`)."""
         got, timer = ForwardResults(), PhaseTimer()
         if self._old is not None:
             with timer("old_logprob"):  # pi_old: the weights that sampled, recomputed by the trainer
                 out = self._old()
             got.old_logprobs, got.entropy = out["logprobs"], out["entropy"]
             got.routed_experts = out.get("routed_experts")  # actor.router_replay=old: the routes the update replays
-        if self._ref is not None and not self.keep_ref:
+        if self._ref is not None and (kept or not self.keep_ref):
             with timer("ref"):
-                got.ref_logprobs = self._ref()["logprobs"]
+                out = self._ref()
+            if not self.keep_ref:
+                got.ref_logprobs = out["logprobs"]
         return got, timer.seconds
 
     def update(self, exp: Experience, step: int) -> tuple[dict, ForwardResults]:

@@ -25,7 +25,7 @@ STATE_FILE = "trainer_state.json"
 PENDING_FILE = "pending_rollouts.json"
 """Batches an asynchronous rollout had ready when the checkpoint was taken (replayed on resume)."""
 COUNTERS = ("reward/failed", "reward/timeouts", "reward/masked_samples", "reward/dropped_groups",
-            "reward/worker_restarts", "rollout/retries", "rollout/restarts",
+            "reward/worker_restarts", "reward/model_restarts", "rollout/retries", "rollout/restarts",
             "rollout/stale_dropped", "rollout/auth_refused", "rollout/aborted", "dynamic_sampling/unfiltered_steps")
 """Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
 

@@ -2,7 +2,7 @@
 
 The loop asks for the batch of a step (`next`) and gets it in one of two states:
   - generated, not judged: the plain synchronous case. The loop starts the step's log-prob forwards on
-    the Megatron ranks first and judges while they run (`judge`);
+    the Megatron ranks first and judges in a driver thread while they run (`judge_beside`);
   - judged already: when a whole batch must be judged before it exists (dynamic sampling keeps only prompt
     groups whose rewards differ, generating rounds until the batch is full) or when an asynchronous
     producer made it ahead of time (`rollout.async_mode`, components/rollout_pipeline.py).
@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from mgrpo.components.rollout_pipeline import RolloutPipeline
@@ -61,6 +62,8 @@ class ExperienceMaker:
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""
+        self._judging: Optional[ThreadPoolExecutor] = None
+        """The driver thread that judges while the loop waits for the trainer's log-prob forwards (`judge_beside`)."""
         self.pipeline: Optional[RolloutPipeline] = None
         """The asynchronous producer (rollout.async_mode != off), from `start`."""
         r = cfg.rollout
@@ -104,6 +107,8 @@ class ExperienceMaker:
         return self.pipeline.state_dict() if self.pipeline is not None else None
 
     def close(self) -> None:
+        if self._judging is not None:  # a judge still running (the step failed meanwhile) ends at its timeouts
+            self._judging.shutdown(wait=False, cancel_futures=True)
         if self.pipeline is not None:
             self.pipeline.close()
         if self.sandbox is not None:
@@ -165,6 +170,21 @@ class ExperienceMaker:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward
         (its judge failed or timed out) is masked and counted, never scored 0 (`Experience.judge`)."""
         return exp.judge(self.judger, self.tokenizer, self.cfg, training=training)
+
+    def judge_beside(self, exp: Experience) -> Future:
+        """`judge` in a driver thread, so that rules, reward models and judges score while the loop waits for the
+        step's log-prob forwards; a Future of the counts, with the scoring's own wall time as timing_s/reward
+        (the loop times what it waits for it after the forwards as timing_s/reward_wait). Every call it makes has
+        its own timeout; an error it raises (FailureRateExceeded) is raised by `result()`."""
+        if self._judging is None:
+            self._judging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgrpo-judge")
+
+        def run() -> dict:
+            t0 = time.perf_counter()
+            judged = self.judge(exp)
+            return {**judged, "timing_s/reward": time.perf_counter() - t0}
+
+        return self._judging.submit(run)
 
     def generate_and_judge(self, step: int) -> tuple[Experience, dict]:
         """The judged samples of batch `step`, and what making them measured; with dynamic sampling only the

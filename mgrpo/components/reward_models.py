@@ -56,6 +56,7 @@ class ComposedJudger:
         weights = [self.weights(r.data_source) for r in requests]
         result = ScoreResult(scores=[None] * n, status=[OK] * n, failed_by=[""] * n)
         parts: dict[str, tuple[list[int], list, list, list]] = {}
+        restarted = self.restarts()
         # the rule: where it has weight, and at weight 0 where one exists (what the task says, next to the model)
         idx = [i for i, (r, w) in enumerate(zip(requests, weights)) if RULE in w or self._has_rule(r.data_source)]
         if idx:
@@ -71,7 +72,8 @@ class ComposedJudger:
                 parts[name] = (idx, scores, status, [e for e in errors if e])
                 result.measured[f"reward/{name}/seconds"] = dt
                 result.measured[f"reward/{name}/samples_per_s"] = len(idx) / max(dt, 1e-9)
-        result.measured["reward/model_restarts"] = float(sum(getattr(m, "restarts", 0) for m in self.models.values()))
+        # servers started again during this call (a run-long counter: reward/model_restarts_total)
+        result.measured["reward/model_restarts"] = float(self.restarts() - restarted)
         for name, model in self.models.items():  # a judge's own counts (unparsed answers, pairwise disagreements)
             result.measured.update({f"reward/{name}/{k}": float(v) for k, v in getattr(model, "counts", {}).items()})
         own: list[dict[str, tuple[Optional[float], str]]] = [{} for _ in range(n)]
@@ -94,6 +96,10 @@ class ComposedJudger:
                 continue
             result.scores[i] = sum(weight * own[i][name][0] for name, weight in w.items())
         return result
+
+    def restarts(self) -> int:
+        """Servers of the models started again since they were launched."""
+        return sum(getattr(m, "restarts", 0) for m in self.models.values())
 
     def close(self) -> None:
         try:

@@ -19,6 +19,7 @@ CONSOLE_FIELDS = (
     ("len", "response_length/mean", "{:.2f}"),
     ("gen", "timing_s/gen", "{:.2f}s"),
     ("reward_t", "timing_s/reward", "{:.2f}s"),
+    ("reward_wait", "timing_s/reward_wait", "{:.2f}s"),  # of reward_t, what the forwards did not hide
     ("logp", "timing_s/old_logprob", "{:.2f}s"),
     ("ref", "timing_s/ref", "{:.2f}s"),
     ("update", "timing_s/update_actor", "{:.2f}s"),

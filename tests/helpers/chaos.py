@@ -2,7 +2,7 @@
 resuming (as a SLURM requeue would), and at the end the same records and the same final weights as the run
 without faults.
 
-    python -m benchmarks.jobs.chaos                     # both jobs, 200 steps, 12 faults each
+    python -m benchmarks.jobs.chaos                     # every job, 200 steps, 12 faults each (of the kinds it has)
     python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
 
 Per job, the harness first runs the job once without faults (the reference), then again under the schedule.
@@ -15,6 +15,7 @@ A fault fires once the run's console has shown step `at_step` (of the attempt ru
 | engine_hang | SIGSTOP one engine's server | healed: its health check times out, then as above |
 | router_kill | SIGKILL SGLang's router (2 engines) | healed: a new router in front of the engines (`rollout/restarts`) |
 | reward_worker_kill | SIGKILL a reward worker | healed: replaced, its call sent again (`reward/worker_restarts`) |
+| judge_kill | SIGKILL a reward model's (judge's) server (job reward_model) | healed: started again in its bundle, its call sent again (`reward/model_restarts`) |
 | megatron_rank_kill | SIGKILL a Megatron rank | fatal: the run fails naming the rank and its pid; resumed |
 | driver_kill | SIGKILL the driver | fatal (nothing is said); the job's processes are killed; resumed |
 | preempt | SIGTERM the driver (SLURM preemption) | the step finishes, a checkpoint, exit 75; resumed |
@@ -56,13 +57,19 @@ COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout
 """Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps (all
 result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
 
+RM_DIR = "<reward-model>"
+"""Stands for the job's reward model (a tiny random sequence classifier, written beside its runs by `soak_job`)."""
+
 JOBS = {
     "default": ["trainer.n_gpus_per_node=2"],
     "async_tp2": ["rollout.async_mode=one_step_off", "rollout.mode=disaggregated", "actor.tp=2",
                   "trainer.n_gpus_per_node=4"],
+    "reward_model": ["trainer.n_gpus_per_node=2", f"reward.models={{rm: {{hf_path: '{RM_DIR}', engines: 2}}}}",
+                     "reward.compose={mgrpo/sum: {rm: 1.0}}"],
 }
 """The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks) and
-one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own)."""
+one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own); the default job rewarded by
+a reward model of two servers (reward.models.rm, its own bundles) alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,8 @@ class Kind:
     fatal: bool
     counter: Optional[str] = None
     """The run-long counter a healed fault increases."""
+    jobs: tuple[str, ...] = ()
+    """The jobs it can hit (a process only they have); empty: every job."""
 
 
 KINDS = {
@@ -79,6 +88,7 @@ KINDS = {
     "engine_hang": Kind("engine", signal.SIGSTOP, False, "rollout/restarts_total"),
     "router_kill": Kind("router", signal.SIGKILL, False, "rollout/restarts_total"),
     "reward_worker_kill": Kind("reward_worker", signal.SIGKILL, False, "reward/worker_restarts_total"),
+    "judge_kill": Kind("reward_engine", signal.SIGKILL, False, "reward/model_restarts_total", ("reward_model",)),
     "megatron_rank_kill": Kind("megatron_rank", signal.SIGKILL, True),
     "driver_kill": Kind("driver", signal.SIGKILL, True),
     "preempt": Kind("driver", signal.SIGTERM, True),
@@ -132,8 +142,9 @@ def marked(marker: str) -> list[int]:
 def targets(kind: Kind, run_dir: str, marker: str, driver: int) -> list[int]:
     if kind.target == "driver":
         return [driver]
-    if kind.target == "engine":
-        tag = f"mgrpo.rollout.sglang.cpu.server\0--model-path\0{os.path.join(run_dir, 'init_hf')}\0"
+    if kind.target in ("engine", "reward_engine"):  # a reward model's servers: its folder beside the job's runs
+        model = os.path.join(run_dir, "init_hf") if kind.target == "engine" else reward_model_dir(run_dir)
+        tag = f"mgrpo.rollout.sglang.cpu.server\0--model-path\0{model}\0"
         return [p for p in _pids() if tag in _proc(p, "cmdline")]
     mine = marked(marker)
     if kind.target == "router":  # it renames itself (sglang::router), which overwrites its environment
@@ -143,6 +154,11 @@ def targets(kind: Kind, run_dir: str, marker: str, driver: int) -> list[int]:
     if kind.target == "megatron_rank":
         return [p for p in mine if _proc(p, "cmdline").startswith("ray::MegatronRank")]
     raise ValueError(kind.target)
+
+
+def reward_model_dir(run_dir: str) -> str:
+    """The job's reward model (RM_DIR), beside its reference and chaos runs."""
+    return os.path.join(os.path.dirname(run_dir), "rm")
 
 
 def children(pid: int) -> list[int]:
@@ -418,8 +434,18 @@ def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: 
              n: int, workdir: str, log=print) -> dict:
     overrides = [*COMMON, *JOBS[name], f"trainer.total_training_steps={steps}", f"data.train_batch_size={batch}",
                  f"rollout.n={n}", *overrides]
+    kinds = [k for k in kinds if not KINDS[k].jobs or name in KINDS[k].jobs]  # --kinds all: what the job has
+    if not kinds:
+        raise SystemExit(f"job {name} has none of the fault kinds asked for (judge_kill needs --job reward_model)")
     schedule = make_schedule(seed, steps, faults, kinds)
     ref_dir, run_dir = os.path.join(workdir, name, "reference"), os.path.join(workdir, name, "chaos")
+    if any(RM_DIR in o for o in overrides):
+        from tests.helpers.reward_models import tiny_classifier
+
+        rm = reward_model_dir(run_dir)
+        if not os.path.isdir(rm):  # seeded: a kept --workdir's reference run scored with the same model
+            tiny_classifier(rm)
+        overrides = [o.replace(RM_DIR, rm) for o in overrides]
     load0 = os.getloadavg()
     ref_s, reused = None, _finished(ref_dir, steps)
     if reused:  # a --workdir kept from an earlier call with the same arguments: its finished reference run
