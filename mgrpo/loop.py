@@ -110,8 +110,15 @@ class Trainer:
                 exp, made = p.experiences.next(state.step, state.weight_version)
             released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
-            judging = None if exp.judged else p.experiences.judge_beside(exp)  # ...while a driver thread judges
-            got, waited = forwards.collect(kept=judging is not None)  # timed as old_logprob, ref
+            judging = None
+            if not exp.judged and p.experiences.models_score:  # ...while a driver thread scores with models
+                judging = p.experiences.judge_beside(exp)
+            elif not exp.judged:
+                with timer("reward"):  # ...while the driver judges by rules (no thread hop: a rule takes ms)
+                    judged = p.experiences.judge(exp)
+            # With models, the loop also waits for a reference forward the ranks keep, so that reward_wait shows
+            # what the forwards did not hide; rules alone send the update behind it at once.
+            got, waited = forwards.collect(kept=judging is not None)
             timer.took(waited)
             if judging is not None:
                 with timer("reward_wait"):  # scoring beyond the forwards (its own time: timing_s/reward)

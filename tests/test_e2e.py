@@ -119,14 +119,10 @@ def test_run_artifacts(tp1_run):
                 "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                 "response_length/mean", "response_length/clip_ratio", "rollout/logprob_abs_diff", "timing_s/gen",
                 "timing_s/ref_on_ranks", "timing_s/update_actor", "timing_s/update_weights", "perf/throughput",
-                "perf/update_weights_bytes", "timing_s/reward", "timing_s/reward_wait", "timing_s/ref"):
+                "perf/update_weights_bytes", "timing_s/reward"):
         assert key in metrics[0], key
-    for m in metrics:  # the judge's thread scores while the loop waits for the reference forward (kept on the ranks)
-        hidden = m["timing_s/reward"] - m["timing_s/reward_wait"]
-        assert 0.0 <= m["timing_s/reward_wait"] <= m["timing_s/reward"], m
-        # judged after the forward (no overlap) would hide nothing; here the forward hides scoring for about its
-        # own time on the ranks, or all of scoring when that is shorter
-        assert hidden >= 0.5 * min(m["timing_s/reward"], m["timing_s/ref_on_ranks"]), m
+    for m in metrics:  # rules alone judge inline; the loop waits neither for a thread nor for the kept reference
+        assert "timing_s/ref" not in m and "timing_s/reward_wait" not in m, m  # forward (test_judge_run: models)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(run_dir, "tensorboard"))

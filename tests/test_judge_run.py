@@ -77,6 +77,11 @@ def test_a_judge_run_through_a_killed_judge_and_a_sigkill_resumes_exactly(tmp_pa
         shutil.rmtree(ray_tmp, ignore_errors=True)
     a, b = read_metrics(straight), read_metrics(killed)
     assert [m["step"] for m in b] == list(range(1, STEPS + 1))  # every step exactly once
+    for m in a:  # the judge scores in a driver thread while the ranks compute the (kept) reference forward
+        assert 0.0 <= m["timing_s/reward_wait"] <= m["timing_s/reward"], m
+        # judged after the forward, nothing would be hidden; here about the forward's time on the ranks is
+        assert m["timing_s/reward"] - m["timing_s/reward_wait"] >= 0.5 * min(m["timing_s/reward"],
+                                                                               m["timing_s/ref_on_ranks"]), m
     for step in range(1, STEPS + 1):  # the killed judge changed nothing; the resume neither
         for key in LOSS_KEYS + ("critic/score/mean", "reward/judge/mean", "actor/lr"):
             assert b[step - 1][key] == pytest.approx(a[step - 1][key], abs=1e-6), (step, key, k)

@@ -2,7 +2,8 @@
 
 The loop asks for the batch of a step (`next`) and gets it in one of two states:
   - generated, not judged: the plain synchronous case. The loop starts the step's log-prob forwards on
-    the Megatron ranks first and judges in a driver thread while they run (`judge_beside`);
+    the Megatron ranks first and judges while they run: by rules on the driver's own thread (`judge`), with
+    reward models, judges or services in a driver thread (`judge_beside`) so that the step's split shows the overlap;
   - judged already: when a whole batch must be judged before it exists (dynamic sampling keeps only prompt
     groups whose rewards differ, generating rounds until the batch is full) or when an asynchronous
     producer made it ahead of time (`rollout.async_mode`, components/rollout_pipeline.py).
@@ -170,6 +171,11 @@ class ExperienceMaker:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward
         (its judge failed or timed out) is masked and counted, never scored 0 (`Experience.judge`)."""
         return exp.judge(self.judger, self.tokenizer, self.cfg, training=training)
+
+    @property
+    def models_score(self) -> bool:
+        """Reward models, judges or services score this run's samples (reward.models / services), not rules alone."""
+        return bool(self.cfg.reward.models or self.cfg.reward.services)
 
     def judge_beside(self, exp: Experience) -> Future:
         """`judge` in a driver thread, so that rules, reward models and judges score while the loop waits for the
