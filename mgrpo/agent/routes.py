@@ -20,6 +20,10 @@ page not yet full) is routed again; in exact arithmetic identically, with differ
 Earlier turns' sampled tokens were scored on the first computation, so that one is kept, and the rows that
 differ are counted (`multi_turn/route_rows_recomputed_differ`, 0 when every prefix was cached). The engines
 here without a prefix cache (the in-process engine, the CPU server) compute every turn's prefix again.
+Nothing under SGLang's srt/mem_cache/ writes the routes buffer: a prefix that a hierarchical cache evicted
+to host memory and loads back into newly allocated KV slots comes back without its routes (those slots'
+rows are stale). Rows of positions an earlier turn returned are never taken from a later turn, so here
+that can only touch a trajectory's first turn (its prompt), as it touches a single-turn request.
 
 A turn answered without routes (an engine that ignores return_routed_experts) is never replayed partially:
 the trajectory is marked and `Experience.from_trajectories` refuses the batch. A failed trajectory (it has no
