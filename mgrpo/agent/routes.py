@@ -30,7 +30,9 @@ the trajectory is marked and `Experience.from_trajectories` refuses the batch. A
 reward and leaves the loss and its group's baseline) may end before the engine fed its last tokens: context
 appended after its last turn, or no turn at all. Those positions get experts 0..k-1 (what the trainer gives a
 sample's last token and padding: training/router_replay.py::default_route), counted in
-`multi_turn/unrouted_positions`; no token of a sample in the loss depends on them.
+`multi_turn/unrouted_positions`; no token of a sample in the loss depends on them. They do count in
+actor/router/agreement (the trainer sees them as routed rows), which reads below 1.0 by at most
+unrouted_positions / routed tokens in a step with such trajectories.
 """
 
 from __future__ import annotations
