@@ -121,14 +121,17 @@ class Experience:
         )
 
     @classmethod
-    def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int, want_support: bool = False) -> "Experience":
+    def from_trajectories(cls, items: Sequence, trajs: Sequence, n: int, want_support: bool = False,
+                          want_routes: bool = False) -> "Experience":
         """Multi-turn samples (`mgrpo.agent.trajectory.Trajectory`, in rollout order: trajectory i*n + j is the
         j-th of prompt i), every one of them: a failed trajectory (tool or trajectory timeout, generation or
         environment failure, aborted as the long tail) keeps its place and is marked failed with its finish
         reason as the outcome, so its group keeps its shape and `judge` leaves it unscored, out of the loss and
         out of the baseline, counted with every other failure (failed_samples.py). `want_support`: the engine
         was asked for sampling supports; each trajectory carries them per token (context tokens: the whole
-        vocabulary, they carry no loss)."""
+        vocabulary, they carry no loss). `want_routes`: the engine was asked for routed experts
+        (actor.router_replay=rollout); each trajectory carries them assembled over its turns
+        (mgrpo/agent/routes.py)."""
         support = None
         if want_support:
             missing = [t.uid for t in trajs if t.supports_missing]
@@ -137,6 +140,7 @@ class Experience:
                                    f"and {len(missing)} multi-turn trajectories got a turn without them (e.g. "
                                    f"{missing[0]}): this rollout.engine does not implement return_support")
             support = [SampleSupport.from_tokens(t.supports) for t in trajs]
+        routes = _trajectory_routes(trajs) if want_routes else None
         exp = cls(
             prompt_ids=[t.prompt_ids for t in trajs],
             response_ids=[t.response_ids for t in trajs],
@@ -152,6 +156,7 @@ class Experience:
             turns=[t.to_json() for t in trajs],
             tool_rewards=[t.tool_reward for t in trajs],
             support=support,
+            routed_experts=routes,
         )
         for i, t in enumerate(trajs):
             if t.failed:
@@ -367,6 +372,25 @@ def _rollout_routes(results: Sequence[GenerateResult]) -> Optional[list[np.ndarr
             raise ValueError(f"sample {r.uid}: routed_experts has shape {r.routed_experts.shape}, "
                              "expected [positions, layers, top_k]")
     return [compact_routes(r.routed_experts) for r in results]
+
+
+def _trajectory_routes(trajs: Sequence) -> list[np.ndarray]:
+    """Each multi-turn trajectory's routes [prompt + response - 1, layers, top_k], compact, as the runner
+    assembled them over its turns (mgrpo/agent/routes.py); a turn answered without routes refuses the batch
+    (never replayed partially)."""
+    missing = [t.uid for t in trajs if t.routes_missing]
+    if missing:
+        raise RuntimeError(f"actor.router_replay=rollout asked the rollout engine for routed experts and "
+                           f"{len(missing)} multi-turn trajectories got a turn without them (e.g. {missing[0]}): "
+                           "this rollout.engine does not return routed_experts (SGLang: launch it with "
+                           "--enable-return-routed-experts)")
+    for t in trajs:
+        want = len(t.prompt_ids) + len(t.response_ids) - 1
+        if t.routes is None or t.routes.ndim != 3 or t.routes.shape[0] != want:
+            raise RuntimeError(f"multi-turn trajectory {t.uid}: routed experts of shape "
+                               f"{None if t.routes is None else t.routes.shape} for {want + 1} ids (expected "
+                               f"[{want}, layers, top_k])")
+    return [compact_routes(t.routes) for t in trajs]
 
 
 def routes_to_json(routes: Optional[list[np.ndarray]]) -> Optional[list[dict]]:

@@ -9,7 +9,10 @@ there by far more than 1e-5 (tests/test_agent_e2e.py does TP=2 with packing).
 - PP=2: two pipeline stages, the log-probs from the last one;
 - logprob_support=sampled (top_k=5) at TP=2: behaviour log-probs over each sampled token's support, which
   the trajectories carry turn by turn (without them the trainer normalised over the whole vocabulary: the
-  difference was 2.54 nat)."""
+  difference was 2.54 nat);
+- routing replay from the rollout (R3) on the tiny MoE at EP=2 with packing: the routes the runner assembled
+  over the turns are replayed (replaying the default route on the context positions instead, as a check that
+  this test can fail: log-prob difference 0.126, router agreement 0.77)."""
 
 from __future__ import annotations
 
@@ -63,3 +66,43 @@ def test_multi_turn_step1_logprobs_match_in_other_layouts(tmp_path, actor, rollo
                 after_context += 1
                 assert abs(row["rollout_logprobs"][k] - row["trainer_logprobs"][k]) <= 1e-5, (row["multi_turn"], k)
     assert after_context > 0 and m["multi_turn/context_tokens"] > 0
+
+
+def test_multi_turn_replays_the_engines_routes_at_ep2(tmp_path, monkeypatch):
+    """Routing replay from the rollout (actor.router_replay=rollout, R3) on multi-turn samples: the tiny MoE at
+    EP=2 with packing, the in-process engine returning each turn's routes, the runner assembling them over the
+    turns (mgrpo/agent/routes.py). Every position's assembled route equals the routers' top-k recomputed by a
+    plain transformers forward over the whole trajectory (tests/helpers/moe.py::recomputed_routes), the trainer's
+    routers would have chosen the replayed experts at every routed position (agreement 1.0), and engine and
+    trainer log-probs agree within 1e-5 on every sampled token, also after a context span (whose routes came
+    from the next turn's prefill)."""
+    import numpy as np
+
+    from mgrpo.experience import Experience
+    from tests.helpers.moe import recomputed_routes, tiny_moe
+
+    made = []
+    build = Experience.from_trajectories.__func__
+
+    def keep(cls, *args, **kw):
+        made.append(build(cls, *args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(Experience, "from_trajectories", classmethod(keep))
+    cfg = _config(str(tmp_path), {"ep": 2, "router_replay": "rollout", "pack_sequences": True}, {}, {})
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **tiny_moe(router_aux_loss_coef=0.001)),
+                              data=dataclasses.replace(cfg.data, train_batch_size=4))
+    Trainer(cfg).fit()
+    (m,) = read_metrics(str(tmp_path))
+    assert m["rollout/logprob_abs_diff_max"] <= 1e-5
+    assert m["actor/router/agreement"] == 1.0
+    assert m["multi_turn/unrouted_positions"] == 0 and m["multi_turn/route_rows_recomputed_differ"] == 0
+    (exp,) = made
+    init = str(tmp_path / "init_hf")
+    spans = 0
+    for prompt, response, mask, routes in zip(exp.prompt_ids, exp.response_ids, exp.sampled_mask, exp.routed_experts):
+        seq = list(prompt) + list(response)
+        assert routes.shape[0] == len(seq) - 1
+        np.testing.assert_array_equal(np.sort(routes, -1), np.sort(recomputed_routes(init, seq[:-1]), -1))
+        spans += any(a == 0 and b == 1 for a, b in zip(mask, mask[1:]))  # a sampled turn after a context span
+    assert spans > 0 and m["multi_turn/context_tokens"] > 0

@@ -11,7 +11,6 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from mgrpo.algorithms.registry import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from mgrpo.config import ActorConfig, AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, layout
 from mgrpo.config.choices import LogprobImpl
-from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.preflight import preflight
 from mgrpo_launchers.train import CONFIG_DIR, to_config
 
@@ -72,10 +71,6 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"rollout": {"top_p": 0.9}, "algorithm": {"logprob_support": "sampled"}},  # SGLang wants a finite top_k
      "algorithm.logprob_support=sampled with rollout.engine=sglang: SamplingParams.return_support with top_p=0.9 "
      "and top_k=-1: SGLang 0.5.23 returns a token's sampling support only for top_k=1 or 1 < top_k <= 4096"),
-    ({"actor": {"router_replay": "rollout"}, "rollout": {"multi_turn": MultiTurnConfig(
-        enable=True, environment="tests.helpers.agent:AlwaysReply")}},
-     "actor.router_replay=rollout with rollout.multi_turn.enable: the engine's routes of a trajectory's turns are "
-     "not assembled yet"),
 ])
 def test_validation_names_the_field(changes, message):
     cfg = MGRPOConfig()

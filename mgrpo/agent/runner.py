@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from mgrpo.agent.parse import ToolCallParser
+from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.tools import ToolSet
@@ -166,6 +167,8 @@ class AgentRunner:
                     raise task.exception()
         finally:
             dispatcher.cancel()
+        if sampling.return_routed_experts:
+            _finish_routes(trajs, measured)
         batch_version = min((t.weight_version for t in trajs if t.weight_version is not None), default=0)
         for t in trajs:
             if t.weight_version is None:
@@ -241,10 +244,13 @@ class AgentRunner:
                 tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
-                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop, session))
+                fed = traj.prompt_ids + traj.response_ids
+                await queue.put(_Request(fed, budget, fut, tag, self.stop, session))
                 res: GenerateResult = await fut
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True
+                if sampling.return_routed_experts:
+                    _add_routes(traj, res, len(fed))
                 versions.append(res.weight_version)
                 traj.engine = res.engine
                 text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
@@ -360,6 +366,33 @@ class AgentRunner:
         out["multi_turn/masked"] = sum(t.masked for t in trajs)
         out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)
         return out
+
+
+def _add_routes(traj: Trajectory, res: GenerateResult, fed: int) -> None:
+    """The turn's routed experts into the trajectory's (each position from the turn that first computed it)."""
+    if res.routed_experts is None:
+        traj.routes_missing = True
+        return
+    try:
+        traj.routes, differ = extend_routes(traj.routes, res.routed_experts, fed, len(res.token_ids))
+    except RoutesError as err:
+        raise RoutesError(f"trajectory {traj.uid}, turn {traj.counts.get('turns', 0) + 1}: {err}") from None
+    if differ:
+        traj.count("multi_turn/route_rows_recomputed_differ", differ)
+
+
+def _finish_routes(trajs: Sequence[Trajectory], measured: dict) -> None:
+    """Every trajectory's routes to [prompt + response - 1, L, K] (a failed one's positions that no engine
+    forward computed filled and counted, mgrpo/agent/routes.py); skipped when no turn returned any."""
+    shape = next((t.routes.shape[1:] for t in trajs if t.routes is not None), None)
+    unrouted = 0
+    for t in trajs:
+        if shape is not None and not t.routes_missing:
+            t.routes, n = trajectory_routes(t.routes, len(t.prompt_ids) + len(t.response_ids), t.failed, shape,
+                                            t.uid)
+            unrouted += n
+    measured["multi_turn/unrouted_positions"] = unrouted
+    measured.setdefault("multi_turn/route_rows_recomputed_differ", 0)
 
 
 class _GenerationFailed(Exception):

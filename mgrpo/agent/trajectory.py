@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_timeout", "trajectory_timeout", "generation_error",
                   "env_failed", "aborted")
 """How a trajectory ends. stop: an assistant turn without tool calls ended on EOS; length: the response
@@ -61,6 +63,11 @@ class Trajectory:
     was sampled from) or None (the whole vocabulary; every context token)."""
     supports_missing: bool = False
     """Supports were asked for and an engine answered a turn without them (Experience refuses the sample)."""
+    routes: Optional[np.ndarray] = None
+    """actor.router_replay=rollout: the engine's routed experts of positions [0, len(routes)) of prompt +
+    response, each from the turn that first computed it (mgrpo/agent/routes.py); None before the first turn."""
+    routes_missing: bool = False
+    """Routes were asked for and an engine answered a turn without them (Experience refuses the batch)."""
 
     @property
     def failed(self) -> bool:

@@ -165,7 +165,8 @@ class ExperienceMaker:
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0
-        return Experience.from_trajectories(items, trajs, n, want_support=sampling.return_support), measured
+        return Experience.from_trajectories(items, trajs, n, want_support=sampling.return_support,
+                                           want_routes=sampling.return_routed_experts), measured
 
     def judge(self, exp: Experience, *, training: bool = True) -> dict:
         """Score every sample with the judge of its data_source; return the counts. A sample without a reward

@@ -279,10 +279,6 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         if problem:
             e.append(problem)
     e += multi_turn_errors(r.multi_turn, cfg.model.tokenizer)
-    if r.multi_turn.enable and cfg.actor.router_replay == "rollout":
-        e.append("actor.router_replay=rollout with rollout.multi_turn.enable: the engine's routes of a trajectory's "
-                 "turns are not assembled yet (context tokens between turns); use actor.router_replay=old (R2: the "
-                 "trainer's own old-policy routes)")
     return e
 
 

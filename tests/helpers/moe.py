@@ -5,6 +5,7 @@ independent reference), and the MoE default job."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -56,15 +57,21 @@ def moe_checkpoint(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def recomputed_routes(ckpt: str, ids: list[int]) -> np.ndarray:
-    """The router's top-k for every position of `ids`, from the checkpoint's own `mlp.gate.weight` tensors:
-    softmax(x W^T) then top-k, where x is each layer's router input (its post-attention RMSNorm output) from
-    a plain full-sequence transformers forward."""
+@functools.lru_cache(maxsize=2)
+def _loaded(ckpt: str, mtime: float):
+    """The checkpoint's gate weights and its transformers model, loaded once per checkpoint file version."""
     from transformers import AutoModelForCausalLM
 
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))
     gates = {k: v for k, v in tensors.items() if k.endswith("mlp.gate.weight")}
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return gates, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def recomputed_routes(ckpt: str, ids: list[int]) -> np.ndarray:
+    """The router's top-k for every position of `ids`, from the checkpoint's own `mlp.gate.weight` tensors:
+    softmax(x W^T) then top-k, where x is each layer's router input (its post-attention RMSNorm output) from
+    a plain full-sequence transformers forward."""
+    gates, model = _loaded(ckpt, os.path.getmtime(os.path.join(ckpt, "model.safetensors")))
     inputs: dict[int, torch.Tensor] = {}
     hooks = [layer.post_attention_layernorm.register_forward_hook(
         lambda m, a, out, i=i: inputs.__setitem__(i, out[0])) for i, layer in enumerate(model.model.layers)]
