@@ -72,13 +72,22 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
                           SamplingParams(temperature=1.0, max_new_tokens=60, seed=3, structural_tag=tag,
                                          stop=("</tool_call>",)))
     g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
+    call = '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>'
+    ends = []
     for r in out:
         text = tok.decode(r.token_ids, skip_special_tokens=False)
-        assert r.finish_reason == "stop" and text.endswith("</tool_call>"), text
-        got = parser.parse(text)
+        assert text.startswith(call), text
+        # the grammar's end `</tool_call>` is one token or its 12 characters; SGLang matches a stop string in
+        # the last (its length in tokens + 1) tokens, so only the token ends the turn (rollout/stops.py)
+        n = next(k for k in range(len(r.token_ids) + 1) if tok.decode(r.token_ids[:k]) == call)
+        by_token = r.token_ids[n - 1] == VOCAB["</tool_call>"]
+        ends.append(by_token)
+        assert (r.finish_reason, len(r.token_ids)) == (("stop", n) if by_token else ("length", 60)), text
+        got = parser.parse(tok.decode(r.token_ids[:n]))
         assert [(c.name, c.arguments) for c in got.calls] == [("peek", {})] and got.malformed == 0, text
         flags = restricted_steps(g.compile_structural_tag(tag), r.token_ids, len(VOCAB))
-        assert all(flags), (text, flags)  # 'required': nothing in the turn is the policy's free choice
+        assert all(flags[:n]), (text, flags)  # 'required': nothing in the call is the policy's free choice
+    assert sorted(ends) == [False, True, True, True]  # seed 3: one row spelled the end in characters
     # the bad tag is refused before anything is generated
     with pytest.raises(GrammarError):
         engine.generate([GenerateRequest(uid=0, prompt_ids=prompt)],
