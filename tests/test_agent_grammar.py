@@ -95,6 +95,38 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_structural_tag_and_its_ebnf_are_one_grammar(tok, choice):
+    """What the client sends through sglang-router (which drops structural_tag) is the same grammar: 100
+    random walks (each step a token the grammar allows) see the same allowed set at every step, and end
+    together."""
+    import random
+
+    import torch
+    import xgrammar as xgr
+
+    from mgrpo.rollout.grammar import structural_tag_ebnf
+
+    g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
+    key = ToolCallParser("qwen25", [PEEK]).constraint(choice)[1]
+    a, b = g.compile("structural_tag", key), g.compile("ebnf", structural_tag_ebnf(key))
+    rng, steps = random.Random(0), 0
+    masks = xgr.allocate_token_bitmask(2, len(VOCAB))
+    for _ in range(100):
+        ma, mb = xgr.GrammarMatcher(a), xgr.GrammarMatcher(b)
+        while not ma.is_terminated() and steps < 20000:
+            ma.fill_next_token_bitmask(masks, 0)
+            mb.fill_next_token_bitmask(masks, 1)
+            assert torch.equal(masks[0], masks[1]), steps
+            probe = torch.zeros(1, len(VOCAB))
+            xgr.apply_token_bitmask_inplace(probe, masks[:1], vocab_size=len(VOCAB))
+            t = rng.choice(torch.isfinite(probe[0]).nonzero()[:, 0].tolist())
+            assert ma.accept_token(t) and mb.accept_token(t)
+            steps += 1
+        assert mb.is_terminated() == ma.is_terminated()
+    assert steps > 2000
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
 def test_tokens_the_grammar_chose_are_context(tok, choice):
     """stop_after_call: free text and the trigger are sampled (mask 1, their log-probs kept) where the
     grammar left them free (auto); the call the grammar wrote is context; the turn's end-of-turn token, never

@@ -96,30 +96,51 @@ class Grammars:
         raise ValueError(f"unknown grammar kind {kind!r}")
 
     def _structural_tag(self, key_string: str):
-        import xgrammar as xgr
-
-        tag = json.loads(key_string)
-        if not isinstance(tag, dict):
-            raise json.JSONDecodeError("a structural tag is a JSON object", key_string, 0)
-        if tag.get("structures", None) is not None:  # sglang/srt/constrained/utils.py is_legacy_structural_tag
-            if tag.get("triggers", None) is None:
-                raise RuntimeError("a legacy structural tag needs 'triggers'")
-            for s in tag["structures"]:
-                if s.get("schema") is None:
-                    s["schema"] = {}
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in tag["structures"]]
-            new = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
-            new.format.at_least_one = tag.get("at_least_one", False)
-            with self._lock:
-                return self.compiler.compile_structural_tag(new)
-        if tag.get("format", None) is None:
-            raise RuntimeError("a structural tag needs 'structures' and 'triggers' (legacy) or 'format'")
-        if isinstance(tag["format"], dict):
-            _sanitize_format(tag["format"])
-            key_string = json.dumps(tag)
+        tag = structural_tag_object(key_string)
         with self._lock:
-            return self.compiler.compile_structural_tag(key_string)
+            return self.compiler.compile_structural_tag(tag)
+
+
+def structural_tag_object(key_string: str):
+    """What XGrammarGrammarBackend.dispatch_structural_tag hands xgrammar for a structural_tag: a legacy tag as
+    StructuralTag.from_legacy_structural_tag with its at_least_one, any other as its JSON (formats sanitised).
+    Raises what xgrammar and json raise."""
+    import xgrammar as xgr
+
+    tag = json.loads(key_string)
+    if not isinstance(tag, dict):
+        raise json.JSONDecodeError("a structural tag is a JSON object", key_string, 0)
+    if tag.get("structures", None) is not None:  # sglang/srt/constrained/utils.py is_legacy_structural_tag
+        if tag.get("triggers", None) is None:
+            raise RuntimeError("a legacy structural tag needs 'triggers'")
+        for s in tag["structures"]:
+            if s.get("schema") is None:
+                s["schema"] = {}
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        new = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+        new.format.at_least_one = tag.get("at_least_one", False)
+        return new
+    if tag.get("format", None) is None:
+        raise RuntimeError("a structural tag needs 'structures' and 'triggers' (legacy) or 'format'")
+    if isinstance(tag["format"], dict):
+        _sanitize_format(tag["format"])
+        key_string = json.dumps(tag)
+    return key_string
+
+
+@functools.lru_cache(maxsize=64)
+def structural_tag_ebnf(key_string: str) -> str:
+    """The grammar SGLang compiles from a structural tag, as xgrammar prints it (EBNF): what SGLang's
+    `ebnf` compiles back to the same grammar (tests/test_agent_sglang.py walks both). For sglang-router
+    0.3.2, whose /generate request type has no structural_tag field: it drops the field and passes ebnf
+    (generate_io.py::build_generate_payload)."""
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_structural_tag(structural_tag_object(key_string)))
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise GrammarError(f"Failed to compile structural_tag grammar: {e}") from None
 
 
 def _check_json_schema(schema) -> None:
