@@ -129,3 +129,23 @@ def test_stop_and_grammar_fields_are_checked_as_sglang_checks_them(tok, with_tok
         kinds = [(k, v) for k, v in (("json", ref.json_schema), ("regex", ref.regex), ("ebnf", ref.ebnf),
                                      ("structural_tag", ref.structural_tag)) if v is not None]
         assert [ours["grammar_key"]] == (kinds or [None]), sp
+
+
+def test_without_a_tokenizer_a_grammar_is_refused_with_sglangs_words(tok):
+    """A server without a tokenizer (--skip-tokenizer-init, or a checkpoint without one) has no grammar backend:
+    SGLang's message, read from its grammar_manager.py; with one, a bad grammar gets SGLang's compile error."""
+    from mgrpo.rollout.sglang.cpu.model import Req
+    from mgrpo.rollout.sglang.cpu.text import NO_GRAMMAR_BACKEND, ServerText
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    source = wheel.wheel_file("srt", "constrained", "grammar_manager.py")
+    if source is not None:
+        assert f'"{NO_GRAMMAR_BACKEND}"' in open(source).read()
+    with pytest.raises(RequestError) as e:
+        ServerText(None, len(VOCAB), [EOS]).compile([Req(rid="a", input_ids=[1], grammar_key=("regex", "a+"))])
+    assert str(e.value) == NO_GRAMMAR_BACKEND
+    r = Req(rid="b", input_ids=[1], grammar_key=("regex", "a+"))
+    ServerText(tok, len(VOCAB), [EOS]).compile([r])
+    assert r.grammar is not None
+    with pytest.raises(RequestError, match=r"^Failed to compile regex grammar: "):
+        ServerText(tok, len(VOCAB), [EOS]).compile([Req(rid="c", input_ids=[1], grammar_key=("regex", "(a"))])

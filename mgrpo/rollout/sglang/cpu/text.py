@@ -27,12 +27,21 @@ NO_GRAMMAR_BACKEND = ("Grammar-based generation (json_schema, regex, ebnf, struc
 """SGLang's words (constrained/grammar_manager.py) for a grammar request to a server without a grammar backend."""
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str):
     """SGLang's get_tokenizer for a local checkpoint: transformers' AutoTokenizer, with
     `additional_stop_token_ids` attached as hf_transformers_utils.py does (<|eom_id|> where the vocabulary has
     it). None where the directory has no tokenizer."""
+    import os
+
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # transformers 5 builds an empty tokenizer from config.json alone instead of failing
+        log.info("no tokenizer files in %s (%s)", path, ", ".join(TOKENIZER_FILES))
+        return None
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
@@ -49,6 +58,8 @@ class ServerText:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._grammars = None
+        self.tokenizer_unsupported = False
+        """xgrammar could not read the tokenizer: as SGLang, no grammar backend (grammars refused)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -78,7 +89,12 @@ class ServerText:
             if self._grammars is None:
                 from mgrpo.rollout.grammar import Grammars
 
-                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+                try:
+                    self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+                except Exception as e:  # noqa: BLE001 - SGLang: TokenizerNotSupportedError -> backend 'none'
+                    log.warning("Grammar backend disabled because tokenizer is not supported by XGrammar: %s", e)
+                    self.tokenizer_unsupported = True
+                    raise RequestError(NO_GRAMMAR_BACKEND) from None
             return self._grammars
 
     def compile(self, reqs: Sequence) -> None:
@@ -89,7 +105,7 @@ class ServerText:
         for r in reqs:
             if r.grammar_key is None:
                 continue
-            if self.tokenizer is None:
+            if self.tokenizer is None or self.tokenizer_unsupported:
                 raise RequestError(NO_GRAMMAR_BACKEND)
             try:
                 r.grammar = self.grammars().compile(*r.grammar_key)
