@@ -208,3 +208,31 @@ def test_the_sglang_payload_carries_the_constraint():
     if contract is None:
         pytest.skip("sglang wheel or msgspec not installed (pip install --no-deps -r requirements-sglang.txt)")
     contract.GenerateRequest.from_json_value(body)
+
+
+def test_a_call_ended_in_characters_ends_the_turn_in_the_runner(tok):
+    """stop_after_call: the engines match `stop` as SGLang does (in the last few tokens), which misses a
+    `</tool_call>` the grammar spelled character by character; the runner ends the turn there itself: the
+    tokens past it are dropped and counted, the call runs, its end-of-turn token is context."""
+    tools = ToolSet.from_config([], "configs/tools/peek.yaml")
+    cfg = MultiTurnConfig(enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=2,
+                          stop_after_call=True, tool_choice="required")
+    runner = AgentRunner(cfg, tok, tools, max_response_length=512)
+    prompt_ids = tok(tok.apply_chat_template([{"role": "user", "content": "Hidden digit?"}],
+                                             tools=tools.schemas(["peek"]), tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    call = tok('<tool_call>\n{"name":"peek", "arguments":{}}\n', add_special_tokens=False)["input_ids"]
+    spelled = call + [VOCAB[c] for c in "</tool_call>"]
+    turns = [spelled + tok("junk", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]
+             + [tok.eos_token_id]]
+
+    def generate(prompts, sampling, sessions=None):
+        ids = turns.pop(0)
+        return [GenerateResult(uid=0, token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="length" if turns
+                               else "stop", weight_version=0)], {}
+
+    (t,), metrics = runner.run([(prompt_ids, {"tools_kwargs": {"peek": {"create_kwargs": {"secret": 7}}}}, "")],
+                               SamplingParams(max_new_tokens=100), generate)
+    assert t.finish_reason == "stop" and t.counts["multi_turn/tool_calls"] == 1
+    assert t.response_ids[:len(spelled)] == spelled and t.response_ids[len(spelled)] == tok.eos_token_id
+    assert metrics["multi_turn/tokens_cut_after_call"] == 4 and t.turns[0].end == len(spelled)

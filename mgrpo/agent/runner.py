@@ -242,7 +242,7 @@ class AgentRunner:
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
                 await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop, session))
-                res: GenerateResult = await fut
+                res: GenerateResult = self._cut_after_call(await fut, traj)
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True
                 versions.append(res.weight_version)
@@ -302,6 +302,24 @@ class AgentRunner:
                 except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
                     traj.count("multi_turn/env_close_errors")
                     log.warning("environment close failed: %s: %s", type(err).__name__, err)
+
+    def _cut_after_call(self, res: GenerateResult, traj: Trajectory) -> GenerateResult:
+        """stop_after_call: the turn ends at the first token after which its decoded text holds the end of a
+        call. The engine's `stop` is matched as SGLang matches it, in the decoded last (its length in tokens +
+        1) tokens (rollout/stops.py), which misses an end the grammar spelled in more tokens (`</tool_call>`
+        character by character: the tag allows both); the engine then went on to EOS or the budget. The tokens
+        past the end are dropped here, as a stop would have, and counted (multi_turn/tokens_cut_after_call)."""
+        if not self.stop or not any(s in self.tok.decode(res.token_ids, skip_special_tokens=False)
+                                    for s in self.stop):
+            return res
+        ids = res.token_ids
+        k = next(k for k in range(1, len(ids) + 1)
+                 if any(s in self.tok.decode(ids[:k], skip_special_tokens=False) for s in self.stop))
+        if k == len(ids) and res.finish_reason == "stop":
+            return res  # the engine's stop ended it there
+        traj.count("multi_turn/tokens_cut_after_call", len(ids) - k)
+        return replace(res, token_ids=list(ids[:k]), logprobs=list(res.logprobs[:k]), finish_reason="stop",
+                       support=None if res.support is None else list(res.support[:k]))
 
     def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
         """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
