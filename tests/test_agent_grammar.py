@@ -72,17 +72,58 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
                           SamplingParams(temperature=1.0, max_new_tokens=60, seed=3, structural_tag=tag,
                                          stop=("</tool_call>",)))
     g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
+    call = '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>'
+    ends = []
     for r in out:
         text = tok.decode(r.token_ids, skip_special_tokens=False)
-        assert r.finish_reason == "stop" and text.endswith("</tool_call>"), text
-        got = parser.parse(text)
+        assert text.startswith(call), text
+        # the grammar's end `</tool_call>` is one token or its 12 characters; SGLang matches a stop string in
+        # the last (its length in tokens + 1) tokens, so only the token ends the turn (rollout/stops.py)
+        n = next(k for k in range(len(r.token_ids) + 1) if tok.decode(r.token_ids[:k]) == call)
+        by_token = r.token_ids[n - 1] == VOCAB["</tool_call>"]
+        ends.append(by_token)
+        assert (r.finish_reason, len(r.token_ids)) == (("stop", n) if by_token else ("length", 60)), text
+        got = parser.parse(tok.decode(r.token_ids[:n]))
         assert [(c.name, c.arguments) for c in got.calls] == [("peek", {})] and got.malformed == 0, text
         flags = restricted_steps(g.compile_structural_tag(tag), r.token_ids, len(VOCAB))
-        assert all(flags), (text, flags)  # 'required': nothing in the turn is the policy's free choice
+        assert all(flags[:n]), (text, flags)  # 'required': nothing in the call is the policy's free choice
+    assert sorted(ends) == [False, True, True, True]  # seed 3: one row spelled the end in characters
     # the bad tag is refused before anything is generated
     with pytest.raises(GrammarError):
         engine.generate([GenerateRequest(uid=0, prompt_ids=prompt)],
                         SamplingParams(max_new_tokens=4, structural_tag="{not json"))
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_structural_tag_and_its_ebnf_are_one_grammar(tok, choice):
+    """What the client sends through sglang-router (which drops structural_tag) is the same grammar: 100
+    random walks (each step a token the grammar allows) see the same allowed set at every step, and end
+    together."""
+    import random
+
+    import torch
+    import xgrammar as xgr
+
+    from mgrpo.rollout.grammar import structural_tag_ebnf
+
+    g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
+    key = ToolCallParser("qwen25", [PEEK]).constraint(choice)[1]
+    a, b = g.compile("structural_tag", key), g.compile("ebnf", structural_tag_ebnf(key))
+    rng, steps = random.Random(0), 0
+    masks = xgr.allocate_token_bitmask(2, len(VOCAB))
+    for _ in range(100):
+        ma, mb = xgr.GrammarMatcher(a), xgr.GrammarMatcher(b)
+        while not ma.is_terminated() and steps < 20000:
+            ma.fill_next_token_bitmask(masks, 0)
+            mb.fill_next_token_bitmask(masks, 1)
+            assert torch.equal(masks[0], masks[1]), steps
+            probe = torch.zeros(1, len(VOCAB))
+            xgr.apply_token_bitmask_inplace(probe, masks[:1], vocab_size=len(VOCAB))
+            t = rng.choice(torch.isfinite(probe[0]).nonzero()[:, 0].tolist())
+            assert ma.accept_token(t) and mb.accept_token(t)
+            steps += 1
+        assert mb.is_terminated() == ma.is_terminated()
+    assert steps > 2000
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
@@ -167,3 +208,31 @@ def test_the_sglang_payload_carries_the_constraint():
     if contract is None:
         pytest.skip("sglang wheel or msgspec not installed (pip install --no-deps -r requirements-sglang.txt)")
     contract.GenerateRequest.from_json_value(body)
+
+
+def test_a_call_ended_in_characters_ends_the_turn_in_the_runner(tok):
+    """stop_after_call: the engines match `stop` as SGLang does (in the last few tokens), which misses a
+    `</tool_call>` the grammar spelled character by character; the runner ends the turn there itself: the
+    tokens past it are dropped and counted, the call runs, its end-of-turn token is context."""
+    tools = ToolSet.from_config([], "configs/tools/peek.yaml")
+    cfg = MultiTurnConfig(enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=2,
+                          stop_after_call=True, tool_choice="required")
+    runner = AgentRunner(cfg, tok, tools, max_response_length=512)
+    prompt_ids = tok(tok.apply_chat_template([{"role": "user", "content": "Hidden digit?"}],
+                                             tools=tools.schemas(["peek"]), tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    call = tok('<tool_call>\n{"name":"peek", "arguments":{}}\n', add_special_tokens=False)["input_ids"]
+    spelled = call + [VOCAB[c] for c in "</tool_call>"]
+    turns = [spelled + tok("junk", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]
+             + [tok.eos_token_id]]
+
+    def generate(prompts, sampling, sessions=None):
+        ids = turns.pop(0)
+        return [GenerateResult(uid=0, token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="length" if turns
+                               else "stop", weight_version=0)], {}
+
+    (t,), metrics = runner.run([(prompt_ids, {"tools_kwargs": {"peek": {"create_kwargs": {"secret": 7}}}}, "")],
+                               SamplingParams(max_new_tokens=100), generate)
+    assert t.finish_reason == "stop" and t.counts["multi_turn/tool_calls"] == 1
+    assert t.response_ids[:len(spelled)] == spelled and t.response_ids[len(spelled)] == tok.eos_token_id
+    assert metrics["multi_turn/tokens_cut_after_call"] == 4 and t.turns[0].end == len(spelled)

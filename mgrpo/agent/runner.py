@@ -246,7 +246,7 @@ class AgentRunner:
                 t0 = time.perf_counter()
                 fed = traj.prompt_ids + traj.response_ids
                 await queue.put(_Request(fed, budget, fut, tag, self.stop, session))
-                res: GenerateResult = await fut
+                res: GenerateResult = self._cut_after_call(await fut, traj)
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True
                 if sampling.return_routed_experts:
@@ -308,6 +308,33 @@ class AgentRunner:
                 except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
                     traj.count("multi_turn/env_close_errors")
                     log.warning("environment close failed: %s: %s", type(err).__name__, err)
+
+    def _cut_after_call(self, res: GenerateResult, traj: Trajectory) -> GenerateResult:
+        """stop_after_call: the turn ends at the first token after which its decoded text holds the end of a
+        call. The engine's `stop` is matched as SGLang matches it, in the decoded last (its length in tokens +
+        1) tokens (rollout/stops.py), which misses an end the grammar spelled in more tokens (`</tool_call>`
+        character by character: the tag allows both); the engine then went on to EOS or the budget. The tokens
+        past the end are dropped here, as a stop would have, and counted (multi_turn/tokens_cut_after_call)."""
+        if not self.stop or not any(s in self.tok.decode(res.token_ids, skip_special_tokens=False)
+                                    for s in self.stop):
+            return res
+        ids = res.token_ids
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop (holding one is monotone in k)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in self.tok.decode(ids[:mid], skip_special_tokens=False) for s in self.stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        k = lo
+        if k == len(ids) and res.finish_reason == "stop":
+            return res  # the engine's stop ended it there
+        cut = len(ids) - k
+        traj.count("multi_turn/tokens_cut_after_call", cut)
+        routes = res.routed_experts  # [fed + out - 1, L, K]: the dropped tokens' rows go too
+        return replace(res, token_ids=list(ids[:k]), logprobs=list(res.logprobs[:k]), finish_reason="stop",
+                       support=None if res.support is None else list(res.support[:k]),
+                       routed_experts=None if routes is None else routes[:len(routes) - cut])
 
     def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
         """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""

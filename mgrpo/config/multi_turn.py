@@ -66,6 +66,7 @@ class MultiTurnConfig:
     stop_after_call: bool = False
     """End an assistant turn when a tool call closes (SGLang's sampling_params.stop: the format's end-of-call
     text, `</tool_call>` for qwen25); the end-of-turn token the model did not sample is then inserted as
-    context before the tool's reply."""
+    context before the tool's reply. SGLang matches a stop only in the last (its length in tokens + 1) tokens,
+    so an end spelled in more tokens is cut by the runner instead (tokens past it dropped, counted)."""
     max_concurrent_per_engine: int = 64
     """Trajectories in flight per rollout engine; each advances on its own."""

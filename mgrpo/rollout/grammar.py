@@ -1,5 +1,8 @@
-"""Grammar-constrained decoding on CPU: SGLang's `sampling_params.structural_tag`, enforced with xgrammar as
-SGLang 0.5.23's grammar backend enforces it (sglang/srt/constrained/xgrammar_backend.py).
+"""Grammar-constrained decoding on CPU: SGLang's `sampling_params.structural_tag` (and, on the CPU server,
+`json_schema`, `regex`, `ebnf`), enforced with xgrammar as SGLang 0.5.23's grammar backend enforces it
+(sglang/srt/constrained/xgrammar_backend.py). One path for both CPU engines: the in-process engine
+(`hf_engine.py`, through `GrammarProcessor`) and the CPU SGLang-protocol server (`sglang/cpu/model.py`, one
+matcher per request).
 
 `compile_structural_tag` is SGLang's `XGrammarGrammarBackend.dispatch_structural_tag`: a legacy tag
 (`{"structures": [{begin, schema, end}], "triggers": [...], "at_least_one": ...}`, what SGLang's
@@ -7,7 +10,9 @@ FunctionCallParser builds for tool calls) becomes `StructuralTag.from_legacy_str
 `at_least_one`; any other tag (`{"format": ...}`) is compiled as xgrammar's structural-tag JSON; a missing
 schema is an empty one. The TokenizerInfo is built as SGLang builds it: `from_huggingface(tokenizer,
 vocab_size=<the model's>, stop_token_ids=<the model's EOS ids>)`. A tag that does not compile is refused
-with SGLang's message ("Failed to compile structural_tag grammar: ..."; SGLang aborts the request with it).
+with SGLang's message ("Failed to compile structural_tag grammar: ..."; SGLang aborts the request with it,
+answered 400). `compile(kind, ...)` is the other dispatch_<kind>: json (SGLang's schema check from the wheel,
+any whitespace), regex, ebnf.
 
 `GrammarProcessor` applies it in transformers' `generate` (like `xgrammar.contrib.hf.LogitsProcessor`, which
 cannot skip rows that stopped on a per-request stop token): one matcher per row, the token sampled last step
@@ -65,35 +70,87 @@ class Grammars:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
 
-    @functools.lru_cache(maxsize=64)
     def compile_structural_tag(self, key_string: str):
-        import xgrammar as xgr
+        return self.compile("structural_tag", key_string)
 
+    @functools.lru_cache(maxsize=64)
+    def compile(self, kind: str, key_string: str):
+        """SGLang's grammar of `kind` (its key type: 'structural_tag' | 'json' | 'regex' | 'ebnf', from
+        sampling_params.structural_tag / json_schema / regex / ebnf), compiled as XGrammarGrammarBackend's
+        dispatch_<kind> compiles it; GrammarError with SGLang's message when it does not compile."""
         try:
-            tag = json.loads(key_string)
-            if not isinstance(tag, dict):
-                raise json.JSONDecodeError("a structural tag is a JSON object", key_string, 0)
-            if tag.get("structures", None) is not None:  # sglang/srt/constrained/utils.py is_legacy_structural_tag
-                if tag.get("triggers", None) is None:
-                    raise RuntimeError("a legacy structural tag needs 'triggers'")
-                for s in tag["structures"]:
-                    if s.get("schema") is None:
-                        s["schema"] = {}
-                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                         for s in tag["structures"]]
-                new = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
-                new.format.at_least_one = tag.get("at_least_one", False)
-                with self._lock:
-                    return self.compiler.compile_structural_tag(new)
-            if tag.get("format", None) is None:
-                raise RuntimeError("a structural tag needs 'structures' and 'triggers' (legacy) or 'format'")
-            if isinstance(tag["format"], dict):
-                _sanitize_format(tag["format"])
-                key_string = json.dumps(tag)
+            if kind == "structural_tag":
+                return self._structural_tag(key_string)
             with self._lock:
-                return self.compiler.compile_structural_tag(key_string)
+                if kind == "json":  # dispatch_json: any whitespace (SGLang's default), '$$ANY$$' = any JSON
+                    if key_string == "$$ANY$$":
+                        return self.compiler.compile_builtin_json_grammar()
+                    _check_json_schema(json.loads(key_string))
+                    return self.compiler.compile_json_schema(schema=key_string, any_whitespace=True)
+                if kind == "regex":
+                    return self.compiler.compile_regex(key_string)
+                if kind == "ebnf":
+                    return self.compiler.compile_grammar(key_string)
         except (RuntimeError, ValueError, KeyError, TypeError) as e:  # xgrammar raises RuntimeError/ValueError
-            raise GrammarError(f"Failed to compile structural_tag grammar: {e}") from None
+            raise GrammarError(f"Failed to compile {kind} grammar: {e}") from None
+        raise ValueError(f"unknown grammar kind {kind!r}")
+
+    def _structural_tag(self, key_string: str):
+        tag = structural_tag_object(key_string)
+        with self._lock:
+            return self.compiler.compile_structural_tag(tag)
+
+
+def structural_tag_object(key_string: str):
+    """What XGrammarGrammarBackend.dispatch_structural_tag hands xgrammar for a structural_tag: a legacy tag as
+    StructuralTag.from_legacy_structural_tag with its at_least_one, any other as its JSON (formats sanitised).
+    Raises what xgrammar and json raise."""
+    import xgrammar as xgr
+
+    tag = json.loads(key_string)
+    if not isinstance(tag, dict):
+        raise json.JSONDecodeError("a structural tag is a JSON object", key_string, 0)
+    if tag.get("structures", None) is not None:  # sglang/srt/constrained/utils.py is_legacy_structural_tag
+        if tag.get("triggers", None) is None:
+            raise RuntimeError("a legacy structural tag needs 'triggers'")
+        for s in tag["structures"]:
+            if s.get("schema") is None:
+                s["schema"] = {}
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        new = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+        new.format.at_least_one = tag.get("at_least_one", False)
+        return new
+    if tag.get("format", None) is None:
+        raise RuntimeError("a structural tag needs 'structures' and 'triggers' (legacy) or 'format'")
+    if isinstance(tag["format"], dict):
+        _sanitize_format(tag["format"])
+        key_string = json.dumps(tag)
+    return key_string
+
+
+@functools.lru_cache(maxsize=64)
+def structural_tag_ebnf(key_string: str) -> str:
+    """The grammar SGLang compiles from a structural tag, as xgrammar prints it (EBNF): what SGLang's
+    `ebnf` compiles back to the same grammar (tests/test_agent_sglang.py walks both). For sglang-router
+    0.3.2, whose /generate request type has no structural_tag field: it drops the field and passes ebnf
+    (generate_io.py::build_generate_payload)."""
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_structural_tag(structural_tag_object(key_string)))
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise GrammarError(f"Failed to compile structural_tag grammar: {e}") from None
+
+
+def _check_json_schema(schema) -> None:
+    """SGLang's validate_xgrammar_json_schema (constrained/json_schema_validation.py, read from the wheel where
+    installed): a schema with constraints xgrammar would silently ignore is refused."""
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    mod = wheel.json_schema_validation()
+    if mod is not None:
+        mod.validate_xgrammar_json_schema(schema)
 
 
 class GrammarProcessor(LogitsProcessor):

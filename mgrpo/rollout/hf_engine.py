@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
@@ -59,6 +59,23 @@ class TokenLogprobs(LogitsProcessor):
         if len(self.columns) != new_tokens.shape[1]:
             raise RuntimeError(f"{len(self.columns)} decode steps seen for {new_tokens.shape[1]} generated tokens")
         return torch.stack(self.columns, dim=1)
+
+
+class SGLangStops(StoppingCriteria):
+    """Stop strings as SGLang matches them (rollout/stops.py): after each token, in the decoded tail of the
+    stop string's length in tokens + 1. transformers' own `stop_strings` stops wherever the text ends with a
+    stop string, also one spelled in more tokens than its own encoding (a grammar may write `</tool_call>`
+    character by character), where SGLang, and so this engine, goes on."""
+
+    def __init__(self, stop: Sequence[str], tokenizer, prompt_width: int):
+        from mgrpo.rollout.stops import StopStrings
+
+        self.stops, self.tok, self.width = StopStrings.normalize(list(stop), tokenizer), tokenizer, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        tail = input_ids[:, max(self.width, input_ids.shape[1] - self.stops.max_len - 1):].tolist()
+        return torch.tensor([self.stops.matched(row, self.tok) is not None for row in tail], dtype=torch.bool,
+                            device=input_ids.device)
 
 
 class TrimHeap(LogitsProcessor):
@@ -196,15 +213,14 @@ class HFRolloutEngine(EngineDefaults):
         return GrammarProcessor(compiled, rows, self._grammars.vocab_size, self.pad_token_id)
 
     def _stop_at(self, toks: list[int], stop: Sequence[str]) -> Optional[int]:
-        """Tokens up to and including the one with which the text first contains a stop string (SGLang checks
-        each new token's text against `stop`), or None."""
-        tok, text = self._tok(), ""
-        longest = max(len(s) for s in stop)
-        for j, t in enumerate(toks):
-            piece = tok.decode([t], skip_special_tokens=False)
-            text += piece
-            tail = text[-(longest + len(piece)):]
-            if any(s in tail for s in stop):
+        """Tokens up to and including the one after which the decoded tail holds a stop string, as SGLang
+        checks it after every token (rollout/stops.py, shared with the CPU server), or None."""
+        from mgrpo.rollout.stops import StopStrings
+
+        tok = self._tok()
+        stops = StopStrings.normalize(list(stop), tok)
+        for j in range(len(toks)):
+            if stops.matched(toks[:j + 1], tok) is not None:
                 return j + 1
         return None
 
@@ -220,8 +236,8 @@ class HFRolloutEngine(EngineDefaults):
             top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
-            stop_strings=list(sampling.stop) or None,
-            tokenizer=self._tok() if sampling.stop else None,
+            stopping_criteria=StoppingCriteriaList([SGLangStops(sampling.stop, self._tok(), ids.shape[1])])
+            if sampling.stop else None,
             pad_token_id=self.pad_token_id,
             output_scores=supports,
             # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them

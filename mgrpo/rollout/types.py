@@ -27,8 +27,9 @@ class SamplingParams:
     """SGLang's `sampling_params.structural_tag` (a JSON string): the grammar the engine enforces with xgrammar,
     e.g. the tool-call constraint SGLang's FunctionCallParser builds (rollout.multi_turn.tool_choice)."""
     stop: tuple[str, ...] = ()
-    """SGLang's `sampling_params.stop`: texts that end the response when its text reaches one (kept in it, as
-    with SGLang's no_stop_trim; finish_reason 'stop')."""
+    """SGLang's `sampling_params.stop`: texts that end the response when the decoded tail (the longest stop's
+    length in tokens + 1) holds one, as SGLang checks it (rollout/stops.py; kept in the ids, finish_reason
+    'stop')."""
 
     @property
     def greedy(self) -> bool:

@@ -64,7 +64,13 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
     }
     if stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in stop_token_ids]
-    if sampling.structural_tag is not None:  # the grammar SGLang's xgrammar backend enforces
+    if sampling.structural_tag is not None and single:
+        # through SGLang's router: sglang-router 0.3.2's /generate request type has no structural_tag (the
+        # router drops it, silently) but passes ebnf: the same grammar, printed by xgrammar (rollout/grammar.py)
+        from mgrpo.rollout.grammar import structural_tag_ebnf
+
+        params["ebnf"] = structural_tag_ebnf(sampling.structural_tag)
+    elif sampling.structural_tag is not None:  # the grammar SGLang's xgrammar backend enforces
         params["structural_tag"] = sampling.structural_tag
     if sampling.stop:
         params["stop"] = list(sampling.stop)  # kept in the output (no_stop_trim)

@@ -3,7 +3,9 @@ each finished `Req` turned into SGLang's answer.
 
 SGLang's checks, with its messages: the JSON contract (sglang/api/v1/api_types.py, where the wheel is
 installed), `SamplingParams.normalize/verify` (srt/sampling/sampling_params.py: temperature, top_p, top_k,
-min_p, max_new_tokens; greedy below 1e-6; top_k -1 is the whole vocabulary), the context-length check
+min_p, max_new_tokens; greedy below 1e-6; top_k -1 is the whole vocabulary; `stop` normalised against the
+server's tokenizer, mgrpo/rollout/stops.py; one grammar of json_schema / regex / ebnf / structural_tag, compiled
+by cpu/text.py with mgrpo/rollout/grammar.py), the context-length check
 (tokenizer_manager.py::_validate_one_request), the sampling-mask checks (tokenizer_manager.py and
 scheduler.py: a mask needs top_k=1 or a finite top_k up to --sampling-mask-max-tokens) and the
 routed-experts start check (scheduler.py). Each failure is a `RequestError`, answered 400
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mgrpo.rollout.sglang.cpu.receive import RequestError
+from mgrpo.rollout.sglang.cpu.text import grammar_key
+from mgrpo.rollout.stops import StopError, StopStrings
 from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.sglang.protocol.tables import SAMPLING_FIELDS
 
@@ -35,13 +39,14 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # Sampling parameters the CPU server implements; those that only shape text (it returns token ids); and
 # SGLang's defaults for the rest, which must stay at them.
 SAMPLING_IMPLEMENTED = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
-                                  "ignore_eos", "sampling_seed"})
+                                  "ignore_eos", "sampling_seed", "stop", "json_schema", "regex", "ebnf",
+                                  "structural_tag"})
 SAMPLING_TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
                                 "stream_interval"})
-SAMPLING_DEFAULTS = {"stop": None, "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                     "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None,
-                     "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None,
-                     "beam_width": None, "watermark": None, "choice": None}
+SAMPLING_DEFAULTS = {"stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                     "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "logit_bias": None,
+                     "custom_params": None, "beam_width": None, "watermark": None, "choice": None}
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 # Top-level fields of GenerateReqInput the CPU server implements (each with its checks below); any other
 # field must be absent or at a false default. tests/test_sglang_schema.py checks every name against the
@@ -86,8 +91,9 @@ def _per_request(value, n: int, single: bool, name: str, ok, default):
     return [default if v is None else v for v in values]
 
 
-def check_sampling(sp: Any, index: int) -> dict:
-    """SGLang's SamplingParams(**sp).normalize() and .verify(), for the parameters the CPU server knows."""
+def check_sampling(sp: Any, index: int, tokenizer=None) -> dict:
+    """SGLang's SamplingParams(**sp).normalize(tokenizer) and .verify(), for the parameters the CPU server knows
+    (`tokenizer`: the server's, None as under --skip-tokenizer-init)."""
     if not isinstance(sp, dict):
         raise RequestError(f"/generate: sampling_params[{index}] must be an object, got {type(sp).__name__}")
     unknown = set(sp) - SAMPLING_FIELDS
@@ -118,6 +124,17 @@ def check_sampling(sp: Any, index: int) -> dict:
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise RequestError(f"/generate: sampling_params.stop_token_ids must be a list of integers, got {stops!r}")
     out["stop_token_ids"] = tuple(stops)
+    stop = sp.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                           and all(isinstance(x, str) for x in stop))):
+        raise RequestError(f"/generate: sampling_params.stop must be a string or a list of strings, got {stop!r}")
+    for key in GRAMMAR_FIELDS:
+        if sp.get(key) is not None and not isinstance(sp[key], str):
+            raise RequestError(f"/generate: sampling_params.{key} must be a string, got {type(sp[key]).__name__}")
+    try:  # normalize(): stop strings (their longest length in tokens), before verify()
+        out["stops"] = StopStrings.normalize(stop, tokenizer)
+    except StopError as e:
+        raise RequestError(str(e)) from None
     # normalize(): greedy below _SAMPLING_EPS, top_k -1 = the whole vocabulary
     if 0 <= out["temperature"] < SAMPLING_EPS:
         out["temperature"], out["top_k"] = 1.0, 1
@@ -137,11 +154,15 @@ def check_sampling(sp: Any, index: int) -> dict:
         raise RequestError(f"top_k must be -1 (disable) or at least 1, got {out['top_k']}.")
     if out["max_new_tokens"] is not None and out["max_new_tokens"] < 0:
         raise RequestError(f"max_new_tokens must be at least 0, got {out['max_new_tokens']}.")
+    if sum(1 for key in GRAMMAR_FIELDS if sp.get(key)) > 1:  # empty values are unset (__post_init__)
+        raise RequestError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+    out["grammar_key"] = grammar_key(sp)
     return out
 
 
-def parse(body: Any, limits: Limits):
-    """The body of one POST /generate -> (Reqs, single, per-request return_logprob)."""
+def parse(body: Any, limits: Limits, tokenizer=None):
+    """The body of one POST /generate -> (Reqs, single, per-request return_logprob). Grammars are compiled
+    afterwards, off the event loop (text.py::ServerText.compile)."""
     from mgrpo.rollout.sglang.cpu.model import Req
 
     if not isinstance(body, dict):
@@ -191,7 +212,7 @@ def parse(body: Any, limits: Limits):
                            "integer")
     reqs = []
     for i, (rid, prompt, sp) in enumerate(zip(rids, prompts, sps)):
-        s = check_sampling(sp, i)
+        s = check_sampling(sp, i, tokenizer)
         if modes[i] is not None and not mask[i]:
             raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
         max_new = _check_length(len(prompt), s["max_new_tokens"], limits.context_len)
@@ -210,6 +231,7 @@ def parse(body: Any, limits: Limits):
         reqs.append(Req(rid=rid, input_ids=list(prompt), temperature=float(s["temperature"]),
                         top_p=float(s["top_p"]), top_k=min(s["top_k"], limits.vocab_size), max_new_tokens=max_new,
                         stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"], seed=s["seed"],
+                        stops=s["stops"], grammar_key=s["grammar_key"],
                         top_logprobs_num=(tops[i] or 0) if logprob[i] else 0,
                         mask_mode=(modes[i] or "selected") if mask[i] else None,
                         routes_from=start if routes and limits.routes else None))

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
+from mgrpo.rollout.stops import StopStrings, finish_after
 
 
 @dataclass
@@ -41,6 +42,11 @@ class Req:
     """Keep each output position's top log-probs (SGLang's top_logprobs_num, under return_logprob)."""
     routes_from: Optional[int] = None
     """Return the routed experts of positions [routes_from, prompt + output - 1)."""
+    stops: StopStrings = field(default_factory=StopStrings)
+    """Stop strings (SGLang's sampling_params.stop, normalised; rollout/stops.py)."""
+    grammar_key: Optional[tuple[str, str]] = None
+    """SGLang's (kind, value) of the request's grammar; `grammar` is it compiled (cpu/text.py)."""
+    grammar: Any = None
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
@@ -53,6 +59,46 @@ class Req:
 
 class ModelError(ValueError):
     """A request the model cannot serve in its current state (answered with 400)."""
+
+
+class Matchers:
+    """The requests' grammars in one decode loop, as SGLang's scheduler applies them: one xgrammar matcher
+    per request with a grammar, its next-token bitmask applied to that row's logits before sampling (so the
+    log-probs returned are over the masked logits, as SGLang's sampler computes them), the sampled token fed
+    to it after the finish check."""
+
+    def __init__(self, reqs: Sequence[Req], vocab_size: int):
+        self.matchers = [None] * len(reqs)
+        if not any(r.grammar is not None for r in reqs):
+            return
+        import xgrammar as xgr
+
+        self.matchers = [xgr.GrammarMatcher(r.grammar) if r.grammar is not None else None for r in reqs]
+        self.bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)
+        self.vocab_size = vocab_size
+
+    def mask(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
+        live = [i for i, m in enumerate(self.matchers)
+                if m is not None and reqs[i].finish is None and not m.is_terminated()]
+        if not live:
+            return
+        import xgrammar as xgr
+
+        self.bitmask.fill_(-1)  # every token allowed in the rows without a grammar
+        for i in live:
+            self.matchers[i].fill_next_token_bitmask(self.bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size)
+
+    def ended(self, i: int) -> bool:
+        return self.matchers[i] is not None and self.matchers[i].is_terminated()
+
+    def accept(self, i: int, r: Req, tok: int) -> None:
+        m = self.matchers[i]
+        if m is None or m.is_terminated():
+            return
+        if not m.accept_token(tok):  # cannot happen under the mask; SGLang aborts the request with this
+            r.finish = {"type": "abort", "message": f"Grammar accept_token failed: Tokens not accepted: {tok}",
+                        "status_code": 500, "err_type": "InternalServerError"}
 
 
 class CPUModel:
@@ -68,6 +114,10 @@ class CPUModel:
         cfg = AutoConfig.from_pretrained(model_path)
         eos = getattr(self.model.generation_config, "eos_token_id", None) or getattr(cfg, "eos_token_id", None)
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.stop_ids = set(self.eos_ids)
+        """Ids that end a response (unless ignore_eos): the model's EOS, with a tokenizer also its eos_token_id."""
+        self.tokenizer = None
+        """The server's tokenizer (cpu/text.py), for stop strings; None: the server has none."""
         self.pad_id = getattr(cfg, "pad_token_id", None) or 0
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.params = dict(self.model.named_parameters())  # tied: lm_head shares embed_tokens' Parameter
@@ -166,8 +216,11 @@ class CPUModel:
         self._keep_routes(reqs, [True] * n, ids.shape[1], lambda i, r: slice(width - len(r.input_ids), width))
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         last_pos = positions[:, -1]
+        grammars = Matchers(reqs, logits.shape[-1])
+        stop_ids = [self.stop_ids | set(r.stop_token_ids) for r in reqs]
         for step in range(max(r.max_new_tokens for r in reqs)):
             nxt = torch.full((n,), self.pad_id, dtype=torch.long)
+            grammars.mask(logits, reqs)
             for i, r in enumerate(reqs):
                 if r.finish is not None or self._abort_if(r, started, running=True):
                     continue
@@ -175,10 +228,11 @@ class CPUModel:
                 r.out.append(tok)
                 r.logprobs.append(lp)
                 nxt[i] = tok
-                if not r.ignore_eos and (tok in r.stop_token_ids or tok in self.eos_ids):
-                    r.finish = {"type": "stop", "matched": tok}
-                elif len(r.out) >= r.max_new_tokens:
-                    r.finish = {"type": "length", "length": r.max_new_tokens}
+                # SGLang's order (rollout/stops.py): the grammar's end is checked before the token is fed to it
+                r.finish = finish_after(r.out, stops=r.stops, tokenizer=self.tokenizer, stop_token_ids=stop_ids[i],
+                                        max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
+                                        grammar_ended=grammars.ended(i))
+                grammars.accept(i, r, tok)
             self.last_progress = time.monotonic()
             if all(r.finish is not None for r in reqs):
                 return
@@ -189,6 +243,11 @@ class CPUModel:
                              past_key_values=cache, use_cache=True)
             self._keep_routes(reqs, fed, 1, lambda i, r: slice(0, 1))
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+
+    def use_tokenizer(self, tokenizer, stop_ids: set[int]) -> None:
+        """The server's tokenizer (stop strings) and the ids it adds to the model's EOS (cpu/text.py)."""
+        self.tokenizer = tokenizer
+        self.stop_ids = self.eos_ids | set(stop_ids)
 
     def _keep_routes(self, reqs: list[Req], fed: list[bool], seq: int, rows) -> None:
         """After a forward: each request that asked keeps the routes of the positions it fed."""

@@ -7,6 +7,8 @@ It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either 
 arguments) and serves the native endpoints the rollout path uses, with SGLang 0.5.23's request
 and answer shapes (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
 `tokenizer_manager.py`, `scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang.
+Stop strings and grammars (json_schema, regex, ebnf, structural_tag) work as SGLang's with the tokenizer of
+`--tokenizer-path` / `--model-path` (cpu/text.py; without one, as under `--skip-tokenizer-init`).
 Requests are checked with SGLang's own classes where the wheel is installed (receive.py, ../protocol/). It is
 stricter than SGLang where SGLang would silently do the wrong thing: unknown fields, generating
 with released or not-yet-reloaded weights, releasing memory with requests in flight. API keys
@@ -47,7 +49,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # sglang/srt/entrypoints/http_server.py HEALTH_CH
 
 # SGLang launch arguments that mean nothing on one CPU process: accepted and ignored.
 IGNORED_FLAGS = ("--enable-deterministic-inference", "--disable-cuda-graph", "--trust-remote-code",
-                 "--skip-tokenizer-init", "--disable-radix-cache", "--enable-metrics", "--disable-overlap-schedule",
+                 "--disable-radix-cache", "--enable-metrics", "--disable-overlap-schedule",
                  "--enable-torch-compile", "--disable-custom-all-reduce", "--enable-return-hidden-states")
 IGNORED_OPTIONS = ("--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
                    "--attention-backend", "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes",
@@ -98,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mgrpo.rollout.sglang.cpu.server", allow_abbrev=False,
                 description="CPU rollout server speaking SGLang's HTTP protocol (transformers underneath).")
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
-    p.add_argument("--tokenizer-path", default=None, help="reported by /model_info only (input is token ids)")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="the tokenizer for stop strings and grammars (default: --model-path; input is token ids)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: stop strings and grammars are refused, as SGLang refuses them")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size")
     p.add_argument("--dp-size", type=int, default=1, choices=[1])
@@ -143,9 +148,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 class State:
-    def __init__(self, args: argparse.Namespace, model):
+    def __init__(self, args: argparse.Namespace, model, text=None):
+        from mgrpo.rollout.sglang.cpu.text import ServerText
+
         self.args = args
         self.model = model
+        self.text = text or ServerText(None, model.model.config.vocab_size, [])
+        """The tokenizer and grammar compiler (cpu/text.py)."""
         self.weight_version = str(args.weight_version)
         self.session_open = False
         self.groups: dict[str, Any] = {}
@@ -277,7 +286,9 @@ def build_app(state: State):
             receive.check_generate(body)
         except RequestError as e:  # SGLang's contract error: {"error": "<message>"}
             return JSONResponse({"error": str(e)}, status_code=400)
-        reqs, single, logprob = cpu_generate.parse(body, state.limits)
+        reqs, single, logprob = cpu_generate.parse(body, state.limits, state.text.tokenizer)
+        if any(r.grammar_key is not None for r in reqs):  # compiling may take a while: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, state.text.compile, reqs)
         model.check_servable()
         done = await state.generate(reqs, t0)
         items = [cpu_generate.answer(r, state.weight_version, lp, t0) for r, lp in zip(done, logprob)]
@@ -413,7 +424,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                              return_routed_experts=args.enable_return_routed_experts)
     except ValueError as e:
         sys.exit(f"python -m mgrpo.rollout.sglang.cpu.server: {e}")
-    state = State(args, model)
+    text = None
+    if not args.is_embedding:
+        from mgrpo.rollout.sglang.cpu.text import ServerText
+
+        text = ServerText.load(args, model.model.config.vocab_size, model.eos_ids)
+        model.use_tokenizer(text.tokenizer, text.stop_ids())
+    state = State(args, model, text)
     log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s; API key: %s", args.model_path,
              model.info()["parameters"], time.monotonic() - t0,
              "checked with the installed wheel" if wheel.request_classes() else "field tables only (no sglang wheel)",

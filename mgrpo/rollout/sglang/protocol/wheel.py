@@ -14,7 +14,8 @@ with SGLang's code:
   sglang/srt/utils/common.py (what a TP rank runs on `serialized_named_tensors` and to join the
   weight-update group);
 - `auth_rules()`: sglang/srt/utils/auth.py (`decide_request_auth`, `AuthLevel`);
-- `sampling_mask()`, `config_merger()`: how sampling masks travel; SGLang's `--config` YAML merger.
+- `sampling_mask()`, `config_merger()`: how sampling masks travel; SGLang's `--config` YAML merger;
+- `json_schema_validation()`: the JSON-schema features SGLang refuses before xgrammar compiles a schema.
 Every accessor returns None where the wheel (or what it needs) is missing; the CPU server then uses
 the tables (tables.py) and its own fallbacks (cpu/receive.py, cpu/auth.py).
 """
@@ -117,6 +118,14 @@ def sampling_mask() -> Optional[types.ModuleType]:
     if path is None or importlib.util.find_spec("msgspec") is None:
         return None
     return load_file("_mgrpo_sglang_sampling_mask", path)
+
+
+@functools.lru_cache(None)
+def json_schema_validation() -> Optional[types.ModuleType]:
+    """sglang/srt/constrained/json_schema_validation.py (validate_xgrammar_json_schema: the JSON-schema
+    features SGLang refuses for xgrammar; it imports nothing), or None."""
+    path = wheel_file("srt", "constrained", "json_schema_validation.py")
+    return load_file("_mgrpo_sglang_json_schema_validation", path) if path else None
 
 
 @functools.lru_cache(None)

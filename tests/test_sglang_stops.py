@@ -1,0 +1,151 @@
+"""Stop strings, stop tokens and grammar fields as SGLang 0.5.23 treats them, checked against SGLang's own code
+taken out of the installed wheel (tests/helpers/sglang_wheel.py): the finish rules both CPU engines use
+(mgrpo/rollout/stops.py) against `Req.update_finish_state`, and the CPU server's sampling checks
+(cpu/generate.py::check_sampling) against `SamplingParams.normalize` + `verify`."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from mgrpo.data.printable import VOCAB, printable_tokenizer
+from mgrpo.rollout.sglang.cpu.generate import check_sampling
+from mgrpo.rollout.sglang.cpu.receive import RequestError
+from mgrpo.rollout.stops import StopStrings, finish_after
+from tests.helpers.sglang_wheel import sampling_params_class, sglang_req
+
+EOS = VOCAB["<|im_end|>"]
+CALL_END = VOCAB["</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return printable_tokenizer()
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _run_ours(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None):
+    s = StopStrings.normalize(stops, tok)
+    out = []
+    for k, t in enumerate(stream):
+        out.append(t)
+        fin = finish_after(out, stops=s, tokenizer=tok, stop_token_ids=set(stop_token_ids) | {EOS},
+                           max_new_tokens=max_new, ignore_eos=ignore_eos,
+                           grammar_ended=ended_at is not None and k > ended_at)
+        if fin is not None:
+            return fin, len(out)
+    return None, len(out)
+
+
+def _run_sglang(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None):
+    sp = sampling_params_class()(stop=stops, stop_token_ids=stop_token_ids, max_new_tokens=max_new,
+                                 ignore_eos=ignore_eos)
+    sp.normalize(tok)
+    r = sglang_req(tok, stop_strs=sp.stop_strs, stop_str_max_len=sp.stop_str_max_len,
+                   stop_token_ids=sp.stop_token_ids or (), eos_token_ids=[EOS], max_new_tokens=max_new,
+                   ignore_eos=ignore_eos, vocab_size=len(VOCAB))
+    fed = [0]  # the grammar has seen the tokens before the newest one when update_finish_state runs
+    r.grammar = SimpleNamespace(is_terminated=lambda: ended_at is not None and fed[0] > ended_at)
+    for t in stream:
+        r.output_ids.append(t)
+        r.update_finish_state(1)
+        fed[0] += 1
+        if r.finished():
+            return r.finished_reason.to_json(), r.finished_len or len(r.output_ids)
+    return None, len(r.output_ids)
+
+
+def test_a_stop_string_ends_the_response_as_in_sglang(tok):
+    call = '<tool_call>\n{"name": "peek", "arguments": {}}\n'
+    as_token = _ids(tok, call) + [CALL_END] + _ids(tok, "more")
+    assert _run_ours(tok, as_token, ["</tool_call>"], [], 100, False) == \
+        ({"type": "stop", "matched": "</tool_call>"}, len(_ids(tok, call)) + 1)  # the stop's tokens are kept
+    # the same text in characters: SGLang decodes only the last (1 + 1) tokens, which never hold it
+    spelled = _ids(tok, call) + [VOCAB[c] for c in "</tool_call>"] + _ids(tok, "more")
+    assert _run_ours(tok, spelled, ["</tool_call>"], [], 100, False) == (None, len(spelled))
+    # a stop string beats EOS and applies with ignore_eos; EOS alone does not with ignore_eos
+    assert _run_ours(tok, _ids(tok, "xab") + [EOS], ["ab"], [], 100, True)[0] == {"type": "stop", "matched": "ab"}
+    assert _run_ours(tok, _ids(tok, "x") + [EOS, 12], [], [], 2, True)[0] == {"type": "length", "length": 2}
+
+
+def test_finish_rules_are_sglangs_on_random_streams(tok):
+    """2,000 random streams over the tokens that matter (the call's end as one token and as characters, stop
+    texts, EOS, a request stop token), every combination of stops, ignore_eos and grammar end: the finish
+    reason and the kept length are SGLang's after every token."""
+    rng = random.Random(0)
+    alphabet = [CALL_END, EOS, 5] + [VOCAB[c] for c in "</tool_call>abx\n"]
+    stop_sets = [None, "x", ["</tool_call>"], ["ab", "\n\n"], ["</tool_call>", "call>", "x"], ["b</tool_call>"]]
+    seen: dict[str, int] = {}
+    for case in range(2000):
+        stream = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        stops, ignore_eos = rng.choice(stop_sets), rng.random() < 0.3
+        stop_ids = rng.choice([[], [5]])
+        max_new = rng.randint(1, 24)
+        ended_at = rng.choice([None, None, rng.randint(0, 20)])
+        ours = _run_ours(tok, stream, stops, stop_ids, max_new, ignore_eos, ended_at)
+        ref = _run_sglang(tok, stream, stops, stop_ids, max_new, ignore_eos, ended_at)
+        assert ours == ref, (case, stream, stops, stop_ids, max_new, ignore_eos, ended_at)
+        fin = ours[0]
+        kind = "none" if fin is None else fin["type"] + ("-str" if isinstance(fin.get("matched"), str) else "")
+        seen[kind] = seen.get(kind, 0) + 1
+    assert all(seen.get(k, 0) > 100 for k in ("none", "stop", "stop-str", "length")), seen
+
+
+def _sglang_check(sp: dict, tokenizer):
+    """SGLang's tokenizer manager: SamplingParams(**sp).normalize(tokenizer); .verify(vocab_size)."""
+    try:
+        p = sampling_params_class()(**sp)
+        p.normalize(tokenizer)
+        p.verify(len(VOCAB))
+    except ValueError as e:
+        return str(e)
+    return p
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "skip-tokenizer-init"])
+def test_stop_and_grammar_fields_are_checked_as_sglang_checks_them(tok, with_tokenizer):
+    tokenizer = tok if with_tokenizer else None
+    tag = json.dumps({"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a>"]})
+    cases = [{}, {"stop": "x"}, {"stop": ["</tool_call>", "ab"]}, {"stop": []}, {"stop": ["x"] * 32},
+             {"stop": ["x"] * 33}, {"stop": ["<tool_call>\n{", ""]}, {"structural_tag": tag}, {"regex": "a+"},
+             {"structural_tag": tag, "regex": "a+"}, {"json_schema": "{}", "ebnf": 'root ::= "a"'},
+             {"structural_tag": "", "regex": "a+"}, {"stop": ["x"] * 33, "temperature": -1.0},
+             {"temperature": -1.0, "structural_tag": tag, "json_schema": "{}"}, {"stop": "x", "top_p": 0.0}]
+    for sp in cases:
+        ref = _sglang_check(sp, tokenizer)
+        try:
+            ours = check_sampling(sp, 0, tokenizer)
+        except RequestError as e:
+            assert str(e) == ref, (sp, str(e), ref)
+            continue
+        assert not isinstance(ref, str), (sp, ref)
+        assert ours["stops"] == StopStrings(tuple(ref.stop_strs), ref.stop_str_max_len), sp
+        kinds = [(k, v) for k, v in (("json", ref.json_schema), ("regex", ref.regex), ("ebnf", ref.ebnf),
+                                     ("structural_tag", ref.structural_tag)) if v is not None]
+        assert [ours["grammar_key"]] == (kinds or [None]), sp
+
+
+def test_without_a_tokenizer_a_grammar_is_refused_with_sglangs_words(tok):
+    """A server without a tokenizer (--skip-tokenizer-init, or a checkpoint without one) has no grammar backend:
+    SGLang's message, read from its grammar_manager.py; with one, a bad grammar gets SGLang's compile error."""
+    from mgrpo.rollout.sglang.cpu.model import Req
+    from mgrpo.rollout.sglang.cpu.text import NO_GRAMMAR_BACKEND, ServerText
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    source = wheel.wheel_file("srt", "constrained", "grammar_manager.py")
+    if source is not None:
+        assert f'"{NO_GRAMMAR_BACKEND}"' in open(source).read()
+    with pytest.raises(RequestError) as e:
+        ServerText(None, len(VOCAB), [EOS]).compile([Req(rid="a", input_ids=[1], grammar_key=("regex", "a+"))])
+    assert str(e.value) == NO_GRAMMAR_BACKEND
+    r = Req(rid="b", input_ids=[1], grammar_key=("regex", "a+"))
+    ServerText(tok, len(VOCAB), [EOS]).compile([r])
+    assert r.grammar is not None
+    with pytest.raises(RequestError, match=r"^Failed to compile regex grammar: "):
+        ServerText(tok, len(VOCAB), [EOS]).compile([Req(rid="c", input_ids=[1], grammar_key=("regex", "(a"))])
