@@ -43,9 +43,11 @@ from mgrpo.rollout.types import GenerateResult, SamplingParams
 log = logging.getLogger("mgrpo")
 
 Generate = Callable[..., tuple[list[GenerateResult], dict]]
-"""(prompts, sampling, sessions=[one key per prompt]) -> one result per prompt (in order), and what the call
-measured (summed into metrics). A session is one trajectory: its turns go to one engine (the rollout group's
-`sessions`, for the engine's prefix cache)."""
+"""(prompts, sampling, sessions=[one key per prompt][, seeds=[one per prompt]]) -> one result per prompt (in
+order), and what the call measured (summed into metrics). A session is one trajectory: its turns go to one
+engine (the rollout group's `sessions`, for the engine's prefix cache). `seeds` (given when the sampling has a
+seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and turn (the rollout group's
+`request_seeds`, SGLang's per-request sampling_seed)."""
 
 
 @dataclass
@@ -56,6 +58,7 @@ class _Request:
     structural_tag: Optional[str] = None
     stop: tuple[str, ...] = ()
     session: str = ""
+    seed: Optional[int] = None
 
 
 class AgentRunner:
@@ -177,7 +180,6 @@ class AgentRunner:
         """Send the ready requests as soon as they are ready, one call per token budget, without waiting for
         the calls already in flight (the engines batch concurrent calls continuously, as SGLang's scheduler
         does); wake each trajectory with its own result."""
-        batch_no = 0
         while True:
             ready = [await queue.get()]
             await asyncio.sleep(0)  # trajectories woken by the same result put their next requests first
@@ -188,12 +190,13 @@ class AgentRunner:
             for r in ready:  # one batch per budget and constraint
                 by_budget.setdefault((r.max_new, r.structural_tag or "", r.stop), []).append(r)
             for (budget, tag, stops), reqs in sorted(by_budget.items()):
-                params = replace(sampling, max_new_tokens=budget, seed=seeds.chunk_seed(sampling.seed, batch_no)
-                                 if sampling.seed is not None else None, structural_tag=tag or None,
+                # Each request carries its own seed (its trajectory's and turn's): what a turn samples never
+                # depends on which batch the dispatcher put it in, which depends on timing.
+                params = replace(sampling, max_new_tokens=budget, structural_tag=tag or None,
                                  stop=tuple(sampling.stop) + stops)
-                batch_no += 1
+                per = {"seeds": [r.seed for r in reqs]} if sampling.seed is not None else {}
                 call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params,
-                                                               sessions=[r.session for r in reqs]))
+                                                               sessions=[r.session for r in reqs], **per))
                 in_flight.add(call)
                 call.add_done_callback(lambda f, reqs=reqs: self._deliver(f, reqs, measured, in_flight))
 
@@ -241,7 +244,9 @@ class AgentRunner:
                 tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
-                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop, session))
+                seed = seeds.turn_seed(sampling.seed, traj.uid, turn) if sampling.seed is not None else None
+                await queue.put(_Request(traj.prompt_ids + traj.response_ids, budget, fut, tag, self.stop, session,
+                                         seed))
                 res: GenerateResult = await fut
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True

@@ -138,8 +138,9 @@ class ExperienceMaker:
         finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
-        def generate(prompts, params, sessions=None):  # a session: one trajectory's turns, to one engine
-            results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions)
+        def generate(prompts, params, sessions=None, seeds=None):  # a session: one trajectory's turns, to one engine
+            results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions,
+                                                   **({"request_seeds": seeds} if seeds is not None else {}))
             return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                              "rollout/auth_refused": stats.auth_refused}
 
