@@ -214,7 +214,8 @@ def test_hanging_tools_and_slow_trajectories_are_cut_and_failed(qwen3):
     script = lambda uid, turn: _call("hang" if uid == 0 else "add", {"x": 1} if uid == 0 else {"a": 1}) \
         if turn == 0 else "ok"  # noqa: E731
     try:
-        trajs, m, took, _ = _run(qwen3, tools, script, MultiTurnConfig(function_tools=["x:y"], tool_timeout_s=0.5), k=2)
+        trajs, m, took, _ = _run(qwen3, tools, script, MultiTurnConfig(function_tools=["x:y"], tool_timeout_s=0.5,
+                                                                   trajectory_retries=0), k=2)
     finally:
         release.set()
     assert took < 10

@@ -75,6 +75,15 @@ def test_hf_engine_seeded_row_alone_equals_the_row_in_a_batch(tmp_path):
     from tests.helpers.sglang_cpu import VOCAB, tiny_checkpoint
 
     engine = HFRolloutEngine(tiny_checkpoint(str(tmp_path)), eos_token_ids=[VOCAB + 1], pad_token_id=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a decode step of a tiny model is all overhead: two threads on a loaded machine, 20x
+    try:
+        _batch_invariant(engine, VOCAB)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _batch_invariant(engine, VOCAB):
     prompts = _rows(8, VOCAB)
     for sampling in (SamplingParams(temperature=1.0, max_new_tokens=12, seed=3),
                      SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, seed=3,
@@ -100,6 +109,15 @@ def test_cpu_server_model_seeded_row_alone_equals_the_row_in_a_batch(tmp_path):
     hf = tiny_checkpoint(str(tmp_path))
     model = CPUModel(hf)
     prompts = _rows(8, VOCAB)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as above)
+    try:
+        _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference):
 
     def reqs(idx):
         return [Req(rid=str(i), input_ids=prompts[i], temperature=0.8, top_k=6, max_new_tokens=10, seed=77 + i,

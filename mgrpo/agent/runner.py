@@ -35,12 +35,17 @@ from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.tools import ToolSet
-from mgrpo.agent.trajectory import Trajectory
+from mgrpo.agent.trajectory import RETRIED, Trajectory
 from mgrpo.config import InputError, seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
 
 log = logging.getLogger("mgrpo")
+
+FAULT_COUNTS = ("multi_turn/tool_timeouts", "multi_turn/env_timeouts", "multi_turn/env_errors",
+                "multi_turn/trajectory_retries")
+"""What a failed attempt counted that stays counted when its trajectory is generated again (the faults
+themselves and the retries); the rest of its counts (turns, calls) belong to the attempt that was dropped."""
 
 Generate = Callable[..., tuple[list[GenerateResult], dict]]
 """(prompts, sampling, sessions=[one key per prompt][, seeds=[one per prompt]]) -> one result per prompt (in
@@ -115,22 +120,45 @@ class AgentRunner:
         trajs = [Trajectory(uid=i, prompt_ids=list(p[0])) for i, p in enumerate(prompts)]
         batch = uuid.uuid4().hex[:12]  # sessions are unique to this batch's trajectories
 
+        async def attempt(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
+            """One generation of the trajectory from its prompt; a transient fault (a tool or environment past
+            tool_timeout_s, an environment that raised) ends it failed."""
+            try:
+                await self._trajectory(traj, extra or {}, where, queue, sampling, messages, f"{batch}-{traj.uid}")
+            except ToolTimeout:
+                traj.finish_reason = "tool_timeout"
+            except _EnvFailed as err:
+                traj.finish_reason = "env_failed"
+                traj.count("multi_turn/env_errors")
+                traj.counts["env_error"] = str(err)
+
+        async def attempts(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
+            """rollout.multi_turn.trajectory_retries: a trajectory that ended tool_timeout or env_failed is
+            generated again from its prompt, with the same per-turn seeds (its uid and turns), so a fault that
+            does not recur gives the trajectory the fault-free run drew; each retry counted, by reason. What
+            the failed attempts counted of their faults stays counted."""
+            for n in range(self.cfg.trajectory_retries + 1):
+                await attempt(traj, extra, where, messages)
+                if traj.finish_reason not in RETRIED or n == self.cfg.trajectory_retries:
+                    return
+                kept = {k: v for k, v in traj.counts.items() if k.startswith(FAULT_COUNTS)}
+                reason = traj.finish_reason
+                traj.__dict__.update(Trajectory(uid=traj.uid, prompt_ids=traj.prompt_ids).__dict__)
+                traj.counts.update(kept)
+                traj.count("multi_turn/trajectory_retries")
+                traj.count(f"multi_turn/trajectory_retries/{reason}")
+                log.info("trajectory %d ended %s; generating it again (retry %d of %d)", traj.uid, reason, n + 1,
+                         self.cfg.trajectory_retries)
+
         async def one(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
             async with gate:
                 t0 = time.perf_counter()
-                try:
-                    await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling, messages,
-                                                            f"{batch}-{traj.uid}"), self.cfg.trajectory_timeout_s)
+                try:  # the wall-clock bound covers every attempt of the trajectory
+                    await asyncio.wait_for(attempts(traj, extra, where, messages), self.cfg.trajectory_timeout_s)
                 except asyncio.TimeoutError:
                     traj.finish_reason = "trajectory_timeout"
-                except ToolTimeout:
-                    traj.finish_reason = "tool_timeout"
                 except _GenerationFailed:
                     traj.finish_reason = "generation_error"
-                except _EnvFailed as err:
-                    traj.finish_reason = "env_failed"
-                    traj.count("multi_turn/env_errors")
-                    traj.counts["env_error"] = str(err)
                 finally:
                     traj.counts["seconds"] = time.perf_counter() - t0
 
