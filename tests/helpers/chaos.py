@@ -18,6 +18,12 @@ A fault fires once the run's console has shown step `at_step` (of the attempt ru
 | megatron_rank_kill | SIGKILL a Megatron rank | fatal: the run fails naming the rank and its pid; resumed |
 | driver_kill | SIGKILL the driver | fatal (nothing is said); the job's processes are killed; resumed |
 | preempt | SIGTERM the driver (SLURM preemption) | the step finishes, a checkpoint, exit 75; resumed |
+| tool_hang | the user's tool hangs on its next call (multi_turn job) | healed: its trajectory generated again with the same seeds (`multi_turn/trajectory_retries`) |
+| env_crash | the user's environment raises on its next step (multi_turn job) | healed: as tool_hang |
+
+tool_hang and env_crash happen where they happen in reality, in user code: the multi_turn job's tool and
+environment are a user's file (tests/helpers/chaos_tools.py, given by import path), and the harness asks
+for the fault by writing a file named after the kind into the folder in the run's $MGRPO_CHAOS_FAULTS.
 
 Processes are found by what belongs to this run only: the CPU servers by their model folder
 (<run>/init_hf), every other process by the run's private RAY_TMPDIR in its environment (each attempt has
@@ -48,6 +54,7 @@ import time
 from typing import Optional
 
 from benchmarks import REPO
+from tests.helpers.chaos_tools import FAULTS_ENV
 
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
@@ -56,13 +63,20 @@ COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout
 """Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps (all
 result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
 
+MULTI_TURN_USER_CODE = ["rollout.multi_turn.tool_config_path=tests/helpers/chaos_tools.yaml",
+                        "rollout.multi_turn.environment=tests.helpers.chaos_tools:PeekEnvironment",
+                        "rollout.multi_turn.tool_timeout_s=2"]
+"""The peek task with a user's tool and environment that fail when asked (tool_hang, env_crash)."""
+
 JOBS = {
     "default": ["trainer.n_gpus_per_node=2"],
     "async_tp2": ["rollout.async_mode=one_step_off", "rollout.mode=disaggregated", "actor.tp=2",
                   "trainer.n_gpus_per_node=4"],
+    "multi_turn": ["recipe=tool-peek-tiny-cpu", "trainer.n_gpus_per_node=2", *MULTI_TURN_USER_CODE],
 }
 """The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks) and
-one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own)."""
+one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own); multi-turn rollouts of
+the tool task (recipe=tool-peek-tiny-cpu: two in-process engines in the two Megatron ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +96,18 @@ KINDS = {
     "megatron_rank_kill": Kind("megatron_rank", signal.SIGKILL, True),
     "driver_kill": Kind("driver", signal.SIGKILL, True),
     "preempt": Kind("driver", signal.SIGTERM, True),
+    "tool_hang": Kind("user_code", 0, False, "multi_turn/trajectory_retries_total"),
+    "env_crash": Kind("user_code", 0, False, "multi_turn/trajectory_retries_total"),
 }
+
+
+def job_kinds(job: str, kinds: list[str]) -> list[str]:
+    """The kinds of `kinds` that have a target in `job`: user-code faults only in the job whose tool and
+    environment are the user's file; the CPU servers and the router not in the multi_turn job (its engines
+    are in-process, in the Megatron ranks)."""
+    user_code = MULTI_TURN_USER_CODE[0] in JOBS[job]
+    return [k for k in kinds if (KINDS[k].target == "user_code") == user_code or
+            (user_code and KINDS[k].target not in ("engine", "router", "user_code"))]
 
 
 @dataclasses.dataclass
@@ -186,6 +211,8 @@ class Soak:
         # must fit in 107 bytes.
         self.ray_tmp = tempfile.mkdtemp(prefix="mgrpo-chaos-", dir="/tmp")
         os.makedirs(self.workdir, exist_ok=True)
+        self.fault_dir = os.path.join(self.workdir, "faults")  # what the user's code reads (tool_hang, env_crash)
+        os.makedirs(self.fault_dir, exist_ok=True)
         try:
             while len(self.attempts) < max_attempts:
                 rc = self._attempt(len(self.attempts), todo)
@@ -201,7 +228,7 @@ class Soak:
         marker = os.path.join(self.ray_tmp, f"a{k}")
         os.makedirs(marker, exist_ok=True)
         args = list(self.overrides) + (["trainer.resume=auto"] if k else [])
-        env = {**os.environ, "RAY_TMPDIR": marker, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "RAY_TMPDIR": marker, "PYTHONUNBUFFERED": "1", FAULTS_ENV: self.fault_dir}
         out_path = os.path.join(self.workdir, f"attempt{k}.log")
         t0 = time.time()
         proc = subprocess.Popen([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={self.run_dir}",
@@ -276,6 +303,15 @@ class Soak:
 
     def _inject(self, f: Fault, attempt: int, step: int, marker: str, driver: int) -> Optional[dict]:
         kind = KINDS[f.kind]
+        if kind.target == "user_code":  # the user's tool or environment fails on its next call
+            with open(os.path.join(self.fault_dir, f.kind), "w") as fh:
+                fh.write("1")
+            record = {"kind": f.kind, "scheduled_step": f.at_step, "step_seen": step, "attempt": attempt,
+                      "pid": None, "process": f"user code ({FAULTS_ENV}/{f.kind})", "signal": None, "fatal": False,
+                      "candidates": 1}
+            self.faults.append(record)
+            self.event("fault", kind=f.kind, step=step, attempt=attempt)
+            return record
         found = targets(kind, self.run_dir, marker, driver)
         if not found:
             self.event("no_target", kind=f.kind, at_step=step)
@@ -435,11 +471,13 @@ def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: 
     chaos_s = time.time() - t0
     final = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
     counters = {k: v for k, v in final.items() if k.endswith("_total")}
+    untaken = sorted(os.listdir(soak.fault_dir))  # a user-code fault the run never reached (no call after it)
     return {
         "overrides": overrides, "seed": seed, "steps": steps,
         "schedule": [dataclasses.asdict(f) for f in schedule],
         "faults": account(soak, run_dir),
         "fault_kinds": sorted({f["kind"] for f in soak.faults}),
+        "user_code_faults_not_taken": untaken,
         "attempts": soak.attempts,
         "records": check_records(run_dir, steps, batch, n),
         "final_counters": counters,
