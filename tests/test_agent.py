@@ -353,7 +353,9 @@ def test_an_environment_continues_the_conversation_and_its_crash_fails_the_traje
     runner.environment = CrashEnv
     trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
                           ScriptedPolicy(qwen3, script, prompts))
-    assert trajs[0].finish_reason == "env_failed" and trajs[0].failed and m["multi_turn/env_errors"] == 1
+    # one retry (rollout.multi_turn.trajectory_retries' default), then failed: both crashes counted
+    assert trajs[0].finish_reason == "env_failed" and trajs[0].failed and m["multi_turn/env_errors"] == 2
+    assert m["multi_turn/trajectory_retries/env_failed"] == 1
 
 
 def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():

@@ -157,8 +157,9 @@ class AgentRunner:
                     await asyncio.wait_for(attempts(traj, extra, where, messages), self.cfg.trajectory_timeout_s)
                 except asyncio.TimeoutError:
                     traj.finish_reason = "trajectory_timeout"
-                except _GenerationFailed:
+                except _GenerationFailed as err:
                     traj.finish_reason = "generation_error"
+                    traj.counts["generation_error"] = str(err)  # what the rollout group raised (engine, retries)
                 finally:
                     traj.counts["seconds"] = time.perf_counter() - t0
 

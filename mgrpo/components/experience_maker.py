@@ -155,8 +155,11 @@ class ExperienceMaker:
         measured["multi_turn/template_drift_trajectories"] = sum(d > 0 for d in drift)
         if all(t.failed for t in trajs):
             reasons = sorted({t.finish_reason for t in trajs})
+            why = next((f"; the first error: {t.counts[k]}" for t in trajs for k in ("generation_error", "env_error")
+                        if k in t.counts), "")  # a dead engine's or Megatron rank's name is in the group's error
             raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
-                               "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
+                               "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s"
+                               + why[:2000])
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0

@@ -418,7 +418,8 @@ def account(soak: Soak, run_dir: str) -> list[dict]:
     kept_upto = {}  # attempt -> the last of its steps still in the final records
     for a in soak.attempts:
         nxt = next((b for b in soak.attempts if b["attempt"] == a["attempt"] + 1), None)
-        kept_upto[a["attempt"]] = nxt["resumed_from_step"] if nxt is not None else 10 ** 9
+        # (an attempt that found no checkpoint started over: nothing of the one before it was kept)
+        kept_upto[a["attempt"]] = (nxt["resumed_from_step"] or 0) if nxt is not None else 10 ** 9
     for f in soak.faults:
         kind = KINDS[f["kind"]]
         if kind.fatal:
