@@ -18,6 +18,8 @@ kernel, and tests check it against MurmurHash3's published reference.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -70,18 +72,20 @@ def multinomial_with_seed(logprobs: torch.Tensor, seed: torch.Tensor, positions:
     return torch.argmax(x, dim=1, keepdim=True)
 
 
-def sample_row(probs: torch.Tensor, top_k: int, top_p: float, seed: int, position: int) -> tuple[int, torch.Tensor,
-                                                                                                  torch.Tensor, int]:
+def sample_row(probs: torch.Tensor, top_k: int, top_p: float, seed: int, position: int, sorted_too: bool = True
+               ) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor], Optional[int]]:
     """One row as SGLang's torch sampler draws it with a seed: the whole vocabulary (no top-k, no top-p:
     `sampling_from_probs_torch`, log(probs) in vocabulary order) or the truncated one
     (`top_k_top_p_min_p_sampling_from_probs_torch`: the full descending sort, ranks >= top_k and the mass past
     top_p zeroed, Gumbel over the sorted columns in float64). Returns (token, weights by decreasing
-    probability, their ids, the sampled column among them); the whole-vocabulary case returns the probs
-    sorted the same way for callers that keep the support."""
+    probability, their ids, the sampled column among them); the whole-vocabulary case sorts only for a caller
+    that keeps the support (`sorted_too`; else three Nones: a sort of Qwen3's vocabulary costs more than the draw)."""
     s = torch.tensor([seed], dtype=torch.int64)
     p = torch.tensor([position], dtype=torch.int64)
     if top_k <= 0 and top_p >= 1.0:
         tok = int(multinomial_with_seed(torch.log(probs).view(1, -1), s, p))
+        if not sorted_too:
+            return tok, None, None, None
         probs_sort, probs_idx = probs.sort(descending=True)
         return tok, probs_sort, probs_idx, int((probs_idx == tok).nonzero()[0])
     probs_sort, probs_idx = probs.sort(descending=True)

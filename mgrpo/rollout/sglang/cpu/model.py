@@ -217,7 +217,7 @@ class CPUModel:
             return tok, float(logp[tok])
         if r.seed is not None:  # SGLang's seeded sampler: the row's token depends on its own seed and position only
             tok, probs_sort, probs_idx, pick = sample_row(torch.softmax(scaled, dim=-1), r.top_k, r.top_p, r.seed,
-                                                          position)
+                                                          position, sorted_too=r.mask_mode is not None)
         else:
             probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
             pick = int(torch.multinomial(probs_sort, 1, generator=gen))
