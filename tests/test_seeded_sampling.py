@@ -133,3 +133,27 @@ def _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference):
         logits = ref(input_ids=torch.tensor([prompts[2]])).logits[0, -1].float()
     tok = sample_row(torch.softmax(logits / 0.8, dim=-1), 6, 1.0, 79, len(prompts[2]) - 1)[0]
     assert batch[2].out[0] == tok
+
+
+def test_both_cpu_engines_draw_the_same_tokens_for_a_seeded_request(tmp_path):
+    """The same sampler in both: one seeded request (whole vocabulary, temperature 0.8) gives the same tokens in
+    the in-process engine and in the CPU server's model, each decoding with its own forward."""
+    from mgrpo.rollout.hf_engine import HFRolloutEngine
+    from mgrpo.rollout.sglang.cpu.model import CPUModel, Req
+    from tests.helpers.sglang_cpu import VOCAB, tiny_checkpoint
+
+    hf = tiny_checkpoint(str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = HFRolloutEngine(hf, eos_token_ids=[VOCAB + 1], pad_token_id=0)
+        server = CPUModel(hf)
+        for i, prompt in enumerate(_rows(4, VOCAB)):
+            a = engine.generate([GenerateRequest(uid=0, prompt_ids=prompt, seed=500 + i)],
+                                SamplingParams(temperature=0.8, max_new_tokens=12, seed=1))[0]
+            (b,) = server.generate([Req(rid="r", input_ids=prompt, temperature=0.8, max_new_tokens=12, seed=500 + i,
+                                        ignore_eos=True)])
+            assert a.token_ids == b.out
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    finally:
+        torch.set_num_threads(threads)
