@@ -157,3 +157,20 @@ def test_both_cpu_engines_draw_the_same_tokens_for_a_seeded_request(tmp_path):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_requests_own_seed_is_its_sglang_sampling_seed():
+    from mgrpo.config.seeds import request_seed, turn_seed
+    from mgrpo.rollout.sglang.generate_io import build_generate_payload
+
+    reqs = [GenerateRequest(uid=0, prompt_ids=[1, 2], seed=turn_seed(5, 3, 1)), GenerateRequest(uid=1, prompt_ids=[1])]
+    body = build_generate_payload(reqs, SamplingParams(temperature=1.0, seed=9), rids=["a", "b"])
+    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [turn_seed(5, 3, 1), request_seed(9, 1)]
+    # a call without a seed of its own still sends the requests' seeds (and none for a request without one)
+    body = build_generate_payload(reqs, SamplingParams(temperature=1.0), rids=["a", "b"])
+    assert [sp.get("sampling_seed") for sp in body["sampling_params"]] == [turn_seed(5, 3, 1), None]
+    one = build_generate_payload(reqs[:1], SamplingParams(temperature=1.0), rids=["a"], single=True)
+    assert one["sampling_params"]["sampling_seed"] == turn_seed(5, 3, 1)
+    # turns and trajectories of a step get distinct seeds, all within SGLang's int64 range
+    got = {turn_seed(s, t, k) for s in (0, 2 ** 40) for t in range(64) for k in range(8)}
+    assert len(got) == 2 * 64 * 8 and all(0 <= x < 2 ** 63 for x in got)
