@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Optional
-
 from mgrpo.agent.environment import EnvStep
 from mgrpo.agent.examples import PeekTool
 
@@ -67,5 +65,5 @@ class PeekEnvironment:
             raise RuntimeError("chaos: the environment crashed (env_crash)")
         return EnvStep(done=True)
 
-    def close(self) -> Optional[None]:
-        return None
+    def close(self) -> None:
+        pass
