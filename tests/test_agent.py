@@ -214,7 +214,8 @@ def test_hanging_tools_and_slow_trajectories_are_cut_and_failed(qwen3):
     script = lambda uid, turn: _call("hang" if uid == 0 else "add", {"x": 1} if uid == 0 else {"a": 1}) \
         if turn == 0 else "ok"  # noqa: E731
     try:
-        trajs, m, took, _ = _run(qwen3, tools, script, MultiTurnConfig(function_tools=["x:y"], tool_timeout_s=0.5), k=2)
+        trajs, m, took, _ = _run(qwen3, tools, script, MultiTurnConfig(function_tools=["x:y"], tool_timeout_s=0.5,
+                                                                   trajectory_retries=0), k=2)
     finally:
         release.set()
     assert took < 10
@@ -352,7 +353,9 @@ def test_an_environment_continues_the_conversation_and_its_crash_fails_the_traje
     runner.environment = CrashEnv
     trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512),
                           ScriptedPolicy(qwen3, script, prompts))
-    assert trajs[0].finish_reason == "env_failed" and trajs[0].failed and m["multi_turn/env_errors"] == 1
+    # one retry (rollout.multi_turn.trajectory_retries' default), then failed: both crashes counted
+    assert trajs[0].finish_reason == "env_failed" and trajs[0].failed and m["multi_turn/env_errors"] == 2
+    assert m["multi_turn/trajectory_retries/env_failed"] == 1
 
 
 def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():

@@ -53,7 +53,7 @@ def _maker_run(qwen3, tmp_digits: list[list], *, min_group_size: int = 2, **mt):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="qwen3"),
                               data=dataclasses.replace(cfg.data, max_response_length=512),
                               rollout=dataclasses.replace(cfg.rollout, n=3, multi_turn=MultiTurnConfig(
-                                  enable=True, function_tools=["x:y"], tool_timeout_s=0.5, **mt)))
+                                  enable=True, function_tools=["x:y"], tool_timeout_s=0.5, trajectory_retries=0, **mt)))
     cfg.reward.custom_functions = {"s": "tests.helpers.reward_fns:flaky_digit_reward"}
     cfg.reward.num_workers = 0
     cfg.reward.failed.min_group_size = min_group_size

@@ -4,7 +4,8 @@ SIGKILLed (healed in the run), the router SIGKILLed (healed: a new router in fro
 driver SIGKILLed (fatal: the harness resumes with trainer.resume=auto, as a SLURM requeue does). At the end
 every step is in metrics.jsonl, TensorBoard and trajectories.jsonl exactly once with all its samples,
 every fault is counted (the healed ones in the run's own run-long counters, the fatal one in the
-harness's events) and the final HF export equals a run without faults, bit for bit."""
+harness's events) and the final HF export equals a run without faults, bit for bit. The multi-turn job takes
+a hanging tool and a crashing environment the same way (healed by trajectory retries, exactly)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
     assert v["hf_max_abs_diff"] == 0.0 and v["hf_tensors"] > 0
     assert v["first_step_metrics_differ"] is None and v["first_step_samples_differ"] is None
     assert not pids_where(str(tmp_path), environ=True)  # nothing of either run is left running
+
+
+@pytest.mark.system
+def test_a_hanging_tool_and_a_crashing_environment_are_healed_exactly(tmp_path):
+    """The multi_turn job (the peek task, two in-process engines) whose tool and environment are a user's file
+    (tests/helpers/chaos_tools.py): the tool hangs past tool_timeout_s on one call, the environment raises on one
+    step. Each is healed by rollout.multi_turn.trajectory_retries (the trajectory generated again with the same
+    per-turn seeds), counted in the run's own counter, and the final export equals the run without faults."""
+    lines: list[str] = []
+    kinds = ["tool_hang", "env_crash"]
+    assert chaos.job_kinds("multi_turn", kinds) == kinds and chaos.job_kinds("default", kinds) == []
+    r = chaos.soak_job("multi_turn", [], steps=8, faults=2, seed=0, kinds=kinds, batch=4, n=4,
+                       workdir=str(tmp_path), log=lines.append)
+    assert sorted(f["kind"] for f in r["faults"]) == sorted(kinds), "\n".join(lines)
+    assert r["user_code_faults_not_taken"] == []  # each fault fired in the user's code
+    assert r["records"] == {"metrics_steps_once": True, "tensorboard_steps_once": True,
+                            "trajectory_steps_once": True, "samples_complete": True}
+    assert [a["exit_code"] for a in r["attempts"]] == [0]  # healed in the run: no resume
+    assert all(f["counted"] == "run metrics" and f["in_final_records"] for f in r["faults"]), r["faults"]
+    # one retry per fault, nothing failed, nothing committed as a reward
+    assert r["final_counters"]["multi_turn/trajectory_retries_total"] == 2.0
+    assert r["final_counters"]["reward/failed_total"] == 0.0
+    v = r["vs_uninterrupted"]
+    assert v["hf_max_abs_diff"] == 0.0 and v["hf_tensors"] > 0, v
+    assert v["first_step_metrics_differ"] is None and v["first_step_samples_differ"] is None, v
+    assert not pids_where(str(tmp_path), environ=True)

@@ -6,6 +6,11 @@ beside tests/test_chaos.py, which runs it in short; this is its command line and
     python -m benchmarks.jobs.chaos                     # every job, 200 steps, 12 faults each (of the kinds it has)
     python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill
     python -m benchmarks.jobs.chaos --job reward_model --steps 12 --faults 1 --kinds judge_kill --batch 8 --n 4
+    python -m benchmarks.jobs.chaos --job multi_turn --steps 30 --faults 6 --batch 4 --n 4
+
+Each job takes the kinds that have a target in it: judge_kill only in the reward_model job; tool_hang and
+env_crash only in the multi_turn job, whose tool and environment are the user's file (no server or router kills
+there).
 
 Writes --out (benchmarks/results/chaos_cpu.json): per job, every step once in metrics.jsonl, TensorBoard and
 trajectories.jsonl, every fault accounted for, and the final HF export against the reference run's.
@@ -21,7 +26,7 @@ import tempfile
 
 from benchmarks import add_output_args, output_path
 from benchmarks.tools.proctree import machine
-from tests.helpers.chaos import JOBS, KINDS, soak_job
+from tests.helpers.chaos import JOBS, KINDS, job_kinds, soak_job
 
 
 def main(argv=None) -> None:
@@ -50,8 +55,9 @@ def main(argv=None) -> None:
             result["jobs"] = json.load(f).get("jobs", {})
     try:
         for name in (list(JOBS) if args.job == "all" else [args.job]):
+            mine = job_kinds(name, kinds)  # the kinds that have a target in this job
             result["jobs"][name] = r = soak_job(name, args.overrides, steps=args.steps, faults=args.faults,
-                                                seed=args.seed, kinds=kinds, batch=args.batch, n=args.n,
+                                                seed=args.seed, kinds=mine, batch=args.batch, n=args.n,
                                                 workdir=workdir)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

@@ -156,7 +156,8 @@ def row_chaos():
     if d is None:
         return None
     parts = []
-    for name, label in (("default", "default job"), ("async_tp2", "one-step-off, TP=2")):
+    for name, label in (("default", "default job"), ("async_tp2", "one-step-off, TP=2"),
+                        ("multi_turn", "multi-turn tool task")):
         j = d["jobs"].get(name)
         if j is None:
             continue

@@ -36,17 +36,24 @@ from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.tools import ToolSet
-from mgrpo.agent.trajectory import Trajectory
+from mgrpo.agent.trajectory import RETRIED, Trajectory
 from mgrpo.config import InputError, seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
 
 log = logging.getLogger("mgrpo")
 
+FAULT_COUNTS = ("multi_turn/tool_timeouts", "multi_turn/env_timeouts", "multi_turn/env_errors",
+                "multi_turn/trajectory_retries")
+"""What a failed attempt counted that stays counted when its trajectory is generated again (the faults
+themselves and the retries); the rest of its counts (turns, calls) belong to the attempt that was dropped."""
+
 Generate = Callable[..., tuple[list[GenerateResult], dict]]
-"""(prompts, sampling, sessions=[one key per prompt]) -> one result per prompt (in order), and what the call
-measured (summed into metrics). A session is one trajectory: its turns go to one engine (the rollout group's
-`sessions`, for the engine's prefix cache)."""
+"""(prompts, sampling, sessions=[one key per prompt][, seeds=[one per prompt]]) -> one result per prompt (in
+order), and what the call measured (summed into metrics). A session is one trajectory: its turns go to one
+engine (the rollout group's `sessions`, for the engine's prefix cache). `seeds` (given when the sampling has a
+seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and turn (the rollout group's
+`request_seeds`, SGLang's per-request sampling_seed)."""
 
 
 @dataclass
@@ -57,6 +64,7 @@ class _Request:
     structural_tag: Optional[str] = None
     stop: tuple[str, ...] = ()
     session: str = ""
+    seed: Optional[int] = None
 
 
 class AgentRunner:
@@ -113,22 +121,46 @@ class AgentRunner:
         trajs = [Trajectory(uid=i, prompt_ids=list(p[0])) for i, p in enumerate(prompts)]
         batch = uuid.uuid4().hex[:12]  # sessions are unique to this batch's trajectories
 
+        async def attempt(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
+            """One generation of the trajectory from its prompt; a transient fault (a tool or environment past
+            tool_timeout_s, an environment that raised) ends it failed."""
+            try:
+                await self._trajectory(traj, extra or {}, where, queue, sampling, messages, f"{batch}-{traj.uid}")
+            except ToolTimeout:
+                traj.finish_reason = "tool_timeout"
+            except _EnvFailed as err:
+                traj.finish_reason = "env_failed"
+                traj.count("multi_turn/env_errors")
+                traj.counts["env_error"] = str(err)
+
+        async def attempts(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
+            """rollout.multi_turn.trajectory_retries: a trajectory that ended tool_timeout or env_failed is
+            generated again from its prompt, with the same per-turn seeds (its uid and turns), so a fault that
+            does not recur gives the trajectory the fault-free run drew; each retry counted, by reason. What
+            the failed attempts counted of their faults stays counted."""
+            for n in range(self.cfg.trajectory_retries + 1):
+                await attempt(traj, extra, where, messages)
+                if traj.finish_reason not in RETRIED or n == self.cfg.trajectory_retries:
+                    return
+                kept = {k: v for k, v in traj.counts.items() if k.startswith(FAULT_COUNTS)}
+                reason = traj.finish_reason
+                traj.__dict__.update(Trajectory(uid=traj.uid, prompt_ids=traj.prompt_ids).__dict__)
+                traj.counts.update(kept)
+                traj.count("multi_turn/trajectory_retries")
+                traj.count(f"multi_turn/trajectory_retries/{reason}")
+                log.info("trajectory %d ended %s; generating it again (retry %d of %d)", traj.uid, reason, n + 1,
+                         self.cfg.trajectory_retries)
+
         async def one(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
             async with gate:
                 t0 = time.perf_counter()
-                try:
-                    await asyncio.wait_for(self._trajectory(traj, extra or {}, where, queue, sampling, messages,
-                                                            f"{batch}-{traj.uid}"), self.cfg.trajectory_timeout_s)
+                try:  # the wall-clock bound covers every attempt of the trajectory
+                    await asyncio.wait_for(attempts(traj, extra, where, messages), self.cfg.trajectory_timeout_s)
                 except asyncio.TimeoutError:
                     traj.finish_reason = "trajectory_timeout"
-                except ToolTimeout:
-                    traj.finish_reason = "tool_timeout"
-                except _GenerationFailed:
+                except _GenerationFailed as err:
                     traj.finish_reason = "generation_error"
-                except _EnvFailed as err:
-                    traj.finish_reason = "env_failed"
-                    traj.count("multi_turn/env_errors")
-                    traj.counts["env_error"] = str(err)
+                    traj.counts["generation_error"] = str(err)  # what the rollout group raised (engine, retries)
                 finally:
                     traj.counts["seconds"] = time.perf_counter() - t0
 
@@ -180,7 +212,6 @@ class AgentRunner:
         """Send the ready requests as soon as they are ready, one call per token budget, without waiting for
         the calls already in flight (the engines batch concurrent calls continuously, as SGLang's scheduler
         does); wake each trajectory with its own result."""
-        batch_no = 0
         while True:
             ready = [await queue.get()]
             await asyncio.sleep(0)  # trajectories woken by the same result put their next requests first
@@ -191,12 +222,13 @@ class AgentRunner:
             for r in ready:  # one batch per budget and constraint
                 by_budget.setdefault((r.max_new, r.structural_tag or "", r.stop), []).append(r)
             for (budget, tag, stops), reqs in sorted(by_budget.items()):
-                params = replace(sampling, max_new_tokens=budget, seed=seeds.chunk_seed(sampling.seed, batch_no)
-                                 if sampling.seed is not None else None, structural_tag=tag or None,
+                # Each request carries its own seed (its trajectory's and turn's): what a turn samples never
+                # depends on which batch the dispatcher put it in, which depends on timing.
+                params = replace(sampling, max_new_tokens=budget, structural_tag=tag or None,
                                  stop=tuple(sampling.stop) + stops)
-                batch_no += 1
+                per = {"seeds": [r.seed for r in reqs]} if sampling.seed is not None else {}
                 call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params,
-                                                               sessions=[r.session for r in reqs]))
+                                                               sessions=[r.session for r in reqs], **per))
                 in_flight.add(call)
                 call.add_done_callback(lambda f, reqs=reqs: self._deliver(f, reqs, measured, in_flight))
 
@@ -245,7 +277,8 @@ class AgentRunner:
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
                 fed = traj.prompt_ids + traj.response_ids
-                await queue.put(_Request(fed, budget, fut, tag, self.stop, session))
+                seed = seeds.turn_seed(sampling.seed, traj.uid, turn) if sampling.seed is not None else None
+                await queue.put(_Request(fed, budget, fut, tag, self.stop, session, seed))
                 res: GenerateResult = self._cut_after_call(await fut, traj)
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True

@@ -20,6 +20,12 @@ is counted with every other failure (mgrpo/algorithms/failed_samples.py); never 
 
 FAILED = ("tool_timeout", "trajectory_timeout", "generation_error", "env_failed", "aborted")
 
+RETRIED = ("tool_timeout", "env_failed")
+"""The transient faults of a tool or an environment (user code): with rollout.multi_turn.trajectory_retries the
+trajectory is generated again from its prompt with the same seeds, and ends failed only when retries run out.
+Not retried here: trajectory_timeout (the wall-clock bound covers every attempt), generation_error (the rollout
+group retried the call already) and aborted (the long-tail cut)."""
+
 
 @dataclass
 class Turn:

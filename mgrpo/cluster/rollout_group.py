@@ -150,18 +150,24 @@ class RolloutGroup:
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout",
-                 sessions: Optional[list[str]] = None) -> tuple[list[GenerateResult], RolloutStats]:
+                 sessions: Optional[list[str]] = None, request_seeds: Optional[list[int]] = None
+                 ) -> tuple[list[GenerateResult], RolloutStats]:
         """n samples per prompt; result i*n + j is sample j of prompt i. `sessions` (one per prompt, n=1: the
         turns of multi-turn trajectories): the requests of one session go to one engine, for its prefix cache.
 
         The requests go out in chunks, to the engines in turn or through the router, and come back as
         futures. One loop waits for them: a chunk that fails is sent again (at most rollout.max_retries
         times, each counted) after the engines were checked, and while it waits the loop health-checks
-        the engines every rollout.health_check_interval_s, restarting a dead or hung one."""
+        the engines every rollout.health_check_interval_s, restarting a dead or hung one. `request_seeds` (one per
+        prompt, n=1): each request's own sampling seed (`GenerateRequest.seed`), which no chunking changes."""
         r = self.cfg.rollout
         if sessions is not None and (n != 1 or len(sessions) != len(prompts)):
             raise ValueError(f"sessions: one per prompt with n=1, got {len(sessions)} for {len(prompts)} x n={n}")
-        requests = [GenerateRequest(uid=i * n + j, prompt_ids=p, session=sessions[i] if sessions else None)
+        if request_seeds is not None and (n != 1 or len(request_seeds) != len(prompts)):
+            raise ValueError(f"request_seeds: one per prompt with n=1, got {len(request_seeds)} for {len(prompts)} "
+                             f"x n={n}")
+        requests = [GenerateRequest(uid=i * n + j, prompt_ids=p, session=sessions[i] if sessions else None,
+                                    seed=request_seeds[i] if request_seeds is not None else None)
                     for i, p in enumerate(prompts) for j in range(n)]
         size = r.generate_chunk
         if self.front is not None:  # a router places each request it gets: give it enough to spread

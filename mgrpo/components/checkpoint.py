@@ -26,7 +26,8 @@ PENDING_FILE = "pending_rollouts.json"
 """Batches an asynchronous rollout had ready when the checkpoint was taken (replayed on resume)."""
 COUNTERS = ("reward/failed", "reward/timeouts", "reward/masked_samples", "reward/dropped_groups",
             "reward/worker_restarts", "reward/model_restarts", "rollout/retries", "rollout/restarts",
-            "rollout/stale_dropped", "rollout/auth_refused", "rollout/aborted", "dynamic_sampling/unfiltered_steps")
+            "rollout/stale_dropped", "rollout/auth_refused", "rollout/aborted", "dynamic_sampling/unfiltered_steps",
+            "multi_turn/trajectory_retries")
 """Run-long counts of what went wrong and was handled; logged as `<name>_total`."""
 
 

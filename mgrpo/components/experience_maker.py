@@ -144,8 +144,9 @@ class ExperienceMaker:
         finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
-        def generate(prompts, params, sessions=None):  # a session: one trajectory's turns, to one engine
-            results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions)
+        def generate(prompts, params, sessions=None, seeds=None):  # a session: one trajectory's turns, to one engine
+            results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions,
+                                                   **({"request_seeds": seeds} if seeds is not None else {}))
             return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                              "rollout/auth_refused": stats.auth_refused}
 
@@ -160,8 +161,11 @@ class ExperienceMaker:
         measured["multi_turn/template_drift_trajectories"] = sum(d > 0 for d in drift)
         if all(t.failed for t in trajs):
             reasons = sorted({t.finish_reason for t in trajs})
+            why = next((f"; the first error: {t.counts[k]}" for t in trajs for k in ("generation_error", "env_error")
+                        if k in t.counts), "")  # a dead engine's or Megatron rank's name is in the group's error
             raise RuntimeError(f"every one of {len(trajs)} multi-turn trajectories failed ({', '.join(reasons)}): "
-                               "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s")
+                               "nothing to train on; see rollout.multi_turn.tool_timeout_s / trajectory_timeout_s"
+                               + why[:2000])
         if self.sandbox is not None:
             measured.update(self.sandbox.counts())  # sandbox/calls, sandbox/<outcome>, sandbox/limit/<limit>
         measured["timing_s/gen"] = time.perf_counter() - t0

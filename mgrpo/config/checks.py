@@ -54,6 +54,9 @@ def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
     if not m.keep_thinking:
         e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
                  "blocks (what each turn was sampled from)")
+    if m.trajectory_retries < 0:
+        e.append(f"rollout.multi_turn.trajectory_retries={m.trajectory_retries} must be >= 0 (0: a trajectory whose "
+                 "tool or environment hung or raised ends failed at once)")
     if m.tool_timeout_s <= 0 or m.trajectory_timeout_s <= 0:
         e.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} and trajectory_timeout_s="
                  f"{m.trajectory_timeout_s} must be positive")

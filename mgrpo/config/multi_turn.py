@@ -44,7 +44,16 @@ class MultiTurnConfig:
     """One tool call's limit; a call past it ends the trajectory as tool_timeout (dropped from the loss and
     its group's baseline, counted)."""
     trajectory_timeout_s: float = 600.0
-    """One trajectory's wall-clock limit (generation and tools); past it: trajectory_timeout, dropped, counted."""
+    """One trajectory's wall-clock limit (generation and tools, every retry included); past it:
+    trajectory_timeout, dropped, counted."""
+    trajectory_retries: int = 1
+    """A trajectory that ended tool_timeout or env_failed (a tool or environment that hung or raised: user code,
+    often a transient fault) is generated again from its prompt, at most this many times, with the same
+    per-turn seeds, so a fault that does not recur gives exactly the trajectory the fault-free run drew; only
+    when they run out does it end failed (out of the loss and its group's baseline). Counted:
+    multi_turn/trajectory_retries and .../<reason>. 0: off. Default 1: one retry heals a one-off hang or crash
+    at the cost of at most one more tool_timeout_s for a tool that always hangs, all within
+    trajectory_timeout_s; more retries mostly repeat a fault that is not transient."""
     keep_thinking: bool = True
     """Earlier turns keep their <think> blocks in the context of later turns: the model generated every turn
     seeing them, so this is what it was sampled from and what it trains on (token-in, token-out). False is

@@ -36,6 +36,14 @@ def data_seed(seed: int, epoch: int) -> int:
     return seed * _RUN + epoch
 
 
+def turn_seed(seed: int, trajectory: int, turn: int) -> int:
+    """One assistant turn of a multi-turn trajectory: a function of the step's sampling seed, the trajectory's
+    index in the step and the turn, never of which dispatch batch carried the turn (that depends on timing).
+    Sent as the request's own seed (SGLang's sampling_params.sampling_seed); a regenerated trajectory
+    (rollout.multi_turn.trajectory_retries) draws the same seeds again."""
+    return (seed * _RUN + trajectory * 7_919 + turn * 104_729 + 3) % (2 ** 63)
+
+
 def request_seed(seed: int, uid: int) -> int:
     """One request inside a batch: the n copies of a prompt must not share a seed, or an engine
     with a per-request deterministic sampler (SGLang's) returns n identical responses."""

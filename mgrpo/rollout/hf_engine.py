@@ -3,7 +3,8 @@
 It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
 log-probs (and, when asked, each token's sampling support under top-k / top-p), receive HF-named
 weight buckets from the trainer, report health. It is what the default CPU job and the tests use; on
-GPUs SGLang takes its place. `SamplingParams.structural_tag` (SGLang's grammar-constrained decoding) is
+GPUs SGLang takes its place. A request with its own seed (`GenerateRequest.seed`) is drawn per row by
+SGLang's seeded sampler (`SeededSample`), independent of its batch. `SamplingParams.structural_tag` (SGLang's grammar-constrained decoding) is
 enforced with xgrammar as SGLang's grammar backend does (mgrpo/rollout/grammar.py).
 """
 
@@ -76,6 +77,42 @@ class SGLangStops(StoppingCriteria):
         tail = input_ids[:, max(self.width, input_ids.shape[1] - self.stops.max_len - 1):].tolist()
         return torch.tensor([self.stops.matched(row, self.tok) is not None for row in tail], dtype=torch.bool,
                             device=input_ids.device)
+
+
+class SeededSample(LogitsProcessor):
+    """Per-row seeded sampling (requests with their own `GenerateRequest.seed`): each row's token is drawn with
+    SGLang's seeded sampler (rollout/seeded.py::multinomial_with_seed: Gumbel noise from the row's seed and
+    position), so it does not depend on the other rows of the batch, as transformers' one global generator
+    would make it. Runs last, on what the grammar left: warps with the same transformers warpers generate()
+    builds when sampling (temperature, top-k, top-p), keeps the warped scores when supports are asked (what
+    `output_scores` would have held), draws, and returns scores whose only finite entry is the draw, so the
+    greedy decode that follows takes it. `lengths`: per row its prompt length; `width`: the padded prompt width."""
+
+    def __init__(self, seeds: Sequence[int], lengths: Sequence[int], width: int, sampling: SamplingParams,
+                 keep_scores: bool):
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
+
+        self.seeds = torch.tensor(list(seeds), dtype=torch.int64)
+        self.lengths = torch.tensor(list(lengths), dtype=torch.int64)
+        self.width = width
+        self.warpers = [w for w in (
+            TemperatureLogitsWarper(sampling.temperature) if sampling.temperature != 1.0 else None,
+            TopKLogitsWarper(top_k=sampling.top_k) if sampling.top_k > 0 else None,
+            TopPLogitsWarper(top_p=sampling.top_p) if sampling.top_p < 1.0 else None) if w is not None]
+        self.scores: Optional[list[torch.Tensor]] = [] if keep_scores else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        from mgrpo.rollout.seeded import multinomial_with_seed
+
+        warped = scores
+        for w in self.warpers:
+            warped = w(input_ids, warped)
+        if self.scores is not None:
+            self.scores.append(warped.float())
+        positions = self.lengths - 1 + (input_ids.shape[1] - self.width)  # of the last token fed (SGLang's)
+        pick = multinomial_with_seed(torch.log(torch.softmax(warped.float(), dim=-1)), self.seeds, positions)
+        return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
 class TrimHeap(LogitsProcessor):
@@ -158,15 +195,20 @@ class HFRolloutEngine(EngineDefaults):
         # Without supports each sampled token's log-prob is read from its own decode step's logits (one step
         # held); supports need every step's processed scores.
         step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
+        seeded = None
+        if sample and any(r.seed is not None for r in chunk):
+            # rows without a seed of their own draw one from the call's generator (seeded by SamplingParams.seed)
+            seeded = SeededSample([r.seed if r.seed is not None else int(torch.randint(2 ** 62, (1,)))
+                                   for r in chunk], [len(r.prompt_ids) for r in chunk], width, sampling, supports)
         capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
         with capture as forwards:
-            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar)
+            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar, seeded)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
             # top-k and top-p warpers (in that order) set every token outside the support to -inf. Their
             # log-softmax is the behaviour log-prob over the support; the finite entries are the support.
-            scores = torch.stack(out.scores, dim=1).float()
+            scores = torch.stack(out.scores if seeded is None else seeded.scores, dim=1).float()
             token_supports = _supports(torch.isfinite(scores))
             token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         else:
@@ -225,8 +267,9 @@ class HFRolloutEngine(EngineDefaults):
         return None
 
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
-                step_logprobs: Optional[TokenLogprobs], grammar=None):
-        sample = not sampling.greedy
+                step_logprobs: Optional[TokenLogprobs], grammar=None, seeded: Optional[SeededSample] = None):
+        # seeded: the rows are drawn by SeededSample, whose only finite score the greedy decode takes
+        sample = not sampling.greedy and seeded is None
         return self.model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -239,9 +282,10 @@ class HFRolloutEngine(EngineDefaults):
             stopping_criteria=StoppingCriteriaList([SGLangStops(sampling.stop, self._tok(), ids.shape[1])])
             if sampling.stop else None,
             pad_token_id=self.pad_token_id,
-            output_scores=supports,
+            output_scores=supports and seeded is None,
             # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them
-            logits_processor=LogitsProcessorList([p for p in (step_logprobs, grammar, TrimHeap()) if p is not None]),
+            logits_processor=LogitsProcessorList([p for p in (step_logprobs, grammar, seeded, TrimHeap())
+                                                  if p is not None]),
             return_dict_in_generate=True,
         )
 

@@ -45,6 +45,10 @@ class GenerateRequest:
     """Requests of one session (the turns of a multi-turn trajectory) go to one engine, whose prefix cache
     holds the context they share: the rollout group sends them to the same engine, SGLang's router (its
     `manual` policy) by the `x-smg-routing-key` header. None: any engine."""
+    seed: Optional[int] = None
+    """This request's own sampling seed (SGLang's per-request `sampling_params.sampling_seed`: a multi-turn
+    turn's `seeds.turn_seed`); the engines sample it with SGLang's seeded sampler (rollout/seeded.py), so its
+    tokens do not depend on the other requests of its batch. None: derived from SamplingParams.seed and uid."""
 
 
 @dataclass

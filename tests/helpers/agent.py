@@ -27,7 +27,7 @@ class ScriptedPolicy:
         assert len(hits) == 1, f"a request that continues {len(hits)} trajectories"
         return hits[0]
 
-    def __call__(self, prompts: list[list[int]], sampling, sessions=None):
+    def __call__(self, prompts: list[list[int]], sampling, sessions=None, seeds=None):
         if self.delay_s:
             time.sleep(self.delay_s)
         out, uids = [], []

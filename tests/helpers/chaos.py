@@ -19,6 +19,12 @@ A fault fires once the run's console has shown step `at_step` (of the attempt ru
 | megatron_rank_kill | SIGKILL a Megatron rank | fatal: the run fails naming the rank and its pid; resumed |
 | driver_kill | SIGKILL the driver | fatal (nothing is said); the job's processes are killed; resumed |
 | preempt | SIGTERM the driver (SLURM preemption) | the step finishes, a checkpoint, exit 75; resumed |
+| tool_hang | the user's tool hangs on its next call (multi_turn job) | healed: its trajectory generated again with the same seeds (`multi_turn/trajectory_retries`) |
+| env_crash | the user's environment raises on its next step (multi_turn job) | healed: as tool_hang |
+
+tool_hang and env_crash happen where they happen in reality, in user code: the multi_turn job's tool and
+environment are a user's file (tests/helpers/chaos_tools.py, given by import path), and the harness asks
+for the fault by writing a file named after the kind into the folder in the run's $MGRPO_CHAOS_FAULTS.
 
 Processes are found by what belongs to this run only: the CPU servers by their model folder
 (<run>/init_hf), every other process by the run's private RAY_TMPDIR in its environment (each attempt has
@@ -49,6 +55,7 @@ import time
 from typing import Optional
 
 from benchmarks import REPO
+from tests.helpers.chaos_tools import FAULTS_ENV
 
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
@@ -59,6 +66,10 @@ result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
 
 RM_DIR = "<reward-model>"
 """Stands for the job's reward model (a tiny random sequence classifier, written beside its runs by `soak_job`)."""
+MULTI_TURN_USER_CODE = ["rollout.multi_turn.tool_config_path=tests/helpers/chaos_tools.yaml",
+                        "rollout.multi_turn.environment=tests.helpers.chaos_tools:PeekEnvironment",
+                        "rollout.multi_turn.tool_timeout_s=2"]
+"""The peek task with a user's tool and environment that fail when asked (tool_hang, env_crash)."""
 
 JOBS = {
     "default": ["trainer.n_gpus_per_node=2"],
@@ -66,10 +77,12 @@ JOBS = {
                   "trainer.n_gpus_per_node=4"],
     "reward_model": ["trainer.n_gpus_per_node=2", f"reward.models={{rm: {{hf_path: '{RM_DIR}', engines: 2}}}}",
                      "reward.compose={mgrpo/sum: {rm: 1.0}}"],
+    "multi_turn": ["recipe=tool-peek-tiny-cpu", "trainer.n_gpus_per_node=2", *MULTI_TURN_USER_CODE],
 }
-"""The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks) and
+"""The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks);
 one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own); the default job rewarded by
-a reward model of two servers (reward.models.rm, its own bundles) alone."""
+a reward model of two servers (reward.models.rm, its own bundles) alone; multi-turn rollouts of the tool task
+(recipe=tool-peek-tiny-cpu: two in-process engines in the two Megatron ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +105,18 @@ KINDS = {
     "megatron_rank_kill": Kind("megatron_rank", signal.SIGKILL, True),
     "driver_kill": Kind("driver", signal.SIGKILL, True),
     "preempt": Kind("driver", signal.SIGTERM, True),
+    "tool_hang": Kind("user_code", 0, False, "multi_turn/trajectory_retries_total", ("multi_turn",)),
+    "env_crash": Kind("user_code", 0, False, "multi_turn/trajectory_retries_total", ("multi_turn",)),
 }
+
+
+def job_kinds(job: str, kinds: list[str]) -> list[str]:
+    """The kinds of `kinds` that have a target in `job`: a kind with `jobs` only in those (the reward model's
+    servers, the user's tool file); the CPU servers and the router not in the multi_turn job (its engines are
+    in-process, in the Megatron ranks)."""
+    in_process = MULTI_TURN_USER_CODE[0] in JOBS[job]
+    return [k for k in kinds if (not KINDS[k].jobs or job in KINDS[k].jobs)
+            and not (in_process and KINDS[k].target in ("engine", "router"))]
 
 
 @dataclasses.dataclass
@@ -202,6 +226,8 @@ class Soak:
         # must fit in 107 bytes.
         self.ray_tmp = tempfile.mkdtemp(prefix="mgrpo-chaos-", dir="/tmp")
         os.makedirs(self.workdir, exist_ok=True)
+        self.fault_dir = os.path.join(self.workdir, "faults")  # what the user's code reads (tool_hang, env_crash)
+        os.makedirs(self.fault_dir, exist_ok=True)
         try:
             while len(self.attempts) < max_attempts:
                 rc = self._attempt(len(self.attempts), todo)
@@ -217,7 +243,7 @@ class Soak:
         marker = os.path.join(self.ray_tmp, f"a{k}")
         os.makedirs(marker, exist_ok=True)
         args = list(self.overrides) + (["trainer.resume=auto"] if k else [])
-        env = {**os.environ, "RAY_TMPDIR": marker, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "RAY_TMPDIR": marker, "PYTHONUNBUFFERED": "1", FAULTS_ENV: self.fault_dir}
         out_path = os.path.join(self.workdir, f"attempt{k}.log")
         t0 = time.time()
         proc = subprocess.Popen([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={self.run_dir}",
@@ -292,6 +318,15 @@ class Soak:
 
     def _inject(self, f: Fault, attempt: int, step: int, marker: str, driver: int) -> Optional[dict]:
         kind = KINDS[f.kind]
+        if kind.target == "user_code":  # the user's tool or environment fails on its next call
+            with open(os.path.join(self.fault_dir, f.kind), "w") as fh:
+                fh.write("1")
+            record = {"kind": f.kind, "scheduled_step": f.at_step, "step_seen": step, "attempt": attempt,
+                      "pid": None, "process": f"user code ({FAULTS_ENV}/{f.kind})", "signal": None, "fatal": False,
+                      "candidates": 1}
+            self.faults.append(record)
+            self.event("fault", kind=f.kind, step=step, attempt=attempt)
+            return record
         found = targets(kind, self.run_dir, marker, driver)
         if not found:
             self.event("no_target", kind=f.kind, at_step=step)
@@ -398,7 +433,8 @@ def account(soak: Soak, run_dir: str) -> list[dict]:
     kept_upto = {}  # attempt -> the last of its steps still in the final records
     for a in soak.attempts:
         nxt = next((b for b in soak.attempts if b["attempt"] == a["attempt"] + 1), None)
-        kept_upto[a["attempt"]] = nxt["resumed_from_step"] if nxt is not None else 10 ** 9
+        # (an attempt that found no checkpoint started over: nothing of the one before it was kept)
+        kept_upto[a["attempt"]] = (nxt["resumed_from_step"] or 0) if nxt is not None else 10 ** 9
     for f in soak.faults:
         kind = KINDS[f["kind"]]
         if kind.fatal:
@@ -434,9 +470,10 @@ def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: 
              n: int, workdir: str, log=print) -> dict:
     overrides = [*COMMON, *JOBS[name], f"trainer.total_training_steps={steps}", f"data.train_batch_size={batch}",
                  f"rollout.n={n}", *overrides]
-    kinds = [k for k in kinds if not KINDS[k].jobs or name in KINDS[k].jobs]  # --kinds all: what the job has
+    kinds = job_kinds(name, kinds)  # --kinds all: what the job has
     if not kinds:
-        raise SystemExit(f"job {name} has none of the fault kinds asked for (judge_kill needs --job reward_model)")
+        raise SystemExit(f"job {name} has none of the fault kinds asked for (judge_kill needs --job reward_model; "
+                         "tool_hang and env_crash --job multi_turn)")
     schedule = make_schedule(seed, steps, faults, kinds)
     ref_dir, run_dir = os.path.join(workdir, name, "reference"), os.path.join(workdir, name, "chaos")
     if any(RM_DIR in o for o in overrides):
@@ -461,11 +498,13 @@ def soak_job(name: str, overrides: list[str], *, steps: int, faults: int, seed: 
     chaos_s = time.time() - t0
     final = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
     counters = {k: v for k, v in final.items() if k.endswith("_total")}
+    untaken = sorted(os.listdir(soak.fault_dir))  # a user-code fault the run never reached (no call after it)
     return {
         "overrides": overrides, "seed": seed, "steps": steps,
         "schedule": [dataclasses.asdict(f) for f in schedule],
         "faults": account(soak, run_dir),
         "fault_kinds": sorted({f["kind"] for f in soak.faults}),
+        "user_code_faults_not_taken": untaken,
         "attempts": soak.attempts,
         "records": check_records(run_dir, steps, batch, n),
         "final_counters": counters,

@@ -49,6 +49,12 @@ def needs_mask(sampling: SamplingParams) -> bool:
     return True
 
 
+def _seed(sampling: SamplingParams, r: GenerateRequest) -> Optional[int]:
+    if r.seed is not None:
+        return int(r.seed)
+    return request_seed(sampling.seed, r.uid) if sampling.seed is not None else None
+
+
 def build_generate_payload(requests: Sequence[GenerateRequest], sampling: SamplingParams, *, rids: Sequence[str],
                            stop_token_ids: Optional[Sequence[int]] = None, send_seed: bool = True,
                            single: bool = False) -> dict:
@@ -74,9 +80,11 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
         params["structural_tag"] = sampling.structural_tag
     if sampling.stop:
         params["stop"] = list(sampling.stop)  # kept in the output (no_stop_trim)
-    if sampling.seed is not None and send_seed:
+    if send_seed and (sampling.seed is not None or any(r.seed is not None for r in requests)):
         # Honoured by SGLang's deterministic sampler (--enable-deterministic-inference), ignored otherwise.
-        sampling_params: Any = [{**params, "sampling_seed": request_seed(sampling.seed, r.uid)} for r in requests]
+        # A request's own seed (a multi-turn turn's) wins over the one derived from the call's seed and uid.
+        sampling_params: Any = [{**params, **({"sampling_seed": _seed(sampling, r)} if _seed(sampling, r) is not None
+                                              else {})} for r in requests]
     else:
         sampling_params = params
     extra: dict[str, Any] = {"return_logprob": True}

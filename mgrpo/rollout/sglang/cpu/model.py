@@ -3,8 +3,8 @@ loading, memory release. No HTTP here (server.py); every call runs on the server
 model thread, so generation and weight loads never interleave.
 
 Sampling follows SGLang's per-request semantics: each request has its own sampling params and, when
-`sampling_seed` is given, its own random stream (so a request's tokens do not depend on what else
-is in the batch). Log-probs are those of the full tempered distribution, log_softmax(logits / T),
+`sampling_seed` is given, is drawn by SGLang's seeded sampler (rollout/seeded.py: Gumbel noise hashed from
+the seed, the position and the column), so a request's tokens do not depend on what else is in the batch. Log-probs are those of the full tempered distribution, log_softmax(logits / T),
 before top-p/top-k truncation (T=0: greedy, log-probs at T=1), as `hf_engine.py` and the trainer
 compute them. On request (`mask_mode`) also each token's sampling support and behaviour log-prob, as
 SGLang's sampler captures them (srt/layers/sampler.py::_build_sampling_mask_output: the tokens the
@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mgrpo.rollout.seeded import sample_row
 from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
 from mgrpo.rollout.stops import StopStrings, finish_after
 
@@ -224,7 +225,7 @@ class CPUModel:
             for i, r in enumerate(reqs):
                 if r.finish is not None or self._abort_if(r, started, running=True):
                     continue
-                tok, lp = self._sample(logits[i], r, gens[i])
+                tok, lp = self._sample(logits[i], r, gens[i], len(r.input_ids) - 1 + len(r.out))
                 r.out.append(tok)
                 r.logprobs.append(lp)
                 nxt[i] = tok
@@ -259,7 +260,8 @@ class CPUModel:
                 r.route_rows.append(got[i, rows(i, r)].clone())
 
     @staticmethod
-    def _sample(logits: torch.Tensor, r: Req, gen: torch.Generator) -> tuple[int, float]:
+    def _sample(logits: torch.Tensor, r: Req, gen: torch.Generator, position: int) -> tuple[int, float]:
+        """`position`: of the last token fed (SGLang's seeded sampler hashes it with the request's seed)."""
         greedy = r.temperature == 0.0 or r.top_k == 1
         scaled = logits / (1.0 if r.temperature == 0.0 else r.temperature)
         logp = torch.log_softmax(scaled, dim=-1)
@@ -272,9 +274,13 @@ class CPUModel:
                 r.masks.append([tok])
                 r.mask_logprobs.append([0.0] if r.mask_mode == "support" else 0.0)
             return tok, float(logp[tok])
-        probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
-        pick = int(torch.multinomial(probs_sort, 1, generator=gen))
-        tok = int(probs_idx[pick])
+        if r.seed is not None:  # SGLang's seeded sampler: the row's token depends on its own seed and position only
+            tok, probs_sort, probs_idx, pick = sample_row(torch.softmax(scaled, dim=-1), r.top_k, r.top_p, r.seed,
+                                                          position, sorted_too=r.mask_mode is not None)
+        else:
+            probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
+            pick = int(torch.multinomial(probs_sort, 1, generator=gen))
+            tok = int(probs_idx[pick])
         if r.mask_mode is not None:
             CPUModel._keep_support(r, probs_sort, probs_idx, pick)
         return tok, float(logp[tok])
