@@ -15,10 +15,8 @@ wall-clock timeout. A call that cannot run (malformed, unknown tool, bad argumen
 an error as its reply: the model sees it, the run counts it per tool. Sync tools run in worker threads: a
 hung one is abandoned at its timeout (Python cannot kill a thread), its trajectory ends as tool_timeout.
 
-Constrained calls (rollout.multi_turn.tool_choice, stop_after_call): each turn's request carries the
-constraint SGLang's chat serving would send for the trajectory's tools (`ToolCallParser.constraint`), and
-each returned turn is replayed through the same grammar (mgrpo/rollout/grammar.py): a token the grammar
-restricted is context (sampled mask 0, log-prob 0.0), so only the policy's free choices carry loss.
+Constrained calls (rollout.multi_turn.tool_choice, stop_after_call) are mgrpo/agent/constrain.py's: the
+grammar each turn's request carries, and which of a returned turn's tokens it restricted (context).
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from mgrpo.agent.parse import ToolCallParser
 from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
+from mgrpo.agent.constrain import CallConstraints
 from mgrpo.agent.tools import ToolSet
 from mgrpo.agent.trajectory import RETRIED, Trajectory
 from mgrpo.config import InputError, seeds
@@ -78,14 +77,8 @@ class AgentRunner:
         self.max_response_length = max_response_length
         self.cap = cfg.max_concurrent_per_engine * max(engines, 1)
         self.eos = tokenizer.eos_token_id
-        self._grammars = None  # built on first constrained turn (mgrpo/rollout/grammar.py)
-        self.stop: tuple[str, ...] = ()
-        if cfg.stop_after_call:
-            end = ToolCallParser(cfg.format, []).end_of_call()
-            if not end:
-                raise ValueError(f"rollout.multi_turn.stop_after_call: the {cfg.format} format has no text that "
-                                 "ends a call")
-            self.stop = (end,)
+        self.constraints = CallConstraints(cfg, tokenizer)
+        self.stop = self.constraints.stop
 
     # --- the batch ----------------------------------------------------------------------------------
     def run(self, prompts: Sequence[tuple], sampling: SamplingParams, generate: Generate, *,
@@ -259,7 +252,7 @@ class AgentRunner:
         instances: dict[str, str] = {}
         versions: list[int] = []
         env = self.environment() if self.environment is not None else None
-        tags = {choice: self._tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
+        tags = {choice: self.constraints.tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
         called, user_turns = False, 0
         try:
             if env is not None:
@@ -279,7 +272,7 @@ class AgentRunner:
                 fed = traj.prompt_ids + traj.response_ids
                 seed = seeds.turn_seed(sampling.seed, traj.uid, turn) if sampling.seed is not None else None
                 await queue.put(_Request(fed, budget, fut, tag, self.stop, session, seed))
-                res: GenerateResult = self._cut_after_call(await fut, traj)
+                res: GenerateResult = self.constraints.cut_after_call(await fut, traj)
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True
                 if sampling.return_routed_experts:
@@ -287,7 +280,7 @@ class AgentRunner:
                 versions.append(res.weight_version)
                 traj.engine = res.engine
                 text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
-                free = self._free(tag, res.token_ids, traj)
+                free = self.constraints.free(tag, res.token_ids, traj)
                 t = traj.add(list(res.token_ids), list(res.logprobs), "assistant", text=text,
                              latency_s=time.perf_counter() - t0, sampled=free, support=res.support)
                 traj.count("turns")
@@ -341,54 +334,6 @@ class AgentRunner:
                 except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
                     traj.count("multi_turn/env_close_errors")
                     log.warning("environment close failed: %s: %s", type(err).__name__, err)
-
-    def _cut_after_call(self, res: GenerateResult, traj: Trajectory) -> GenerateResult:
-        """stop_after_call: the turn ends at the first token after which its decoded text holds the end of a
-        call. The engine's `stop` is matched as SGLang matches it, in the decoded last (its length in tokens +
-        1) tokens (rollout/stops.py), which misses an end the grammar spelled in more tokens (`</tool_call>`
-        character by character: the tag allows both); the engine then went on to EOS or the budget. The tokens
-        past the end are dropped here, as a stop would have, and counted (multi_turn/tokens_cut_after_call)."""
-        if not self.stop or not any(s in self.tok.decode(res.token_ids, skip_special_tokens=False)
-                                    for s in self.stop):
-            return res
-        ids = res.token_ids
-        lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop (holding one is monotone in k)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if any(s in self.tok.decode(ids[:mid], skip_special_tokens=False) for s in self.stop):
-                hi = mid
-            else:
-                lo = mid + 1
-        k = lo
-        if k == len(ids) and res.finish_reason == "stop":
-            return res  # the engine's stop ended it there
-        cut = len(ids) - k
-        traj.count("multi_turn/tokens_cut_after_call", cut)
-        routes = res.routed_experts  # [fed + out - 1, L, K]: the dropped tokens' rows go too
-        return replace(res, token_ids=list(ids[:k]), logprobs=list(res.logprobs[:k]), finish_reason="stop",
-                       support=None if res.support is None else list(res.support[:k]),
-                       routed_experts=None if routes is None else routes[:len(routes) - cut])
-
-    def _tag(self, parser: ToolCallParser, choice: str) -> Optional[str]:
-        """The structural tag SGLang's chat serving would send for `choice` and these tools, or None."""
-        constraint = parser.constraint(choice)
-        if constraint is not None and constraint[0] != "structural_tag":
-            raise ValueError(f"rollout.multi_turn.tool_choice={choice}: SGLang constrains the {self.cfg.format} "
-                             f"format with {constraint[0]}, which the runner does not send yet")
-        return constraint[1] if constraint is not None else None
-
-    def _free(self, tag: Optional[str], token_ids: Sequence[int], traj: Trajectory) -> Optional[list[int]]:
-        """Under a grammar: per token 1 where the policy chose freely (the grammar allowed every token), 0
-        where the grammar restricted the choice (context); None without one (every token sampled)."""
-        if tag is None:
-            return None
-        from mgrpo.rollout.grammar import Grammars, restricted_steps
-
-        if self._grammars is None:
-            self._grammars = Grammars(self.tok, len(self.tok), [self.eos])
-        flags = restricted_steps(self._grammars.compile_structural_tag(tag), token_ids, len(self.tok))
-        traj.count("multi_turn/constrained_tokens", sum(flags))
-        return [0 if f else 1 for f in flags]
 
     async def _env(self, traj: Trajectory, method, *args):
         """One environment call under tool_timeout_s: a hang is tool_timeout, a raise env_failed."""
