@@ -7,8 +7,8 @@ Each run is grpo_vs_trl.py's mgrpo child on the tiny workload (same spec, same i
 settings and priority), without TRL and without lockstep: it starts, runs --steps steps and exits. Per run:
 time from launch to the first step's start (what grpo_vs_trl.py calls time to first step), the start-up phases
 the run logs (`start | <phase> in <s>`), the peak PSS of the whole process tree (sampled every second) and what
-each kind of process held in that sample. With several --tree checkouts the runs alternate (A B A B ...), so
-load from other jobs on the machine reaches each alike; the load average is recorded per run. Medians per
+each kind of process held in that sample. With several --tree checkouts the runs alternate, the order flipping
+each repeat (A B, B A, ...), so load from other jobs on the machine reaches each alike; the load average is recorded per run. Medians per
 checkout are printed and written with every run to <out>.json. It reports numbers and asserts nothing.
 """
 
@@ -121,7 +121,8 @@ def main(argv=None) -> None:
         base = prepare(WORKLOADS["tiny"], workdir, a.steps, threads=1)
         runs: list[dict] = []
         for i in range(a.repeats):
-            for name, repo in trees:
+            # A B, B A, A B, ...: load that rises or falls during a repeat reaches each checkout alike
+            for name, repo in (trees if i % 2 == 0 else trees[::-1]):
                 r = run_once(name, repo, base, workdir, i, a.timeout)
                 runs.append(r)
                 print(f"  {name} run {i}: first step at {r['time_to_first_step_s']:.1f}s, peak PSS "
