@@ -73,8 +73,7 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
             else:
                 os.environ[k] = v
     _inherited.clear()
-    if not os.environ.get("RAY_ADDRESS"):  # with it set, ray.init joined that cluster: its raylet has its own env
-        _inherited.update(env)
+    _inherited.update(env)
     _stop_unused_head_processes()
 
 
