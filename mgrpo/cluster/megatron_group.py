@@ -14,9 +14,8 @@ import ray
 
 from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
-from mgrpo.heap import trim_after_call
-from mgrpo.cluster.placement import Placement, rank_env
-from mgrpo.cluster.ray_env import actor_env
+from mgrpo.heap import arena_env, trim_after_call
+from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 from mgrpo.rollout.types import WeightDeliveryError
 
@@ -104,10 +103,12 @@ class MegatronGroup:
         self.world = layout.megatron_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
+        # one malloc arena for the rank's threads (mgrpo/heap.py)
+        env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **arena_env()}
         self.ranks = [
             MegatronRank.options(num_cpus=threads, num_gpus=placement.megatron_gpus,
                                 scheduling_strategy=placement.megatron.strategy(i),
-                                **actor_env(rank_env(threads))).remote(threads)
+                                runtime_env={"env_vars": env}).remote(threads)
             for i in range(self.world)
         ]
         self.devices = ray.get([r.devices.remote() for r in self.ranks])

@@ -26,7 +26,6 @@ import ray
 
 from mgrpo.cluster.ray_env import Bundles, reserve, start_ray
 from mgrpo.config import Layout, MGRPOConfig
-from mgrpo.heap import arena_env
 
 ENGINE_GPU_SHARE = 0.2
 """Fraction of a GPU a colocated engine's host actor claims in the Megatron bundle it shares (the host
@@ -96,14 +95,6 @@ class Placement:
                 b.remove()
 
 
-def rank_env(threads: int) -> dict[str, str]:
-    """Environment of a Megatron rank's process: one malloc arena for its threads (mgrpo/heap.py), OpenMP and
-    the tokenizers library held to its CPU share. A local Ray starts all its processes with it (`place`), so
-    the ranks need no runtime_env (`ray_env.actor_env`); the engine hosts and Ray's own processes get it too
-    (one arena, the same thread count: what the run gives each process anyway)."""
-    return {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **arena_env()}
-
-
 def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     """Start (or join) Ray and reserve the bundles of this run."""
     t, r = cfg.trainer, cfg.rollout
@@ -114,7 +105,7 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     engine_slots = 0 if hybrid else r.num_engines
     own_rewards = launched_reward_models(cfg, "own")
     start_ray(address=t.ray_address, num_cpus=cpus * (layout.megatron_world + engine_slots + sum(
-        m.engines for m in own_rewards.values())) + 1 if local_cpu else None, worker_env=rank_env(cpus))
+        m.engines for m in own_rewards.values())) + 1 if local_cpu else None)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).

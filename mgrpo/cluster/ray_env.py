@@ -6,13 +6,6 @@ uses: the GCS, the raylet with its two agents (it exits without them), the log m
 on the console) and our actors. No dashboard, no autoscaler monitor, no idle pre-started workers
 (every process of a run is an actor with a process of its own), no metrics or task events that
 nobody reads. A SLURM job joins the cluster that `slurm/train.sbatch` started (`trainer.ray_address`).
-
-A local Ray's processes start with the environment a Megatron rank needs (`worker_env`): the raylet
-passes its own environment to every worker it starts, so a rank needs no `runtime_env` (`actor_env`).
-A `runtime_env` costs every actor start a round trip to the runtime-env agent and a second Python
-start-up (Ray's setup_worker.py, which then execs the worker): ~1 s of a quiet machine, 2 s at load 11,
-on the path to the first step. A joined cluster's raylet has its own environment: ranks there take
-the variables as a `runtime_env`, as before.
 """
 
 from __future__ import annotations
@@ -28,8 +21,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 _owned_tmp: list[str] = []
-_inherited: dict[str, str] = {}
-"""The environment variables every process of the local Ray this process started was started with."""
 
 LOCAL_SYSTEM_CONFIG = {
     "enable_worker_prestart": False,          # no idle workers kept warm for tasks we never submit
@@ -40,10 +31,7 @@ LOCAL_SYSTEM_CONFIG = {
 """Ray system settings of a local run (each checked by the GCS: an unknown key fails `ray.init`)."""
 
 
-def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None = None,
-              worker_env: dict[str, str] | None = None) -> None:
-    """Join `address`, or start a private local Ray whose processes (and so every worker the raylet starts)
-    have `worker_env` in their environment; this process's own environment is left as it was."""
+def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     # Processes Ray starts inherit this: no per-engine "Loading weights" bar interleaved with the run's lines.
@@ -60,29 +48,9 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
     if not tmp:  # a short private path (Ray's socket paths must stay under ~107 characters)
         tmp = tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
         _owned_tmp.append(tmp)
-    env = dict(worker_env or {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # what the processes ray.init starts inherit: the raylet hands it to its workers
-    try:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    _inherited.clear()
-    _inherited.update(env)
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
+             configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
     _stop_unused_head_processes()
-
-
-def actor_env(env: dict[str, str]) -> dict:
-    """Ray actor options that give the actor's process `env`: none when the local Ray this process started
-    gave it to every worker already (`start_ray`'s worker_env), else a runtime_env."""
-    if all(_inherited.get(k) == v for k, v in env.items()):
-        return {}
-    return {"runtime_env": {"env_vars": dict(env)}}
 
 
 def _stop_unused_head_processes() -> None:
@@ -99,7 +67,6 @@ def stop_ray() -> None:
     """Shut down the local Ray and remove the temp dir we made for it (a user's RAY_TMPDIR is kept)."""
     if ray.is_initialized():
         ray.shutdown()
-    _inherited.clear()
     while _owned_tmp:
         shutil.rmtree(_owned_tmp.pop(), ignore_errors=True)
 
