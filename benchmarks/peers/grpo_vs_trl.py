@@ -306,7 +306,9 @@ def child_main(kind: str, spec_path: str, go_fd: int, ready_fd: int) -> None:
 # parent: one framework's child, and a lockstep round of both
 # ======================================================================================================
 class Side:
-    def __init__(self, kind: str, spec: dict, workdir: str):
+    def __init__(self, kind: str, spec: dict, workdir: str, repo: str | None = None):
+        """`repo`: the checkout the child imports mgrpo and this module from (default: this one); an A/B
+        comparison of two commits runs the same parent over two checkouts (benchmarks/measure/startup.py)."""
         self.kind, self.spec = kind, spec
         spec_path = os.path.join(workdir, f"{spec['name']}.spec.json")
         with open(spec_path, "w") as f:
@@ -315,7 +317,7 @@ class Side:
         go_r, self.go_w = os.pipe()
         self.ready_r, ready_w = os.pipe()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = child_pythonpath(env)
+        env["PYTHONPATH"] = child_pythonpath(env) if repo is None else os.pathsep.join([repo, child_pythonpath(env)])
         # Ray starts its workers (mgrpo's Megatron rank and engine) at nice 15; TRL's process runs at 0. On a
         # machine others load, that alone made mgrpo's generate 3-5x slower than TRL's in a trial (load 30):
         # both sides run at the same priority here.

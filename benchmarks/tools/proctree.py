@@ -60,6 +60,7 @@ class TreeMonitor(threading.Thread):
         self.labels: dict[int, str] = {}  # pid -> what the process became (a Ray worker renames itself)
         self.peak_rss: dict[int, int] = {}
         self.peak_pss: dict[int, int] = {}
+        self.pss_at_peak: dict[int, int] = {}  # each process's PSS in the sample where the tree's PSS peaked
 
     def procs(self) -> list:
         try:
@@ -85,6 +86,7 @@ class TreeMonitor(threading.Thread):
 
     def sample(self, pss: bool) -> None:
         rss_sum = pss_sum = n = 0
+        pss_now: dict[int, int] = {}
         with self.lock:
             for p in self.procs():
                 try:
@@ -102,9 +104,12 @@ class TreeMonitor(threading.Thread):
                 pss_sum += q
                 self.peak_rss[p.pid] = max(self.peak_rss.get(p.pid, 0), rss)
                 self.peak_pss[p.pid] = max(self.peak_pss.get(p.pid, 0), q)
+                pss_now[p.pid] = q
             t = time.time()
             self.rss_timeline.append((t, rss_sum, n))
             if pss:
+                if pss_sum > max((v for _, v in self.pss_timeline), default=0):
+                    self.pss_at_peak = pss_now
                 self.pss_timeline.append((t, pss_sum))
 
     def cpu(self) -> float:
@@ -138,7 +143,16 @@ class TreeMonitor(threading.Thread):
             "rss_samples": len(self.rss_timeline),
             # per kind of process: how many, and the sum of each one's own peak (>= their share of the tree peak)
             "by_process_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["peak_rss_mib"])),
+            # what each kind held in the one sample where the tree's PSS peaked (these sum to the peak)
+            "pss_at_peak_mib": self.at_peak(),
         }
+
+    def at_peak(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, q in self.pss_at_peak.items():
+            label = self.labels.get(pid, "?")
+            out[label] = out.get(label, 0.0) + q / (1 << 20)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def machine(packages=("torch", "trl", "transformers", "accelerate", "datasets", "ray", "megatron-core",

@@ -113,16 +113,26 @@ class MegatronGroup:
         ]
         self.devices = ray.get([r.devices.remote() for r in self.ranks])
         self._setup_args = dict(init_hf_dir=init_hf_dir, total_steps=total_steps, need_ref=need_ref)
+        self._setup_refs: list = []
         self.info: list[dict] = []
 
     def setup(self, cfg: MGRPOConfig) -> None:
         """Build the Megatron stages on every rank (after colocated engines took their memory)."""
+        self.start_setup(cfg)
+        self.finish_setup()
+
+    def start_setup(self, cfg: MGRPOConfig) -> None:
+        """Send every rank its stage build and return at once (`finish_setup` waits for it)."""
         master_addr, master_port = ray.get(self.ranks[0].rendezvous_address.remote())
-        self.info = self._gather([
+        self._setup_refs = [
             r.setup.remote(cfg, rank=i, world_size=self.world, master_addr=master_addr, master_port=master_port,
                            **self._setup_args)
             for i, r in enumerate(self.ranks)
-        ])
+        ]
+
+    def finish_setup(self) -> None:
+        refs, self._setup_refs = self._setup_refs, []
+        self.info = self._gather(refs)
 
     def _all(self, call: Callable) -> list:
         """`call(rank)` (a remote call) on every rank; the results by rank."""
