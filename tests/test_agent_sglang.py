@@ -75,9 +75,11 @@ def _records(tok, tools):
 
 def _generate(engine):
     """The runner's generate over one engine (what the rollout group does per call)."""
-    def generate(prompts, params, sessions=None):
+    def generate(prompts, params, sessions=None, seeds=None):
         sessions = sessions or [None] * len(prompts)
-        reqs = [GenerateRequest(uid=i, prompt_ids=list(p), session=s) for i, (p, s) in enumerate(zip(prompts, sessions))]
+        seeds = seeds or [None] * len(prompts)  # a turn's own seed (seeds.turn_seed), as the rollout group sends it
+        reqs = [GenerateRequest(uid=i, prompt_ids=list(p), session=s, seed=k)
+                for i, (p, s, k) in enumerate(zip(prompts, sessions, seeds))]
         return engine.generate(reqs, params), {}
     return generate
 
@@ -176,7 +178,10 @@ def test_generate_with_sglangs_request_classes(tok, ckpt, servers):
     ids, finish = r.json()["output_ids"], r.json()["meta_info"]["finish_reason"]
     text = tok.decode(ids)
     if finish["type"] == "stop" and isinstance(finish["matched"], str):
-        assert text.endswith(finish["matched"]) and not any(s in text[:-1] for s in "abc"), (text, finish)
+        # SGLang looks in the decoded tail (the stop's tokens + 1): the last token holds it (it may be a whole
+        # word such as </tool_call>), the text before that token holds none of them
+        assert finish["matched"] in tok.decode(ids[-2:]) and not any(s in tok.decode(ids[:-1]) for s in "abc"), \
+            (text, finish)
     else:
         assert not any(s in text for s in "abc"), (text, finish)
     refusals = [({"structural_tag": "{not json"}, "Failed to compile structural_tag grammar: "),
