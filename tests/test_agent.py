@@ -18,7 +18,7 @@ from mgrpo.agent.runner import AgentRunner
 from mgrpo.agent.tools import FunctionTool, ToolSet, function_schema, load_verl_tool_config
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
-from tests.helpers.agent import ScriptedPolicy, add, call_text as _call, tool_prompts as _prompts
+from tests.helpers.agent import ScriptedPolicy, add, slow_tool, call_text as _call, tool_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
@@ -231,16 +231,7 @@ def test_hanging_tools_and_slow_trajectories_are_cut_and_failed(qwen3):
 
 def test_a_slow_tool_holds_only_its_own_trajectory(qwen3):
     """Trajectory 0 waits 2 s on its tool; trajectory 1 makes all its turns meanwhile."""
-    async def slow(x: int) -> str:
-        """Slow.
-
-        Args:
-            x: a number
-        """
-        await asyncio.sleep(2.0)
-        return "1"
-
-    tools = ToolSet([FunctionTool(slow), FunctionTool(add)])
+    tools = ToolSet([FunctionTool(slow_tool(2.0)), FunctionTool(add)])
     script = lambda uid, turn: (_call("slow", {"x": 1}) if uid == 0 else _call("add", {"a": turn})) \
         if turn < (1 if uid == 0 else 4) else "done"  # noqa: E731
     trajs, _, took, policy = _run(qwen3, tools, script, MultiTurnConfig(function_tools=["x:y"], max_assistant_turns=6),

@@ -5,7 +5,6 @@ tests/test_agent.py holds the runner's own unit tests."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from mgrpo.agent.runner import AgentRunner
 from mgrpo.agent.tools import FunctionTool, ToolSet
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
-from tests.helpers.agent import ScriptedPolicy, add, call_text as _call, tool_prompts as _prompts
+from tests.helpers.agent import ScriptedPolicy, add, slow_tool, call_text as _call, tool_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
@@ -153,16 +152,7 @@ def test_a_generation_that_fails_after_the_groups_retries_fails_its_trajectories
 def test_over_sample_rate_aborts_the_slowest_trajectories(qwen3):
     """veRL's rule: with N=10 and rate 0.2 the step ends when int(10 x 0.8) = 8 trajectories have finished; the two
     waiting on a 20 s tool end as 'aborted' at once, the engines' abort is asked once, and nothing is waited for."""
-    async def slow(x: int) -> str:
-        """Slow.
-
-        Args:
-            x: a number
-        """
-        await asyncio.sleep(20.0)
-        return "1"
-
-    tools = ToolSet([FunctionTool(slow), FunctionTool(add)])
+    tools = ToolSet([FunctionTool(slow_tool(20.0)), FunctionTool(add)])
     script = lambda uid, turn: (_call("slow" if uid in (3, 7) else "add", {"x": 1} if uid in (3, 7) else {"a": 1})  # noqa: E731
                                 if turn == 0 else "done")
     runner = AgentRunner(MultiTurnConfig(function_tools=["x:y"]), qwen3, tools, max_response_length=1024)

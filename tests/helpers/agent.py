@@ -4,6 +4,7 @@ checked without a model. Every trajectory needs a prompt of its own (the request
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Callable
@@ -86,6 +87,20 @@ def add(a: int, b: int = 0) -> int:
         b: the second
     """
     return a + b
+
+
+def slow_tool(seconds: float):
+    """A tool `slow(x)` that sleeps `seconds` before it answers "1" (the trajectory that calls it waits)."""
+    async def slow(x: int) -> str:
+        """Slow.
+
+        Args:
+            x: a number
+        """
+        await asyncio.sleep(seconds)
+        return "1"
+
+    return slow
 
 
 def tool_prompts(tok, tools, k: int) -> list[list[int]]:
