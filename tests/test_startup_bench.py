@@ -24,10 +24,12 @@ def test_pss_at_peak_is_the_peak_samples_split_and_sums_to_it():
     reference = own_pss_mib()
     out = mon.summary()
     del block
-    assert list(out["pss_at_peak_mib"]) == ["main process"]
+    # This process may have children of its own by now (an xdist worker that ran other tests keeps torch's
+    # torch_shm_manager and multiprocessing's helper): they are in the tree and in the split, as they should be.
+    own = out["pss_at_peak_mib"]["main process"]
     assert abs(sum(out["pss_at_peak_mib"].values()) - out["peak_pss_tree_mib"]) < 1e-6
-    assert out["peak_pss_tree_mib"] - first["peak_pss_tree_mib"] > 60
-    assert abs(out["peak_pss_tree_mib"] - reference) < 8  # smaps_rollup read by hand, a moment later
+    assert own - first["pss_at_peak_mib"]["main process"] > 60
+    assert abs(own - reference) < 8  # smaps_rollup read by hand, a moment later
 
 
 def test_summary_takes_medians_per_phase_and_per_process_kind():
