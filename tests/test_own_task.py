@@ -34,6 +34,10 @@ def test_readme_own_task_recipe_learns(tmp_path):
     assert len(rewards) == 150 and first <= 0.1 and last >= 0.8, (first, last)
     done = [line for line in out.stderr.splitlines() if "done | 150 steps" in line]
     assert done and f"reward first-10 {first:.3f}, last-10 {last:.3f}" in done[0], out.stderr[-2000:]
+    # Which letters are answered, over the last 10 steps (160 prompts: every letter of the 26 several times; one
+    # step's 16 prompts may hold only 13 letters where it crosses an epoch). A few letters that settled on
+    # another answer before their capital was ever sampled stay unsolved: 5 of 26 on 2026-11-27's run.
     trajectories = [json.loads(line) for line in open(run_dir / "trajectories.jsonl")]
-    solved = {t["prompt"]: t["response"] for t in trajectories if t["step"] == 150 and t["reward"] == 1.0}
-    assert all(r == p[0].upper() for p, r in solved.items()) and len(solved) >= 10, solved
+    solved = {(t["prompt"], t["response"]) for t in trajectories if t["step"] > 140 and t["reward"] == 1.0}
+    assert all(r == p[0].upper() for p, r in solved), solved
+    assert len({p for p, _ in solved}) >= 18, sorted(solved)
