@@ -30,8 +30,8 @@ def _ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _run_ours(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None):
-    s = StopStrings.normalize(stops, tok)
+def _run_ours(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None, regex=None):
+    s = StopStrings.normalize(stops, tok, regex)
     out = []
     for k, t in enumerate(stream):
         out.append(t)
@@ -43,13 +43,14 @@ def _run_ours(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=
     return None, len(out)
 
 
-def _run_sglang(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None):
+def _run_sglang(tok, stream, stops, stop_token_ids, max_new, ignore_eos, ended_at=None, regex=None):
     sp = sampling_params_class()(stop=stops, stop_token_ids=stop_token_ids, max_new_tokens=max_new,
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, stop_regex=regex)
     sp.normalize(tok)
     r = sglang_req(tok, stop_strs=sp.stop_strs, stop_str_max_len=sp.stop_str_max_len,
                    stop_token_ids=sp.stop_token_ids or (), eos_token_ids=[EOS], max_new_tokens=max_new,
-                   ignore_eos=ignore_eos, vocab_size=len(VOCAB))
+                   ignore_eos=ignore_eos, vocab_size=len(VOCAB), stop_regex_strs=sp.stop_regex_strs,
+                   stop_regex_max_len=sp.stop_regex_max_len)
     fed = [0]  # the grammar has seen the tokens before the newest one when update_finish_state runs
     r.grammar = SimpleNamespace(is_terminated=lambda: ended_at is not None and fed[0] > ended_at)
     for t in stream:
@@ -97,14 +98,65 @@ def test_finish_rules_are_sglangs_on_random_streams(tok):
     assert all(seen.get(k, 0) > 100 for k in ("none", "stop", "stop-str", "length")), seen
 
 
+def test_stop_regexes_end_the_response_as_in_sglang(tok):
+    """3,000 random streams of digits, spaces, the call's end (one token and in characters), EOS, with stop
+    regexes (bounded, end-anchored and unbounded, alternations, one that parses but does not compile) alone
+    and after stop strings: finish reason, matched pattern and kept length are SGLang's after every token."""
+    rng = random.Random(1)
+    alphabet = [CALL_END, EOS, VOCAB[" "], VOCAB["\n"]] + [VOCAB[c] for c in "12x</tool_call>"]
+    regex_sets = [r"\d{2}", [r"</tool_call>\s*$"], ["ab|x\n|2 1", r"\d\d"], [r"(?<=1+)2", "x"],
+                  ["1[^2]{3}1", r"l>\s+\d"], "", []]
+    stop_sets = [None, None, ["x"], ["</tool_call>", "21"]]
+    seen: dict[str, int] = {}
+    for case in range(3000):
+        stream = [rng.choice(alphabet) for _ in range(rng.randint(1, 20))]
+        regex, stops, ignore_eos = rng.choice(regex_sets), rng.choice(stop_sets), rng.random() < 0.3
+        max_new = rng.randint(1, 20)
+        ours = _run_ours(tok, stream, stops, [], max_new, ignore_eos, regex=regex)
+        ref = _run_sglang(tok, stream, stops, [], max_new, ignore_eos, regex=regex)
+        assert ours == ref, (case, stream, stops, regex, max_new, ignore_eos)
+        fin = ours[0]
+        patterns = [regex] if isinstance(regex, str) else regex
+        kind = "none" if fin is None else fin["type"]
+        if fin is not None and fin.get("matched") in patterns and fin.get("matched") not in (stops or []):
+            kind = "regex"
+        seen[kind] = seen.get(kind, 0) + 1
+    assert all(seen.get(k, 0) > 50 for k in ("none", "stop", "regex", "length", "abort")), seen
+    # by hand: the tail an end-anchored pattern is searched in is the whole output (its bound is 2**30)
+    call = _ids(tok, "<tool_call>{}") + [CALL_END]
+    assert _run_ours(tok, call + [VOCAB[" "]], None, [], 50, False, regex=r"</tool_call>\s*$") == \
+        ({"type": "stop", "matched": r"</tool_call>\s*$"}, len(call))
+    # \d{2} looks at 3 tokens: 2 digits split by a space never match, 2 in a row do at the second
+    assert _run_ours(tok, _ids(tok, "1 2 12x"), None, [], 50, False, regex=r"\d{2}")[1] == 6
+
+
+def test_a_stop_regex_bound_is_sglangs():
+    """stop_regex_max_len (the tail a pattern is searched in) against the wheel's get_max_seq_length, over
+    every construct its walk treats apart."""
+    from mgrpo.rollout.stops import UNBOUNDED, regex_max_len
+    from tests.helpers.sglang_wheel import get_max_seq_length
+
+    patterns = [r"\d{2}", r"</tool_call>\s*$", "ab|cde", "(?=x)y", r"\bfoo\b", "[abc]{3,5}", "a+?", "(?P<n>a)(?P=n)",
+                "x{0}", "", "[^a]", "[^ab]", "(a|bc){2}", "(?:x(y|zz)){3,4}?", ".", r"\.", "a{2,}", "(?i)abc",
+                "(?<=a)b", "a|", r"\Aab\Z", r"[\d\s]", "(a)(?(1)b|cc)", "é{3}", "((a{2}){3}){4}"]
+    got = {p: regex_max_len(p) for p in patterns}
+    assert got == {p: get_max_seq_length(p) for p in patterns}
+    assert got[r"\d{2}"] == 2 and got["((a{2}){3}){4}"] == 24 and got[r"</tool_call>\s*$"] == 12 + UNBOUNDED
+
+
 def _sglang_check(sp: dict, tokenizer):
-    """SGLang's tokenizer manager: SamplingParams(**sp).normalize(tokenizer); .verify(vocab_size)."""
+    """SGLang's tokenizer manager: SamplingParams(**sp).normalize(tokenizer); .verify(vocab_size). A ValueError
+    is its 400; any other exception (re.error) escapes its HTTP handler: ('500', message)."""
+    import re
+
     try:
         p = sampling_params_class()(**sp)
         p.normalize(tokenizer)
         p.verify(len(VOCAB))
     except ValueError as e:
         return str(e)
+    except re.error as e:
+        return ("500", str(e))
     return p
 
 
@@ -116,16 +168,27 @@ def test_stop_and_grammar_fields_are_checked_as_sglang_checks_them(tok, with_tok
              {"stop": ["x"] * 33}, {"stop": ["<tool_call>\n{", ""]}, {"structural_tag": tag}, {"regex": "a+"},
              {"structural_tag": tag, "regex": "a+"}, {"json_schema": "{}", "ebnf": 'root ::= "a"'},
              {"structural_tag": "", "regex": "a+"}, {"stop": ["x"] * 33, "temperature": -1.0},
-             {"temperature": -1.0, "structural_tag": tag, "json_schema": "{}"}, {"stop": "x", "top_p": 0.0}]
+             {"temperature": -1.0, "structural_tag": tag, "json_schema": "{}"}, {"stop": "x", "top_p": 0.0},
+             {"stop_regex": r"\d{2}"}, {"stop_regex": [r"</tool_call>\s*$", "a|bc"], "stop": "x"},
+             {"stop_regex": []}, {"stop_regex": ""}, {"stop_regex": ["a"] * 32}, {"stop_regex": ["a"] * 33},
+             {"stop_regex": "a" * 256}, {"stop_regex": "a" * 257}, {"stop_regex": ["x", "é" * 129]},
+             {"stop_regex": "("}, {"stop_regex": ["a", "a{2,1}"]}, {"stop_regex": "(?<=a+)b"},
+             {"stop": ["x"] * 33, "stop_regex": ["a"] * 33}, {"stop": "x", "stop_regex": ["a"] * 33},
+             {"stop": "x", "stop_regex": "("}, {"stop_regex": "(", "temperature": -1.0},
+             {"stop_regex": "x", "top_p": 0.0}]
     for sp in cases:
         ref = _sglang_check(sp, tokenizer)
         try:
             ours = check_sampling(sp, 0, tokenizer)
         except RequestError as e:
-            assert str(e) == ref, (sp, str(e), ref)
+            if isinstance(ref, tuple):  # SGLang's server answers 500 "Internal Server Error"; the log says why
+                assert (e.status, e.internal) == (500, True) and ref[1] in str(e), (sp, str(e), ref)
+            else:
+                assert (str(e), e.status, e.internal) == (ref, 400, False), (sp, str(e), ref)
             continue
-        assert not isinstance(ref, str), (sp, ref)
-        assert ours["stops"] == StopStrings(tuple(ref.stop_strs), ref.stop_str_max_len), sp
+        assert not isinstance(ref, (str, tuple)), (sp, ref)
+        assert ours["stops"] == StopStrings(tuple(ref.stop_strs), ref.stop_str_max_len, tuple(ref.stop_regex_strs),
+                                            ref.stop_regex_max_len), sp
         kinds = [(k, v) for k, v in (("json", ref.json_schema), ("regex", ref.regex), ("ebnf", ref.ebnf),
                                      ("structural_tag", ref.structural_tag)) if v is not None]
         assert [ours["grammar_key"]] == (kinds or [None]), sp

@@ -63,19 +63,18 @@ class TokenLogprobs(LogitsProcessor):
 
 
 class SGLangStops(StoppingCriteria):
-    """Stop strings as SGLang matches them (rollout/stops.py): after each token, in the decoded tail of the
-    stop string's length in tokens + 1. transformers' own `stop_strings` stops wherever the text ends with a
-    stop string, also one spelled in more tokens than its own encoding (a grammar may write `</tool_call>`
-    character by character), where SGLang, and so this engine, goes on."""
+    """Stop strings and stop patterns as SGLang matches them (rollout/stops.py): after each token, in the
+    decoded tail of the longest stop's length + 1 tokens. transformers' own `stop_strings` stops wherever the
+    text ends with a stop string, also one spelled in more tokens than its own encoding (a grammar may write
+    `</tool_call>` character by character), where SGLang, and so this engine, goes on. A row also stops on a
+    pattern `re` cannot compile (SGLang aborts it; `_finish` raises)."""
 
-    def __init__(self, stop: Sequence[str], tokenizer, prompt_width: int):
-        from mgrpo.rollout.stops import StopStrings
-
-        self.stops, self.tok, self.width = StopStrings.normalize(list(stop), tokenizer), tokenizer, prompt_width
+    def __init__(self, stops, tokenizer, prompt_width: int):
+        self.stops, self.tok, self.width = stops, tokenizer, prompt_width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        tail = input_ids[:, max(self.width, input_ids.shape[1] - self.stops.max_len - 1):].tolist()
-        return torch.tensor([self.stops.matched(row, self.tok) is not None for row in tail], dtype=torch.bool,
+        rows = input_ids[:, self.width:].tolist()
+        return torch.tensor([self.stops.check(row, self.tok) is not None for row in rows], dtype=torch.bool,
                             device=input_ids.device)
 
 
@@ -189,6 +188,11 @@ class HFRolloutEngine(EngineDefaults):
         sample = not sampling.greedy
         supports = sampling.return_support and sample
         grammar = self._grammar(sampling.structural_tag, len(chunk)) if sampling.structural_tag else None
+        stops = None
+        if sampling.stop or sampling.stop_regex:  # SGLang's normalize: refused (StopError) before generating
+            from mgrpo.rollout.stops import StopStrings
+
+            stops = StopStrings.normalize(list(sampling.stop), self._tok(), list(sampling.stop_regex) or None)
         if sampling.return_routed_experts and self.routes is None:
             raise ValueError("return_routed_experts was asked, but the engine was built without "
                              "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
@@ -202,7 +206,7 @@ class HFRolloutEngine(EngineDefaults):
                                    for r in chunk], [len(r.prompt_ids) for r in chunk], width, sampling, supports)
         capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
         with capture as forwards:
-            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar, seeded)
+            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar, seeded, stops)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
@@ -218,14 +222,13 @@ class HFRolloutEngine(EngineDefaults):
         eos = set(self.eos_token_ids)
         for i, (r, toks, lps) in enumerate(zip(chunk, new_tokens.tolist(), token_logprobs.tolist())):
             n, finish = len(toks), "length"
-            for j, t in enumerate(toks):
-                if t in eos:
-                    n, finish = j + 1, "stop"
-                    break
-            if sampling.stop:
-                at = self._stop_at(toks[:n], sampling.stop)
-                if at is not None:
-                    n, finish = at, "stop"
+            if stops is not None:
+                n, finish = self._finish(toks, stops, eos, sampling.max_new_tokens)
+            else:
+                for j, t in enumerate(toks):
+                    if t in eos:
+                        n, finish = j + 1, "stop"
+                        break
             support = None
             if sampling.return_support:  # greedy: no sampling distribution, every token 'whole vocabulary'
                 support = token_supports[i][:n] if token_supports is not None else [None] * n
@@ -254,20 +257,24 @@ class HFRolloutEngine(EngineDefaults):
         compiled = self._grammars.compile_structural_tag(structural_tag)
         return GrammarProcessor(compiled, rows, self._grammars.vocab_size, self.pad_token_id)
 
-    def _stop_at(self, toks: list[int], stop: Sequence[str]) -> Optional[int]:
-        """Tokens up to and including the one after which the decoded tail holds a stop string, as SGLang
-        checks it after every token (rollout/stops.py, shared with the CPU server), or None."""
-        from mgrpo.rollout.stops import StopStrings
+    def _finish(self, toks: list[int], stops, eos: set[int], max_new_tokens: int) -> tuple[int, str]:
+        """(tokens kept, 'stop' or 'length'): SGLang's finish rules after every token (rollout/stops.py, shared
+        with the CPU server); the abort SGLang answers 400 for a pattern `re` cannot compile raises here."""
+        from mgrpo.rollout.stops import finish_after
 
         tok = self._tok()
-        stops = StopStrings.normalize(list(stop), tok)
         for j in range(len(toks)):
-            if stops.matched(toks[:j + 1], tok) is not None:
-                return j + 1
-        return None
+            fin = finish_after(toks[:j + 1], stops=stops, tokenizer=tok, stop_token_ids=eos,
+                               max_new_tokens=max_new_tokens)
+            if fin is not None:
+                if fin["type"] == "abort":
+                    raise ValueError(fin["message"])
+                return j + 1, fin["type"]
+        return len(toks), "length"
 
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
-                step_logprobs: Optional[TokenLogprobs], grammar=None, seeded: Optional[SeededSample] = None):
+                step_logprobs: Optional[TokenLogprobs], grammar=None, seeded: Optional[SeededSample] = None,
+                stops=None):
         # seeded: the rows are drawn by SeededSample, whose only finite score the greedy decode takes
         sample = not sampling.greedy and seeded is None
         return self.model.generate(
@@ -279,8 +286,8 @@ class HFRolloutEngine(EngineDefaults):
             top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
-            stopping_criteria=StoppingCriteriaList([SGLangStops(sampling.stop, self._tok(), ids.shape[1])])
-            if sampling.stop else None,
+            stopping_criteria=StoppingCriteriaList([SGLangStops(stops, self._tok(), ids.shape[1])])
+            if stops is not None else None,
             pad_token_id=self.pad_token_id,
             output_scores=supports and seeded is None,
             # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them

@@ -30,6 +30,9 @@ class SamplingParams:
     """SGLang's `sampling_params.stop`: texts that end the response when the decoded tail (the longest stop's
     length in tokens + 1) holds one, as SGLang checks it (rollout/stops.py; kept in the ids, finish_reason
     'stop')."""
+    stop_regex: tuple[str, ...] = ()
+    """SGLang's `sampling_params.stop_regex`: patterns that end the response when `re.search` finds one in the
+    decoded tail (after the stop strings; rollout/stops.py), kept in the ids, finish_reason 'stop'."""
 
     @property
     def greedy(self) -> bool:

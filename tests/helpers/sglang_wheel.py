@@ -1,7 +1,8 @@
 """SGLang 0.5.23's own finish and sampling-parameter rules, taken out of the installed wheel's files (importing
 `sglang` needs its GPU runtime), as independent references for the CPU engines' (mgrpo/rollout/stops.py,
 cpu/generate.py::check_sampling):
-- `sampling_params_class()`: srt/sampling/sampling_params.py's SamplingParams (normalize, verify);
+- `sampling_params_class()`: srt/sampling/sampling_params.py's SamplingParams (normalize, verify), and
+  `get_max_seq_length` (a stop_regex's stop_regex_max_len);
 - `finish_req_class()`: the methods of srt/managers/schedule_batch.py's Req that decide when a response ends
   (update_finish_state and what it calls), on a bare class the test fills with the attributes they read."""
 
@@ -53,13 +54,14 @@ def finish_req_class() -> type:
 
 
 def sglang_req(tokenizer, *, stop_strs, stop_str_max_len, stop_token_ids, eos_token_ids, max_new_tokens,
-               ignore_eos=False, vocab_size=None):
+               ignore_eos=False, vocab_size=None, stop_regex_strs=(), stop_regex_max_len=0):
     """A Req of SGLang's finish rules with what update_finish_state reads (SamplingParams already normalised)."""
     from types import SimpleNamespace
 
     r = finish_req_class()()
     r.sampling_params = SimpleNamespace(stop_strs=list(stop_strs), stop_str_max_len=stop_str_max_len,
-                                        stop_regex_strs=[], stop_regex_max_len=0, ignore_eos=ignore_eos,
+                                        stop_regex_strs=list(stop_regex_strs), stop_regex_max_len=stop_regex_max_len,
+                                        ignore_eos=ignore_eos,
                                         stop_token_ids=set(stop_token_ids) or None, max_new_tokens=max_new_tokens)
     if not hasattr(tokenizer, "additional_stop_token_ids"):
         tokenizer.additional_stop_token_ids = None  # SGLang's get_tokenizer attaches it
@@ -87,3 +89,12 @@ def sampling_params_class() -> type:
           "WatermarkRequestConfig": WatermarkRequestConfig, "normalize_watermark_request": lambda v: v,
           **{k: getattr(typing, k) for k in ("Dict", "List", "Optional", "Sequence", "Set", "Union")}}
     return wheel._extract(path, names, "_mgrpo_test_sglang_sampling_params", ns).SamplingParams
+
+
+def get_max_seq_length(pattern: str) -> int:
+    """sampling_params.py's get_max_seq_length (stop_regex_max_len), from the module sampling_params_class
+    ran."""
+    import sys
+
+    sampling_params_class()
+    return sys.modules["_mgrpo_test_sglang_sampling_params"].get_max_seq_length(pattern)

@@ -80,6 +80,11 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
         params["structural_tag"] = sampling.structural_tag
     if sampling.stop:
         params["stop"] = list(sampling.stop)  # kept in the output (no_stop_trim)
+    if sampling.stop_regex:
+        if single:  # sglang-router 0.3.2's /generate request type has no stop_regex: it would drop it, silently
+            raise ValueError("stop_regex cannot go through SGLang's router (sglang-router 0.3.2 drops the field); "
+                             "send it to the servers directly")
+        params["stop_regex"] = list(sampling.stop_regex)
     if send_seed and (sampling.seed is not None or any(r.seed is not None for r in requests)):
         # Honoured by SGLang's deterministic sampler (--enable-deterministic-inference), ignored otherwise.
         # A request's own seed (a multi-turn turn's) wins over the one derived from the call's seed and uid.

@@ -3,13 +3,16 @@ each finished `Req` turned into SGLang's answer.
 
 SGLang's checks, with its messages: the JSON contract (sglang/api/v1/api_types.py, where the wheel is
 installed), `SamplingParams.normalize/verify` (srt/sampling/sampling_params.py: temperature, top_p, top_k,
-min_p, max_new_tokens; greedy below 1e-6; top_k -1 is the whole vocabulary; `stop` normalised against the
-server's tokenizer, mgrpo/rollout/stops.py; one grammar of json_schema / regex / ebnf / structural_tag, compiled
+min_p, max_new_tokens; greedy below 1e-6; top_k -1 is the whole vocabulary; `stop` and `stop_regex`
+normalised against the server's tokenizer, mgrpo/rollout/stops.py; one grammar of json_schema / regex / ebnf / structural_tag, compiled
 by cpu/text.py with mgrpo/rollout/grammar.py), the context-length check
 (tokenizer_manager.py::_validate_one_request), the sampling-mask checks (tokenizer_manager.py and
 scheduler.py: a mask needs top_k=1 or a finite top_k up to --sampling-mask-max-tokens) and the
 routed-experts start check (scheduler.py). Each failure is a `RequestError`, answered 400
-{"error": {"message": ...}} as SGLang's `_create_error_response` does. Stricter than SGLang: fields and
+{"error": {"message": ...}} as SGLang's `_create_error_response` does; a stop_regex Python cannot parse
+raises re.error in SGLang's normalize, which its server does not catch: 500 "Internal Server Error". A request
+SGLang's scheduler aborts with status 400 (a stop_regex that parses but does not compile) is answered as its
+tokenizer manager does (`_handle_abort_finish_reason`): 400 {"error": {"message": ...}} for the call. Stricter than SGLang: fields and
 sampling parameters the CPU server does not implement are refused when set, instead of being ignored.
 
 The answer (tokenizer_manager.py::_handle_batch_output): `meta_info` with output_token_logprobs as
@@ -39,11 +42,11 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # Sampling parameters the CPU server implements; those that only shape text (it returns token ids); and
 # SGLang's defaults for the rest, which must stay at them.
 SAMPLING_IMPLEMENTED = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
-                                  "ignore_eos", "sampling_seed", "stop", "json_schema", "regex", "ebnf",
-                                  "structural_tag"})
+                                  "ignore_eos", "sampling_seed", "stop", "stop_regex", "json_schema", "regex",
+                                  "ebnf", "structural_tag"})
 SAMPLING_TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
                                 "stream_interval"})
-SAMPLING_DEFAULTS = {"stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+SAMPLING_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0,
                      "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "logit_bias": None,
                      "custom_params": None, "beam_width": None, "watermark": None, "choice": None}
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -124,17 +127,17 @@ def check_sampling(sp: Any, index: int, tokenizer=None) -> dict:
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise RequestError(f"/generate: sampling_params.stop_token_ids must be a list of integers, got {stops!r}")
     out["stop_token_ids"] = tuple(stops)
-    stop = sp.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
-                                                           and all(isinstance(x, str) for x in stop))):
-        raise RequestError(f"/generate: sampling_params.stop must be a string or a list of strings, got {stop!r}")
+    stop, stop_regex = sp.get("stop"), sp.get("stop_regex")
+    for key, v in (("stop", stop), ("stop_regex", stop_regex)):
+        if v is not None and not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
+            raise RequestError(f"/generate: sampling_params.{key} must be a string or a list of strings, got {v!r}")
     for key in GRAMMAR_FIELDS:
         if sp.get(key) is not None and not isinstance(sp[key], str):
             raise RequestError(f"/generate: sampling_params.{key} must be a string, got {type(sp[key]).__name__}")
-    try:  # normalize(): stop strings (their longest length in tokens), before verify()
-        out["stops"] = StopStrings.normalize(stop, tokenizer)
+    try:  # normalize(): stop strings and patterns (the longest each can match), before verify()
+        out["stops"] = StopStrings.normalize(stop, tokenizer, stop_regex)
     except StopError as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(str(e), 500 if e.internal else 400, internal=e.internal) from None
     # normalize(): greedy below _SAMPLING_EPS, top_k -1 = the whole vocabulary
     if 0 <= out["temperature"] < SAMPLING_EPS:
         out["temperature"], out["top_k"] = 1.0, 1
@@ -255,6 +258,15 @@ def _check_length(prompt_len: int, max_new: Optional[int], context_len: int) -> 
                            f"from the input messages and {max_new} tokens for the completion. Please reduce the "
                            "number of tokens in the input messages or the completion to fit within the limit.")
     return max_new
+
+
+def refusal(done) -> Optional[RequestError]:
+    """tokenizer_manager.py::_handle_abort_finish_reason for a call's finished Reqs: the first one the scheduler
+    aborted with status 400 fails the whole call (SGLang's ValueError -> 400 {"error": {"message": ...}})."""
+    for r in done:
+        if r.finish.get("type") == "abort" and r.finish.get("status_code") == 400:
+            return RequestError(r.finish["message"])
+    return None
 
 
 def answer(r, weight_version: str, return_logprob: bool, t0: float) -> dict:

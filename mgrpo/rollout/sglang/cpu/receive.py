@@ -27,12 +27,15 @@ class RequestError(ValueError):
     """A request SGLang would refuse (or, for unknown fields, silently misread).
 
     `validation`: a body FastAPI itself rejects (not JSON, wrong field types), which SGLang's handler
-    answers 400 with its ErrorResponse; otherwise SGLang's `{"error": {"message": ...}}`."""
+    answers 400 with its ErrorResponse; `internal`: an exception SGLang's server does not catch, which
+    Starlette answers 500 "Internal Server Error" in plain text (the message goes to the server's log);
+    otherwise SGLang's `{"error": {"message": ...}}`."""
 
-    def __init__(self, message: str, status: int = 400, *, validation: bool = False):
+    def __init__(self, message: str, status: int = 400, *, validation: bool = False, internal: bool = False):
         super().__init__(message)
         self.status = status
         self.validation = validation
+        self.internal = internal
 
     def body(self) -> dict:
         if self.validation:  # http_server.py::validation_exception_handler -> ErrorResponse

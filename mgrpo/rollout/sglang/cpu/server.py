@@ -249,6 +249,9 @@ def build_app(state: State):
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
+        if e.internal:  # what SGLang's server answers an exception it does not catch
+            log.error("%s %s: %s", request.method, request.url.path, e)
+            return PlainTextResponse("Internal Server Error", status_code=500)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ModelError)
@@ -291,6 +294,9 @@ def build_app(state: State):
             await asyncio.get_running_loop().run_in_executor(None, state.text.compile, reqs)
         model.check_servable()
         done = await state.generate(reqs, t0)
+        refused = cpu_generate.refusal(done)
+        if refused is not None:
+            raise refused
         items = [cpu_generate.answer(r, state.weight_version, lp, t0) for r, lp in zip(done, logprob)]
         return items[0] if single else items
 
