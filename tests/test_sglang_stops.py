@@ -5,8 +5,10 @@ taken out of the installed wheel (tests/helpers/sglang_wheel.py): the finish rul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -212,3 +214,97 @@ def test_without_a_tokenizer_a_grammar_is_refused_with_sglangs_words(tok):
     assert r.grammar is not None
     with pytest.raises(RequestError, match=r"^Failed to compile regex grammar: "):
         ServerText(tok, len(VOCAB), [EOS]).compile([Req(rid="c", input_ids=[1], grammar_key=("regex", "(a"))])
+
+
+def test_stop_regex_is_sent_only_when_set_and_never_through_the_router():
+    from mgrpo.rollout.sglang.generate_io import build_generate_payload
+    from mgrpo.rollout.types import GenerateRequest, SamplingParams
+
+    reqs = [GenerateRequest(uid=0, prompt_ids=[1, 2])]
+    plain = build_generate_payload(reqs, SamplingParams(), rids=["a"])["sampling_params"]
+    assert "stop_regex" not in plain
+    sp = build_generate_payload(reqs, SamplingParams(stop_regex=(r"\d{2}", "a|b")), rids=["a"])["sampling_params"]
+    assert sp == {**plain, "stop_regex": [r"\d{2}", "a|b"]}
+    with pytest.raises(ValueError, match="sglang-router 0.3.2 drops the field"):
+        build_generate_payload(reqs, SamplingParams(stop_regex=("x",)), rids=["a"], single=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tok):
+    import dataclasses
+
+    from mgrpo.config.schema import ModelConfig
+    from mgrpo.models.hf_io import init_hf_checkpoint
+    from tests.helpers.sglang_cpu import launch
+
+    m = dataclasses.replace(ModelConfig(), tokenizer="printable", vocab_size=len(VOCAB), max_position_embeddings=512)
+    ckpt = init_hf_checkpoint(str(tmp_path_factory.mktemp("ckpt")), m, seed=3, tokenizer=tok)  # with its tokenizer
+    engine = launch(ckpt, str(tmp_path_factory.mktemp("logs")))
+    yield engine, ckpt
+    engine.shutdown()
+
+
+@pytest.mark.integration
+def test_a_stop_regex_ends_a_request_over_http_as_in_sglang(tok, server):
+    """/generate built with SGLang's request classes (api/v1/api_types.py): a pattern ends the request with
+    SGLang's {"type": "stop", "matched": <pattern>} where the wheel's Req ends the same tokens; the client's
+    SamplingParams.stop_regex ends the CPU server's and the in-process engine's greedy responses at the same
+    token; bad patterns get SGLang's status and body."""
+    from mgrpo.rollout.hf_engine import HFRolloutEngine
+    from mgrpo.rollout.sglang.protocol import wheel
+    from mgrpo.rollout.types import GenerateRequest, SamplingParams
+    from tests.helpers.sglang_cpu import post
+
+    api = wheel.contract()
+    if api is None:
+        pytest.skip("the sglang wheel is not installed")
+    engine, ckpt = server
+    prompt = _ids(tok, "<|im_start|>user\nCount to nine.<|im_end|>\n<|im_start|>assistant\n")
+
+    def body(**sp):
+        sp = {"temperature": 1.0, "max_new_tokens": 120, "no_stop_trim": True, **sp}
+        return api.GenerateRequest(input_ids=prompt, return_logprob=True,
+                                   sampling_params=api.SamplingParams(**sp)).to_json_value()
+
+    patterns = [r"\d\s*\d", r"</tool_call>\s*$", "ab|ba"]
+    ended = 0
+    for seed in range(6):
+        r = post(engine.url, "/generate", body(stop_regex=patterns, sampling_seed=seed))
+        assert r.status_code == 200, r.text
+        ids = api.GenerateResponse.from_json_value(r.json()).output_ids
+        finish = r.json()["meta_info"]["finish_reason"]
+        want = _run_sglang(tok, ids, None, [], 120, False, regex=patterns)
+        assert (finish, len(ids)) == want, (seed, tok.decode(ids))
+        ended += finish.get("matched") in patterns
+    assert ended >= 3, ended  # most of them end on a pattern
+    # the client's field, both engines, greedy: the same tokens, ended by the same pattern
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=80)
+    free = engine.generate([GenerateRequest(uid=0, prompt_ids=prompt)], greedy)[0]
+    text = tok.decode(free.token_ids)
+    k = next(k for k in range(6, len(text)) if text[k] != text[k - 1])  # where the free response first changes
+    pattern = re.escape(text[k - 1:k + 1]) + "|q{2}"  # a pair it holds, or one it does not
+    stopped = dataclasses.replace(greedy, stop_regex=(pattern,))
+    local = HFRolloutEngine(ckpt, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                            tokenizer="printable")
+    got = [e.generate([GenerateRequest(uid=0, prompt_ids=prompt)], stopped)[0] for e in (engine, local)]
+    want = _run_sglang(tok, free.token_ids, None, [], 80, False, regex=pattern)
+    assert want[0] == {"type": "stop", "matched": pattern} and want[1] < len(free.token_ids), (text, want)
+    for g in got:
+        assert (g.token_ids, g.finish_reason) == (free.token_ids[:want[1]], "stop"), (text, pattern)
+    # refusals: normalize's limits (400), a pattern Python cannot parse (SGLang's uncaught re.error: 500), one
+    # that parses but does not compile (the scheduler's abort: 400 with its message)
+    for sp, status, message in [
+            ({"stop_regex": ["a"] * 33}, 400, {"error": {"message": "at most 32 stop_regex patterns are allowed, "
+                                                                    "got 33"}}),
+            ({"stop_regex": "a" * 257}, 400, {"error": {"message": "stop_regex is 257 bytes, over the 256-byte "
+                                                                   "limit"}}),
+            ({"stop_regex": "(?<=a+)b", "ignore_eos": True}, 400,
+             {"error": {"message": "invalid stop_regex '(?<=a+)b': look-behind requires fixed-width pattern"}})]:
+        r = post(engine.url, "/generate", body(**sp))
+        assert (r.status_code, r.json()) == (status, message), (sp, r.text)
+    r = post(engine.url, "/generate", body(stop_regex="("))
+    assert (r.status_code, r.text) == (500, "Internal Server Error")
+    with pytest.raises(ValueError, match=r"^invalid stop_regex '\(\?<=a\+\)b': look-behind requires"):
+        local.generate([GenerateRequest(uid=0, prompt_ids=prompt)], dataclasses.replace(stopped,
+                                                                                       stop_regex=("(?<=a+)b",)))
+    assert engine.health().ok  # refusals leave it serving

@@ -217,8 +217,8 @@ def restricted_steps(compiled, token_ids: Sequence[int], n_tokens: int) -> list[
 def load_engine_tokenizer(name: Optional[str]):
     """The run's tokenizer by its model.tokenizer name (an engine needs it only for grammars)."""
     if name is None:
-        raise GrammarError("structural_tag needs the engine's tokenizer: the engine was built without "
-                           "model.tokenizer")
+        raise GrammarError("structural_tag, stop and stop_regex need the engine's tokenizer: the engine was "
+                           "built without model.tokenizer")
     from types import SimpleNamespace
 
     from mgrpo.data.tokenizer import load_tokenizer
