@@ -81,7 +81,9 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
     if sampling.stop:
         params["stop"] = list(sampling.stop)  # kept in the output (no_stop_trim)
     if sampling.stop_regex:
-        if single:  # sglang-router 0.3.2's /generate request type has no stop_regex: it would drop it, silently
+        # sglang-router 0.3.2's /generate request type has no stop_regex: it drops it, silently (stop_regex="."
+        # through it ran to max_new_tokens; sent to the server, it stops at the first token)
+        if single:
             raise ValueError("stop_regex cannot go through SGLang's router (sglang-router 0.3.2 drops the field); "
                              "send it to the servers directly")
         params["stop_regex"] = list(sampling.stop_regex)

@@ -1,12 +1,13 @@
 """The CPU server's tokenizer and grammar compiler: what SGLang's tokenizer manager and grammar backend hold,
-for the requests that need text (stop strings, grammars). Prompts still arrive as token ids.
+for the requests that need text (stop strings and patterns, grammars). Prompts still arrive as token ids.
 
 SGLang loads the tokenizer at `--tokenizer-path` (default: `--model-path`) unless `--skip-tokenizer-init`, and
 builds its xgrammar backend from it (constrained/grammar_manager.py: none without a tokenizer). Here the same,
 with one difference: a checkpoint without tokenizer files (the tests' tiny ones, written without one) does not
 fail the launch as it fails SGLang's; the server runs as under `--skip-tokenizer-init`, says so in its log,
-and refuses stop strings and grammars with SGLang's own messages for that case:
-- stop: "stop=[...] is unavailable when skip_tokenizer_init=True (...)" (sampling_params.py, 400);
+and refuses stop strings, stop patterns and grammars with SGLang's own messages for that case:
+- stop, stop_regex: "stop=[...] (stop_regex=[...]) is unavailable when skip_tokenizer_init=True (...)"
+  (sampling_params.py, 400);
 - a grammar: "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the
   server is launched with --grammar-backend none" (grammar_manager.py, the request aborted with 400).
 Grammars compile with `mgrpo/rollout/grammar.py` (the in-process engine's path), built on first use, cached.
