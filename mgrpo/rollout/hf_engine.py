@@ -73,7 +73,8 @@ class SGLangStops(StoppingCriteria):
         self.stops, self.tok, self.width = stops, tokenizer, prompt_width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        rows = input_ids[:, self.width:].tolist()
+        width = max(self.stops.max_len, self.stops.regex_max_len) + 1  # the tail check() decodes, at most
+        rows = input_ids[:, max(self.width, input_ids.shape[1] - width):].tolist()
         return torch.tensor([self.stops.check(row, self.tok) is not None for row in rows], dtype=torch.bool,
                             device=input_ids.device)
 
