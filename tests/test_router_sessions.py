@@ -48,8 +48,11 @@ def test_router_keeps_each_session_on_one_engine_and_spreads_sessions(tmp_path):
             for i, r in enumerate(out):
                 served[f"traj-{i}"].add(name(r.logprobs[0]))
         assert all(len(s) == 1 for s in served.values()), dict(served)  # every turn of a trajectory: one engine
+        # min_group ("worker with fewest routing keys") spreads new sessions but not exactly in sglang-router
+        # 0.3.2: CI's run gave 5 and 3, and so did two of five runs here with the first turn sent one request at a
+        # time (traj-0 and traj-1 both to one engine). Both engines serve sessions; the split is not pinned.
         per_engine = collections.Counter(next(iter(s)) for s in served.values())
-        assert per_engine == {"a": 4, "b": 4}  # min_group: a new session to the engine holding fewer
+        assert sorted(per_engine) == ["a", "b"] and min(per_engine.values()) >= 2, per_engine
     finally:
         if front is not None:
             front.shutdown()
