@@ -4,16 +4,16 @@ each finished `Req` turned into SGLang's answer.
 SGLang's checks, with its messages: the JSON contract (sglang/api/v1/api_types.py, where the wheel is
 installed), `SamplingParams.normalize/verify` (srt/sampling/sampling_params.py: temperature, top_p, top_k,
 min_p, max_new_tokens; greedy below 1e-6; top_k -1 is the whole vocabulary; `stop` and `stop_regex`
-normalised against the server's tokenizer, mgrpo/rollout/stops.py; one grammar of json_schema / regex / ebnf / structural_tag, compiled
-by cpu/text.py with mgrpo/rollout/grammar.py), the context-length check
+normalised against the server's tokenizer, mgrpo/rollout/stops.py; one grammar of json_schema / regex / ebnf /
+structural_tag, compiled by cpu/text.py with mgrpo/rollout/grammar.py), the context-length check
 (tokenizer_manager.py::_validate_one_request), the sampling-mask checks (tokenizer_manager.py and
 scheduler.py: a mask needs top_k=1 or a finite top_k up to --sampling-mask-max-tokens) and the
 routed-experts start check (scheduler.py). Each failure is a `RequestError`, answered 400
 {"error": {"message": ...}} as SGLang's `_create_error_response` does; a stop_regex Python cannot parse
 raises re.error in SGLang's normalize, which its server does not catch: 500 "Internal Server Error". A request
 SGLang's scheduler aborts with status 400 (a stop_regex that parses but does not compile) is answered as its
-tokenizer manager does (`_handle_abort_finish_reason`): 400 {"error": {"message": ...}} for the call. Stricter than SGLang: fields and
-sampling parameters the CPU server does not implement are refused when set, instead of being ignored.
+tokenizer manager does (`_handle_abort_finish_reason`): 400 {"error": {"message": ...}} for the call. Stricter
+than SGLang: fields and sampling parameters the CPU server does not implement are refused when set, instead of being ignored.
 
 The answer (tokenizer_manager.py::_handle_batch_output): `meta_info` with output_token_logprobs as
 [logprob, token_id, None] (and output_top_logprobs, per position the top_logprobs_num [logprob, token_id, None]), output_token_sampling_mask / _logprobs / _mask_length, and routed_experts as
