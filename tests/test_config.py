@@ -71,6 +71,12 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"rollout": {"top_p": 0.9}, "algorithm": {"logprob_support": "sampled"}},  # SGLang wants a finite top_k
      "algorithm.logprob_support=sampled with rollout.engine=sglang: SamplingParams.return_support with top_p=0.9 "
      "and top_k=-1: SGLang 0.5.23 returns a token's sampling support only for top_k=1 or 1 < top_k <= 4096"),
+    ({"rollout": {"stop": [str(i) for i in range(33)]}}, "rollout.stop holds 33 entries; SGLang takes at most 32"),
+    ({"rollout": {"stop": ["a", ""]}}, "rollout.stop[1]='' must be a non-empty string"),
+    ({"rollout": {"stop_regex": ["a(?<=b+)"]}}, "rollout.stop_regex[0]='a(?<=b+)' does not compile"),
+    ({"rollout": {"stop_regex": ["x" * 257]}}, "rollout.stop_regex[0] is 257 bytes; SGLang takes at most 256"),
+    ({"rollout": {"stop_regex": ["[0-9]"], "num_engines": 2}},
+     "rollout.stop_regex cannot go through SGLang's router, which fronts more than one engine"),
 ])
 def test_validation_names_the_field(changes, message):
     cfg = MGRPOConfig()
@@ -85,6 +91,12 @@ def test_sampled_support_with_a_finite_top_k_or_another_engine_passes():
     for rollout in (RolloutConfig(top_p=0.9, top_k=5), RolloutConfig(top_p=0.9, engine="hf")):
         preflight(MGRPOConfig(rollout=rollout, algorithm=AlgorithmConfig(logprob_support="sampled")),
                   check_memory=False)
+
+
+def test_stop_regex_passes_where_no_router_drops_it():
+    for rollout in (RolloutConfig(stop_regex=["[0-9]"], engine="hf"),
+                    RolloutConfig(stop_regex=["[0-9]"], stop=["</answer>"], num_engines=1)):
+        preflight(MGRPOConfig(rollout=rollout), check_memory=False)
 
 
 def test_production_rollout_modes_validate_on_cpu():

@@ -185,7 +185,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                                       rollout=rollout, tools=p.tools)
         evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
                               seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
-                              experiences=experiences)
+                              experiences=experiences, stop=cfg.rollout.stop, stop_regex=cfg.rollout.stop_regex)
         observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None,
                             token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg))

@@ -3,6 +3,8 @@ samples per validation prompt, mean@n and pass@n per data_source, logged as val/
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from mgrpo.config import seeds
 from mgrpo.config.schema import EvaluationConfig
 from mgrpo.observe.metrics import summed
@@ -12,10 +14,13 @@ from mgrpo.rollout.types import SamplingParams
 
 class Evaluator:
     def __init__(self, cfg: EvaluationConfig, *, test_freq: int, val_before_train: bool, seed: int,
-                 max_response_length: int, val_data, experiences):
+                 max_response_length: int, val_data, experiences, stop: Sequence[str] = (),
+                 stop_regex: Sequence[str] = ()):
         self.cfg, self.test_freq, self.val_before_train = cfg, test_freq, val_before_train
-        self.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                       max_new_tokens=max_response_length, seed=seeds.eval_seed(seed))
+        # rollout.stop / stop_regex: a response is judged as it was trained, ending where training's ends
+        self.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, stop=tuple(stop),
+                                       stop_regex=tuple(stop_regex), max_new_tokens=max_response_length,
+                                       seed=seeds.eval_seed(seed))
         """The same draws at every evaluation: scores move only with the weights."""
         self.val_data = val_data
         self.experiences = experiences

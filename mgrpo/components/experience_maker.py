@@ -119,6 +119,7 @@ class ExperienceMaker:
     def sampling(self, step: int, round_: int = 0) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              stop=tuple(r.stop), stop_regex=tuple(r.stop_regex),
                               max_new_tokens=self.cfg.data.max_response_length,
                               seed=seeds.sampling_seed(self.cfg.trainer.seed, step, round_),
                               return_support=self.cfg.algorithm.logprob_support == "sampled",

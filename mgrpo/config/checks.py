@@ -12,6 +12,33 @@ from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.sandbox import SandboxConfig
 
 
+# SGLang 0.5.23's limits on a request's stops (sampling/sampling_params.py; rollout/stops.py applies them)
+MAX_STOP_COUNT = 32  # MAX_STOP_COUNT
+MAX_STOP_REGEX_COUNT = 32  # MAX_STOP_REGEX_COUNT
+MAX_STOP_REGEX_LEN = 256  # MAX_STOP_REGEX_LEN, in UTF-8 bytes
+
+
+def stop_errors(stop, stop_regex) -> list[str]:
+    """rollout.stop / rollout.stop_regex within SGLang's limits: at most 32 of each, non-empty strings, a pattern
+    at most 256 UTF-8 bytes that `re` compiles (SGLang refuses the request otherwise)."""
+    e: list[str] = []
+    for key, vals, most in (("stop", stop, MAX_STOP_COUNT), ("stop_regex", stop_regex, MAX_STOP_REGEX_COUNT)):
+        if len(vals) > most:
+            e.append(f"rollout.{key} holds {len(vals)} entries; SGLang takes at most {most}")
+        for i, v in enumerate(vals):
+            if not isinstance(v, str) or not v:
+                e.append(f"rollout.{key}[{i}]={v!r} must be a non-empty string")
+            elif key == "stop_regex":
+                if len(v.encode()) > MAX_STOP_REGEX_LEN:
+                    e.append(f"rollout.stop_regex[{i}] is {len(v.encode())} bytes; SGLang takes at most "
+                             f"{MAX_STOP_REGEX_LEN}")
+                try:
+                    re.compile(v)
+                except re.error as err:
+                    e.append(f"rollout.stop_regex[{i}]={v!r} does not compile: {err}")
+    return e
+
+
 def choice(errors: list[str], name: str, value, allowed) -> None:
     names = values(allowed) if isinstance(allowed, type) else list(allowed)
     if value not in names:

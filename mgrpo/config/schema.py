@@ -258,6 +258,13 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    """SGLang's `sampling_params.stop` for every training and validation request (slime's --rollout-stop): a
+    response ends at the first of these texts it writes, which stays in its ids (finish_reason 'stop'). In a
+    multi-turn rollout each assistant turn ends there (the trajectory then ends, as at <|im_end|>)."""
+    stop_regex: list[str] = field(default_factory=list)
+    """SGLang's `sampling_params.stop_regex`: patterns `re.search` looks for in a response's tail. Not through
+    SGLang's router (sglang-router 0.3.2 drops the field): rollout.engine=hf or one SGLang engine."""
     tp: int = 1
     """Tensor-parallel size of one engine."""
     ep: int = 1

@@ -15,7 +15,8 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from mgrpo.config.checks import choice, divides, multi_turn_errors, positive, reward_model_errors, sandbox_errors
+from mgrpo.config.checks import (choice, divides, multi_turn_errors, positive, reward_model_errors, sandbox_errors,
+                                 stop_errors)
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
                                   SmallGroup, is_choice, plain)
@@ -235,6 +236,10 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
                  "(use evaluation.temperature=0 for greedy validation)")
     if not 0 < r.top_p <= 1:
         e.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    e += stop_errors(r.stop, r.stop_regex)
+    if r.stop_regex and r.engine == Engine.sglang and engine_count(cfg, accelerators(cfg)) > 1:
+        e.append("rollout.stop_regex cannot go through SGLang's router, which fronts more than one engine "
+                 "(sglang-router 0.3.2 drops the field): use rollout.stop, one engine, or rollout.engine=hf")
     if r.ep < 1 or (r.ep > 1 and r.ep != r.tp):  # SGLang: ep_size * moe_dp_size == tp_size (moe_dp_size 1)
         e.append(f"rollout.ep={r.ep}: SGLang's expert-parallel size must be 1 or rollout.tp ({r.tp})")
     if not r.api_key or (r.api_key.startswith("env:") and not os.environ.get(r.api_key[4:])):

@@ -35,9 +35,8 @@ import re._parser as sre_parse  # what SGLang measures patterns with (Python 3.1
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-MAX_STOP_COUNT = 32  # sampling_params.py MAX_STOP_COUNT
-MAX_STOP_REGEX_COUNT = 32  # sampling_params.py MAX_STOP_REGEX_COUNT
-MAX_STOP_REGEX_LEN = 256  # sampling_params.py MAX_STOP_REGEX_LEN, in UTF-8 bytes
+from mgrpo.config.checks import MAX_STOP_COUNT, MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN  # noqa: F401 (SGLang's)
+
 UNBOUNDED = 2 ** 30  # sampling_params.py MAX_LEN: "no bound" in get_max_seq_length
 
 
