@@ -5,6 +5,11 @@
 -> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, turns, tokens the
 grammar wrote), the README's plot benchmarks/results/tool_peek_cpu.png (reward and calls per trajectory vs step)
 and the markdown table the README shows (every 10th step), printed.
+
+The second stage: the call left to the policy (rollout.multi_turn.tool_choice=auto), from the first stage's
+weights (its RUN_DIR/hf), so the call rate can rise once reading the reply pays:
+    python -m benchmarks.jobs.tool_task --auto-from RUN_DIR [--from RUN_DIR2]
+-> benchmarks/results/tool_peek_auto_cpu.json / .png.
 """
 
 from __future__ import annotations
@@ -19,9 +24,16 @@ import time
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "tool_peek_cpu.json")
 PLOT = os.path.join(os.path.dirname(__file__), "..", "results", "tool_peek_cpu.png")
+AUTO_STEPS = 30
+"""Steps of the second stage."""
 
 
-def summarise(run_dir: str, seconds: float | None) -> dict:
+def auto_overrides(stage1: str) -> list[str]:
+    return [f"model.hf_path={os.path.join(stage1, 'hf')}", "rollout.multi_turn.tool_choice=auto",
+            f"trainer.total_training_steps={AUTO_STEPS}"]
+
+
+def summarise(run_dir: str, seconds: float | None, command: str = "mgrpo-train recipe=tool-peek-tiny-cpu") -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     steps = [{"step": i + 1, "reward": round(m["critic/score/mean"], 4),
@@ -30,9 +42,11 @@ def summarise(run_dir: str, seconds: float | None) -> dict:
               "constrained_tokens": m.get("multi_turn/constrained_tokens", 0),
               "step_s": round(m.get("timing_s/step", 0.0), 2)} for i, m in enumerate(rows)]
     r = [s["reward"] for s in steps]
-    return {"command": "mgrpo-train recipe=tool-peek-tiny-cpu", "seconds": seconds, "chance": 0.1,
+    c = [s["tool_calls_per_trajectory"] for s in steps]
+    return {"command": command, "seconds": seconds, "chance": 0.1,
             "first10_reward": round(sum(r[:10]) / 10, 4), "last10_reward": round(sum(r[-10:]) / 10, 4),
-            "steps": steps}
+            "first10_calls_per_trajectory": round(sum(c[:10]) / 10, 4),
+            "last10_calls_per_trajectory": round(sum(c[-10:]) / 10, 4), "steps": steps}
 
 
 def table(summary: dict) -> str:
@@ -43,7 +57,7 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, path: str) -> None:
+def plot(summary: dict, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +72,7 @@ def plot(summary: dict, path: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.05)
     ax.legend(loc="center right", fontsize=8)
-    ax.set_title("recipe=tool-peek-tiny-cpu: the tiny model from random weights (CPU)")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -66,21 +80,34 @@ def plot(summary: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--from", dest="run_dir", default=None)
+    ap.add_argument("--auto-from", dest="stage1", default=None,
+                    help="the second stage (tool_choice=auto) from this first-stage run's weights")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the run (none for the README's numbers)")
     args = ap.parse_args()
+    overrides = list(args.overrides)
+    results, plot_path = RESULTS, PLOT
+    title = "recipe=tool-peek-tiny-cpu: the tiny model from random weights (CPU)"
+    if args.stage1 is not None:
+        overrides = auto_overrides(args.stage1) + overrides
+        results, plot_path = RESULTS.replace("_cpu", "_auto_cpu"), PLOT.replace("_cpu", "_auto_cpu")
+        title = "tool_choice=auto from the first stage's weights: the call is the policy's (CPU)"
+    command = " ".join(["mgrpo-train recipe=tool-peek-tiny-cpu", *overrides])
     seconds = None
     run_dir = args.run_dir
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="tool-peek-")
         t0 = time.perf_counter()
+        # the weights are kept (RUN_DIR/hf): the second stage starts from them
         subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
-                        f"trainer.output_dir={run_dir}", "trainer.save_hf=false", *args.overrides], check=True)
+                        f"trainer.output_dir={run_dir}", *overrides], check=True)
         seconds = round(time.perf_counter() - t0, 1)
-    summary = summarise(run_dir, seconds)
-    with open(RESULTS, "w") as f:
+    summary = summarise(run_dir, seconds, command)
+    with open(results, "w") as f:
         json.dump(summary, f, indent=1)
-    plot(summary, PLOT)
-    print(f"first-10 reward {summary['first10_reward']}, last-10 {summary['last10_reward']} (chance 0.1)")
+    plot(summary, plot_path, title)
+    print(f"{run_dir}: first-10 reward {summary['first10_reward']}, last-10 {summary['last10_reward']} (chance 0.1); "
+          f"calls per trajectory first-10 {summary['first10_calls_per_trajectory']}, "
+          f"last-10 {summary['last10_calls_per_trajectory']}")
     print(table(summary))
 
 
