@@ -19,7 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
-from mgrpo.rollout.routes import generated_routes
+from mgrpo.rollout.routes import check_routes_from, generated_routes
 from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -215,6 +215,9 @@ class HFRolloutEngine(EngineDefaults):
         if sampling.return_routed_experts and self.routes is None:
             raise ValueError("return_routed_experts was asked, but the engine was built without "
                              "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
+        if sampling.return_routed_experts:
+            for r in chunk:
+                check_routes_from(r.routes_from, len(r.prompt_ids))
         # Without supports each sampled token's log-prob is read from its own decode step's logits (one step
         # held); supports need every step's processed scores.
         step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
@@ -254,7 +257,8 @@ class HFRolloutEngine(EngineDefaults):
             results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n], finish_reason=finish,
                                           weight_version=self.weight_version, support=support))
             if forwards:
-                results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)
+                # SGLang's rows [routed_experts_start_len, prompt + output - 1)
+                results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)[r.routes_from:]
         return results
 
     def _tok(self):
