@@ -10,9 +10,9 @@ there by far more than 1e-5 (tests/test_agent_e2e.py does TP=2 with packing).
 - logprob_support=sampled (top_k=5) at TP=2: behaviour log-probs over each sampled token's support, which
   the trajectories carry turn by turn (without them the trainer normalised over the whole vocabulary: the
   difference was 2.54 nat);
-- routing replay from the rollout (R3) on the tiny MoE at EP=2 and TP=2 x EP=2 with packing: the routes the runner assembled
-  over the turns are replayed (replaying the default route on the context positions instead, as a check that
-  this test can fail: log-prob difference 0.126, router agreement 0.77)."""
+- routing replay from the rollout (R3) on the tiny MoE at EP=2 and TP=2 x EP=2 with packing: the routes the
+  runner assembled over the turns are replayed (replaying the default route on the context positions instead,
+  as a check that this test can fail: log-prob difference 0.126, router agreement 0.77, at EP=2)."""
 
 from __future__ import annotations
 

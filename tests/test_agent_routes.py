@@ -1,7 +1,7 @@
 """Routing replay from the rollout (actor.router_replay=rollout, R3) with multi-turn trajectories: each position's
 route comes from the turn whose forward first computed it (mgrpo/agent/routes.py), assembled by the runner and
-carried into the experience; a turn without routes refuses the batch. The run at EP=2 with the in-process engine
-is tests/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes (EP=2, TP=2 x EP=2)."""
+carried into the experience; a turn without routes refuses the batch. The runs with the in-process engine (EP=2,
+TP=2 x EP=2) are tests/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes."""
 
 from __future__ import annotations
 

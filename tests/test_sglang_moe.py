@@ -73,6 +73,26 @@ def test_start_len_and_its_bounds(moe_engine, moe_ckpt):
     assert r.status_code == 400 and "is lower than 0" in r.json()["error"]["message"]
 
 
+def test_the_start_is_sent_only_when_set_in_sglangs_own_field():
+    """GenerateRequest.routes_from -> the top-level routed_experts_start_len of a batched /generate, which SGLang's
+    wire contract (api/v1/api_types.py GenerateRequest) reads back as sent; absent at 0 (SGLang's default)."""
+    import dataclasses
+
+    from mgrpo.rollout.sglang.generate_io import build_generate_payload
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    routed = SamplingParams(max_new_tokens=4, return_routed_experts=True)
+    plain = build_generate_payload(REQS[:2], routed, rids=["a", "b"])
+    assert plain["return_routed_experts"] is True and "routed_experts_start_len" not in plain
+    body = build_generate_payload([dataclasses.replace(r, routes_from=2) for r in REQS[1:3]], routed, rids=["a", "b"])
+    assert body["routed_experts_start_len"] == 2
+    api = wheel.contract()
+    if api is not None:
+        # (this contract has no return_routed_experts; io_struct.GenerateReqInput, which /generate takes, does)
+        assert api.GenerateRequest.from_json_value(body).routed_experts_start_len == 2
+        assert api.GenerateRequest.from_json_value(plain).routed_experts_start_len == 0
+
+
 @pytest.mark.integration
 def test_the_client_asks_each_request_for_its_own_start(moe_engine, tmp_path):
     """GenerateRequest.routes_from goes out as routed_experts_start_len, only when set; one batched POST carries
