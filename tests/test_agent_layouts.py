@@ -101,8 +101,9 @@ def test_multi_turn_replays_the_engines_routes(tmp_path, monkeypatch, layout):
     assert m["actor/router/agreement"] == 1.0
     assert m["multi_turn/unrouted_positions"] == 0 and "multi_turn/route_rows_recomputed_differ" not in m
     (exp,) = made
-    assert m["multi_turn/route_rows_received"] == sum(len(p) + len(r) - 1 for p, r in zip(exp.prompt_ids,
-                                                                                          exp.response_ids))
+    # every row came over once: one per position, and those of tokens cut after a call (stop_after_call)
+    assert m["multi_turn/route_rows_received"] == m.get("multi_turn/tokens_cut_after_call", 0) + sum(
+        len(p) + len(r) - 1 for p, r in zip(exp.prompt_ids, exp.response_ids))
     init = str(tmp_path / "init_hf")
     spans = 0
     for prompt, response, mask, routes in zip(exp.prompt_ids, exp.response_ids, exp.sampled_mask, exp.routed_experts):
