@@ -10,9 +10,9 @@ there by far more than 1e-5 (tests/test_agent_e2e.py does TP=2 with packing).
 - logprob_support=sampled (top_k=5) at TP=2: behaviour log-probs over each sampled token's support, which
   the trajectories carry turn by turn (without them the trainer normalised over the whole vocabulary: the
   difference was 2.54 nat);
-- routing replay from the rollout (R3) on the tiny MoE at EP=2 with packing: the routes the runner assembled
-  over the turns are replayed (replaying the default route on the context positions instead, as a check that
-  this test can fail: log-prob difference 0.126, router agreement 0.77)."""
+- routing replay from the rollout (R3) on the tiny MoE at EP=2 and TP=2 x EP=2 with packing: the routes the
+  runner assembled over the turns are replayed (replaying the default route on the context positions instead,
+  as a check that this test can fail: log-prob difference 0.126, router agreement 0.77, at EP=2)."""
 
 from __future__ import annotations
 
@@ -68,11 +68,14 @@ def test_multi_turn_step1_logprobs_match_in_other_layouts(tmp_path, actor, rollo
     assert after_context > 0 and m["multi_turn/context_tokens"] > 0
 
 
-def test_multi_turn_replays_the_engines_routes_at_ep2(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"tp": 2, "ep": 2}], ids=["ep2", "tp2ep2"])
+def test_multi_turn_replays_the_engines_routes(tmp_path, monkeypatch, layout):
     """Routing replay from the rollout (actor.router_replay=rollout, R3) on multi-turn samples: the tiny MoE at
-    EP=2 with packing, the in-process engine returning each turn's routes, the runner assembling them over the
-    turns (mgrpo/agent/routes.py). Every position's assembled route equals the routers' top-k recomputed by a
-    plain transformers forward over the whole trajectory (tests/helpers/moe.py::recomputed_routes), the trainer's
+    EP=2, and at TP=2 x EP=2 (experts split over the tensor-parallel ranks, tokens dispatched between them), with
+    packing, the in-process engine returning each turn's routes from the first position its trajectory has no
+    route for (routed_experts_start_len), the runner assembling them over the turns (mgrpo/agent/routes.py).
+    Every position's assembled route equals the routers' top-k recomputed by a plain transformers forward over
+    the whole trajectory (tests/helpers/moe.py::recomputed_routes), each row came over once, the trainer's
     routers would have chosen the replayed experts at every routed position (agreement 1.0), and engine and
     trainer log-probs agree within 1e-5 on every sampled token, also after a context span (whose routes came
     from the next turn's prefill)."""
@@ -89,15 +92,18 @@ def test_multi_turn_replays_the_engines_routes_at_ep2(tmp_path, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(Experience, "from_trajectories", classmethod(keep))
-    cfg = _config(str(tmp_path), {"ep": 2, "router_replay": "rollout", "pack_sequences": True}, {}, {})
+    cfg = _config(str(tmp_path), {**layout, "router_replay": "rollout", "pack_sequences": True}, {}, {})
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **tiny_moe(router_aux_loss_coef=0.001)),
                               data=dataclasses.replace(cfg.data, train_batch_size=4))
     Trainer(cfg).fit()
     (m,) = read_metrics(str(tmp_path))
     assert m["rollout/logprob_abs_diff_max"] <= 1e-5
     assert m["actor/router/agreement"] == 1.0
-    assert m["multi_turn/unrouted_positions"] == 0 and m["multi_turn/route_rows_recomputed_differ"] == 0
+    assert m["multi_turn/unrouted_positions"] == 0 and "multi_turn/route_rows_recomputed_differ" not in m
     (exp,) = made
+    # every row came over once: one per position, and those of tokens cut after a call (stop_after_call)
+    assert m["multi_turn/route_rows_received"] == m.get("multi_turn/tokens_cut_after_call", 0) + sum(
+        len(p) + len(r) - 1 for p, r in zip(exp.prompt_ids, exp.response_ids))
     init = str(tmp_path / "init_hf")
     spans = 0
     for prompt, response, mask, routes in zip(exp.prompt_ids, exp.response_ids, exp.sampled_mask, exp.routed_experts):

@@ -1,7 +1,7 @@
 """Routing replay from the rollout (actor.router_replay=rollout, R3) with multi-turn trajectories: each position's
 route comes from the turn whose forward first computed it (mgrpo/agent/routes.py), assembled by the runner and
-carried into the experience; a turn without routes refuses the batch. The run at EP=2 with the in-process engine
-is tests/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes_at_ep2."""
+carried into the experience; a turn without routes refuses the batch. The runs with the in-process engine (EP=2,
+TP=2 x EP=2) are tests/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes."""
 
 from __future__ import annotations
 
@@ -66,6 +66,24 @@ def test_three_turns_assemble_each_position_from_the_forward_that_first_computed
     np.testing.assert_array_equal(known[8:12], computed[1][8:12])
     assert not np.array_equal(known[2], turns[1][2])  # the first computation is kept, not the recomputation
 
+    # asking each turn only for the rows not known yet (SGLang's routed_experts_start_len = rows known) gives the
+    # same routes with nothing to compare
+    fresh, starts = None, []
+    for k, (got, (sampled, _)) in enumerate(zip(turns, spans)):
+        start = 0 if fresh is None else fresh.shape[0]
+        starts.append(start)
+        fresh, d = extend_routes(fresh, got[start:], fed[k], sampled, start)
+        assert d == 0
+    np.testing.assert_array_equal(fresh, known)
+    assert starts == [0, ends[0], ends[1]]
+    # from a position between: the overlap [start, n) is compared
+    _, d = extend_routes(turns[0], turns[1][2:], fed[1], spans[1][0], 2)
+    assert d == 2  # positions 2 and 6
+    with pytest.raises(RoutesError, match=r"start at position 9, but earlier turns routed only 8"):
+        extend_routes(turns[0], turns[1][9:], fed[1], spans[1][0], 9)
+    with pytest.raises(RoutesError, match=r"expected \[5, layers, top_k\] from position 8"):
+        extend_routes(turns[0], turns[1], fed[1], spans[1][0], 8)
+
     rows, unrouted = trajectory_routes(known, total, failed=False, shape=(LAYERS, TOP_K), uid=0)
     assert rows is known and unrouted == 0
     with pytest.raises(RoutesError, match=r"\[11, layers, top_k\]"):  # 5 + 4 - 1 = 8 rows, not 11
@@ -92,38 +110,44 @@ def _route_of(token: int, position: int) -> np.ndarray:
 
 
 class RoutingPolicy(ScriptedPolicy):
-    """The scripted policy, answering each turn with routes for positions [0, input + output - 1) as an engine
-    with a prefix cache would: every position routed by `_route_of`. `without_routes`: turns answered without."""
+    """The scripted policy, answering each turn with routes for positions [routes_from, input + output - 1) as an
+    engine with a prefix cache would (SGLang's routed_experts_start_len): every position routed by `_route_of`.
+    `without_routes`: turns answered without. Keeps each request's routes_from by (trajectory, turn)."""
 
     def __init__(self, *args, without_routes=(), fail_turn=None, **kw):
         super().__init__(*args, **kw)
         self.without_routes, self.fail_turn = set(without_routes), fail_turn
+        self.starts: dict[tuple[int, int], int] = {}
 
-    def __call__(self, prompts, sampling, sessions=None):
+    def __call__(self, prompts, sampling, sessions=None, routes_from=None):
         if self.fail_turn is not None and any(len(self.sampled.get(self.uid_of(p), [])) == self.fail_turn
                                               for p in prompts):
             raise ConnectionError("the engine went away")
+        assert routes_from is not None and len(routes_from) == len(prompts)
         turns = [len(self.sampled.get(self.uid_of(p), [])) for p in prompts]
         out, stats = super().__call__(prompts, sampling, sessions)
-        for ids, res, (uid, turn) in zip(prompts, out, zip(map(self.uid_of, prompts), turns)):
+        for ids, res, (uid, turn), start in zip(prompts, out, zip(map(self.uid_of, prompts), turns), routes_from):
+            assert 0 <= start <= len(ids)  # what SGLang accepts
+            self.starts[uid, turn] = start
             seq = list(ids) + res.token_ids
             if (uid, turn) not in self.without_routes:
-                res.routed_experts = np.stack([_route_of(t, p) for p, t in enumerate(seq[:-1])])
+                res.routed_experts = np.stack([_route_of(t, p) for p, t in enumerate(seq[start:-1], start)])
         return out, stats
 
 
-def _trajectories(qwen3, **policy):
+def _trajectories(qwen3, recheck_routes=False, **policy):
     from mgrpo.experience import Experience
 
     tools = ToolSet([FunctionTool(add)])
-    runner = AgentRunner(MultiTurnConfig(enable=True, function_tools=["x:y"]), qwen3, tools, max_response_length=512)
+    runner = AgentRunner(MultiTurnConfig(enable=True, function_tools=["x:y"], recheck_routes=recheck_routes), qwen3,
+                         tools, max_response_length=512)
     prompts = tool_prompts(qwen3, tools, 3)
     script = lambda uid, turn: call_text("add", {"a": uid, "b": turn}) if turn < 2 else f"{uid}"  # noqa: E731
     policy = RoutingPolicy(qwen3, script, prompts, **policy)
     sampling = SamplingParams(max_new_tokens=512, return_routed_experts=True)
     trajs, metrics = runner.run([(p, {}, "") for p in prompts], sampling, policy)
     items = [object()] * 3
-    return trajs, metrics, lambda: Experience.from_trajectories(items, trajs, 1, want_routes=True)
+    return trajs, metrics, lambda: Experience.from_trajectories(items, trajs, 1, want_routes=True), policy
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +160,7 @@ def qwen3():
 
 
 def test_the_runner_carries_every_positions_route_into_the_experience(qwen3):
-    trajs, metrics, experience = _trajectories(qwen3)
+    trajs, metrics, experience, policy = _trajectories(qwen3)
     exp = experience()
     for t, routes in zip(trajs, exp.routed_experts):
         assert t.finish_reason == "stop" and [x.role for x in t.turns] == ["assistant", "tool"] * 2 + ["assistant"]
@@ -144,11 +168,34 @@ def test_the_runner_carries_every_positions_route_into_the_experience(qwen3):
         want = np.stack([_route_of(tok, p) for p, tok in enumerate(seq[:-1])])
         assert routes.dtype == np.uint8  # compact, as single-turn routes
         np.testing.assert_array_equal(routes, want)
-    assert metrics["multi_turn/route_rows_recomputed_differ"] == 0 and metrics["multi_turn/unrouted_positions"] == 0
+    assert metrics["multi_turn/unrouted_positions"] == 0 and "multi_turn/route_rows_recomputed_differ" not in metrics
+    # each turn asked only for the positions its trajectory had no route for: [fed by the turns before, ...)
+    for t in trajs:
+        starts = [policy.starts[t.uid, k] for k in range(3)]
+        assert starts == [0] + [len(t.prompt_ids) + a.end - 1 for a in t.turns if a.role == "assistant"][:2]
+    # so every row moved once: prompt + response - 1 per trajectory
+    assert metrics["multi_turn/route_rows_received"] == sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs)
+
+
+def test_recheck_routes_asks_every_turn_for_its_whole_sequence_and_compares(qwen3):
+    """rollout.multi_turn.recheck_routes: every turn asks from position 0 (SGLang's default), the rows it returns
+    again equal the earlier turns' here (one deterministic router), the experience is the same, and the rows
+    moved are the sum over turns of input + output - 1 (a trajectory's O(turns x length))."""
+    trajs, metrics, experience, policy = _trajectories(qwen3, recheck_routes=True)
+    exp = experience()
+    for t, routes in zip(trajs, exp.routed_experts):
+        seq = t.prompt_ids + t.response_ids
+        np.testing.assert_array_equal(routes, np.stack([_route_of(tok, p) for p, tok in enumerate(seq[:-1])]))
+    assert set(policy.starts.values()) == {0}
+    assert metrics["multi_turn/route_rows_recomputed_differ"] == 0
+    whole = sum(len(t.prompt_ids) + a.end - 1 for t in trajs for a in t.turns if a.role == "assistant")
+    assert metrics["multi_turn/route_rows_received"] == whole
+    once = sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs)
+    assert whole > 2 * once  # three turns of a growing sequence
 
 
 def test_a_turn_without_routes_refuses_the_batch(qwen3):
-    trajs, _, experience = _trajectories(qwen3, without_routes={(1, 1)})
+    trajs, _, experience, _ = _trajectories(qwen3, without_routes={(1, 1)})
     assert trajs[1].routes_missing and not trajs[0].routes_missing
     with pytest.raises(RuntimeError, match=r"1 multi-turn trajectories got a turn without them \(e\.g\. 1\)"):
         experience()
@@ -157,7 +204,7 @@ def test_a_turn_without_routes_refuses_the_batch(qwen3):
 def test_a_trajectory_failed_after_its_context_replays_no_made_up_route_in_the_loss(qwen3):
     """The engine fails every trajectory's second turn: each ends as generation_error after its first tool reply,
     which no forward fed (nor the first turn's last token): those rows get the default route and are counted."""
-    trajs, metrics, experience = _trajectories(qwen3, fail_turn=1)
+    trajs, metrics, experience, _ = _trajectories(qwen3, fail_turn=1)
     exp = experience()
     unrouted = 0
     for t, routes in zip(trajs, exp.routed_experts):

@@ -48,6 +48,20 @@ def test_hf_engine_returns_the_routers_choice(tmp_path):
             want = recomputed_routes(ckpt, seq[:-1])
             np.testing.assert_array_equal(np.sort(res.routed_experts, -1), np.sort(want, -1))
     assert all(r.routed_experts is None for r in engine.generate(REQS[:2], SamplingParams(max_new_tokens=2)))
+    # SGLang's routed_experts_start_len, per request here: rows [start, prompt + response - 1) of the same routes,
+    # start in [0, prompt tokens] (at the prompt's length: the generated tokens' rows only)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, return_routed_experts=True)
+    whole = engine.generate(REQS, greedy)
+    starts = [0, 1, len(REQS[2].prompt_ids), 2, len(REQS[4].prompt_ids)]
+    part = engine.generate([dataclasses.replace(r, routes_from=s) for r, s in zip(REQS, starts)], greedy)
+    for w, p, s in zip(whole, part, starts):
+        assert p.token_ids == w.token_ids and p.routed_experts.shape[0] == w.routed_experts.shape[0] - s
+        np.testing.assert_array_equal(p.routed_experts, w.routed_experts[s:])
+    for s, message in [(len(REQS[1].prompt_ids) + 1, r"^recv_req.routed_experts_start_len=4 is higher than the "
+                        r"number of input tokens len\(req.origin_input_ids\)=3. Please use a smaller "),
+                       (-1, r"^recv_req.routed_experts_start_len=-1 is lower than 0. Please use a non-negative ")]:
+        with pytest.raises(ValueError, match=message):
+            engine.generate([dataclasses.replace(REQS[1], routes_from=s)], greedy)
     plain = HFRolloutEngine(ckpt, eos_token_ids=[15], pad_token_id=0)
     with pytest.raises(ValueError, match="built without return_routed_experts=True"):
         plain.generate(REQS[:1], SamplingParams(max_new_tokens=2, return_routed_experts=True))

@@ -58,3 +58,58 @@ def test_router_keeps_each_session_on_one_engine_and_spreads_sessions(tmp_path):
             front.shutdown()
         a.shutdown()
         b.shutdown()
+
+
+def test_routed_experts_go_to_the_engines_not_through_the_router(monkeypatch):
+    """sglang-router 0.3.2 drops return_routed_experts (tests/test_sglang_moe.py shows it): a call asking for
+    routes bypasses the router and goes to the engines, each session to its hashed engine, each request with its
+    routes_from; any other call goes through the router."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from mgrpo.cluster import rollout_group
+    from mgrpo.cluster.rollout_group import RolloutGroup
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.rollout.types import GenerateResult
+
+    def answer(chunk, where):
+        return [GenerateResult(uid=r.uid, token_ids=[where, r.routes_from], logprobs=[0.0, 0.0],
+                               finish_reason="stop", weight_version=0) for r in chunk]
+
+    class Remote:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args):
+            f = Future()
+            f.set_result(self.fn(*args))
+            return SimpleNamespace(future=lambda: f)
+
+    def engine(e):
+        return SimpleNamespace(generate=Remote(lambda chunk, params: answer(chunk, e)),
+                               retries=Remote(lambda: 0), refused_requests=Remote(lambda: 0))
+
+    class Front:
+        retries = 0
+
+        def generate(self, chunk, params):
+            return answer(chunk, 9)
+
+        def refused_requests(self):
+            return 0
+
+    monkeypatch.setattr(rollout_group.ray, "get", lambda refs: refs)  # the fakes answer at once
+    g = RolloutGroup.__new__(RolloutGroup)  # what generate() uses of a group, with two fake engines and a router
+    g.cfg, g.engines, g.front = MGRPOConfig(), [engine(0), engine(1)], Front()
+    g.addresses = [{"url": None, "counts_retries": False}] * 2
+    g._engine_retries, g._refused, g._refusal_asks = 0, {}, None
+    g._heal_lock, g._refusal_lock, g._front_pool = threading.RLock(), threading.Lock(), ThreadPoolExecutor(1)
+    sessions = [f"traj-{i}" for i in range(6)]
+    prompts = [[1, 2, 3]] * 6
+    routed = SamplingParams(max_new_tokens=2, return_routed_experts=True)
+    out, _ = g.generate(prompts, 1, routed, sessions=sessions, routes_from=[0, 1, 2, 3, 0, 2])
+    assert [r.token_ids for r in out] == [[session_engine(s, 2), k] for s, k in zip(sessions, [0, 1, 2, 3, 0, 2])]
+    out, _ = g.generate(prompts, 1, SamplingParams(max_new_tokens=2), sessions=sessions)
+    assert [r.token_ids for r in out] == [[9, 0]] * 6  # through the router
+    g._front_pool.shutdown()

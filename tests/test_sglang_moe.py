@@ -73,6 +73,74 @@ def test_start_len_and_its_bounds(moe_engine, moe_ckpt):
     assert r.status_code == 400 and "is lower than 0" in r.json()["error"]["message"]
 
 
+def test_the_start_is_sent_only_when_set_in_sglangs_own_field():
+    """GenerateRequest.routes_from -> the top-level routed_experts_start_len of a batched /generate, which SGLang's
+    wire contract (api/v1/api_types.py GenerateRequest) reads back as sent; absent at 0 (SGLang's default)."""
+    import dataclasses
+
+    from mgrpo.rollout.sglang.generate_io import build_generate_payload
+    from mgrpo.rollout.sglang.protocol import wheel
+
+    routed = SamplingParams(max_new_tokens=4, return_routed_experts=True)
+    plain = build_generate_payload(REQS[:2], routed, rids=["a", "b"])
+    assert plain["return_routed_experts"] is True and "routed_experts_start_len" not in plain
+    body = build_generate_payload([dataclasses.replace(r, routes_from=2) for r in REQS[1:3]], routed, rids=["a", "b"])
+    assert body["routed_experts_start_len"] == 2
+    api = wheel.contract()
+    if api is not None:
+        # (this contract has no return_routed_experts; io_struct.GenerateReqInput, which /generate takes, does)
+        assert api.GenerateRequest.from_json_value(body).routed_experts_start_len == 2
+        assert api.GenerateRequest.from_json_value(plain).routed_experts_start_len == 0
+
+
+@pytest.mark.integration
+def test_the_client_asks_each_request_for_its_own_start(moe_engine, tmp_path):
+    """GenerateRequest.routes_from goes out as routed_experts_start_len, only when set; one batched POST carries
+    one value (GenerateReqInput's), so the client sends one batch per value and reads back [start, seqlen - 1)
+    per request: the rows of the whole routes from there. Through SGLang's router nothing comes back:
+    sglang-router 0.3.2 drops return_routed_experts (and routed_experts_start_len) from /generate, so the client
+    refuses to send it there and the rollout group sends routed calls to the engines directly."""
+    import dataclasses
+
+    from mgrpo.rollout.sglang.generate_io import build_generate_payload
+    from mgrpo.rollout.sglang.router import RoutedClient
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5, return_routed_experts=True)
+    whole = moe_engine.generate(REQS, greedy)
+    starts = [0, 2, len(REQS[2].prompt_ids), 2, 1]
+    sent = []
+    post_was = moe_engine.client.post
+
+    def spy(path, body, **kw):
+        sent.append(body.get("routed_experts_start_len"))
+        return post_was(path, body, **kw)
+
+    moe_engine.client.post = spy
+    try:
+        part = moe_engine.generate([dataclasses.replace(r, routes_from=s) for r, s in zip(REQS, starts)], greedy)
+    finally:
+        moe_engine.client.post = post_was
+    assert sorted(sent, key=str) == [1, 2, 4, None]  # one POST per value; 0 (SGLang's default) not sent
+    for w, p, s in zip(whole, part, starts):
+        assert p.token_ids == w.token_ids
+        np.testing.assert_array_equal(p.routed_experts, w.routed_experts[s:])
+    with pytest.raises(ValueError, match="one routed_experts_start_len; this batch asks for \\[0, 2\\]"):
+        build_generate_payload([REQS[0], dataclasses.replace(REQS[1], routes_from=2)], greedy, rids=["a", "b"])
+    with pytest.raises(ValueError, match="sglang-router 0.3.2 drops the field"):
+        build_generate_payload(REQS[:1], greedy, rids=["a"], single=True)
+
+    front = RoutedClient([moe_engine.url], host="127.0.0.1", log_dir=str(tmp_path / "router"), policy="manual")
+    try:
+        body = {"input_ids": [1, 4, 6, 8], "sampling_params": {"temperature": 0.0, "max_new_tokens": 3},
+                "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 9}
+        direct = post(moe_engine.url, "/generate", body)
+        assert direct.status_code == 400 and "is higher than the number of input tokens" in direct.text
+        routed = post(front.router.url, "/generate", body)  # neither field reaches the server
+        assert routed.status_code == 200 and "routed_experts" not in routed.json()["meta_info"], routed.text
+    finally:
+        front.shutdown()
+
+
 @pytest.mark.integration
 def test_without_the_server_flag_the_field_is_absent(moe_ckpt, tmp_path):
     eng = launch(moe_ckpt, str(tmp_path))

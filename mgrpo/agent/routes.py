@@ -7,8 +7,12 @@ position's route is taken from the turn whose forward first computed it:
   - a sampled token of turn t but its last: turn t (the decode step that fed it generated the next token);
   - turn t's last sampled token and the context after it (tool replies, the template's next generation
     prompt, an end-of-turn the stop string cut): turn t + 1's prefill, the first forward that fed them.
-So turn t adds the rows [len(known), P_t + O_t - 1) to those of the turns before; the rows it returns again
-for earlier positions are compared, not used.
+So turn t adds the rows [len(known), P_t + O_t - 1) to those of the turns before, and that is all it asks the
+engine for: SGLang's `routed_experts_start_len` = len(known) (io_struct.py GenerateReqInput; the scheduler
+refuses it outside [0, prompt tokens], state_capturer/base.py::get_topk returns positions [start_len,
+seqlen - 1)). A trajectory of T turns then moves each row once, not O(T) times (whole routes per turn:
+O(T x length) rows). With rollout.multi_turn.recheck_routes every turn asks for all of its rows (start 0)
+and the rows it returns again for earlier positions are compared, not used.
 
 Why this is right for SGLang 0.5.23: the routes of a request are read, when it finishes, from a host buffer
 indexed by KV-cache slot (srt/state_capturer/base.py::BaseTopkCapturer.get_topk over
@@ -17,8 +21,9 @@ req_to_token[start:seqlen - 1]); each forward writes the routes of the tokens it
 written by the forward that computed the prefix first, the same ones an earlier turn returned: what the KV
 every later token attended to was built with. A prefix SGLang computed again (evicted, another engine, a
 page not yet full) is routed again; in exact arithmetic identically, with different rounding perhaps not.
-Earlier turns' sampled tokens were scored on the first computation, so that one is kept, and the rows that
-differ are counted (`multi_turn/route_rows_recomputed_differ`, 0 when every prefix was cached). The engines
+Earlier turns' sampled tokens were scored on the first computation, so that one is kept; with recheck_routes
+the rows that differ are counted (`multi_turn/route_rows_recomputed_differ`, 0 when every prefix was cached):
+a diagnostic of cache misses, off by default because it costs the O(T^2) route bytes it measures. The engines
 here without a prefix cache (the in-process engine, the CPU server) compute every turn's prefix again.
 Nothing under SGLang's srt/mem_cache/ writes the routes buffer: a prefix that a hierarchical cache evicted
 to host memory and loads back into newly allocated KV slots comes back without its routes (those slots'
@@ -46,23 +51,30 @@ class RoutesError(ValueError):
     pass
 
 
-def extend_routes(known: Optional[np.ndarray], turn: np.ndarray, fed: int, out_len: int) -> tuple[np.ndarray, int]:
+def extend_routes(known: Optional[np.ndarray], turn: np.ndarray, fed: int, out_len: int,
+                  start: int = 0) -> tuple[np.ndarray, int]:
     """The trajectory's routes after one more turn, and how many of the turn's rows for positions already
     known differ from them. `known`: rows [0, n) of the earlier turns (None before the first); `turn`: the
-    engine's routes of a request of `fed` input ids that returned `out_len` tokens."""
-    if turn.ndim != 3 or turn.shape[0] != fed + out_len - 1:
+    engine's routes of positions [start, fed + out_len - 1) (SGLang's routed_experts_start_len) of a request of
+    `fed` input ids that returned `out_len` tokens. start = n asks for the new rows only; start < n also returns
+    rows [start, n) again, which are compared, not used; start > n would leave positions without a route."""
+    want = fed + out_len - 1 - start
+    if turn.ndim != 3 or turn.shape[0] != want:
         raise RoutesError(f"a turn of {fed} input and {out_len} output tokens came with routed experts of shape "
-                          f"{tuple(turn.shape)} (expected [{fed + out_len - 1}, layers, top_k])")
+                          f"{tuple(turn.shape)} (expected [{want}, layers, top_k] from position {start})")
+    n = 0 if known is None else known.shape[0]
+    if start > n:
+        raise RoutesError(f"a turn's routed experts start at position {start}, but earlier turns routed only {n}")
     if known is None:
         return turn, 0
     if known.shape[1:] != turn.shape[1:]:
         raise RoutesError(f"a turn's routed experts are {turn.shape[1]} layers x top-{turn.shape[2]}, the earlier "
                           f"turns' {known.shape[1]} x top-{known.shape[2]}")
-    n = known.shape[0]
     if n > fed:  # every earlier row is of a position before the last input id (it was fed back since)
         raise RoutesError(f"{n} positions routed by earlier turns, but this turn continued from {fed} ids")
-    same = np.all(np.sort(turn[:n], -1) == np.sort(known, -1), axis=(1, 2))
-    return np.concatenate([known, turn[n:].astype(known.dtype, copy=False)]), int((~same).sum())
+    again = n - start  # rows of positions [start, n): known already
+    same = np.all(np.sort(turn[:again], -1) == np.sort(known[start:], -1), axis=(1, 2))
+    return np.concatenate([known, turn[again:].astype(known.dtype, copy=False)]), int((~same).sum())
 
 
 def trajectory_routes(routes: Optional[np.ndarray], length: int, failed: bool, shape: tuple[int, int],

@@ -48,11 +48,13 @@ FAULT_COUNTS = ("multi_turn/tool_timeouts", "multi_turn/env_timeouts", "multi_tu
 themselves and the retries); the rest of its counts (turns, calls) belong to the attempt that was dropped."""
 
 Generate = Callable[..., tuple[list[GenerateResult], dict]]
-"""(prompts, sampling, sessions=[one key per prompt][, seeds=[one per prompt]]) -> one result per prompt (in
-order), and what the call measured (summed into metrics). A session is one trajectory: its turns go to one
-engine (the rollout group's `sessions`, for the engine's prefix cache). `seeds` (given when the sampling has a
-seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and turn (the rollout group's
-`request_seeds`, SGLang's per-request sampling_seed)."""
+"""(prompts, sampling, sessions=[one key per prompt][, seeds=[one per prompt]][, routes_from=[one per prompt]])
+-> one result per prompt (in order), and what the call measured (summed into metrics). A session is one
+trajectory: its turns go to one engine (the rollout group's `sessions`, for the engine's prefix cache). `seeds`
+(given when the sampling has a seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and
+turn (the rollout group's `request_seeds`, SGLang's per-request sampling_seed). `routes_from` (given when the
+sampling asks for routed experts): each request's SGLang routed_experts_start_len, the routed positions its
+trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/routes.py)."""
 
 
 @dataclass
@@ -64,6 +66,7 @@ class _Request:
     stop: tuple[str, ...] = ()
     session: str = ""
     seed: Optional[int] = None
+    routes_from: int = 0
 
 
 class AgentRunner:
@@ -193,7 +196,7 @@ class AgentRunner:
         finally:
             dispatcher.cancel()
         if sampling.return_routed_experts:
-            _finish_routes(trajs, measured)
+            _finish_routes(trajs, measured, self.cfg.recheck_routes)
         batch_version = min((t.weight_version for t in trajs if t.weight_version is not None), default=0)
         for t in trajs:
             if t.weight_version is None:
@@ -220,6 +223,8 @@ class AgentRunner:
                 params = replace(sampling, max_new_tokens=budget, structural_tag=tag or None,
                                  stop=tuple(sampling.stop) + stops)
                 per = {"seeds": [r.seed for r in reqs]} if sampling.seed is not None else {}
+                if sampling.return_routed_experts:
+                    per["routes_from"] = [r.routes_from for r in reqs]
                 call = asyncio.ensure_future(asyncio.to_thread(generate, [r.ids for r in reqs], params,
                                                                sessions=[r.session for r in reqs], **per))
                 in_flight.add(call)
@@ -271,12 +276,18 @@ class AgentRunner:
                 t0 = time.perf_counter()
                 fed = traj.prompt_ids + traj.response_ids
                 seed = seeds.turn_seed(sampling.seed, traj.uid, turn) if sampling.seed is not None else None
-                await queue.put(_Request(fed, budget, fut, tag, self.stop, session, seed))
-                res: GenerateResult = self.constraints.cut_after_call(await fut, traj)
+                # routed experts: only the rows of positions this trajectory has no route for yet (all of
+                # them with recheck_routes, to compare the earlier turns' rows with this turn's copy)
+                known = 0 if traj.routes is None or self.cfg.recheck_routes else traj.routes.shape[0]
+                await queue.put(_Request(fed, budget, fut, tag, self.stop, session, seed, known))
+                res: GenerateResult = await fut
+                if res.routed_experts is not None:  # what the engine sent (before any cut)
+                    traj.count("multi_turn/route_rows_received", res.routed_experts.shape[0])
+                res = self.constraints.cut_after_call(res, traj)
                 if sampling.return_support and res.support is None:
                     traj.supports_missing = True
                 if sampling.return_routed_experts:
-                    _add_routes(traj, res, len(fed))
+                    _add_routes(traj, res, len(fed), known)
                 versions.append(res.weight_version)
                 traj.engine = res.engine
                 text = self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
@@ -373,20 +384,21 @@ class AgentRunner:
         return out
 
 
-def _add_routes(traj: Trajectory, res: GenerateResult, fed: int) -> None:
-    """The turn's routed experts into the trajectory's (each position from the turn that first computed it)."""
+def _add_routes(traj: Trajectory, res: GenerateResult, fed: int, start: int) -> None:
+    """The turn's routed experts (positions [start, fed + output - 1)) into the trajectory's (each position from
+    the turn that first computed it)."""
     if res.routed_experts is None:
         traj.routes_missing = True
         return
     try:
-        traj.routes, differ = extend_routes(traj.routes, res.routed_experts, fed, len(res.token_ids))
+        traj.routes, differ = extend_routes(traj.routes, res.routed_experts, fed, len(res.token_ids), start)
     except RoutesError as err:
         raise RoutesError(f"trajectory {traj.uid}, turn {traj.counts.get('turns', 0) + 1}: {err}") from None
     if differ:
         traj.count("multi_turn/route_rows_recomputed_differ", differ)
 
 
-def _finish_routes(trajs: Sequence[Trajectory], measured: dict) -> None:
+def _finish_routes(trajs: Sequence[Trajectory], measured: dict, rechecked: bool) -> None:
     """Every trajectory's routes to [prompt + response - 1, L, K] (a failed one's positions that no engine
     forward computed filled and counted, mgrpo/agent/routes.py); skipped when no turn returned any."""
     shape = next((t.routes.shape[1:] for t in trajs if t.routes is not None), None)
@@ -397,7 +409,9 @@ def _finish_routes(trajs: Sequence[Trajectory], measured: dict) -> None:
                                             t.uid)
             unrouted += n
     measured["multi_turn/unrouted_positions"] = unrouted
-    measured.setdefault("multi_turn/route_rows_recomputed_differ", 0)
+    measured.setdefault("multi_turn/route_rows_received", 0)
+    if rechecked:  # only then does a turn return rows an earlier turn returned (to compare)
+        measured.setdefault("multi_turn/route_rows_recomputed_differ", 0)
 
 
 class _GenerationFailed(Exception):

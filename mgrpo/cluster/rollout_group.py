@@ -150,8 +150,8 @@ class RolloutGroup:
 
     # --- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, desc: str = "rollout",
-                 sessions: Optional[list[str]] = None, request_seeds: Optional[list[int]] = None
-                 ) -> tuple[list[GenerateResult], RolloutStats]:
+                 sessions: Optional[list[str]] = None, request_seeds: Optional[list[int]] = None,
+                 routes_from: Optional[list[int]] = None) -> tuple[list[GenerateResult], RolloutStats]:
         """n samples per prompt; result i*n + j is sample j of prompt i. `sessions` (one per prompt, n=1: the
         turns of multi-turn trajectories): the requests of one session go to one engine, for its prefix cache.
 
@@ -159,21 +159,28 @@ class RolloutGroup:
         futures. One loop waits for them: a chunk that fails is sent again (at most rollout.max_retries
         times, each counted) after the engines were checked, and while it waits the loop health-checks
         the engines every rollout.health_check_interval_s, restarting a dead or hung one. `request_seeds` (one per
-        prompt, n=1): each request's own sampling seed (`GenerateRequest.seed`), which no chunking changes."""
+        prompt, n=1): each request's own sampling seed (`GenerateRequest.seed`), which no chunking changes.
+        `routes_from` (one per prompt, n=1): SGLang's routed_experts_start_len of each request
+        (`GenerateRequest.routes_from`). Routed experts never go through the router: sglang-router 0.3.2 drops
+        return_routed_experts, so such calls go to the engines directly (sessions by the group's own hash)."""
         r = self.cfg.rollout
         if sessions is not None and (n != 1 or len(sessions) != len(prompts)):
             raise ValueError(f"sessions: one per prompt with n=1, got {len(sessions)} for {len(prompts)} x n={n}")
         if request_seeds is not None and (n != 1 or len(request_seeds) != len(prompts)):
             raise ValueError(f"request_seeds: one per prompt with n=1, got {len(request_seeds)} for {len(prompts)} "
                              f"x n={n}")
+        if routes_from is not None and (n != 1 or len(routes_from) != len(prompts)):
+            raise ValueError(f"routes_from: one per prompt with n=1, got {len(routes_from)} for {len(prompts)} x n={n}")
         requests = [GenerateRequest(uid=i * n + j, prompt_ids=p, session=sessions[i] if sessions else None,
-                                    seed=request_seeds[i] if request_seeds is not None else None)
+                                    seed=request_seeds[i] if request_seeds is not None else None,
+                                    routes_from=routes_from[i] if routes_from is not None else 0)
                     for i, p in enumerate(prompts) for j in range(n)]
+        front = None if sampling.return_routed_experts else self.front
         size = r.generate_chunk
-        if self.front is not None:  # a router places each request it gets: give it enough to spread
+        if front is not None:  # a router places each request it gets: give it enough to spread
             size = max(1, min(size, -(-len(requests) // (2 * len(self.engines)))))
         home: Optional[list[int]] = None  # chunk -> the engine its sessions live on
-        if sessions is not None and self.front is None:
+        if sessions is not None and front is None:
             by_engine: dict[int, list[GenerateRequest]] = {}
             for q in requests:
                 by_engine.setdefault(session_engine(q.session, len(self.engines)), []).append(q)
@@ -187,7 +194,7 @@ class RolloutGroup:
         params = [SamplingParams(**{**sampling.__dict__, "seed": seeds.chunk_seed(sampling.seed, k)})
                   for k in range(len(chunks))]
         stats, t0 = RolloutStats(), time.perf_counter()
-        route = ViaRouter(self, chunks, params) if self.front is not None else ToEngines(self, chunks, params, home)
+        route = ViaRouter(self, chunks, params) if front is not None else ToEngines(self, chunks, params, home)
         pending: dict[Future, tuple[int, Optional[int], int]] = {}  # future -> (chunk, engine or None, attempt)
 
         def send(k: int, attempt: int, engine: Optional[int] = None) -> None:

@@ -145,9 +145,11 @@ class ExperienceMaker:
         finish reason here and by outcome where the judging counts every failure."""
         t0 = time.perf_counter()
 
-        def generate(prompts, params, sessions=None, seeds=None):  # a session: one trajectory's turns, to one engine
+        def generate(prompts, params, sessions=None, seeds=None, routes_from=None):  # a session: one trajectory's
+            # turns, to one engine; routes_from: each turn's routed_experts_start_len (the rows it lacks)
             results, stats = self.rollout.generate(prompts, 1, params, desc=desc, sessions=sessions,
-                                                   **({"request_seeds": seeds} if seeds is not None else {}))
+                                                   **({"request_seeds": seeds} if seeds is not None else {}),
+                                                   **({"routes_from": routes_from} if routes_from is not None else {}))
             return results, {"rollout/retries": stats.retries, "rollout/restarts": stats.restarts,
                              "rollout/auth_refused": stats.auth_refused}
 

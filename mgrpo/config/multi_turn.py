@@ -77,5 +77,11 @@ class MultiTurnConfig:
     text, `</tool_call>` for qwen25); the end-of-turn token the model did not sample is then inserted as
     context before the tool's reply. SGLang matches a stop only in the last (its length in tokens + 1) tokens,
     so an end spelled in more tokens is cut by the runner instead (tokens past it dropped, counted)."""
+    recheck_routes: bool = False
+    """actor.router_replay=rollout (R3): every turn asks for the routed experts of its whole sequence, not only of
+    the positions its trajectory has no route for yet (SGLang's routed_experts_start_len), and the rows it
+    returns again for earlier positions are compared with the earlier turns' (multi_turn/
+    route_rows_recomputed_differ: positions the engine computed again and routed otherwise, e.g. a prefix-cache
+    miss). A diagnostic: the route bytes of a trajectory grow with turns x length instead of its length."""
     max_concurrent_per_engine: int = 64
     """Trajectories in flight per rollout engine; each advances on its own."""

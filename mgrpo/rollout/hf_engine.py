@@ -19,7 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
-from mgrpo.rollout.routes import generated_routes
+from mgrpo.rollout.routes import check_routes_from, generated_routes
 from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -67,16 +67,32 @@ class SGLangStops(StoppingCriteria):
     decoded tail of the longest stop's length + 1 tokens. transformers' own `stop_strings` stops wherever the
     text ends with a stop string, also one spelled in more tokens than its own encoding (a grammar may write
     `</tool_call>` character by character), where SGLang, and so this engine, goes on. A row also stops on a
-    pattern `re` cannot compile (SGLang aborts it; `_finish` raises)."""
+    pattern `re` cannot compile (SGLang aborts it; `_finish` raises).
 
-    def __init__(self, stops, tokenizer, prompt_width: int):
-        self.stops, self.tok, self.width = stops, tokenizer, prompt_width
+    Each row's first answer is kept (`found`: the number of tokens generated then, and check()'s result), so
+    `_finish` applies SGLang's rules without decoding any prefix again: with an unbounded pattern every check
+    decodes the whole output (as SGLang's does), and checking every prefix again afterwards was quadratic in
+    the row's length on top of that. A row is checked no more once it has an answer or generated an EOS
+    (transformers has finished it; what follows in the row is padding)."""
+
+    def __init__(self, stops, tokenizer, prompt_width: int, eos: set[int]):
+        self.stops, self.tok, self.width, self.eos = stops, tokenizer, prompt_width, eos
+        self.found: list[Optional[tuple[int, dict]]] = []
+        self.done: list[bool] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        if not self.done:
+            self.found, self.done = [None] * input_ids.shape[0], [False] * input_ids.shape[0]
+        step = input_ids.shape[1] - self.width  # tokens generated so far
         width = max(self.stops.max_len, self.stops.regex_max_len) + 1  # the tail check() decodes, at most
-        rows = input_ids[:, max(self.width, input_ids.shape[1] - width):].tolist()
-        return torch.tensor([self.stops.check(row, self.tok) is not None for row in rows], dtype=torch.bool,
-                            device=input_ids.device)
+        for i, row in enumerate(input_ids[:, max(self.width, input_ids.shape[1] - width):].tolist()):
+            if self.done[i]:
+                continue
+            got = self.stops.check(row, self.tok)
+            if got is not None:
+                self.found[i] = (step, got)
+            self.done[i] = got is not None or row[-1] in self.eos
+        return torch.tensor([f is not None for f in self.found], dtype=torch.bool, device=input_ids.device)
 
 
 class SeededSample(LogitsProcessor):
@@ -189,14 +205,19 @@ class HFRolloutEngine(EngineDefaults):
         sample = not sampling.greedy
         supports = sampling.return_support and sample
         grammar = self._grammar(sampling.structural_tag, len(chunk)) if sampling.structural_tag else None
+        eos = set(self.eos_token_ids)
         stops = None
         if sampling.stop or sampling.stop_regex:  # SGLang's normalize: refused (StopError) before generating
             from mgrpo.rollout.stops import StopStrings
 
-            stops = StopStrings.normalize(list(sampling.stop), self._tok(), list(sampling.stop_regex) or None)
+            stops = SGLangStops(StopStrings.normalize(list(sampling.stop), self._tok(),
+                                                      list(sampling.stop_regex) or None), self._tok(), width, eos)
         if sampling.return_routed_experts and self.routes is None:
             raise ValueError("return_routed_experts was asked, but the engine was built without "
                              "return_routed_experts=True (a mixture-of-experts model's routes are captured then)")
+        if sampling.return_routed_experts:
+            for r in chunk:
+                check_routes_from(r.routes_from, len(r.prompt_ids))
         # Without supports each sampled token's log-prob is read from its own decode step's logits (one step
         # held); supports need every step's processed scores.
         step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
@@ -220,11 +241,11 @@ class HFRolloutEngine(EngineDefaults):
             token_supports = None
             token_logprobs = step_logprobs.result(new_tokens)
         results = []
-        eos = set(self.eos_token_ids)
         for i, (r, toks, lps) in enumerate(zip(chunk, new_tokens.tolist(), token_logprobs.tolist())):
             n, finish = len(toks), "length"
             if stops is not None:
-                n, finish = self._finish(toks, stops, eos, sampling.max_new_tokens)
+                n, finish = self._finish(toks, stops.found[i] if stops.found else None, eos,
+                                         sampling.max_new_tokens)
             else:
                 for j, t in enumerate(toks):
                     if t in eos:
@@ -236,7 +257,8 @@ class HFRolloutEngine(EngineDefaults):
             results.append(GenerateResult(uid=r.uid, token_ids=toks[:n], logprobs=lps[:n], finish_reason=finish,
                                           weight_version=self.weight_version, support=support))
             if forwards:
-                results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)
+                # SGLang's rows [routed_experts_start_len, prompt + output - 1)
+                results[-1].routed_experts = generated_routes(forwards, i, len(r.prompt_ids), width, n)[r.routes_from:]
         return results
 
     def _tok(self):
@@ -258,14 +280,18 @@ class HFRolloutEngine(EngineDefaults):
         compiled = self._grammars.compile_structural_tag(structural_tag)
         return GrammarProcessor(compiled, rows, self._grammars.vocab_size, self.pad_token_id)
 
-    def _finish(self, toks: list[int], stops, eos: set[int], max_new_tokens: int) -> tuple[int, str]:
+    @staticmethod
+    def _finish(toks: list[int], found: Optional[tuple[int, dict]], eos: set[int],
+                max_new_tokens: int) -> tuple[int, str]:
         """(tokens kept, 'stop' or 'length'): SGLang's finish rules after every token (rollout/stops.py, shared
-        with the CPU server); the abort SGLang answers 400 for a pattern `re` cannot compile raises here."""
-        from mgrpo.rollout.stops import finish_after
+        with the CPU server), with the stop strings' answer `SGLangStops` found while generating (`found`: the
+        tokens generated then and check()'s result; check() answered None before it); the abort SGLang answers
+        400 for a pattern `re` cannot compile raises here."""
+        from mgrpo.rollout.stops import finish_rules
 
-        tok = self._tok()
-        for j in range(len(toks)):
-            fin = finish_after(toks[:j + 1], stops=stops, tokenizer=tok, stop_token_ids=eos,
+        at, text = found if found is not None else (0, None)
+        for j, t in enumerate(toks):
+            fin = finish_rules(text if j + 1 == at else None, t, j + 1, stop_token_ids=eos,
                                max_new_tokens=max_new_tokens)
             if fin is not None:
                 if fin["type"] == "abort":
@@ -275,7 +301,7 @@ class HFRolloutEngine(EngineDefaults):
 
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
                 step_logprobs: Optional[TokenLogprobs], grammar=None, seeded: Optional[SeededSample] = None,
-                stops=None):
+                stops: Optional[SGLangStops] = None):
         # seeded: the rows are drawn by SeededSample, whose only finite score the greedy decode takes
         sample = not sampling.greedy and seeded is None
         return self.model.generate(
@@ -287,8 +313,7 @@ class HFRolloutEngine(EngineDefaults):
             top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
-            stopping_criteria=StoppingCriteriaList([SGLangStops(stops, self._tok(), ids.shape[1])])
-            if stops is not None else None,
+            stopping_criteria=StoppingCriteriaList([stops]) if stops is not None else None,
             pad_token_id=self.pad_token_id,
             output_scores=supports and seeded is None,
             # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them

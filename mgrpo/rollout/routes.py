@@ -84,3 +84,22 @@ def generated_routes(forwards: list[torch.Tensor], row: int, prompt_len: int, wi
     prefill = forwards[0][row, width - prompt_len:width]
     fed = [f[row] for f in forwards[1:out_len]]  # the token of step j is fed by forward j + 1
     return torch.cat([prefill, *fed]).numpy()
+
+
+def routes_from_error(start: int, prompt_len: int) -> Optional[str]:
+    """SGLang 0.5.23's refusal of a routed_experts_start_len outside [0, prompt tokens] (scheduler.py
+    handle_generate_request: the request aborts with this message, answered 400), None when it is in range."""
+    if start > prompt_len:  # (checked second there, so its message wins; both cannot hold)
+        return (f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len.")
+    if start < 0:
+        return (f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                "routed_experts_start_len.")
+    return None
+
+
+def check_routes_from(start: int, prompt_len: int) -> None:
+    """The in-process engine's form of SGLang's refusal: ValueError with its message."""
+    err = routes_from_error(start, prompt_len)
+    if err is not None:
+        raise ValueError(err)

@@ -136,14 +136,21 @@ def finish_after(out: Sequence[int], *, stops: StopStrings, tokenizer, stop_toke
                  ignore_eos: bool = False, grammar_ended: bool = False) -> Optional[dict]:
     """SGLang's finish_reason after the newest token of `out` (None: the response goes on). `stop_token_ids`:
     every id that ends it (the request's, the model's EOS, the tokenizer's eos_token_id)."""
-    text = stops.check(out, tokenizer)
+    return finish_rules(stops.check(out, tokenizer), out[-1], len(out), stop_token_ids=stop_token_ids,
+                        max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, grammar_ended=grammar_ended)
+
+
+def finish_rules(text: Optional[dict], last: int, length: int, *, stop_token_ids, max_new_tokens: int,
+                 ignore_eos: bool = False, grammar_ended: bool = False) -> Optional[dict]:
+    """finish_after once `StopStrings.check` has been answered (`text`) for an output of `length` tokens ending
+    in `last`: for an engine that checked the strings while generating and so need not decode again."""
     if text is not None and text["type"] == "stop":
         return text
     # an abort (a pattern that does not compile) does not return in SGLang: the rules below replace it
-    if not ignore_eos and out[-1] in stop_token_ids:
-        return {"type": "stop", "matched": out[-1]}
-    if len(out) >= max_new_tokens:
+    if not ignore_eos and last in stop_token_ids:
+        return {"type": "stop", "matched": last}
+    if length >= max_new_tokens:
         return {"type": "length", "length": max_new_tokens}
     if grammar_ended:
-        return {"type": "stop", "matched": out[-1]}
+        return {"type": "stop", "matched": last}
     return text

@@ -52,6 +52,10 @@ class GenerateRequest:
     """This request's own sampling seed (SGLang's per-request `sampling_params.sampling_seed`: a multi-turn
     turn's `seeds.turn_seed`); the engines sample it with SGLang's seeded sampler (rollout/seeded.py), so its
     tokens do not depend on the other requests of its batch. None: derived from SamplingParams.seed and uid."""
+    routes_from: int = 0
+    """SGLang's `routed_experts_start_len` (with SamplingParams.return_routed_experts): the routes of positions
+    [routes_from, prompt + output - 1) only, not of the whole sequence (a multi-turn turn asks only for the rows
+    its trajectory does not hold yet). SGLang refuses it outside [0, len(prompt_ids)]."""
 
 
 @dataclass

@@ -43,6 +43,9 @@ from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, G
 
 log = logging.getLogger(__name__)
 
+MAX_SPLIT = 64
+"""POSTs at once for one call split by routed_experts_start_len (multi-turn routes: one value per batch)."""
+
 
 # --- the engine ----------------------------------------------------------------------------------------
 class SGLangEngine(EngineDefaults):
@@ -168,11 +171,19 @@ class SGLangEngine(EngineDefaults):
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[GenerateResult]:
         if not requests:
             return []
-        batches = [list(requests[i:i + self.batch_size]) for i in range(0, len(requests), self.batch_size)]
+        # SGLang takes one routed_experts_start_len per batched request: one batch per value (a multi-turn
+        # dispatch mixes trajectories of every length; without routes every request has 0)
+        groups: dict[int, list[GenerateRequest]] = {}
+        for r in requests:
+            groups.setdefault(r.routes_from if sampling.return_routed_experts else 0, []).append(r)
+        batches = [g[i:i + self.batch_size] for _, g in sorted(groups.items())
+                   for i in range(0, len(g), self.batch_size)]
         if len(batches) == 1:
             parts = [self._generate_batch(batches[0], sampling)]
         else:
-            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(batches))) as pool:
+            # the parts of one split batch go together (the server batches them again), up to MAX_SPLIT at once
+            workers = min(len(batches), max(self.concurrency, min(len(groups), MAX_SPLIT)))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
                 parts = list(pool.map(lambda b: self._generate_batch(b, sampling), batches))
         results = sorted((r for part in parts for r in part), key=lambda r: r.uid)
         with self._lock:
@@ -250,7 +261,8 @@ class SGLangEngine(EngineDefaults):
             got = f"{len(items)} results" if isinstance(items, list) else type(items).__name__
             raise SGLangBadResponseError(f"/generate answered {got} for {len(pending)} requests")
         return items, [parse_generate_item(item, r.uid, self.weight_version, sampling=sampling,
-                                           prompt_len=len(r.prompt_ids), moe_shape=self.moe_shape)
+                                           prompt_len=len(r.prompt_ids), moe_shape=self.moe_shape,
+                                           routes_from=r.routes_from)
                        for r, item in zip(pending, items)]
 
     # --- reward models (a server launched with --is-embedding) ------------------------------------------

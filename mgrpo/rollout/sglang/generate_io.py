@@ -10,8 +10,10 @@ Answer: `meta_info` as tokenizer_manager.py::_handle_batch_output builds it:
   --sampling-mask-max-tokens (scheduler.py); sampling from the whole vocabulary (no top-k, no top-p) needs
   no mask: the support is everything and the behaviour log-prob is the plain one;
 - with `return_routed_experts` and a server started with --enable-return-routed-experts: `routed_experts`,
-  base64 of int32 [prompt + output - 1, num_layers, top_k] (srt/state_capturer/routed_experts.py); absent
-  without the server flag, so its absence when asked is an error here.
+  base64 of int32 [prompt + output - 1 - routed_experts_start_len, num_layers, top_k]
+  (srt/state_capturer/base.py::get_topk over positions [start_len, seqlen - 1); start_len is one value per
+  batched request, in [0, prompt tokens], 0 by default); absent without the server flag, so its absence when
+  asked is an error here.
 """
 
 from __future__ import annotations
@@ -98,7 +100,18 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
     if needs_mask(sampling):
         extra.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
     if sampling.return_routed_experts:
+        if single:
+            # sglang-router 0.3.2's /generate request type has neither return_routed_experts nor
+            # routed_experts_start_len: it drops both, silently (measured: tests/test_sglang_moe.py)
+            raise ValueError("return_routed_experts cannot go through SGLang's router (sglang-router 0.3.2 drops "
+                             "the field); send it to the servers directly")
         extra["return_routed_experts"] = True
+        starts = {int(r.routes_from) for r in requests}
+        if len(starts) > 1:  # GenerateReqInput has one routed_experts_start_len for its whole batch
+            raise ValueError(f"one batched /generate has one routed_experts_start_len; this batch asks for "
+                             f"{sorted(starts)} (send one batch per value)")
+        if starts != {0}:  # sent only when set: 0 is SGLang's default (the whole sequence)
+            extra["routed_experts_start_len"] = starts.pop()
     if single:
         if len(requests) != 1:
             raise ValueError(f"single=True takes one request, got {len(requests)}")
@@ -119,7 +132,8 @@ def parse_weight_version(value: Any, default: int) -> int:
 
 def parse_generate_item(item: Any, uid: int, default_version: int, *, sampling: Optional[SamplingParams] = None,
                         prompt_len: Optional[int] = None,
-                        moe_shape: Optional[tuple[int, int]] = None) -> Optional[GenerateResult]:
+                        moe_shape: Optional[tuple[int, int]] = None,
+                        routes_from: int = 0) -> Optional[GenerateResult]:
     """One element of the /generate answer -> GenerateResult; None when SGLang aborted the request
     (finish_reason type 'abort'), which the caller retries. An answer of the wrong shape raises
     SGLangBadResponseError (the caller retries it within its budget)."""
@@ -149,7 +163,7 @@ def parse_generate_item(item: Any, uid: int, default_version: int, *, sampling: 
     if sampling is not None and sampling.return_support:
         _add_support(result, meta, sampling)
     if sampling is not None and sampling.return_routed_experts:
-        result.routed_experts = decode_routed_experts(meta, uid, prompt_len, len(token_ids), moe_shape)
+        result.routed_experts = decode_routed_experts(meta, uid, prompt_len, len(token_ids), moe_shape, routes_from)
     return result
 
 
@@ -176,8 +190,9 @@ def _add_support(result: GenerateResult, meta: dict, sampling: SamplingParams) -
 
 
 def decode_routed_experts(meta: dict, uid: int, prompt_len: Optional[int], out_len: int,
-                          moe_shape: Optional[tuple[int, int]]) -> np.ndarray:
-    """meta_info["routed_experts"] -> int32 [prompt + output - 1, num_layers, top_k]."""
+                          moe_shape: Optional[tuple[int, int]], routes_from: int = 0) -> np.ndarray:
+    """meta_info["routed_experts"] -> int32 [prompt + output - 1 - routes_from, num_layers, top_k] (the
+    positions [routes_from, prompt + output - 1) the request asked for)."""
     raw = meta.get("routed_experts")
     if raw is None:
         raise SGLangRequestError(f"request {uid}: return_routed_experts was asked but the answer has no "
@@ -195,9 +210,10 @@ def decode_routed_experts(meta: dict, uid: int, prompt_len: Optional[int], out_l
         raise SGLangBadResponseError(f"request {uid}: {flat.size} routed-expert ids do not fill rows of "
                                      f"{layers} layers x top-{top_k}")
     routes = flat.reshape(-1, layers, top_k).copy()
-    if prompt_len is not None and routes.shape[0] != prompt_len + out_len - 1:
+    if prompt_len is not None and routes.shape[0] != max(0, prompt_len + out_len - 1 - routes_from):
         raise SGLangBadResponseError(f"request {uid}: {routes.shape[0]} routed-expert rows for {prompt_len} prompt and "
-                                     f"{out_len} output tokens (SGLang returns prompt + output - 1)")
+                                     f"{out_len} output tokens from position {routes_from} (SGLang returns prompt + "
+                                     "output - 1 - routed_experts_start_len)")
     return routes
 
 

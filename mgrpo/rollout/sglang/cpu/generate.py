@@ -32,6 +32,7 @@ from typing import Any, Optional
 from mgrpo.rollout.sglang.cpu.receive import RequestError
 from mgrpo.rollout.sglang.cpu.text import grammar_key
 from mgrpo.rollout.stops import StopError, StopStrings
+from mgrpo.rollout.routes import routes_from_error
 from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.sglang.protocol.tables import SAMPLING_FIELDS
 
@@ -224,13 +225,9 @@ def parse(body: Any, limits: Limits, tokenizer=None):
                                f"{limits.mask_max_tokens}; got top_k={s['top_k']}. Lower top_k or increase "
                                "--sampling-mask-max-tokens.")
         if routes and limits.routes:  # without the server flag SGLang ignores the request field
-            if start < 0:
-                raise RequestError(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
-                                   "non-negative routed_experts_start_len.")
-            if start > len(prompt):
-                raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
-                                   f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
-                                   "routed_experts_start_len.")
+            err = routes_from_error(start, len(prompt))
+            if err is not None:
+                raise RequestError(err)
         reqs.append(Req(rid=rid, input_ids=list(prompt), temperature=float(s["temperature"]),
                         top_p=float(s["top_p"]), top_k=min(s["top_k"], limits.vocab_size), max_new_tokens=max_new,
                         stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"], seed=s["seed"],
