@@ -349,6 +349,28 @@ def test_an_environment_continues_the_conversation_and_its_crash_fails_the_traje
     assert m["multi_turn/trajectory_retries/env_failed"] == 1
 
 
+def test_a_turn_a_stop_string_ended_gets_the_templates_end_of_turn_as_context(qwen3):
+    """rollout.stop ends a turn inside the model's text (SGLang keeps the stop, no EOS follows): the next
+    message is appended after the template's <|im_end|>, which is context (never sampled), and the conversation
+    still renders to the same ids as the chat template's (drift: only the think blocks, as without stops)."""
+    guesses = [3, 8, 6]
+    script = lambda uid, turn: f"<think>\nguess {turn}\n</think>\n\n{guesses[turn]} is my guess"  # noqa: E731
+    runner = AgentRunner(MultiTurnConfig(environment="x:y"), qwen3, ToolSet([]), max_response_length=512,
+                         environment=GuessEnv)
+    prompts = _prompts(qwen3, ToolSet([]), 1)
+    policy = ScriptedPolicy(qwen3, script, prompts)
+    trajs, m = runner.run([(prompts[0], {}, "")], SamplingParams(max_new_tokens=512, stop=("3", "8", "6")), policy)
+    t = trajs[0]
+    assert t.finish_reason == "stop" and t.tool_reward == 1.0 and len(t.turns) == 5
+    assert all(qwen3.decode(s).endswith(str(g)) for s, g in zip(policy.sampled[0], guesses))  # no EOS sampled
+    for k in (1, 3):
+        span = t.response_ids[t.turns[k].start:t.turns[k].end]
+        assert qwen3.decode(span).startswith("<|im_end|>\n<|im_start|>user\n") and not any(t.sampled[t.turns[k].start:
+                                                                                                       t.turns[k].end])
+    think = sum(len(qwen3(f"<think>\nguess {k}\n</think>\n\n", add_special_tokens=False)["input_ids"]) for k in (0, 1))
+    assert runner.drift(t, [{"role": "user", "content": "question 0"}], []) == think
+
+
 def test_the_doctor_leaves_context_tokens_out_of_the_mismatch():
     import math
 

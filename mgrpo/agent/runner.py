@@ -328,8 +328,10 @@ class AgentRunner:
                     msgs = [{"role": "tool", "content": r}
                             for r in await self.calls.run(traj, parsed, names, kwargs, instances)]
                 ids = self.template.suffix(msgs)
-                if self.stop and text.endswith(self.stop):
-                    ids = [self.eos] + ids  # the end of the turn the stop cut: the template's, not sampled
+                if res.token_ids and res.token_ids[-1] != self.eos:
+                    # a turn a stop string ended (after a call, or rollout.stop): its end of turn is the
+                    # template's, context, not sampled
+                    ids = [self.eos] + ids
                 if len(traj.response_ids) + len(ids) >= self.max_response_length:
                     traj.finish_reason = "length"  # no room for the replies and a next turn
                     return

@@ -14,7 +14,8 @@ from mgrpo.rollout.types import GenerateResult
 
 class ScriptedPolicy:
     """generate(prompts, sampling): request -> the trajectory whose prompt prefixes it -> `script(uid, turn)`,
-    encoded, EOS appended (cut at sampling.max_new_tokens: finish 'length'). `delay_s`: seconds per call.
+    encoded, EOS appended (cut at sampling.max_new_tokens: finish 'length'); with sampling.stop, cut after the
+    first stop string it holds, kept, and no EOS (SGLang's rule). `delay_s`: seconds per call.
     Keeps what it 'sampled' per trajectory and when each call came, with which trajectories."""
 
     def __init__(self, tok, script: Callable[[int, int], str], prompts: list[list[int]], delay_s: float = 0.0):
@@ -36,7 +37,10 @@ class ScriptedPolicy:
             uid = self.uid_of(ids)
             uids.append(uid)
             turn = len(self.sampled.get(uid, []))
-            new = self.tok(self.script(uid, turn), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            text = self.script(uid, turn)
+            hits = [text.index(x) + len(x) for x in getattr(sampling, "stop", ()) if x in text]
+            end = [] if hits else [self.tok.eos_token_id]
+            new = self.tok(text[:min(hits)] if hits else text, add_special_tokens=False)["input_ids"] + end
             finish = "stop"
             if len(new) > sampling.max_new_tokens:
                 new, finish = new[:sampling.max_new_tokens], "length"
