@@ -40,8 +40,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 IN_PROCESS_SAFE = frozenset({"mgrpo/sum", "mgrpo/peek", "openai/gsm8k"})
 """Built-ins the Judger may call in its own process: a few string operations and regexes without nested
-quantifiers over at most the response (GSM8K's over its last 300 characters), so linear time, no imports, nothing
-that can hang, exit or leak. math-verify is not among them (sympy parsing can hang: it stays in the workers)."""
+quantifiers over at most the response (GSM8K's over its last 300 characters; peek's think-block removal is at worst
+quadratic in the response's length, bounded by data.max_response_length), no imports, nothing that can hang, exit
+or leak. math-verify is not among them (sympy parsing can hang: it stays in the workers)."""
 
 
 def runs_in_process(data_source: str, cfg: RewardConfig) -> bool:
