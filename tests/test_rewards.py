@@ -171,7 +171,8 @@ def _requests():
 
 @pytest.mark.integration
 def test_judger_workers_isolate_failures_and_timeouts(user_module):
-    cfg = RewardConfig(custom_functions=user_module, timeout_s=2.0, num_workers=2)
+    # math-verify imports sympy in a worker started after the 30 s call was cut: 5 s leave room for that under load
+    cfg = RewardConfig(custom_functions=user_module, timeout_s=5.0, num_workers=2)
     with Judger(cfg) as judger:
         t0 = time.monotonic()
         res = judger.score(_requests())
