@@ -16,8 +16,9 @@ Three measures, all glibc's own:
   its top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's
   peak; only once the process's resident memory grew by `CALL_TRIM_MIN_GROWTH` since its last trim. A trim
   walks the heap and the next call faults in again what it returned (`python -m benchmarks.measure.call_trim`,
-  load ~12: the trim 0.52 ms; a call of 200 small tensors 1.30 ms, 1.56 ms right after a trim); the tiny job's calls free a few MB and skip it, a step at Qwen3's vocabulary
-  (hundreds of MB per call) still trims every call.
+  load ~12: the trim 0.52 ms; a call of 200 small tensors 1.30 ms, 1.56 ms right after a trim; the tiny job's
+  update returned ~65 MiB a step, ~9 ms of trim plus the refaults, until the bound was raised to 128 MiB); the
+  tiny job's calls skip it, a step at Qwen3's vocabulary (hundreds of MB per call) still trims every call.
 - `trim_heap()` every `DECODE_TRIM_EVERY` decode steps of an in-process engine (rollout/hf_engine.py): within
   one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
   cache growing by a column) come from the heap once glibc has raised its threshold, small long-lived blocks
@@ -49,9 +50,13 @@ def arena_env() -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in ARENA_ENV.items()}
 
 
-CALL_TRIM_MIN_GROWTH = 32 << 20
+CALL_TRIM_MIN_GROWTH = 128 << 20
 """Resident bytes a process may gain since its last trim before `trim_after_call` trims again: what a rank
-may hold beyond its live tensors between calls."""
+may hold beyond its live tensors between calls. At 32 MiB the tiny job's rank trimmed once a step: its update
+frees ~65 MiB of activations (RSS 540 -> 477 MiB), the trim took ~9 ms of CPU and the next update faulted the
+65 MiB in again; the pages are the next call's anyway (the tree's peak is a call's, and it did not move: 906 vs
+904 MiB PSS), so at 128 MiB the tiny lockstep step went from 1.22x to 0.88x TRL's and the tree's CPU per step
+from 1.30x to 1.03x (one run each, load 5-9). Qwen3-vocabulary calls free hundreds of MB and still trim."""
 
 _resident_after_trim: list = [None]
 """This process's resident bytes right after its last trim (None: not trimmed yet)."""

@@ -14,6 +14,7 @@ import pytest
 from mgrpo.config import RewardConfig
 from mgrpo.rewards import BUILTIN_REWARDS, Judger, ScoreRequest, check_data_sources, eval_metrics, to_score
 from mgrpo.rewards.math_reward import compute_score as math_score
+from mgrpo.rewards.registry import runs_in_process
 from mgrpo.rewards.synthetic import sum_score
 
 
@@ -170,7 +171,8 @@ def _requests():
 
 @pytest.mark.integration
 def test_judger_workers_isolate_failures_and_timeouts(user_module):
-    cfg = RewardConfig(custom_functions=user_module, timeout_s=2.0, num_workers=2)
+    # math-verify imports sympy in a worker started after the 30 s call was cut: 5 s leave room for that under load
+    cfg = RewardConfig(custom_functions=user_module, timeout_s=5.0, num_workers=2)
     with Judger(cfg) as judger:
         t0 = time.monotonic()
         res = judger.score(_requests())
@@ -198,7 +200,7 @@ def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
     real = judger_mod._Worker.send_todo
     monkeypatch.setattr(judger_mod._Worker, "send_todo", lambda w, reqs: (sent.append(len(w.todo)), real(w, reqs)))
     reqs = [ScoreRequest("openai/gsm8k", f"#### {i % 7}", str(i % 5)) for i in range(301)]
-    with Judger(RewardConfig(num_workers=2)) as judger:
+    with Judger(RewardConfig(num_workers=2, isolate_builtin_rules=True)) as judger:
         res = judger.score(reqs)
         assert sorted(sent) == [150, 151]
         assert res.scores == [float(i % 7 == i % 5) for i in range(301)] and res.status == ["ok"] * 301
@@ -208,7 +210,7 @@ def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
 
 @pytest.mark.integration
 def test_judger_replaces_a_worker_that_died_while_idle():
-    with Judger(RewardConfig(num_workers=1)) as judger:
+    with Judger(RewardConfig(num_workers=1, isolate_builtin_rules=True)) as judger:
         assert judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")]).scores == [1.0]
         w = judger._workers[0]
         w.proc.kill()   # our own child; simulates an OOM kill between steps
@@ -244,6 +246,28 @@ def test_judger_in_process(user_module):
         res = judger.score(reqs)
     assert res.scores == [1.0, 1.0, None, None, 1.0, None, 1.0, 0.0, 1.0]
     assert (res.failed, res.timeout) == (2, 1)
+
+
+def test_builtin_string_rules_run_in_process_without_workers():
+    """With workers configured, the built-in string rules are scored in the calling process and no worker starts
+    (a unit test: starting one would fail it); a user function replacing a built-in, '*', math-verify and
+    reward.isolate_builtin_rules send a source to the workers."""
+    reqs = [ScoreRequest("mgrpo/sum", "7", "7", {"finish_reason": "stop"}),
+            ScoreRequest("mgrpo/sum", "7", "8", {"finish_reason": "stop"}),
+            ScoreRequest("mgrpo/sum", "7", "7", {"finish_reason": "length"}),
+            ScoreRequest("openai/gsm8k", "#### 71", "72"), ScoreRequest("openai/gsm8k", "so #### 72", "72"),
+            ScoreRequest("mgrpo/sum", "7", "7")]  # no finish_reason: the rule raises, a failure, not a 0
+    with Judger(RewardConfig(num_workers=2)) as judger:
+        res = judger.score(reqs)
+        assert judger._workers == []
+    assert res.scores == [1.0, 0.0, 0.0, 0.0, 1.0, None] and res.status == ["ok"] * 5 + ["failed"]
+    assert res.failed_by[5] == "rule:mgrpo/sum" and res.metrics()["reward/failed"] == 1.0
+    default = RewardConfig()
+    assert [runs_in_process(s, default) for s in ("mgrpo/sum", "mgrpo/peek", "openai/gsm8k", "math", "my/exact")] \
+        == [True, True, True, False, False]
+    assert not runs_in_process("mgrpo/sum", RewardConfig(isolate_builtin_rules=True))
+    assert not runs_in_process("openai/gsm8k", RewardConfig(custom_functions={"openai/gsm8k": "m:f"}))
+    assert not runs_in_process("mgrpo/sum", RewardConfig(custom_functions={"*": "m:f"}))
 
 
 @pytest.mark.integration

@@ -101,7 +101,8 @@ def test_the_judger_applies_reward_gsm8k(num_workers):
                 [("#### 72", "72"), ("#### 71", "72"), ("I think it's 72", "72"), ("nothing", "72")]]
     for method, credit, want in (("strict", 0.0, [1.0, 0.0, 0.0, 0.0]), ("strict", 0.1, [1.0, 0.1, 0.0, 0.0]),
                                  ("flexible", 0.1, [1.0, 0.1, 1.0, 0.0])):
-        cfg = RewardConfig(gsm8k=Gsm8kJudgeConfig(method=method, format_score=credit), num_workers=num_workers)
+        cfg = RewardConfig(gsm8k=Gsm8kJudgeConfig(method=method, format_score=credit), num_workers=num_workers,
+                           isolate_builtin_rules=num_workers > 0)  # the workers are sent reward.gsm8k too
         with Judger(cfg) as judger:
             assert judger.score(requests).scores == pytest.approx(want), (method, credit)
 

@@ -75,12 +75,12 @@ def what_each_side_does(w: Workload) -> dict:
         ),
         "mgrpo": (
             "A Ray driver and Ray actors: one Megatron rank (actor + frozen reference) that also hosts the "
-            "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), two "
-            "reward-worker subprocesses, plus the Ray processes a local run keeps (gcs_server, raylet with its "
+            "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), "
+            "plus the Ray processes a local run keeps (gcs_server, raylet with its "
             "dashboard and runtime-env agents, log monitor; no API server, autoscaler monitor or idle workers). Per "
             f"step: next {p} prompts; rollout call to the engine (HF generate; each sampled token's log-prob taken "
-            "from that step's logits by a logits processor); decode; rewards in the worker subprocesses (each "
-            f"worker's share of the {rows} responses as one JSON message, answers line by line); reference forward "
+            "from that step's logits by a logits processor); decode; the built-in rule in the driver's process "
+            "(reward workers only for user functions and math-verify); reference forward "
             "(sent to the Megatron rank right after generation, so it runs while the driver judges; its log-probs "
             "stay on the rank for the update: 'reference log-probs' below is the driver's wait for them, 0 here, "
             "and timing_s/ref_on_ranks the rank's time); advantages; one Megatron forward+backward and optimizer "
@@ -107,8 +107,8 @@ DIFFERENCES = [
     "Log-prob heads: both avoid [tokens x vocab] logits in training. TRL 1.16 patches the model with its chunked "
     "LM head (add_fused_lm_head; on CPU it scores every position of the padded rows, prompt and padding included); "
     "mgrpo's kernel scores the response positions of THD-packed micro-batches only.",
-    "Rewards: TRL calls the function in its own process; mgrpo's default job scores in reward.num_workers=2 "
-    "isolated subprocesses (per-call timeouts, crash isolation), one message per worker per step.",
+    "Rewards: both call the built-in rule in their own process (mgrpo sends user functions and math-verify to "
+    "reward.num_workers=2 isolated subprocesses: per-call timeouts, crash isolation).",
     "Priority: Ray starts its workers at nice 15 (RAY_worker_niceness); the harness sets it to 0, TRL's "
     "process's priority, so that other jobs on the machine slow both sides alike.",
     "Threads: TRL's process gets torch.set_num_threads(--threads); mgrpo's Megatron rank and engine each get "

@@ -38,7 +38,7 @@ RESULT_NEUTRAL = (
     "trainer.ray_address", "trainer.allow_oversubscribe", "trainer.gpu_memory_gb", "trainer.cpus_per_worker",
     "rollout.health_check_interval_s", "rollout.health_check_timeout_s", "rollout.request_timeout_s",
     "rollout.max_retries", "rollout.update_weights_bucket_mb", "rollout.generate_chunk", "rollout.api_key",
-    "reward.num_workers", "reward.timeout_s",
+    "reward.num_workers", "reward.isolate_builtin_rules", "reward.timeout_s",
 )
 """Config keys (or key prefixes ending in '.') that cannot change what a run computes: they may differ between
 the attempts of one run. Every other key is in the fingerprint."""

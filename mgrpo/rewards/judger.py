@@ -16,7 +16,10 @@ so a worker lost to something outside costs no score, and only a call that kills
 is `failed`.
 
 With num_workers=0 functions run in the calling process: cheaper, but a hung function cannot be
-interrupted; a call that took longer than timeout_s still has no score and counts as a timeout.
+interrupted; a call that took longer than timeout_s still has no score and counts as a timeout. The built-in
+string rules (mgrpo/sum, mgrpo/peek, openai/gsm8k; `registry.runs_in_process`) always run there, unless
+reward.isolate_builtin_rules: they cannot hang or end the interpreter, and a worker's round trip cost 13x the
+rule's own time on the tiny job. Workers start when a call first needs one, so a run of such rules alone has none.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mgrpo.config.schema import RewardConfig
-from mgrpo.rewards.registry import absolute_spec, get_reward_fn, gsm8k_options, reward_functions, to_score
+from mgrpo.rewards.registry import (absolute_spec, get_reward_fn, gsm8k_options, reward_functions, runs_in_process,
+                                    to_score)
 
 log = logging.getLogger("mgrpo.rewards")
 
@@ -151,11 +155,13 @@ class Judger:
     def score(self, requests: list[ScoreRequest]) -> ScoreResult:
         result = ScoreResult(scores=[None] * len(requests), status=["ok"] * len(requests),
                              failed_by=[""] * len(requests))
-        if requests:
-            if self.cfg.num_workers > 0:
-                self._score_in_workers(requests, result)
-            else:
-                self._score_in_process(requests, result)
+        here = [i for i, r in enumerate(requests)
+                if self.cfg.num_workers == 0 or runs_in_process(r.data_source, self.cfg)]
+        if here:
+            self._score_in_process(requests, here, result)
+        if len(here) < len(requests):
+            mine = set(here)
+            self._score_in_workers(requests, [i for i in range(len(requests)) if i not in mine], result)
         if result.failed or result.timeout:  # the experience warns past reward.failed.warn_rate
             log.info("reward: %d failed, %d timed out of %d; e.g. %s", result.failed, result.timeout,
                         len(requests), result.errors[:2])
@@ -193,8 +199,9 @@ class Judger:
         if len(result.errors) < MAX_ERRORS_KEPT:
             result.errors.append(f"{req.data_source}: {error}")
 
-    def _score_in_process(self, requests: list[ScoreRequest], result: ScoreResult) -> None:
-        for i, req in enumerate(requests):
+    def _score_in_process(self, requests: list[ScoreRequest], idx: list[int], result: ScoreResult) -> None:
+        for i in idx:
+            req = requests[i]
             t0 = time.monotonic()
             try:
                 fn = get_reward_fn(req.data_source, self._fns)
@@ -207,7 +214,8 @@ class Judger:
             else:
                 result.scores[i] = score
 
-    def _score_in_workers(self, requests: list[ScoreRequest], result: ScoreResult) -> None:
+    def _score_in_workers(self, requests: list[ScoreRequest], idx: list[int], result: ScoreResult) -> None:
+        """Score requests[i] for i in `idx` in the worker processes."""
         # Workers persist between calls; dead ones are replaced (and counted).
         alive = [w for w in self._workers if w.proc.poll() is None]
         for w in self._workers:
@@ -219,7 +227,7 @@ class Judger:
         while len(self._workers) < self.cfg.num_workers:
             self._workers.append(_Worker(self.cfg))
         for k, w in enumerate(self._workers):  # strided shares: neighbouring (similar) requests spread out
-            w.todo, w.sent = deque(range(k, len(requests), len(self._workers))), deque()
+            w.todo, w.sent = deque(idx[k::len(self._workers)]), deque()
         sel = selectors.DefaultSelector()
         for w in self._workers:
             sel.register(w.proc.stdout, selectors.EVENT_READ, w)

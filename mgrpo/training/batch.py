@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -194,13 +195,14 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
         slots = [_round_up(max(lens), layout.global_multiple)] * len(lens)
     # Vectorised over the whole micro-batch (a per-sample loop of small torch ops cost ~10x more on the
     # default job's 256 short samples): every sample laid out in its slot, then this rank's positions.
-    flat = torch.tensor([t for ids, w in zip(batch.input_ids, slots) for t in ids + [pad_id] * (w - len(ids))],
-                        dtype=torch.long)
+    flat = torch.tensor(list(chain.from_iterable(ids + [pad_id] * (w - len(ids))
+                                                 for ids, w in zip(batch.input_ids, slots))), dtype=torch.long)
     starts = torch.tensor([0] + slots[:-1], dtype=torch.long).cumsum(0)  # each sample's offset in `flat`
     if layout.packed or cp > 1:  # positions within each sample that this rank holds (CP chunks)
         per = {w: cp_positions(w, cp, layout.cp_rank) for w in set(slots)}
         g = torch.cat([per[w] for w in slots])
-        sample = torch.tensor([i for i, w in enumerate(slots) for _ in range(per[w].numel())], dtype=torch.long)
+        held = {w: per[w].numel() for w in per}
+        sample = torch.arange(len(slots)).repeat_interleave(torch.tensor([held[w] for w in slots]))
     else:
         g = torch.arange(slots[0]).repeat(len(lens))
         sample = torch.arange(len(lens)).view(-1, 1).expand(len(lens), slots[0]).reshape(-1)
@@ -217,10 +219,12 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
     for name in TOKEN_FIELDS:
         values = getattr(batch, name)
         if values is not None:
-            for v, r in zip(values, resp_lens):
-                if len(v) != r:
-                    raise ValueError(f"{name} has {len(v)} values for a response of {r} tokens")
-            fields[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)[order_t]
+            got = list(map(len, values))
+            if got != resp_lens:
+                bad = next((i for i, (v, r) in enumerate(zip(got, resp_lens)) if v != r), None)
+                raise ValueError(f"{name} has {got[bad]} values for a response of {resp_lens[bad]} tokens"
+                                 if bad is not None else f"{name} has {len(got)} samples, the batch {len(lens)}")
+            fields[name] = torch.tensor(list(chain.from_iterable(values)), dtype=torch.float32)[order_t]
     if batch.seq_index:
         fields["seq_index"] = torch.tensor(batch.seq_index, dtype=torch.long)[rows_t]
     support = None

@@ -60,8 +60,10 @@ from tests.helpers.chaos_tools import FAULTS_ENV
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
 COMMON = ["rollout.num_engines=2", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=10",
-          "rollout.request_timeout_s=60", "trainer.save_freq=10", "trainer.logger=[console,tensorboard]"]
-"""Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps (all
+          "rollout.request_timeout_s=60", "trainer.save_freq=10", "trainer.logger=[console,tensorboard]",
+          "reward.isolate_builtin_rules=true"]
+"""Every job: two engines behind the router; fast health checks and a checkpoint every 10 steps; the built-in
+rules judged in the reward workers (which `reward_worker_kill` kills; by default they run in the driver) (all
 result-neutral keys, components/run_folder.py::RESULT_NEUTRAL)."""
 
 RM_DIR = "<reward-model>"
