@@ -9,6 +9,7 @@ in-process engine's decode loop is (`TrimHeap`), it keeps at most those steps' h
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -84,7 +85,11 @@ def test_call_trim_runs_once_the_process_grew_by_its_threshold(monkeypatch):
     assert heap.trim_after_call(min_growth=32 << 20) is True
     small = torch.ones(1 << 18)  # 1 MiB more
     assert heap.trim_after_call(min_growth=32 << 20) is False
-    big = torch.ones(16 << 20)  # 64 MiB more, touched: resident
+    # 64 MiB more, touched: resident. A mapping of its own, not a tensor from malloc, which under xdist may reuse
+    # pages an earlier test freed and left resident (trim_heap is stubbed here): then nothing grows
+    big = mmap.mmap(-1, 64 << 20)
+    big.write(b"\1" * (64 << 20))
     assert heap.trim_after_call(min_growth=32 << 20) is True
     assert heap.trim_after_call(min_growth=32 << 20) is False  # measured again after that trim
-    assert len(trims) == 2 and small.sum() + big.sum() > 0
+    assert len(trims) == 2 and small.sum() > 0 and big[-1] == 1
+    big.close()

@@ -196,8 +196,10 @@ def row_ops():
     return ("resume, nodes, SLURM", "`python -m pytest tests/test_resume_kill.py tests/test_ray_two_nodes.py "
             "tests/test_slurm_real.py tests/test_async_rollout.py`",
             "after SIGKILL of everything, later steps equal the uninterrupted run within 1e-6, each step once in "
-            f"metrics, trajectories and TensorBoard; two `ray start` nodes learn (first-10 {two['reward_first10']:.3f}, "
-            f"last-10 {two['reward_last10']:.3f}) and a dead worker node is named; a real one-node SLURM runs, "
+            "metrics, trajectories and TensorBoard; over two `ray start` nodes the engine on the other node samples "
+            "from exactly the trainer's weights after every sync (the 150-step job over them learned: first-10 "
+            f"{two['reward_first10']:.3f}, last-10 {two['reward_last10']:.3f}) and a dead worker node is named; a "
+            "real one-node SLURM runs, "
             "requeues (scontrol, USR1, TERM) and resumes the sbatch job (`benchmarks/results/ops_cpu.json`; the SLURM "
             "tests need `slurm/testing/local_cluster.sh up`, which `.ci/run` does)")
 
