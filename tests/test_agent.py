@@ -19,6 +19,7 @@ from mgrpo.agent.tools import FunctionTool, ToolSet, function_schema, load_verl_
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
 from tests.helpers.agent import ScriptedPolicy, add, slow_tool, call_text as _call, tool_prompts as _prompts
+from tests.helpers.sandbox import require_any_level
 
 
 @pytest.fixture(scope="module")
@@ -395,6 +396,7 @@ def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwe
     from mgrpo.config import MGRPOConfig
     from mgrpo.data.dataset import PromptItem
 
+    require_any_level()
     spec = "mgrpo.sandbox.tool:python"
     tools = ToolSet.from_config([spec], None)
     cfg = MGRPOConfig()

@@ -21,28 +21,18 @@ import pytest
 from mgrpo.config.schema import SandboxConfig
 from mgrpo.net import free_port
 from tests.helpers.procs import processes_mentioning
+from tests.helpers.sandbox import require_level
 
 pytestmark = pytest.mark.integration
 
-REQUIRE = "MGRPO_REQUIRE_SANDBOX"
 CFG = SandboxConfig(isolation="bwrap", cpu_time_s=1, wall_time_s=6.0, memory_mb=512, max_processes=16,
                     max_open_files=32, max_file_size_mb=8, scratch_mb=32, max_output_bytes=4096, pool_size=1,
                     max_concurrency=2)
 
 
-def _available(level: str):
-    from mgrpo.sandbox.probe import probe
-
-    problem = probe()[level]
-    if problem and level == "bwrap" and os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{REQUIRE}=1 but the sandbox cannot run: {problem}")
-    if problem:
-        pytest.skip(f"sandbox level {level} unavailable here: {problem}")
-
-
 @pytest.fixture(scope="module")
 def sandbox():
-    _available("bwrap")
+    require_level("bwrap")
     from mgrpo.sandbox import Sandbox
 
     with Sandbox(CFG) as sb:
@@ -97,7 +87,7 @@ def test_large_code_and_stdin_pass_whole(sandbox):
 
 
 def test_the_python_tool_answers_and_counts():
-    _available("bwrap")
+    require_level("bwrap")
     from mgrpo.sandbox import tool
 
     tool.configure(CFG)
@@ -306,7 +296,7 @@ def test_concurrent_calls_are_capped_and_isolated(sandbox):
 
 
 def test_a_call_that_finds_no_slot_is_a_counted_timeout():
-    _available("bwrap")
+    require_level("bwrap")
     from mgrpo.sandbox import Sandbox
 
     with Sandbox(SandboxConfig(isolation="bwrap", wall_time_s=1.0, pool_size=0, max_concurrency=1)) as sb:
@@ -321,7 +311,7 @@ def test_a_call_that_finds_no_slot_is_a_counted_timeout():
 
 
 def test_the_command_prints_one_json_line(tmp_path):
-    _available("bwrap")
+    require_level("bwrap")
     (tmp_path / "in.txt").write_text("7")
     out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.sandbox", "--wall-time-s", "5", "--stdin",
                           str(tmp_path / "in.txt")], input="print(int(input()) * 6)", capture_output=True,
@@ -333,7 +323,7 @@ def test_the_command_prints_one_json_line(tmp_path):
 
 
 def test_the_unshare_level():
-    _available("unshare")
+    require_level("unshare")
     from mgrpo.sandbox import Sandbox
 
     listener = Listener()
@@ -376,6 +366,7 @@ def test_as_an_unprivileged_user_both_levels_work():
     system_python = "/usr/bin/python3"
     if os.getuid() != 0 or not os.path.exists(system_python):
         pytest.skip("needs root (to run as uid 65534) and Debian's /usr/bin/python3")
+    require_level("bwrap")
     listener = Listener()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     readable = os.path.join(repo, "README.md")  # the checkout (world-readable here), where runs keep outputs/
