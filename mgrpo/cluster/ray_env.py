@@ -10,6 +10,7 @@ nobody reads. A SLURM job joins the cluster that `slurm/train.sbatch` started (`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -48,15 +49,45 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
     if not tmp:  # a short private path (Ray's socket paths must stay under ~107 characters)
         tmp = tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
         _owned_tmp.append(tmp)
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
-             configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
+    with _without_unused_head_processes():
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
     _stop_unused_head_processes()
 
 
+UNUSED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
+"""What ray.init starts on a head node that a local run never uses (ray._private.node.Node's methods): the API
+server (with include_dashboard=False it only reports usage statistics, which are off) and the autoscaler's
+monitor (a single local node never scales)."""
+
+
+@contextlib.contextmanager
+def _without_unused_head_processes():
+    """While a local ray.init runs, UNUSED_HEAD_PROCESSES start nothing. ray.init has no setting for either
+    (include_dashboard=False still starts the API server; RayParams.no_monitor is not reachable from it), and
+    starting the API server is the slow part of a local ray.init: the driver polls the GCS until the server
+    has imported its modules and published its URL (ray/_private/services.py, start_api_server).
+    `benchmarks.measure.startup`, tiny job: see the commit that added this. A Ray without these methods starts
+    them as before, and `_stop_unused_head_processes` stops them."""
+    node = getattr(getattr(ray, "_private", None), "node", None)
+    cls = getattr(node, "Node", None)
+    saved = {name: cls.__dict__[name] for name in UNUSED_HEAD_PROCESSES if cls is not None and name in cls.__dict__}
+    for name in saved:
+        setattr(cls, name, _start_nothing)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(cls, name, method)
+
+
+def _start_nothing(self, *args, **kwargs) -> None:
+    return None
+
+
 def _stop_unused_head_processes() -> None:
-    """ray.init always starts an API server (with include_dashboard=False it only reports usage
-    statistics, which are off) and the autoscaler's monitor (a single local node never scales); a
-    local run uses neither, so both are stopped (~200 MiB of resident memory, and their idle CPU)."""
+    """Stop UNUSED_HEAD_PROCESSES that ray.init started anyway (a Ray whose Node lacks the methods
+    `_without_unused_head_processes` replaces): ~200 MiB of resident memory, and their idle CPU."""
     node = getattr(ray._private.worker, "_global_node", None)
     for kill in ("kill_dashboard", "kill_monitor"):
         if node is not None and hasattr(node, kill):
