@@ -2,8 +2,9 @@
 
 Local runs get a private, self-contained, lean Ray: token authentication off (Ray 2.60 turns it on
 and writes a token under ~/.ray), its own temp dir, no usage reporting, and only the processes a run
-uses: the GCS, the raylet with its two agents (it exits without them), the log monitor (actor output
-on the console) and our actors. No dashboard, no autoscaler monitor, no idle pre-started workers
+uses: the GCS, the raylet with its two agents (it exits without them) and our actors; the actors' output
+reaches the console through a thread of the driver (ray_logs.py) instead of Ray's log monitor process. No
+dashboard, no autoscaler monitor, no idle pre-started workers
 (every process of a run is an actor with a process of its own), no metrics or task events that
 nobody reads. A SLURM job joins the cluster that `slurm/train.sbatch` started (`trainer.ray_address`).
 """
@@ -20,8 +21,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mgrpo.cluster import ray_logs
+
 
 _owned_tmp: list[str] = []
+_forwarders: list = []
+"""The local Ray's ray_logs.LogForwarder, stopped by stop_ray."""
 
 LOCAL_SYSTEM_CONFIG = {
     "enable_worker_prestart": False,          # no idle workers kept warm for tasks we never submit
@@ -49,10 +54,13 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
     if not tmp:  # a short private path (Ray's socket paths must stay under ~107 characters)
         tmp = tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
         _owned_tmp.append(tmp)
-    with _without_unused_head_processes():
+    forward = ray_logs.available()
+    with _without_unused_head_processes(UNUSED_HEAD_PROCESSES + (("start_log_monitor",) if forward else ())):
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
     _stop_unused_head_processes()
+    if forward:
+        _forwarders.append(ray_logs.LogForwarder(ray._private.worker._global_node))
 
 
 UNUSED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
@@ -62,8 +70,9 @@ monitor (a single local node never scales)."""
 
 
 @contextlib.contextmanager
-def _without_unused_head_processes():
-    """While a local ray.init runs, UNUSED_HEAD_PROCESSES start nothing. ray.init has no setting for either
+def _without_unused_head_processes(names: tuple[str, ...]):
+    """While a local ray.init runs, Node's methods `names` start nothing: UNUSED_HEAD_PROCESSES, and the log
+    monitor where ray_logs.LogForwarder takes its place. ray.init has no setting for either
     (include_dashboard=False still starts the API server; RayParams.no_monitor is not reachable from it), and
     starting the API server is the slow part of a local ray.init: the driver polls the GCS until the server
     has imported its modules and published its URL (ray/_private/services.py, start_api_server).
@@ -71,7 +80,7 @@ def _without_unused_head_processes():
     them as before, and `_stop_unused_head_processes` stops them."""
     node = getattr(getattr(ray, "_private", None), "node", None)
     cls = getattr(node, "Node", None)
-    saved = {name: cls.__dict__[name] for name in UNUSED_HEAD_PROCESSES if cls is not None and name in cls.__dict__}
+    saved = {name: cls.__dict__[name] for name in names if cls is not None and name in cls.__dict__}
     for name in saved:
         setattr(cls, name, _start_nothing)
     try:
@@ -96,6 +105,8 @@ def _stop_unused_head_processes() -> None:
 
 def stop_ray() -> None:
     """Shut down the local Ray and remove the temp dir we made for it (a user's RAY_TMPDIR is kept)."""
+    while _forwarders:  # first: its last pass publishes while the GCS is up
+        _forwarders.pop().stop()
     if ray.is_initialized():
         ray.shutdown()
     while _owned_tmp:
