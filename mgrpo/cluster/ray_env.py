@@ -22,11 +22,37 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mgrpo.cluster import ray_logs
+from mgrpo.heap import arena_env
 
 
 _owned_tmp: list[str] = []
 _forwarders: list = []
 """The local Ray's ray_logs.LogForwarder, stopped by stop_ray."""
+_inherited: dict[str, str] = {}
+"""What every process of the local Ray started with (inherited_env); empty when joining a cluster."""
+
+
+def inherited_env() -> dict[str, str]:
+    """The environment every process of the Ray this driver started inherits: the Megatron ranks' malloc
+    setting (mgrpo/heap.py, set while ray.init starts the raylet, whose workers inherit its environment). A rank
+    started with it needs no runtime_env, whose worker starts through the runtime-env agent and setup_worker.py:
+    a second Python start-up (cluster/megatron_group.py). Empty when joining a cluster (`trainer.ray_address`)."""
+    return dict(_inherited)
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` in os.environ while the block runs (for the processes it starts), then as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 LOCAL_SYSTEM_CONFIG = {
     "enable_worker_prestart": False,          # no idle workers kept warm for tasks we never submit
@@ -55,9 +81,12 @@ def start_ray(*, address: str | None, num_cpus: int | None, num_gpus: int | None
         tmp = tempfile.mkdtemp(prefix="mgrpo-ray-", dir="/tmp")
         _owned_tmp.append(tmp)
     forward = ray_logs.available()
-    with _without_unused_head_processes(UNUSED_HEAD_PROCESSES + (("start_log_monitor",) if forward else ())):
+    env = arena_env()
+    with _without_unused_head_processes(UNUSED_HEAD_PROCESSES + (("start_log_monitor",) if forward else ())), \
+            _environment(env):
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _temp_dir=tmp, _system_config=dict(LOCAL_SYSTEM_CONFIG))
+    _inherited.update(env)
     _stop_unused_head_processes()
     if forward:
         _forwarders.append(ray_logs.LogForwarder(ray._private.worker._global_node))
@@ -107,6 +136,7 @@ def stop_ray() -> None:
     """Shut down the local Ray and remove the temp dir we made for it (a user's RAY_TMPDIR is kept)."""
     while _forwarders:  # first: its last pass publishes while the GCS is up
         _forwarders.pop().stop()
+    _inherited.clear()
     if ray.is_initialized():
         ray.shutdown()
     while _owned_tmp:
