@@ -59,6 +59,11 @@ LOCAL_SYSTEM_CONFIG = {
     "prestart_worker_first_driver": False,
     "enable_metrics_collection": False,       # no Prometheus metrics from every worker
     "task_events_report_interval_ms": 0,      # no task events for the state API / dashboard
+    # How long the raylet waits for its agents to report their ports before it exits: as long as ray.init waits
+    # for the raylet (node.py: 30 s). On a machine others load (here at load ~30, while the driver imports torch
+    # beside ray.init), the agents' Python start took 15 s and the raylet exited: "Timed out waiting for file
+    # .../metrics_agent_port_<node>".
+    "agent_register_timeout_ms": 30_000,
 }
 """Ray system settings of a local run (each checked by the GCS: an unknown key fails `ray.init`)."""
 
