@@ -48,7 +48,11 @@ def test_local_ray_starts_only_what_a_run_uses(monkeypatch, capfd):
         pid, env = ray.get(say.remote("mgrpo-ray-env-marker"), timeout=120)
         assert pid != os.getpid() and env == ARENA_ENV == inherited_env()
         assert not [k for k in ARENA_ENV if k in os.environ]
-        started = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                started.append(" ".join(proc.cmdline()))
+            except psutil.Error:  # a child that exited meanwhile (a zombie until reaped)
+                pass
         deadline = time.time() + 30
         while "mgrpo-ray-env-marker" not in printed and time.time() < deadline:
             time.sleep(0.2)
