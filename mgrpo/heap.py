@@ -9,9 +9,10 @@ are 9.7 MB), in heaps it trims only at their top. On the qwen3vocab workload (be
 rank's RSS grew by ~400 MB a step and reached 3.6 GiB PSS for ~1.5 GiB of live tensors.
 
 Three measures, all glibc's own:
-- `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: Ray's
-  runtime_env): every thread allocates from the one main arena, so what one call frees the next call reuses,
-  whichever thread runs it.
+- `MALLOC_ARENA_MAX=1` in the rank's environment (`ARENA_ENV`, set before the process starts: every process
+  of a local Ray inherits it from the raylet, `cluster/ray_env.py::inherited_env`; on a cluster Ray's
+  runtime_env sets it): every thread allocates from the one main arena, so what one call frees the next call
+  reuses, whichever thread runs it.
 - `trim_after_call()` at the end of each call: `malloc_trim(0)`, the free pages inside the heap, not only at
   its top, are returned (madvise), so between calls the rank holds its live tensors and not the last call's
   peak; only once the process's resident memory grew by `CALL_TRIM_MIN_GROWTH` since its last trim. A trim

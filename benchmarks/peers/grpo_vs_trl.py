@@ -76,8 +76,9 @@ def what_each_side_does(w: Workload) -> dict:
         "mgrpo": (
             "A Ray driver and Ray actors: one Megatron rank (actor + frozen reference) that also hosts the "
             "rollout engine (HF transformers, rollout=hf_cpu: rollout.mode=hybrid, veRL's hybrid engine), "
-            "plus the Ray processes a local run keeps (gcs_server, raylet with its "
-            "dashboard and runtime-env agents, log monitor; no API server, autoscaler monitor or idle workers). Per "
+            "plus the Ray processes a local run keeps (gcs_server, raylet with its dashboard and runtime-env "
+            "agents; no API server, autoscaler monitor, log monitor process (a driver thread forwards the actors' "
+            "output) or idle workers). Per "
             f"step: next {p} prompts; rollout call to the engine (HF generate; each sampled token's log-prob taken "
             "from that step's logits by a logits processor); decode; the built-in rule in the driver's process "
             "(reward workers only for user functions and math-verify); reference forward "

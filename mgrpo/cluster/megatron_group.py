@@ -14,6 +14,7 @@ import ray
 
 from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
+from mgrpo.cluster.ray_env import inherited_env
 from mgrpo.heap import arena_env, trim_after_call
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
@@ -27,6 +28,11 @@ class MegatronRank(EngineSlot):
     concurrency groups, so a rank streaming weights can take another stage's bucket for its engine)."""
 
     def __init__(self, num_threads: int):
+        import os
+
+        # before torch loads its OpenMP runtime (a local Ray's rank has no runtime_env setting them: MegatronGroup)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         import torch
 
         # first thing: on CPU, megatron-core without torch.compile and Triton (mgrpo.training.cpu_compat),
@@ -103,12 +109,16 @@ class MegatronGroup:
         self.world = layout.megatron_world
         self.dp = layout.dp
         threads = cfg.trainer.cpus_per_worker
-        # one malloc arena for the rank's threads (mgrpo/heap.py)
+        # one malloc arena for the rank's threads (mgrpo/heap.py), from the process's start: a local Ray's
+        # processes have it already (ray_env.inherited_env), a cluster's get it through a runtime_env (its worker
+        # starts through the runtime-env agent and setup_worker.py, a second Python start-up). The rank sets
+        # OMP_NUM_THREADS and TOKENIZERS_PARALLELISM itself, before torch loads.
         env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **arena_env()}
+        inherited = inherited_env()
+        given = {} if all(inherited.get(k) == v for k, v in arena_env().items()) else {"runtime_env": {"env_vars": env}}
         self.ranks = [
             MegatronRank.options(num_cpus=threads, num_gpus=placement.megatron_gpus,
-                                scheduling_strategy=placement.megatron.strategy(i),
-                                runtime_env={"env_vars": env}).remote(threads)
+                                scheduling_strategy=placement.megatron.strategy(i), **given).remote(threads)
             for i in range(self.world)
         ]
         self.devices = ray.get([r.devices.remote() for r in self.ranks])

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import time
@@ -20,18 +21,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from mgrpo.components.actor_client import ActorClient
 from mgrpo.components.checkpoint import Checkpointer, RunState
-from mgrpo.components.evaluator import Evaluator
-from mgrpo.components.experience_maker import ExperienceMaker
-from mgrpo.components.logprob_guard import LogprobGuard
-from mgrpo.components.observer import Observer, log_token_logprobs
 from mgrpo.components.run_folder import Decision, RunFolder, fingerprint
-from mgrpo.components.weight_sync import WeightSync
 from mgrpo.config import Layout, MGRPOConfig
 
-if TYPE_CHECKING:  # cluster imports Ray, which the driver loads only when a run starts (build)
+if TYPE_CHECKING:
+    # cluster imports Ray, and the step's parts torch, which the driver loads only when a run starts (build)
     from mgrpo.cluster.placement import Placement
+    from mgrpo.components.actor_client import ActorClient
+    from mgrpo.components.evaluator import Evaluator
+    from mgrpo.components.experience_maker import ExperienceMaker
+    from mgrpo.components.logprob_guard import LogprobGuard
+    from mgrpo.components.observer import Observer
+    from mgrpo.components.weight_sync import WeightSync
 
 log = logging.getLogger("mgrpo")
 
@@ -121,11 +123,7 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
 def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) -> Parts:
     """Start every process of the run (Ray, Megatron ranks, engines, judges) and restore the checkpoint the
     run folder's decision names. Each start-up phase logs one line with its time."""
-    from mgrpo.cluster.megatron_group import MegatronGroup
     from mgrpo.cluster.placement import engine_gpu_ids, place
-    from mgrpo.cluster.rollout_group import RolloutGroup
-    from mgrpo.components.reward_models import build_judger
-    from mgrpo.rollout.factory import EngineContext
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
@@ -133,11 +131,25 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
     phase = _Phases()
     try:
         with phase("Ray placement + initial weights"), ThreadPoolExecutor(1, thread_name_prefix="mgrpo-init") as pool:
-            # The initial weights (transformers' import, a check or a seeded init written) while ray.init waits
-            # for the processes it starts: ~1 s of the driver's start-up off the path to the first step.
+            # While ray.init waits for the processes it starts: the initial weights (transformers' import, a check
+            # or a seeded init written; ~1 s) and the modules of the run's parts, torch among them (~1.2 s on a
+            # quiet machine): both off the path to the first step.
             weights = pool.submit(initial_weights, cfg, run_dir, tokenizer)
+            modules = pool.submit(_import_parts)
             placement = place(cfg, layout)
             init_dir = weights.result()
+            modules.result()
+        from mgrpo.cluster.megatron_group import MegatronGroup
+        from mgrpo.cluster.rollout_group import RolloutGroup
+        from mgrpo.components.actor_client import ActorClient
+        from mgrpo.components.evaluator import Evaluator
+        from mgrpo.components.experience_maker import ExperienceMaker
+        from mgrpo.components.logprob_guard import LogprobGuard
+        from mgrpo.components.observer import Observer, log_token_logprobs
+        from mgrpo.components.reward_models import build_judger
+        from mgrpo.components.weight_sync import WeightSync
+        from mgrpo.rollout.factory import EngineContext
+
         with phase(f"{layout.megatron_world} Megatron rank process(es)"):
             group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
                                   need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
@@ -214,6 +226,18 @@ class _Phases:
         now = time.perf_counter()
         self.total = now - self._t0
         log.info("start | %s in %.1fs%s", name, now - t0, f" ({note})" if note else "")
+
+
+PART_MODULES = ("mgrpo.cluster.megatron_group", "mgrpo.cluster.rollout_group", "mgrpo.components.actor_client",
+                "mgrpo.components.evaluator", "mgrpo.components.experience_maker", "mgrpo.components.observer",
+                "mgrpo.components.reward_models", "mgrpo.components.weight_sync")
+"""What `build` makes the run's parts from; torch comes with them (the experience, the algorithms)."""
+
+
+def _import_parts() -> None:
+    """Import PART_MODULES (a thread of `build`'s, while Ray starts)."""
+    for name in PART_MODULES:
+        importlib.import_module(name)
 
 
 def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:

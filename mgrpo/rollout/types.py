@@ -4,10 +4,12 @@ in-process transformers engine on CPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: the driver imports this module before torch (components/assemble.py)
+    import torch
 
 
 @dataclass(frozen=True)
