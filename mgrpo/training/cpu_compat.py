@@ -316,6 +316,11 @@ def lean_megatron_import() -> list[str]:
         if name not in sys.modules:
             sys.modules[name] = None
             done.append("no_" + name)
+    if "no_kernels" in done:
+        # transformers 5.x (kernels a dependency of it) loads every model with Hub kernels unless USE_HUB_KERNELS
+        # says no, and raises when `kernels` then reads as not installed ("Kernels are not available"; 5.25.0:
+        # the hybrid engine's from_pretrained in every rank). Off here, where they never apply (CPU, offline).
+        os.environ.setdefault("USE_HUB_KERNELS", "0")
     return done
 
 
