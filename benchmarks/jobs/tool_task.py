@@ -2,9 +2,11 @@
 
     python -m benchmarks.jobs.tool_task                    # runs it (minutes on 2 cores)
     python -m benchmarks.jobs.tool_task --from RUN_DIR     # summarises a finished run
--> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, turns, tokens the
-grammar wrote), the README's plot benchmarks/results/tool_peek_cpu.png (reward and calls per trajectory vs step)
-and the markdown table the README shows (every 10th step), printed.
+-> benchmarks/results/tool_peek_cpu.json (per step: mean reward, tool calls per trajectory, the free call rate,
+turns, tokens the grammar wrote), the README's plot benchmarks/results/tool_peek_cpu.png (reward, calls per
+trajectory and the free call rate vs step) and the markdown table the README shows (every 10th step), printed.
+The free call rate (multi_turn/free_call_rate): of the trajectories whose first turn was under tool_choice=auto
+(not forced by rollout.multi_turn.required_per_group), the share that called: the policy's own choice.
 
 The second stage: the call left to the policy (rollout.multi_turn.tool_choice=auto), from the first stage's
 weights (its RUN_DIR/hf), so the call rate can rise once reading the reply pays:
@@ -38,22 +40,31 @@ def summarise(run_dir: str, seconds: float | None, command: str = "mgrpo-train r
         rows = [json.loads(line) for line in f]
     steps = [{"step": i + 1, "reward": round(m["critic/score/mean"], 4),
               "tool_calls_per_trajectory": round(m.get("multi_turn/tool_calls_per_trajectory", 0.0), 4),
+              # None: every first turn was forced (tool_choice=required), no call was the policy's choice
+              "free_call_rate": (round(m["multi_turn/free_call_rate"], 4) if m.get("multi_turn/free_trajectories")
+                                 else None),
+              "free_trajectories": m.get("multi_turn/free_trajectories", 0),
               "turns": round(m.get("multi_turn/turns_mean", 0.0), 4),
               "constrained_tokens": m.get("multi_turn/constrained_tokens", 0),
               "step_s": round(m.get("timing_s/step", 0.0), 2)} for i, m in enumerate(rows)]
     r = [s["reward"] for s in steps]
     c = [s["tool_calls_per_trajectory"] for s in steps]
+    f = [s["free_call_rate"] for s in steps if s["free_call_rate"] is not None]
+    free = {"first10_free_call_rate": round(sum(f[:10]) / 10, 4), "last10_free_call_rate": round(sum(f[-10:]) / 10, 4)
+            } if len(f) == len(steps) >= 10 else {}
     return {"command": command, "seconds": seconds, "chance": 0.1,
             "first10_reward": round(sum(r[:10]) / 10, 4), "last10_reward": round(sum(r[-10:]) / 10, 4),
             "first10_calls_per_trajectory": round(sum(c[:10]) / 10, 4),
-            "last10_calls_per_trajectory": round(sum(c[-10:]) / 10, 4), "steps": steps}
+            "last10_calls_per_trajectory": round(sum(c[-10:]) / 10, 4), **free, "steps": steps}
 
 
 def table(summary: dict) -> str:
-    lines = ["| step | reward | tool calls / trajectory | turns |", "|---:|---:|---:|---:|"]
+    lines = ["| step | reward | tool calls / trajectory | free call rate | turns |", "|---:|---:|---:|---:|---:|"]
     for s in summary["steps"]:
         if s["step"] == 1 or s["step"] % 10 == 0:
-            lines.append(f"| {s['step']} | {s['reward']:.3f} | {s['tool_calls_per_trajectory']:.2f} | {s['turns']:.2f} |")
+            free = "-" if s.get("free_call_rate") is None else f"{s['free_call_rate']:.2f}"
+            lines.append(f"| {s['step']} | {s['reward']:.3f} | {s['tool_calls_per_trajectory']:.2f} | {free} | "
+                         f"{s['turns']:.2f} |")
     return "\n".join(lines)
 
 
@@ -68,6 +79,10 @@ def plot(summary: dict, path: str, title: str) -> None:
     ax.plot(x, [s["reward"] for s in summary["steps"]], label="reward (right digit)")
     ax.plot(x, [s["tool_calls_per_trajectory"] for s in summary["steps"]], color="tab:green",
             label="tool calls per trajectory")
+    free = [(s["step"], s["free_call_rate"]) for s in summary["steps"] if s.get("free_call_rate") is not None]
+    if free:
+        ax.plot([a for a, _ in free], [b for _, b in free], color="tab:red",
+                label="free call rate (first turn under auto)")
     ax.axhline(summary["chance"], color="gray", linestyle=":", label="chance")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.05)
@@ -107,7 +122,9 @@ def main() -> None:
     plot(summary, plot_path, title)
     print(f"{run_dir}: first-10 reward {summary['first10_reward']}, last-10 {summary['last10_reward']} (chance 0.1); "
           f"calls per trajectory first-10 {summary['first10_calls_per_trajectory']}, "
-          f"last-10 {summary['last10_calls_per_trajectory']}")
+          f"last-10 {summary['last10_calls_per_trajectory']}" + (
+              f"; free call rate first-10 {summary['first10_free_call_rate']}, last-10 "
+              f"{summary['last10_free_call_rate']}" if "first10_free_call_rate" in summary else ""))
     print(table(summary))
 
 
