@@ -33,6 +33,7 @@ AUTO_STEPS = 30
 
 def auto_overrides(stage1: str) -> list[str]:
     return [f"model.hf_path={os.path.join(stage1, 'hf')}", "rollout.multi_turn.tool_choice=auto",
+            "rollout.multi_turn.required_per_group=0",  # every call the policy's (the recipe forces 6 of 8)
             f"trainer.total_training_steps={AUTO_STEPS}"]
 
 

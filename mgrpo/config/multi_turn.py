@@ -78,8 +78,8 @@ class MultiTurnConfig:
     biases no sample's gradient, and the forced samples' call tokens are context (no loss, no log-prob), so
     every token with a loss was still sampled by the policy from the context it saw. The forced samples are the
     first k sample indices of each group, a function of the batch position alone (the same on resume and under
-    rollout.async_mode). Training batches only: a validation is free. 0: off. (No precedent in veRL, TRL,
-    SkyRL or ROLL found: their tool_choice is per request or run.)"""
+    rollout.async_mode). Training batches only: a validation is free. 0: off. (A brief search of veRL's, TRL's,
+    SkyRL's and ROLL's issues and code found no such key.)"""
     reset_tool_choice: bool = True
     """After a turn that called a tool, the next turns use tool_choice=auto (the OpenAI Agents SDK's
     `reset_tool_choice`, default True there too: with 'required' on every turn a trajectory could never
