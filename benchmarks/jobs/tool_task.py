@@ -107,7 +107,7 @@ def _plot_pillow(summary: dict, path: str, title: str) -> None:
     from PIL import Image, ImageDraw
 
     rgb = {"tab:blue": (31, 119, 180), "tab:green": (44, 160, 44), "tab:red": (214, 39, 40), "gray": (128, 128, 128)}
-    w, h, left, right, top, bottom = 630, 315, 45, 15, 30, 35
+    w, h, left, right, top, bottom = 860, 315, 45, 245, 30, 35  # the legend right of the plot
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     last = max(s["step"] for s in summary["steps"])
@@ -130,10 +130,11 @@ def _plot_pillow(summary: dict, path: str, title: str) -> None:
     for label, colour, points in _series(summary):
         d.line([(px(a), py(b)) for a, b in points], fill=rgb[colour], width=2)
         legend.append((label, colour))
+    x0, y0 = w - right + 8, top + (h - top - bottom) // 2 - 7 * len(legend)
     for i, (label, colour) in enumerate(legend):
-        y = top + (h - top - bottom) // 2 - 10 + 14 * i
-        d.line([w - right - 250, y + 6, w - right - 230, y + 6], fill=rgb[colour], width=2)
-        d.text((w - right - 225, y), label, fill="black")
+        y = y0 + 4 + 14 * i
+        d.line([x0 + 5, y + 6, x0 + 25, y + 6], fill=rgb[colour], width=2)
+        d.text((x0 + 30, y), label, fill="black")
     img.save(path)
 
 
