@@ -60,12 +60,17 @@ def test_multi_turn_step1_logprobs_match_with_tp2_packed(tmp_path):
 
 @pytest.mark.system
 def test_tool_task_learns(tmp_path):
-    """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu), its first 40 steps (~6 min alone;
-    50 took 693 s beside other tests): the hidden digit is only in the tool's reply, so the reward can pass chance
-    (0.1) only by reading it. First 10 steps <= chance + 0.1, steps 31-40 >= 0.6 (measured for trainer.seed=1/2/3:
-    0.76/0.78/0.85, and 0.95/0.86/0.96 at 41-50; the recipe's 100 steps end at 0.90-0.99: README), one call per
-    trajectory (the first turn's call is required and written by the grammar), and the tokens the grammar wrote
-    are context in every step."""
+    """The README's tool task as a user runs it (recipe=tool-peek-tiny-cpu) as it was before the mix: every call
+    forced (rollout.multi_turn.required_per_group=8, the same requests as tool_choice=required on the first turn)
+    and algorithm.entropy_coeff=0.01; its first 40 steps (~6 min alone; 50 took 693 s beside other tests): the
+    hidden digit is only in the tool's reply, so the reward can pass chance (0.1) only by reading it. First 10
+    steps <= chance + 0.1, steps 31-40 >= 0.6 (measured for trainer.seed=1/2/3: 0.76/0.78/0.85, and
+    0.95/0.86/0.96 at 41-50), one call per trajectory (the grammar's), and the tokens the grammar wrote are
+    context in every step.
+    The recipe as shipped forces 6 of 8 and leaves the call to the other 2 (entropy_coeff 0.02): their call rate
+    rises only after the reply is read, past what this tier can run: for trainer.seed=1/2/3 it is 0.02/0.07/0.02
+    in steps 31-40 (reward 0.42/0.45/0.33) and first reaches 0.4 (per ten steps) in 61-70/41-50/81-90. The
+    forcing itself is tests/test_agent_grammar.py's."""
     import os
     import subprocess
     import sys
@@ -73,7 +78,8 @@ def test_tool_task_learns(tmp_path):
     run_dir = str(tmp_path)
     out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", "recipe=tool-peek-tiny-cpu",
                           f"trainer.output_dir={run_dir}", "trainer.save_hf=false", "trainer.logger=[tensorboard]",
-                          "trainer.total_training_steps=40", "trainer.save_freq=-1"],
+                          "trainer.total_training_steps=40", "trainer.save_freq=-1",
+                          "rollout.multi_turn.required_per_group=8", "algorithm.entropy_coeff=0.01"],
                          capture_output=True, text=True, timeout=1500, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     metrics = read_metrics(run_dir)
@@ -84,3 +90,5 @@ def test_tool_task_learns(tmp_path):
     assert first <= 0.2 and last >= 0.6, (first, last)
     assert sum(calls[-10:]) / 10 >= 0.9, calls
     assert all(m["multi_turn/constrained_tokens"] > 0 for m in metrics)
+    assert all(m["multi_turn/forced_trajectories"] == 16 * 8 and m["multi_turn/free_trajectories"] == 0
+               for m in metrics)

@@ -17,6 +17,7 @@ from mgrpo.data.printable import VOCAB, printable_tokenizer
 from mgrpo.heap import trim_heap
 from mgrpo.rollout.grammar import GrammarError, Grammars, restricted_steps
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams
+from tests.helpers.agent import ScriptedPolicy
 
 trim_heap()  # the engine trims every 16 decode steps; finding libc runs ldconfig once: here, not inside a test
 PEEK = yaml.safe_load(open("configs/tools/peek.yaml"))["tools"][0]["tool_schema"]
@@ -236,3 +237,85 @@ def test_a_call_ended_in_characters_ends_the_turn_in_the_runner(tok):
     assert t.finish_reason == "stop" and t.counts["multi_turn/tool_calls"] == 1
     assert t.response_ids[:len(spelled)] == spelled and t.response_ids[len(spelled)] == tok.eos_token_id
     assert metrics["multi_turn/tokens_cut_after_call"] == 4 and t.turns[0].end == len(spelled)
+
+
+def test_required_per_group_forces_the_first_k_samples_of_each_group(tok):
+    """rollout.multi_turn.required_per_group=2 with groups of 4 (rollout.n): the first turn of samples 0-1 of
+    each group carries SGLang's constraint for tool_choice=required (at_least_one), that of samples 2-3 the one
+    for auto; every turn after a call is auto. The free samples' calls are theirs: multi_turn/free_call_rate
+    counts those alone (here 2 of the 4 free samples call). Without a group size (a validation) none is forced."""
+    tools = ToolSet.from_config([], "configs/tools/peek.yaml")
+    cfg = MultiTurnConfig(enable=True, tool_config_path="configs/tools/peek.yaml", max_assistant_turns=2,
+                          stop_after_call=True, tool_choice="auto", required_per_group=2)
+    runner = AgentRunner(cfg, tok, tools, max_response_length=512)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"Hidden digit {i}?"}],
+                                           tools=tools.schemas(["peek"]), tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for i in range(8)]  # 2 groups of 4 (distinct: uid_of)
+    call = '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>'
+    calls_freely = {2, 7}  # free samples (index 2-3 of a group) that call; 3 and 6 answer at once
+
+    def script(uid: int, turn: int) -> str:
+        if turn == 0 and (uid % 4 < 2 or uid in calls_freely):
+            return call  # what the grammar writes under required; a free sample's own call under auto
+        return "7"
+
+    policy = ScriptedPolicy(tok, script, prompts)
+    tags: dict[tuple[int, int], dict] = {}
+
+    def generate(batch, sampling, sessions=None):
+        for ids in batch:
+            uid = policy.uid_of(ids)
+            tags[(uid, len(policy.sampled.get(uid, [])))] = json.loads(sampling.structural_tag)
+        return policy(batch, sampling)
+
+    extra = {"tools_kwargs": {"peek": {"create_kwargs": {"secret": 7}}}}
+    trajs, m = runner.run([(p, extra, "") for p in prompts], SamplingParams(max_new_tokens=100), generate,
+                          group_size=4)
+    assert [tags[(u, 0)]["at_least_one"] for u in range(8)] == [True, True, False, False] * 2
+    assert all(not tag["at_least_one"] for (u, turn), tag in tags.items() if turn > 0)
+    assert sorted(u for (u, turn) in tags if turn == 1) == [0, 1, 2, 4, 5, 7]  # every caller answered after
+    assert [t.forced for t in trajs] == [True, True, False, False] * 2
+    assert [t.called for t in trajs] == [True, True, True, False, True, True, False, True]
+    assert [t.to_json()["forced"] for t in trajs] == [t.forced for t in trajs]
+    assert (m["multi_turn/forced_trajectories"], m["multi_turn/free_trajectories"],
+            m["multi_turn/free_calling_trajectories"], m["multi_turn/free_call_rate"]) == (4, 4, 2, 0.5)
+    assert m["multi_turn/tool_calls_per_trajectory"] == 6 / 8
+    # the forced calls were the grammar's (context), the free ones' trigger was sampled
+    assert all(t.sampled[0] == 0 for t in trajs[:2]) and trajs[2].sampled[0] == 1
+
+    tags.clear()
+    policy = ScriptedPolicy(tok, script, prompts)
+    trajs, m = runner.run([(p, extra, "") for p in prompts], SamplingParams(max_new_tokens=100), generate)
+    assert not any(t.forced for t in trajs) and not any(tags[(u, 0)]["at_least_one"] for u in range(8))
+    assert m["multi_turn/forced_trajectories"] == 0 and m["multi_turn/free_trajectories"] == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"required_per_group": 9}, "rollout.multi_turn.required_per_group=9 must be in [0, rollout.n=8]"),
+    ({"required_per_group": -1}, "rollout.multi_turn.required_per_group=-1 must be in [0, rollout.n=8]"),
+    ({"required_per_group": 4, "tool_choice": "required"},
+     "rollout.multi_turn.required_per_group=4 forces the call of some samples and leaves the others to "
+     "rollout.multi_turn.tool_choice, which must then be auto (is 'required')"),
+    ({"required_per_group": 4, "reset_tool_choice": False},
+     "rollout.multi_turn.required_per_group=4 needs rollout.multi_turn.reset_tool_choice=true"),
+    ({"required_per_group": 4, "tool_config_path": None, "environment": "tests.helpers.agent:AlwaysReply"},
+     "rollout.multi_turn.required_per_group=4 needs tools to call"),
+])
+def test_required_per_group_is_validated(change, message):
+    """The validator refuses a bad rollout.multi_turn.required_per_group, naming the key."""
+    import dataclasses
+
+    from mgrpo.config import MGRPOConfig
+    from mgrpo.config.validate import field_errors
+
+    cfg = MGRPOConfig()
+    mt = dataclasses.replace(cfg.rollout.multi_turn, enable=True, tool_config_path="configs/tools/peek.yaml",
+                             tool_choice="auto")
+    ok = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer="printable"),
+                             rollout=dataclasses.replace(cfg.rollout, n=8, multi_turn=dataclasses.replace(
+                                 mt, required_per_group=8)))
+    assert not [e for e in field_errors(ok) if "multi_turn" in e]
+    bad = dataclasses.replace(ok, rollout=dataclasses.replace(ok.rollout, multi_turn=dataclasses.replace(
+        mt, **change)))
+    errors = [e for e in field_errors(bad) if "multi_turn" in e]
+    assert len(errors) == 1 and errors[0].startswith(message), errors

@@ -85,10 +85,14 @@ class AgentRunner:
 
     # --- the batch ----------------------------------------------------------------------------------
     def run(self, prompts: Sequence[tuple], sampling: SamplingParams, generate: Generate, *,
-            over_sample_rate: float = 0.0, abort: Optional[Callable[[], None]] = None
+            over_sample_rate: float = 0.0, abort: Optional[Callable[[], None]] = None, group_size: int = 0
             ) -> tuple[list[Trajectory], dict]:
         """One trajectory per (prompt ids, extra_info, where[, prompt messages]) in order, and the batch's
         metrics. The prompt's messages are what an environment that reads the conversation is given first.
+
+        `group_size` (rollout.n; training batches only, 0 otherwise): the prompts come in groups of that many
+        samples of one prompt, and the first rollout.multi_turn.required_per_group of each group are forced:
+        their first turn is under tool_choice=required (`Trajectory.forced`).
 
         `over_sample_rate` (veRL's rollout.over_sample_rate; training batches only): once int(N x (1 - rate))
         trajectories have finished, the others end as 'aborted' and `abort` (the engines' abort_all, SGLang's
@@ -100,7 +104,8 @@ class AgentRunner:
         loop = asyncio.new_event_loop()
         loop.set_default_executor(pool)
         try:
-            return loop.run_until_complete(self._run(prompts, sampling, generate, over_sample_rate, abort))
+            return loop.run_until_complete(self._run(prompts, sampling, generate, over_sample_rate, abort,
+                                                     group_size))
         finally:
             for task in asyncio.all_tasks(loop):
                 task.cancel()
@@ -108,13 +113,16 @@ class AgentRunner:
             loop.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, prompts, sampling: SamplingParams, generate: Generate, over_sample_rate: float, abort):
+    async def _run(self, prompts, sampling: SamplingParams, generate: Generate, over_sample_rate: float, abort,
+                   group_size: int = 0):
         queue: asyncio.Queue[_Request] = asyncio.Queue()
         measured: dict = {}
         in_flight: set[asyncio.Future] = set()
         dispatcher = asyncio.create_task(self._dispatch(queue, sampling, generate, measured, in_flight))
         gate = asyncio.Semaphore(self.cap)  # a slot freed by a finished trajectory starts the next one at once
-        trajs = [Trajectory(uid=i, prompt_ids=list(p[0])) for i, p in enumerate(prompts)]
+        k = self.cfg.required_per_group if group_size > 0 else 0
+        trajs = [Trajectory(uid=i, prompt_ids=list(p[0]), forced=i % group_size < k if k else False)
+                 for i, p in enumerate(prompts)]
         batch = uuid.uuid4().hex[:12]  # sessions are unique to this batch's trajectories
 
         async def attempt(traj: Trajectory, extra: dict, where: str, messages: list) -> None:
@@ -140,7 +148,7 @@ class AgentRunner:
                     return
                 kept = {k: v for k, v in traj.counts.items() if k.startswith(FAULT_COUNTS)}
                 reason = traj.finish_reason
-                traj.__dict__.update(Trajectory(uid=traj.uid, prompt_ids=traj.prompt_ids).__dict__)
+                traj.__dict__.update(Trajectory(uid=traj.uid, prompt_ids=traj.prompt_ids, forced=traj.forced).__dict__)
                 traj.counts.update(kept)
                 traj.count("multi_turn/trajectory_retries")
                 traj.count(f"multi_turn/trajectory_retries/{reason}")
@@ -201,7 +209,7 @@ class AgentRunner:
         for t in trajs:
             if t.weight_version is None:
                 t.weight_version = batch_version
-        return trajs, self._metrics(trajs, measured)
+        return trajs, self._metrics(trajs, measured, self.cfg.tool_choice == "auto")
 
     async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict,
                         in_flight: set):
@@ -257,7 +265,8 @@ class AgentRunner:
         instances: dict[str, str] = {}
         versions: list[int] = []
         env = self.environment() if self.environment is not None else None
-        tags = {choice: self.constraints.tag(parser, choice) for choice in {self.cfg.tool_choice, "auto"}}
+        first = "required" if traj.forced else self.cfg.tool_choice  # rollout.multi_turn.required_per_group
+        tags = {choice: self.constraints.tag(parser, choice) for choice in {first, "auto"}}
         called, user_turns = False, 0
         try:
             if env is not None:
@@ -271,7 +280,7 @@ class AgentRunner:
                     traj.finish_reason = "length"
                     return
                 budget = min(left, self.cfg.max_tokens_per_turn or left, sampling.max_new_tokens)
-                tag = tags["auto" if called and self.cfg.reset_tool_choice else self.cfg.tool_choice]
+                tag = tags["auto" if called and self.cfg.reset_tool_choice else first]
                 fut = asyncio.get_running_loop().create_future()
                 t0 = time.perf_counter()
                 fed = traj.prompt_ids + traj.response_ids
@@ -298,6 +307,7 @@ class AgentRunner:
                 parsed = parser.parse(text.removesuffix(self.tok.eos_token))
                 t.calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.calls]
                 called = called or bool(parsed.calls or parsed.malformed)
+                traj.called = called
                 traj.messages.append(_assistant_message(parsed))
                 if res.finish_reason != "stop":
                     traj.finish_reason = "length"  # cut by the budget: whatever it was writing is not run
@@ -370,7 +380,8 @@ class AgentRunner:
         return count_drift(traj.prompt_ids + traj.response_ids, theirs)
 
     @staticmethod
-    def _metrics(trajs: Sequence[Trajectory], measured: dict) -> dict:
+    def _metrics(trajs: Sequence[Trajectory], measured: dict, free_choice: bool = False) -> dict:
+        """`free_choice`: tool_choice=auto, the unforced trajectories' calls are the policy's (free_call_rate)."""
         n = max(len(trajs), 1)
         out = dict(measured)
         for t in trajs:
@@ -380,6 +391,12 @@ class AgentRunner:
             out[f"multi_turn/finish/{t.finish_reason}"] = out.get(f"multi_turn/finish/{t.finish_reason}", 0) + 1
         out["multi_turn/turns_mean"] = sum(t.counts.get("turns", 0) for t in trajs) / n
         out["multi_turn/tool_calls_per_trajectory"] = sum(t.counts.get("multi_turn/tool_calls", 0) for t in trajs) / n
+        out["multi_turn/forced_trajectories"] = sum(t.forced for t in trajs)  # rollout.multi_turn.required_per_group
+        if free_choice:  # the policy's own choice to call: trajectories whose first turn was under auto
+            free = [t for t in trajs if not t.forced]
+            out["multi_turn/free_trajectories"] = len(free)
+            out["multi_turn/free_calling_trajectories"] = sum(t.called for t in free)
+            out["multi_turn/free_call_rate"] = sum(t.called for t in free) / max(len(free), 1)
         out["multi_turn/failed"] = sum(t.failed for t in trajs)
         out["multi_turn/masked"] = sum(t.masked for t in trajs)
         out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)

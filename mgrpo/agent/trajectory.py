@@ -59,6 +59,11 @@ class Trajectory:
     tool_reward: float = 0.0
     masked: bool = False
     """A tool-call error happened and rollout.multi_turn.on_tool_error=mask: kept out of the loss."""
+    called: bool = False
+    """An assistant turn of it wrote a tool call (well-formed or not): the runner's `called`."""
+    forced: bool = False
+    """Its first turn was under tool_choice=required (rollout.multi_turn.required_per_group): the call is the
+    grammar's, not the policy's choice."""
     counts: dict = field(default_factory=dict)
     """What this trajectory counted (tool calls, errors per tool, parse errors, truncations)."""
     messages: list[dict] = field(default_factory=list)
@@ -110,5 +115,6 @@ class Trajectory:
     def to_json(self) -> dict:
         """Turns for a trajectory line."""
         return {"finish_reason": self.finish_reason, "tool_reward": self.tool_reward, "masked": self.masked,
+                "forced": self.forced, "called": self.called,
                 "turns": [{"role": t.role, "span": [t.start, t.end], "text": t.text, "calls": t.calls,
                            "errors": t.errors, "latency_s": round(t.latency_s, 4)} for t in self.turns]}

@@ -157,7 +157,8 @@ class ExperienceMaker:
         trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where, it.messages)
                                           for it in items for _ in range(n)],
                                          sampling, generate, over_sample_rate=rate,
-                                         abort=getattr(self.rollout, "abort_all", None))
+                                         abort=getattr(self.rollout, "abort_all", None),
+                                         group_size=n if training else 0)  # required_per_group: training only
         drift = [self.agent.drift(t, items[t.uid // n].messages, items[t.uid // n].tools) for t in trajs
                  if not t.failed]
         measured["multi_turn/template_drift_tokens"] = sum(drift)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Optional
 
 from mgrpo.config.choices import Isolation, JudgeParser, RewardModelKind, RewardPlacement, is_choice, values
 from mgrpo.config.multi_turn import MultiTurnConfig
@@ -58,8 +59,8 @@ def positive(errors: list[str], prefix: str, obj, names) -> None:
             errors.append(f"{prefix}.{name}={getattr(obj, name)} must be positive")
 
 
-def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
-    """rollout.multi_turn, when enabled."""
+def multi_turn_errors(m: MultiTurnConfig, tokenizer: str, n: Optional[int] = None) -> list[str]:
+    """rollout.multi_turn, when enabled; `n`: rollout.n (required_per_group's bound; None: not checked)."""
     e: list[str] = []
     if not m.enable:
         return e
@@ -78,6 +79,20 @@ def multi_turn_errors(m: MultiTurnConfig, tokenizer: str) -> list[str]:
         e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
     if m.tool_choice not in ("auto", "required"):
         e.append(f"rollout.multi_turn.tool_choice={m.tool_choice!r}: auto | required")
+    k = m.required_per_group
+    if k < 0 or (n is not None and k > n):
+        e.append(f"rollout.multi_turn.required_per_group={k} must be in [0, rollout.n={n}]" if n is not None else
+                 f"rollout.multi_turn.required_per_group={k} must be >= 0")
+    elif k > 0:
+        if m.tool_choice != "auto":
+            e.append(f"rollout.multi_turn.required_per_group={k} forces the call of some samples and leaves the "
+                     f"others to rollout.multi_turn.tool_choice, which must then be auto (is {m.tool_choice!r})")
+        if not m.reset_tool_choice:
+            e.append(f"rollout.multi_turn.required_per_group={k} needs rollout.multi_turn.reset_tool_choice=true: "
+                     "a forced sample would otherwise be made to call on every turn and never answer")
+        if not m.function_tools and not m.tool_config_path:
+            e.append(f"rollout.multi_turn.required_per_group={k} needs tools to call "
+                     "(rollout.multi_turn.function_tools or tool_config_path)")
     if not m.keep_thinking:
         e.append("rollout.multi_turn.keep_thinking=False is not implemented: earlier turns keep their <think> "
                  "blocks (what each turn was sampled from)")

@@ -68,6 +68,18 @@ class MultiTurnConfig:
     arguments per the tool's JSON schema). 'auto' constrains only tools marked `strict: true` in their schema
     (as SGLang); 'required' makes a turn call a tool (see reset_tool_choice). Tokens the grammar restricted
     are context: not the policy's choice, no loss, no behaviour log-prob (mgrpo/rollout/grammar.py)."""
+    required_per_group: int = 0
+    """Of each prompt's rollout.n samples, the first this many start their first assistant turn under
+    tool_choice=required (the grammar writes the call: context, no loss) and the rest under `tool_choice`, which
+    must be auto: guided exploration for a policy that does not call yet. The forced samples learn what to do
+    with the tool's reply; once that pays, a free sample that calls scores like them while one that does not
+    scores what it guesses, and the group's advantage raises the free call rate (multi_turn/free_call_rate).
+    Mixing forced and free samples in one GRPO group is sound: the baseline is a per-prompt constant, which
+    biases no sample's gradient, and the forced samples' call tokens are context (no loss, no log-prob), so
+    every token with a loss was still sampled by the policy from the context it saw. The forced samples are the
+    first k sample indices of each group, a function of the batch position alone (the same on resume and under
+    rollout.async_mode). Training batches only: a validation is free. 0: off. (A brief search of veRL's, TRL's,
+    SkyRL's and ROLL's issues and code found no such key.)"""
     reset_tool_choice: bool = True
     """After a turn that called a tool, the next turns use tool_choice=auto (the OpenAI Agents SDK's
     `reset_tool_choice`, default True there too: with 'required' on every turn a trajectory could never

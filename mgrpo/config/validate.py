@@ -283,7 +283,7 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         problem = target_error(spec, f"reward.custom_functions[{src!r}]", "function")
         if problem:
             e.append(problem)
-    e += multi_turn_errors(r.multi_turn, cfg.model.tokenizer)
+    e += multi_turn_errors(r.multi_turn, cfg.model.tokenizer, r.n)
     return e
 
 
