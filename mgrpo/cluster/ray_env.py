@@ -54,6 +54,7 @@ def _environment(env: dict[str, str]):
             else:
                 os.environ[k] = v
 
+
 LOCAL_SYSTEM_CONFIG = {
     "enable_worker_prestart": False,          # no idle workers kept warm for tasks we never submit
     "prestart_worker_first_driver": False,
