@@ -201,9 +201,14 @@ def test_a_cut_is_answered_as_aborted_not_retried(engine):
     th = threading.Thread(target=lambda: box.update(items=post(engine.url, "/generate", _long_body(4, [
         f"cutme-{i}" for i in range(4)])).json()))
     th.start()
-    time.sleep(0.4)
+    time.sleep(0.05)
     assert post(engine.url, "/abort_request", {"rid": "cutme"}).status_code == 200  # no such rid: ignored
-    assert post(engine.url, "/abort_request", {"rid": "cutme-1"}).status_code == 200
+    # until the server holds cutme-1 (an abort that comes first is ignored, as above): a fixed sleep lost the race
+    # on a fast machine, where 240 tokens of the tiny model took under 0.4 s
+    deadline = time.monotonic() + 60
+    while th.is_alive() and time.monotonic() < deadline:
+        assert post(engine.url, "/abort_request", {"rid": "cutme-1"}).status_code == 200
+        time.sleep(0.01)
     th.join(timeout=60)
     fin = [it["meta_info"]["finish_reason"] for it in box["items"]]
     assert fin[1] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT()

@@ -35,7 +35,7 @@ from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.constrain import CallConstraints
 from mgrpo.agent.tools import ToolSet
-from mgrpo.agent.trajectory import RETRIED, Trajectory
+from mgrpo.agent.trajectory import RETRIED, Trajectory, batch_metrics
 from mgrpo.config import InputError, seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
@@ -209,7 +209,7 @@ class AgentRunner:
         for t in trajs:
             if t.weight_version is None:
                 t.weight_version = batch_version
-        return trajs, self._metrics(trajs, measured, self.cfg.tool_choice == "auto")
+        return trajs, batch_metrics(trajs, measured, self.cfg.tool_choice == "auto")
 
     async def _dispatch(self, queue: asyncio.Queue, sampling: SamplingParams, generate: Generate, measured: dict,
                         in_flight: set):
@@ -378,29 +378,6 @@ class AgentRunner:
         if tail and traj.response_ids and traj.response_ids[-1] == self.eos and theirs[-len(tail):] == tail:
             theirs = theirs[:-len(tail)]  # the template's text after the final end-of-turn token
         return count_drift(traj.prompt_ids + traj.response_ids, theirs)
-
-    @staticmethod
-    def _metrics(trajs: Sequence[Trajectory], measured: dict, free_choice: bool = False) -> dict:
-        """`free_choice`: tool_choice=auto, the unforced trajectories' calls are the policy's (free_call_rate)."""
-        n = max(len(trajs), 1)
-        out = dict(measured)
-        for t in trajs:
-            for k, v in t.counts.items():
-                if k.startswith("multi_turn/"):
-                    out[k] = out.get(k, 0) + v
-            out[f"multi_turn/finish/{t.finish_reason}"] = out.get(f"multi_turn/finish/{t.finish_reason}", 0) + 1
-        out["multi_turn/turns_mean"] = sum(t.counts.get("turns", 0) for t in trajs) / n
-        out["multi_turn/tool_calls_per_trajectory"] = sum(t.counts.get("multi_turn/tool_calls", 0) for t in trajs) / n
-        out["multi_turn/forced_trajectories"] = sum(t.forced for t in trajs)  # rollout.multi_turn.required_per_group
-        if free_choice:  # the policy's own choice to call: trajectories whose first turn was under auto
-            free = [t for t in trajs if not t.forced]
-            out["multi_turn/free_trajectories"] = len(free)
-            out["multi_turn/free_calling_trajectories"] = sum(t.called for t in free)
-            out["multi_turn/free_call_rate"] = sum(t.called for t in free) / max(len(free), 1)
-        out["multi_turn/failed"] = sum(t.failed for t in trajs)
-        out["multi_turn/masked"] = sum(t.masked for t in trajs)
-        out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)
-        return out
 
 
 def _add_routes(traj: Trajectory, res: GenerateResult, fed: int, start: int) -> None:

@@ -5,7 +5,7 @@ log-prob 0.0, never in a loss or a metric), plus its turns for the trajectory li
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -118,3 +118,27 @@ class Trajectory:
                 "forced": self.forced, "called": self.called,
                 "turns": [{"role": t.role, "span": [t.start, t.end], "text": t.text, "calls": t.calls,
                            "errors": t.errors, "latency_s": round(t.latency_s, 4)} for t in self.turns]}
+
+
+def batch_metrics(trajs: Sequence[Trajectory], measured: dict, free_choice: bool = False) -> dict:
+    """A batch's multi_turn/ metrics: `measured` (the dispatcher's) plus the trajectories' counts and rates.
+    `free_choice`: tool_choice=auto, the unforced trajectories' calls are the policy's (free_call_rate)."""
+    n = max(len(trajs), 1)
+    out = dict(measured)
+    for t in trajs:
+        for k, v in t.counts.items():
+            if k.startswith("multi_turn/"):
+                out[k] = out.get(k, 0) + v
+        out[f"multi_turn/finish/{t.finish_reason}"] = out.get(f"multi_turn/finish/{t.finish_reason}", 0) + 1
+    out["multi_turn/turns_mean"] = sum(t.counts.get("turns", 0) for t in trajs) / n
+    out["multi_turn/tool_calls_per_trajectory"] = sum(t.counts.get("multi_turn/tool_calls", 0) for t in trajs) / n
+    out["multi_turn/forced_trajectories"] = sum(t.forced for t in trajs)  # rollout.multi_turn.required_per_group
+    if free_choice:  # the policy's own choice to call: trajectories whose first turn was under auto
+        free = [t for t in trajs if not t.forced]
+        out["multi_turn/free_trajectories"] = len(free)
+        out["multi_turn/free_calling_trajectories"] = sum(t.called for t in free)
+        out["multi_turn/free_call_rate"] = sum(t.called for t in free) / max(len(free), 1)
+    out["multi_turn/failed"] = sum(t.failed for t in trajs)
+    out["multi_turn/masked"] = sum(t.masked for t in trajs)
+    out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)
+    return out
