@@ -94,7 +94,8 @@ def test_multi_turn_with_the_long_tail_cut_one_step_off_killed_and_resumed(tmp_p
     of a step in it exactly once."""
     args = ("recipe=tool-peek-tiny-cpu", "rollout.mode=disaggregated", "rollout.async_mode=one_step_off",
             "trainer.n_gpus_per_node=2", "rollout.over_sample_rate=0.25",
-            "rollout.multi_turn.environment=tests.helpers.agent:SlowEveryFourth")
+            "rollout.multi_turn.environment=tests.helpers.agent:SlowEveryFourth",
+            "rollout.multi_turn.required_per_group=${rollout.n}")  # ARGS' n=4: every first turn calls the tool
     ray_tmp = tempfile.mkdtemp(prefix="mgrpo-async-mt-", dir="/tmp")
     run_dir = str(tmp_path / "killed")
     p = train(run_dir, ray_tmp + "/a", *args)

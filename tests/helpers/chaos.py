@@ -79,12 +79,14 @@ JOBS = {
                   "trainer.n_gpus_per_node=4"],
     "reward_model": ["trainer.n_gpus_per_node=2", f"reward.models={{rm: {{hf_path: '{RM_DIR}', engines: 2}}}}",
                      "reward.compose={mgrpo/sum: {rm: 1.0}}"],
-    "multi_turn": ["recipe=tool-peek-tiny-cpu", "trainer.n_gpus_per_node=2", *MULTI_TURN_USER_CODE],
+    "multi_turn": ["recipe=tool-peek-tiny-cpu", "trainer.n_gpus_per_node=2", *MULTI_TURN_USER_CODE,
+                   "rollout.multi_turn.required_per_group=${rollout.n}"],
 }
 """The default job (colocated; two engines share the two CPU bundles of two data-parallel Megatron ranks);
 one-step-off asynchronous rollout at TP=2 (two Megatron ranks, two engines of their own); the default job rewarded by
 a reward model of two servers (reward.models.rm, its own bundles) alone; multi-turn rollouts of the tool task
-(recipe=tool-peek-tiny-cpu: two in-process engines in the two Megatron ranks)."""
+(recipe=tool-peek-tiny-cpu: two in-process engines in the two Megatron ranks; every sample's first turn under
+tool_choice=required, required_per_group=rollout.n, whatever n the soak runs: every trajectory reaches the tool)."""
 
 
 @dataclasses.dataclass(frozen=True)
