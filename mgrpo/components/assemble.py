@@ -127,8 +127,9 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
-    judger = group = rollout = None
+    judger = group = rollout = early = None
     phase = _Phases()
+    engine_pool = ThreadPoolExecutor(1, thread_name_prefix="mgrpo-engines")
     try:
         with phase("Ray placement + initial weights"), ThreadPoolExecutor(1, thread_name_prefix="mgrpo-init") as pool:
             # While ray.init waits for the processes it starts: the initial weights (transformers' import, a check
@@ -150,31 +151,38 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
         from mgrpo.components.weight_sync import WeightSync
         from mgrpo.rollout.factory import EngineContext
 
+        eos = [tokenizer.eos_token_id]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        context = EngineContext(eos_token_ids=eos, pad_token_id=pad, log_dir=os.path.join(run_dir, "logs"))
+        engines = f"{cfg.rollout.num_engines} rollout engine(s) ({cfg.rollout.engine}, {cfg.rollout.mode})"
+        # Engines in processes of their own that take no accelerator memory from the ranks start with the ranks'
+        # processes and go on while the ranks build their Megatron stages: the longest start-up phases, on
+        # different processes (the default job: 9.5 s and 5.0 s one after the other, then the rank processes'
+        # 1.3 s before the engines). Engines on the ranks' accelerators take their memory first; a hybrid engine
+        # is built in its rank's process before the stages (its transformers import comes after
+        # cpu_compat.lean_megatron_import, as the rank's __init__ says).
+        alongside = not placement.hybrid and not placement.engines_use_actor_gpus
+        devices = hosts = None
+        if alongside:
+            engines_from = time.perf_counter()
+            early = engine_pool.submit(RolloutGroup, cfg, placement, hf_dir=init_dir, context=context)
         with phase(f"{layout.megatron_world} Megatron rank process(es)"):
             group = MegatronGroup(cfg, layout, placement, init_hf_dir=init_dir, total_steps=total_steps,
                                   need_ref=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-        devices = hosts = None
-        if placement.engines_use_actor_gpus:
-            devices = [engine_gpu_ids(group.devices, placement.engine_ranks(i), i)
-                       for i in range(cfg.rollout.num_engines)]
-        if placement.hybrid:  # engine i moves into the process of the first Megatron rank it shares
-            hosts = [group.ranks[placement.engine_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
-        eos = [tokenizer.eos_token_id]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        # Engines in processes of their own that take no accelerator memory from the ranks start while the
-        # ranks build their Megatron stages: the two longest start-up phases, on different processes (the
-        # default job: 9.5 s and 5.0 s one after the other). Engines on the ranks' accelerators take their
-        # memory first; a hybrid engine is built in its rank's process before the stages (its transformers
-        # import comes after cpu_compat.lean_megatron_import, as the rank's __init__ says).
-        alongside = not placement.hybrid and not placement.engines_use_actor_gpus
         stages = f"Megatron stages (tp={cfg.actor.tp} pp={cfg.actor.pp} cp={cfg.actor.cp} dp={layout.dp})"
         if alongside:
             stages_from = time.perf_counter()
             group.start_setup(cfg)
-        with phase(f"{cfg.rollout.num_engines} rollout engine(s) ({cfg.rollout.engine}, {cfg.rollout.mode})"):
-            rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts,
-                                   context=EngineContext(eos_token_ids=eos, pad_token_id=pad,
-                                                         log_dir=os.path.join(run_dir, "logs")))
+            with phase(engines, since=engines_from, note="started with the rank processes"):
+                rollout = early.result()
+        else:
+            if placement.engines_use_actor_gpus:
+                devices = [engine_gpu_ids(group.devices, placement.engine_ranks(i), i)
+                           for i in range(cfg.rollout.num_engines)]
+            if placement.hybrid:  # engine i moves into the process of the first Megatron rank it shares
+                hosts = [group.ranks[placement.engine_ranks(i)[0]] for i in range(cfg.rollout.num_engines)]
+            with phase(engines):
+                rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts, context=context)
         with phase(f"judges ({', '.join(['rules', *cfg.reward.models])})"):  # reward models: the run's key
             judger = build_judger(cfg.reward, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"),
                                   placement=placement, cpus=t.cpus_per_worker,
@@ -202,8 +210,13 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                             resume_step=state.step if resume_dir is not None else None,
                             token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg))
     except BaseException:
+        if rollout is None and early is not None:  # engines started beside a failed step: taken down too
+            with contextlib.suppress(BaseException):
+                rollout = early.result()
         close(None, judger, rollout, group)
         raise
+    finally:
+        engine_pool.shutdown(wait=False)
     log.info("start | ready in %.1fs: run dir %s, steps %d..%d", phase.total, run_dir, state.step, total_steps)
     return Parts(experiences, actor, weights, checkpointer, evaluator, observer, placement, state, total_steps,
                  LogprobGuard(cfg, run_dir))
