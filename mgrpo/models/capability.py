@@ -104,10 +104,11 @@ def require_fp8(fp8: str, recipe: str) -> None:
         raise ValueError(f"fp8={fp8!r} with fp8_recipe={recipe!r} cannot run on this machine: {reason}")
 
 
-def fused_paths(*, use_te: bool, logprob_impl: str, fp8: Optional[str] = None) -> str:
+def fused_paths(*, use_te: bool, logprob_impl: str, fp8: Optional[str] = None, adam_fused: bool = False) -> str:
     """One line naming the accelerated paths a Megatron rank runs (printed at start-up in place of megatron's
     one-warning-per-module 'Transformer Engine and Apex are not installed'). Asks megatron-core what it
-    picked: its optimizer module falls back from TE's to apex's to torch's Adam at import."""
+    picked: its optimizer module falls back from TE's to apex's to torch's Adam at import. `adam_fused`: torch's
+    Adam runs its fused kernel (training/optim.py::use_fused_torch_adam)."""
     import megatron.core.optimizer as mcore_optimizer
 
     adam = mcore_optimizer.Adam
@@ -115,7 +116,7 @@ def fused_paths(*, use_te: bool, logprob_impl: str, fp8: Optional[str] = None) -
     parts = [
         "Transformer Engine layer spec (fused norms, TE attention)" if use_te else
         "megatron's local layer spec (torch norms, mgrpo's core attention over torch SDPA)",
-        f"{adam.__module__}.{adam.__name__} optimizer",
+        f"{adam.__module__}.{adam.__name__} optimizer" + (" (torch's fused kernel)" if adam_fused else ""),
         f"{'apex' if apex else 'torch'} multi-tensor grad utilities",
         f"log-prob kernel {logprob_impl}",
     ]

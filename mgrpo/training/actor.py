@@ -21,7 +21,7 @@ from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.gpt import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
-from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step
+from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step, torch_optimizers
 from mgrpo.training.parallel import init_parallel
 from mgrpo.training.router_replay import RECORD, REPLAY, ModelRouting, routing_metrics
 
@@ -123,7 +123,8 @@ class MegatronActor:
         use_te = resolve_use_te(None, use_cpu=c.device.type == "cpu")
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, cp_rank=c.cp_rank, dp_rank=c.dp_rank,
                     ep_rank=c.ep_rank, is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source,
-                    paths=fused_paths(use_te=use_te, logprob_impl=a.logprob_impl, fp8=a.fp8))
+                    paths=fused_paths(use_te=use_te, logprob_impl=a.logprob_impl, fp8=a.fp8,
+                                      adam_fused=any(o.defaults.get("fused") for o in torch_optimizers(self.optimizer))))
 
     # --- megatron schedule plumbing ---------------------------------------------------------------
     @property

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from mgrpo.training.optim import use_fused_torch_adam
+
 
 def _sharded(actor, *, is_loading: bool) -> dict:
     model_sd = actor.gpt.sharded_state_dict()
@@ -53,6 +55,7 @@ def load_checkpoint(actor, ckpt_dir: str) -> None:
     state = dist_checkpointing.load(template, ckpt_dir)
     actor.gpt.load_state_dict(state["model"])
     actor.optimizer.load_state_dict(state["optimizer"])
+    use_fused_torch_adam(actor.optimizer)  # the checkpoint's param groups replaced the options: the same kernel
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.skipped_steps = int(state["skipped_steps"])
 
