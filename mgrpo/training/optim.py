@@ -45,10 +45,9 @@ def use_fused_torch_adam(optimizer) -> int:
     """Where megatron falls back to torch's Adam (no Transformer Engine or apex: the CPU ranks), it builds it
     with torch's default, which for CPU tensors is the single-tensor loop: several passes over every
     parameter and two parameter-sized temporaries (sqrt(v) and the quotient) per tensor. torch's fused
-    kernel, chosen here, makes one pass and no temporaries: on the Qwen3-vocabulary model (42M fp32
-    parameters) 0.344 -> 0.056 s per step and +298 -> +1 MiB of peak memory (/tmp micro-benchmark,
-    `benchmarks/README.md`); the update agrees to the last bits (6e-8 after 5 steps of a 64k-parameter
-    test), not bit for bit. megatron passes no option for it, so the flag is set on the param groups, as
+    kernel, chosen here, makes one pass and no temporaries: on the Qwen3-vocabulary model's 42M fp32
+    parameters 0.352 -> 0.056 s per step and +298 -> +1 MiB of peak memory (`python -m
+    benchmarks.measure.adamw`); the update agrees to the last bits (1.2e-7 after 5 steps), not bit for bit. megatron passes no option for it, so the flag is set on the param groups, as
     torch's own constructor does (checked bit-equal with `AdamW(fused=True)`). Returns how many torch
     optimizers now run fused; called again after a checkpoint's param groups replace these."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
