@@ -1,10 +1,10 @@
-"""The experience's tensor views and the actor client's split, against per-row constructions."""
+"""The experience's array views and the actor client's split, against per-row constructions."""
 
 from __future__ import annotations
 
 import random
 
-import torch
+import numpy as np
 
 from mgrpo.components.actor_client import balanced_split
 from mgrpo.experience import Experience
@@ -24,15 +24,15 @@ def test_masks_and_padding_match_row_by_row():
     exp = _experience(lengths, in_loss)
     values = [[rng.uniform(-5, 5) for _ in range(k)] for k in lengths]
     width = max(lengths)
-    mask, loss_mask, padded = (torch.zeros(len(lengths), width) for _ in range(3))
+    mask, loss_mask, padded = (np.zeros((len(lengths), width), dtype=np.float32) for _ in range(3))
     for i, k in enumerate(lengths):
         mask[i, :k] = 1.0
         loss_mask[i, :k] = 1.0 if in_loss[i] else 0.0
-        padded[i, :k] = torch.tensor(values[i])
-    assert torch.equal(exp.response_mask(), mask)
-    assert torch.equal(exp.response_mask(loss_only=True), loss_mask)
-    assert torch.equal(exp.padded(values), padded) and exp.padded(values).dtype == torch.float32
-    assert exp.unpadded(padded) == [torch.tensor(v, dtype=torch.float32).tolist() for v in values]
+        padded[i, :k] = values[i]
+    assert np.array_equal(exp.response_mask(), mask) and exp.response_mask().dtype == np.float32
+    assert np.array_equal(exp.response_mask(loss_only=True), loss_mask)
+    assert np.array_equal(exp.padded(values), padded) and exp.padded(values).dtype == np.float32
+    assert exp.unpadded(padded) == [np.array(v, dtype=np.float32).tolist() for v in values]
     empty = _experience([], [])
     assert empty.response_mask().shape == empty.padded([]).shape == (0, 1)
 
@@ -116,3 +116,4 @@ def test_tensorboard_gets_the_config_and_a_page_of_the_key_curves(tmp_path):
     assert "config/text_summary" in tags and "custom_scalars__config__" in tags
     stored = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "name: qwen3-tiny" in stored and "s3cret" not in stored
+
