@@ -117,3 +117,32 @@ def test_tensorboard_gets_the_config_and_a_page_of_the_key_curves(tmp_path):
     stored = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "name: qwen3-tiny" in stored and "s3cret" not in stored
 
+
+def test_tensorboard_records_are_those_torchs_summary_writer_writes(tmp_path):
+    """The driver writes TensorBoard without torch (observe/tb_events.py); torch's SummaryWriter, which the
+    Tracker used before, is the reference: the same records, field for field (wall times aside), purge_step
+    included."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mgrpo.observe.tb_events import EventWriter
+    from mgrpo.observe.tracker import TB_LAYOUT
+
+    def records(d):
+        (path,) = glob.glob(str(d / "events.*"))
+        out = list(EventFileLoader(path).Load())
+        for e in out:
+            e.wall_time = 0.0
+        return out
+
+    for writer, d in ((SummaryWriter, tmp_path / "torch"), (EventWriter, tmp_path / "ours")):
+        w = writer(str(d), purge_step=4)
+        w.add_custom_scalars(TB_LAYOUT)
+        w.add_text("config", "```\nmodel: tiny\n```", 3)
+        w.add_scalar("critic/score/mean", 0.25, 4)
+        w.add_scalar("actor/grad_norm", 1e30, 5)
+        w.close()
+    want, got = records(tmp_path / "torch"), records(tmp_path / "ours")
+    assert len(want) == 7 and got == want
