@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from mgrpo.algorithms import failed_samples
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
@@ -23,7 +22,7 @@ from mgrpo.algorithms.kl import apply_kl_in_reward
 from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
 from mgrpo.rollout.types import GenerateResult
-from mgrpo.training.batch import compact_routes
+from mgrpo.training.rank_batch import compact_routes
 
 log = logging.getLogger("mgrpo")
 
@@ -205,13 +204,13 @@ class Experience:
         """Every sample has its score (`judge` ran on this batch)."""
         return len(self.scores) == len(self.response_ids)
 
-    # --- tensors --------------------------------------------------------------------------------
-    # (built from Python lists in one call each: a tensor write per row costs more than the step's
-    # arithmetic on the default job's 256 short responses)
+    # --- arrays ---------------------------------------------------------------------------------
+    # numpy float32 (the driver never imports torch, issue 35), built from Python lists in one call each: a
+    # write per row costs more than the step's arithmetic on the default job's 256 short responses
     def _width(self) -> int:
         return max(max((len(r) for r in self.response_ids), default=0), 1)
 
-    def response_mask(self, *, loss_only: bool = False) -> torch.Tensor:
+    def response_mask(self, *, loss_only: bool = False) -> np.ndarray:
         """[N, L] 1 on response tokens the policy sampled (and, with loss_only, only of responses in the loss);
         a multi-turn sample's context tokens are 0 (`sampled_mask`)."""
         width = self._width()
@@ -219,19 +218,19 @@ class Experience:
         rows = [([1.0] * len(r) if m is None else [float(x) for x in m]) + [0.0] * (width - len(r))
                 if not loss_only or keep else [0.0] * width
                 for r, m, keep in zip(self.response_ids, sampled, self.in_loss or [True] * len(self))]
-        return torch.tensor(rows) if rows else torch.zeros(0, width)
+        return np.array(rows, dtype=np.float32) if rows else np.zeros((0, width), dtype=np.float32)
 
-    def padded(self, values: list[list[float]]) -> torch.Tensor:
+    def padded(self, values: list[list[float]]) -> np.ndarray:
         width = self._width()
         rows = [list(v) + [0.0] * (width - len(v)) for v in values]
-        return torch.tensor(rows, dtype=torch.float32) if rows else torch.zeros(0, width)
+        return np.array(rows, dtype=np.float32) if rows else np.zeros((0, width), dtype=np.float32)
 
-    def unpadded(self, values: torch.Tensor) -> list[list[float]]:
+    def unpadded(self, values: np.ndarray) -> list[list[float]]:
         return [row[:len(r)] for row, r in zip(values.tolist(), self.response_ids)]
 
     # --- phases -----------------------------------------------------------------------------------
     def apply_overlong_filter(self) -> int:
-        truncated = torch.tensor([f == "length" for f in self.finish_reasons])
+        truncated = np.array([f == "length" for f in self.finish_reasons], dtype=bool)
         mask, dropped = overlong_filter(self.response_mask(), truncated)
         self.in_loss = [bool(row.any()) and keep for row, keep in zip(mask, self.in_loss)]
         return dropped
@@ -274,8 +273,9 @@ class Experience:
         self.reward_masked = failed_samples.masked(self.outcomes, self.group_index, dropped)
         self.in_loss = [keep and not m for keep, m in zip(self.in_loss or [True] * n, self.reward_masked)]
         scored = [i for i in range(n) if self.scores[i] is not None]
-        shaped, penalised = apply_overlong_buffer(torch.tensor([self.scores[i] for i in scored]),
-                                                  torch.tensor([len(self.response_ids[i]) for i in scored]),
+        # float32, as the advantages are computed: the reward a sample trains on is the score in float32
+        shaped, penalised = apply_overlong_buffer(np.array([self.scores[i] for i in scored], dtype=np.float32),
+                                                  np.array([len(self.response_ids[i]) for i in scored], dtype=np.int64),
                                                   cfg.data.max_response_length, cfg.algorithm.overlong_buffer)
         self.rewards = [None] * n
         for i, r in zip(scored, shaped.tolist()):
@@ -326,13 +326,13 @@ class Experience:
         adv_rows: list[list[float]] = [[0.0] * len(r) for r in self.response_ids]
         if keep:
             mask = sub.response_mask()
-            rewards = torch.tensor(sub.rewards, dtype=torch.float32)
+            rewards = np.array(sub.rewards, dtype=np.float32)
             token_rewards = None
             if al.use_kl_in_reward:
                 token_rewards = scores_to_token_rewards(rewards, mask)
                 token_rewards = apply_kl_in_reward(token_rewards, sub.padded(sub.old_logprobs),
                                                    sub.padded(sub.ref_logprobs), mask, al.kl_coef, al.kl_penalty)
-            adv = sub.unpadded(compute_advantages(rewards, torch.tensor(sub.group_index), mask, al, token_rewards))
+            adv = sub.unpadded(compute_advantages(rewards, np.array(sub.group_index), mask, al, token_rewards))
             for i, row in zip(keep, adv):
                 adv_rows[i] = row
         self.advantages = adv_rows
@@ -340,11 +340,12 @@ class Experience:
     # --- cuts for the trainer ------------------------------------------------------------------------
     def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:
         """Sample indices of each mini-batch (whole prompt groups, shuffled with a seeded generator
-        when there are several mini-batches)."""
+        when there are several mini-batches). numpy's generator, not torch's (the driver has no torch): a given
+        seed puts other groups together than torch.randperm did before issue 35."""
         groups = sorted(set(self.group_index))
         per = cfg.actor.ppo_mini_batch_size or len(groups)
         if per < len(groups):
-            order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(epoch_seed)).tolist()
+            order = np.random.default_rng(epoch_seed).permutation(len(groups)).tolist()
             groups = [groups[i] for i in order]
         members: dict[int, list[int]] = {}
         for i, g in enumerate(self.group_index):

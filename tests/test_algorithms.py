@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,50 +38,52 @@ def test_registries_are_what_config_validation_accepts(registry, field):
 
 # --- KL ------------------------------------------------------------------------------------------
 
-def test_kl_estimators_by_hand():
+@pytest.mark.parametrize("array", [torch.tensor, lambda x: np.array(x, dtype=np.float32)], ids=["torch", "numpy"])
+def test_kl_estimators_by_hand(array):
+    # One definition serves the rank's loss (torch tensors) and the driver's KL-in-reward (numpy arrays).
     # pi = 0.5, pi_ref = 0.25 on the sampled token: r = log(pi_ref/pi) = -log 2
-    lp, ref = torch.tensor([L(0.5)]), torch.tensor([L(0.25)])
+    lp, ref = array([L(0.5)]), array([L(0.25)])
     assert kl_estimate(lp, ref, "k1").item() == pytest.approx(L(2))               # -r
     assert kl_estimate(lp, ref, "k2").item() == pytest.approx(0.5 * L(2) ** 2)    # r^2/2 = 0.240227
     assert kl_estimate(lp, ref, "k3").item() == pytest.approx(0.5 + L(2) - 1)     # e^r - r - 1 = 0.193147
     assert kl_estimate(lp, ref, "low_var_kl").item() == pytest.approx(0.5 + L(2) - 1)
     # Far off-policy: r = -30. The raw k3 would be e^-30 + 30 - 1 = 29; like veRL, r is clamped to -20
     # (-> 19) and the estimate to 10, for k3 and its alias low_var_kl alike.
-    lp, ref = torch.tensor([0.0]), torch.tensor([-30.0])
+    lp, ref = array([0.0]), array([-30.0])
     assert kl_estimate(lp, ref, "k3").item() == pytest.approx(10.0)
     assert kl_estimate(lp, ref, "low_var_kl").item() == pytest.approx(10.0)
     # r = -12: 11 > 10 is clamped too; r = -5: 4 + e^-5 is not
-    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-12.0]), "k3").item() == pytest.approx(10.0)
-    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-5.0]), "k3").item() == pytest.approx(4 + math.exp(-5))
+    assert kl_estimate(array([0.0]), array([-12.0]), "k3").item() == pytest.approx(10.0)
+    assert kl_estimate(array([0.0]), array([-5.0]), "k3").item() == pytest.approx(4 + math.exp(-5))
     # r = +25: exp(25) would dominate everything; low_var_kl caps at 10
-    assert kl_estimate(torch.tensor([-25.0]), torch.tensor([0.0]), "low_var_kl").item() == pytest.approx(10.0)
+    assert kl_estimate(array([-25.0]), array([0.0]), "low_var_kl").item() == pytest.approx(10.0)
     with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
         kl_estimate(lp, ref, "k9")
 
 
 def test_kl_in_reward():
     # k1 per token = logprob - ref = [1, 0, 5]; the third token is padding and must stay untouched
-    r = apply_kl_in_reward(torch.tensor([[0.0, 1.0, 7.0]]), torch.tensor([[-1.0, -1.0, 0.0]]),
-                           torch.tensor([[-2.0, -1.0, -5.0]]), torch.tensor([[1, 1, 0]]), 0.1, "k1")
-    assert torch.allclose(r, torch.tensor([[-0.1, 1.0, 7.0]]))
+    r = apply_kl_in_reward(np.array([[0.0, 1.0, 7.0]]), np.array([[-1.0, -1.0, 0.0]]),
+                           np.array([[-2.0, -1.0, -5.0]]), np.array([[1, 1, 0]]), 0.1, "k1")
+    assert r.dtype == np.float32 and np.allclose(r, [[-0.1, 1.0, 7.0]])
 
 
 # --- advantages ----------------------------------------------------------------------------------
 
 # Two prompts x 3 responses. Group A scores [1, 0, 0]: mean 1/3, deviations [2/3, -1/3, -1/3],
 # unbiased var = (4/9 + 1/9 + 1/9) / 2 = 1/3, std = 0.57735. Group B [0.5, 0.5, 0.5]: no signal.
-SCORES = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.5, 0.5])
-GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
+SCORES = np.array([1.0, 0.0, 0.0, 0.5, 0.5, 0.5])
+GROUPS = np.array([0, 0, 0, 1, 1, 1])
 LENGTHS = [2, 1, 1, 1, 1, 2]
-MASK = torch.tensor([[1 if t < n else 0 for t in range(3)] for n in LENGTHS])
+MASK = np.array([[1 if t < n else 0 for t in range(3)] for n in LENGTHS])
 
 
-def _per_seq(adv: torch.Tensor) -> list[float]:
+def _per_seq(adv: np.ndarray) -> list[float]:
     """One value per response (all its tokens must agree), checking padding is zero."""
-    assert torch.all(adv[MASK == 0] == 0)
+    assert adv.dtype == np.float32 and np.all(adv[MASK == 0] == 0)
     out = []
     for i, n in enumerate(LENGTHS):
-        assert torch.allclose(adv[i, :n], adv[i, 0].expand(n))
+        assert np.allclose(adv[i, :n], adv[i, 0])
         out.append(adv[i, 0].item())
     return out
 
@@ -117,26 +120,26 @@ def test_reinforce_plus_plus_by_hand():
     # Token rewards (score on the last token, KL penalties elsewhere):
     #   row 0 [0, -0.5, 1] -> returns-to-go [0.5, 0.5, 1.0];  row 1 [-0.25, 1, pad] -> [0.75, 1.0]
     # 5 tokens: mean 0.75, deviations [-.25, -.25, .25, 0, .25], unbiased var 0.25/4, std 0.25
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    rewards = torch.tensor([[0.0, -0.5, 1.0], [-0.25, 1.0, 0.0]])
-    adv = compute_advantages(torch.zeros(2), torch.tensor([0, 1]), mask,
+    mask = np.array([[1, 1, 1], [1, 1, 0]])
+    rewards = np.array([[0.0, -0.5, 1.0], [-0.25, 1.0, 0.0]])
+    adv = compute_advantages(np.zeros(2), np.array([0, 1]), mask,
                              AlgorithmConfig(adv_estimator="reinforce_plus_plus"), token_rewards=rewards)
-    assert torch.allclose(adv, torch.tensor([[-1.0, -1.0, 1.0], [0.0, 1.0, 0.0]]), atol=1e-5)
+    assert np.allclose(adv, np.array([[-1.0, -1.0, 1.0], [0.0, 1.0, 0.0]]), atol=1e-5)
     # Without KL terms it is the batch-whitened score on every token.
-    a2 = compute_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 1]), mask,
+    a2 = compute_advantages(np.array([1.0, 0.0]), np.array([0, 1]), mask,
                             AlgorithmConfig(adv_estimator="reinforce_plus_plus"))
     # tokens [1, 1, 1, 0, 0]: mean 0.6, var = (3*.16 + 2*.36)/4 = 0.3
-    assert torch.allclose(a2[0], torch.full((3,), 0.4 / math.sqrt(0.3)), atol=1e-5)
-    assert torch.allclose(a2[1, :2], torch.full((2,), -0.6 / math.sqrt(0.3)), atol=1e-5)
+    assert np.allclose(a2[0], 0.4 / math.sqrt(0.3), atol=1e-5)
+    assert np.allclose(a2[1, :2], -0.6 / math.sqrt(0.3), atol=1e-5)
 
 
 def test_token_rewards_feed_outcome_estimators_and_last_token_placement():
-    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    r = scores_to_token_rewards(torch.tensor([2.0, 3.0, 4.0]), mask)
+    mask = np.array([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    r = scores_to_token_rewards(np.array([2.0, 3.0, 4.0]), mask)
     assert r.tolist() == [[0, 0, 2, 0], [3, 0, 0, 0], [0, 0, 0, 0]]
     # grpo on token rewards uses their per-response sum: [1.9, 3.0] -> dr_grpo [-0.55, 0.55]
-    tr = torch.tensor([[0.0, -0.1, 2.0, 9.0], [3.0, 0, 0, 0], [0, 0, 0, 0]])
-    adv = compute_advantages(torch.zeros(3), torch.tensor([0, 0, 1]), mask,
+    tr = np.array([[0.0, -0.1, 2.0, 9.0], [3.0, 0, 0, 0], [0, 0, 0, 0]])
+    adv = compute_advantages(np.zeros(3), np.array([0, 0, 1]), mask,
                              AlgorithmConfig(adv_estimator="dr_grpo"), token_rewards=tr)
     assert adv[0, 1].item() == pytest.approx(-0.55) and adv[1, 0].item() == pytest.approx(0.55)
 
@@ -150,8 +153,8 @@ def test_unknown_estimator_is_named():
 
 def test_aggregation_modes_by_hand():
     # Per-token losses of 3 responses (L_max = 4); the third is fully masked and must not count.
-    loss = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0] * 4])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    loss = np.array([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0] * 4])
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     tok, seq = global_counts(mask)
     assert (tok, seq) == (4, 2)
     want = {
@@ -280,15 +283,17 @@ def test_gspo_honours_loss_agg_mode_by_hand(mode):
     fixed seq-mean-token-mean: the weights the trainer computes for GSPO follow algorithm.loss_agg_mode."""
     cfg = AlgorithmConfig(policy_loss="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2, use_kl_loss=False,
                           loss_agg_mode=mode)
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
     tok, seq = global_counts(mask)
-    w = token_weights(mask, effective_loss_agg_mode(cfg), global_tokens=tok, global_seqs=seq, max_response_length=4)
+    # the driver's weights (numpy) become the rank's tensors, as a RankBatch's lists do
+    w = torch.from_numpy(token_weights(mask, effective_loss_agg_mode(cfg), global_tokens=tok, global_seqs=seq,
+                                       max_response_length=4))
     ratios = torch.tensor([[1.1, 1.1, 1.0], [1.5, 1.0, 1.0], [0.9, 0.9, 0.9]])
     adv = torch.tensor([[1.0] * 3, [1.0] * 3, [-1.0] * 3])
     old = torch.full((3, 3), L(0.5))
     lp = (old + ratios.log()).flatten().requires_grad_()
     inputs = TokenLossInputs(old_logprob=old.flatten(), advantages=adv.flatten(), token_weight=w.flatten(),
-                             metric_weight=metric_weights(mask, global_tokens=tok).flatten(),
+                             metric_weight=torch.from_numpy(metric_weights(mask, global_tokens=tok)).flatten(),
                              seq_index=torch.arange(3).repeat_interleave(3))
     loss, m = policy_loss(lp, None, inputs, cfg)
     assert loss.item() == pytest.approx(GSPO_BY_MODE[mode], abs=1e-6)

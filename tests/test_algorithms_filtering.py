@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from mgrpo.algorithms.filtering import (GroupAccumulator, apply_overlong_buffer, groups_with_signal, overlong_filter,
                                         overlong_penalty)
@@ -49,8 +49,8 @@ def test_group_accumulator_exhausts():
 
 
 def test_overlong_filter():
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    new, n = overlong_filter(mask, torch.tensor([True, False, True]))
+    mask = np.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    new, n = overlong_filter(mask, np.array([True, False, True]))
     assert new.tolist() == [[0, 0, 0], [1, 1, 0], [0, 0, 0]]
     assert n == 1  # the empty third response was not in the loss anyway
 
@@ -58,10 +58,10 @@ def test_overlong_filter():
 def test_overlong_penalty_by_hand():
     # max_response_length 10, buffer 4 -> free up to 6 tokens, then -1/4 per token (factor 1): 8 -> -0.5
     cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
-    pen = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), 10, cfg)
+    pen = overlong_penalty(np.array([3, 6, 7, 8, 10]), 10, cfg)
     assert pen.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
-    shaped, n = apply_overlong_buffer(torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]), torch.tensor([3, 6, 7, 8, 10]), 10,
+    shaped, n = apply_overlong_buffer(np.array([1.0, 1.0, 0.0, 1.0, 1.0]), np.array([3, 6, 7, 8, 10]), 10,
                                       OverlongBufferConfig(enable=True, len=4, penalty_factor=2.0))
-    assert shaped.tolist() == pytest.approx([1.0, 1.0, -0.5, 0.0, -1.0]) and n == 3
-    same, n = apply_overlong_buffer(torch.tensor([1.0]), torch.tensor([10]), 10, OverlongBufferConfig(enable=False))
+    assert shaped.tolist() == pytest.approx([1.0, 1.0, -0.5, 0.0, -1.0]) and n == 3 and shaped.dtype == np.float32
+    same, n = apply_overlong_buffer(np.array([1.0]), np.array([10]), 10, OverlongBufferConfig(enable=False))
     assert same.tolist() == [1.0] and n == 0

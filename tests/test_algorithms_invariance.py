@@ -60,12 +60,14 @@ def make_problem():
 def grad_of_rows(model, data, rows, mode, cfg, *, chunk=None, counts=None):
     """(gradients, metrics) of the loss over `rows` with weights normalised by `counts`
     (the global counts unless a test passes local ones)."""
-    tok, seq = counts if counts is not None else global_counts(data["mask"])
+    tok, seq = counts if counts is not None else global_counts(data["mask"].numpy())
     d = {k: v[rows] for k, v in data.items()}
-    w = token_weights(d["mask"], mode, global_tokens=tok, global_seqs=seq, max_response_length=L)
+    # the driver's weights (numpy), as the rank gets them (tensors)
+    w = torch.from_numpy(token_weights(d["mask"].numpy(), mode, global_tokens=tok, global_seqs=seq,
+                                       max_response_length=L))
     inputs = TokenLossInputs(
         old_logprob=d["old"].flatten(), advantages=d["adv"].flatten(), token_weight=w.double().flatten(),
-        metric_weight=metric_weights(d["mask"], global_tokens=tok).double().flatten(),
+        metric_weight=torch.from_numpy(metric_weights(d["mask"].numpy(), global_tokens=tok)).double().flatten(),
         ref_logprob=d["ref"].flatten(), rollout_logprob=d["roll"].flatten(),
         seq_index=torch.as_tensor(rows).unsqueeze(-1).expand(-1, L).flatten())
     model.zero_grad()
@@ -122,7 +124,7 @@ def test_gradient_invariant_to_micro_batching(mode, cfg):
     # Normalising each micro-batch by its own counts is not invariant: this is what the test catches.
     local = None
     for rows in SPLITS[2]:
-        g, _ = grad_of_rows(model, data, rows, mode, cfg, counts=global_counts(data["mask"][rows]))
+        g, _ = grad_of_rows(model, data, rows, mode, cfg, counts=global_counts(data["mask"][rows].numpy()))
         local = g if local is None else [a + b for a, b in zip(local, g)]
     assert not _close(local, ref_grads)
 

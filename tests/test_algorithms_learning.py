@@ -8,6 +8,7 @@ broken advantage, a wrong reward or misaligned log-probs all keep it near zero.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,7 +74,9 @@ def _learn():
             ScoreRequest(items[i // n].data_source, texts[i], items[i // n].ground_truth,
                          {"finish_reason": "stop" if stopped[i] else "length"}) for i in range(len(texts))
         ]).scores)
-        adv = compute_advantages(scores, torch.arange(len(items)).repeat_interleave(n), mask, cfg.algorithm)
+        # the driver's bookkeeping (numpy), handed to the loss as tensors as the rank gets them
+        adv = torch.from_numpy(compute_advantages(scores.numpy(), np.repeat(np.arange(len(items)), n), mask.numpy(),
+                                                  cfg.algorithm))
 
         full = torch.cat([prompts, resp], 1)
 
@@ -83,11 +86,11 @@ def _learn():
 
         with torch.no_grad():
             old = logprobs()
-        tokens, seqs = global_counts(mask)
-        w = token_weights(mask, cfg.algorithm.loss_agg_mode, global_tokens=tokens, global_seqs=seqs,
-                          max_response_length=max_len)
+        tokens, seqs = global_counts(mask.numpy())
+        w = torch.from_numpy(token_weights(mask.numpy(), cfg.algorithm.loss_agg_mode, global_tokens=tokens,
+                                           global_seqs=seqs, max_response_length=max_len))
         inputs = TokenLossInputs(old.flatten(), adv.flatten(), w.flatten(),
-                                 metric_weights(mask, global_tokens=tokens).flatten())
+                                 torch.from_numpy(metric_weights(mask.numpy(), global_tokens=tokens)).flatten())
         loss, _ = make_token_loss_fn(inputs, cfg.algorithm)(logprobs().flatten(), None, slice(0, w.numel()))
         opt.zero_grad()
         loss.backward()

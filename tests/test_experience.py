@@ -1,10 +1,10 @@
-"""The experience's tensor views and the actor client's split, against per-row constructions."""
+"""The experience's array views and the actor client's split, against per-row constructions."""
 
 from __future__ import annotations
 
 import random
 
-import torch
+import numpy as np
 
 from mgrpo.components.actor_client import balanced_split
 from mgrpo.experience import Experience
@@ -24,15 +24,15 @@ def test_masks_and_padding_match_row_by_row():
     exp = _experience(lengths, in_loss)
     values = [[rng.uniform(-5, 5) for _ in range(k)] for k in lengths]
     width = max(lengths)
-    mask, loss_mask, padded = (torch.zeros(len(lengths), width) for _ in range(3))
+    mask, loss_mask, padded = (np.zeros((len(lengths), width), dtype=np.float32) for _ in range(3))
     for i, k in enumerate(lengths):
         mask[i, :k] = 1.0
         loss_mask[i, :k] = 1.0 if in_loss[i] else 0.0
-        padded[i, :k] = torch.tensor(values[i])
-    assert torch.equal(exp.response_mask(), mask)
-    assert torch.equal(exp.response_mask(loss_only=True), loss_mask)
-    assert torch.equal(exp.padded(values), padded) and exp.padded(values).dtype == torch.float32
-    assert exp.unpadded(padded) == [torch.tensor(v, dtype=torch.float32).tolist() for v in values]
+        padded[i, :k] = values[i]
+    assert np.array_equal(exp.response_mask(), mask) and exp.response_mask().dtype == np.float32
+    assert np.array_equal(exp.response_mask(loss_only=True), loss_mask)
+    assert np.array_equal(exp.padded(values), padded) and exp.padded(values).dtype == np.float32
+    assert exp.unpadded(padded) == [np.array(v, dtype=np.float32).tolist() for v in values]
     empty = _experience([], [])
     assert empty.response_mask().shape == empty.padded([]).shape == (0, 1)
 
@@ -116,3 +116,33 @@ def test_tensorboard_gets_the_config_and_a_page_of_the_key_curves(tmp_path):
     assert "config/text_summary" in tags and "custom_scalars__config__" in tags
     stored = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "name: qwen3-tiny" in stored and "s3cret" not in stored
+
+
+def test_tensorboard_records_are_those_torchs_summary_writer_writes(tmp_path):
+    """The driver writes TensorBoard without torch (observe/tb_events.py); torch's SummaryWriter, which the
+    Tracker used before, is the reference: the same records, field for field (wall times aside), purge_step
+    included."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mgrpo.observe.tb_events import EventWriter
+    from mgrpo.observe.tracker import TB_LAYOUT
+
+    def records(d):
+        (path,) = glob.glob(str(d / "events.*"))
+        out = list(EventFileLoader(path).Load())
+        for e in out:
+            e.wall_time = 0.0
+        return out
+
+    for writer, d in ((SummaryWriter, tmp_path / "torch"), (EventWriter, tmp_path / "ours")):
+        w = writer(str(d), purge_step=4)
+        w.add_custom_scalars(TB_LAYOUT)
+        w.add_text("config", "```\nmodel: tiny\n```", 3)
+        w.add_scalar("critic/score/mean", 0.25, 4)
+        w.add_scalar("actor/grad_norm", 1e30, 5)
+        w.close()
+    want, got = records(tmp_path / "torch"), records(tmp_path / "ours")
+    assert len(want) == 7 and got == want

@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from mgrpo.algorithms.support import SampleSupport, gather_tokens
+from mgrpo.algorithms.support import SampleSupport
+from mgrpo.training.batch import gather_tokens
 from mgrpo.config import AlgorithmConfig, ConfigError, MGRPOConfig, RolloutConfig, validate
 from mgrpo.experience import Experience
 from mgrpo.rollout.types import GenerateRequest, GenerateResult, SamplingParams

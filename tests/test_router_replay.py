@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, compact_routes
+from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch
+from mgrpo.training.rank_batch import compact_routes
 from mgrpo.training.router_replay import router_order
 
 LENS = [(3, 4), (5, 1), (2, 7), (6, 3)]  # (prompt, response)

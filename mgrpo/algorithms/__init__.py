@@ -1,6 +1,8 @@
-"""Advantages, policy losses, KL estimators and loss aggregation: pure torch, no process groups.
+"""Advantages, policy losses, KL estimators and loss aggregation: no process groups. What the driver computes
+(advantages, KL in the reward, aggregation weights, overlong shaping) is numpy, so the driver never imports torch;
+the losses, which need autograd, are torch; kl.py's estimators take either.
 
-Everything here sees whole tensors handed to it by the trainer; nothing communicates. Normalisation
+Everything here sees whole batches handed to it (arrays or tensors); nothing communicates. Normalisation
 over the global batch is carried by per-token weights (aggregation.py), so the trainer only needs
 to SUM losses and gradients across micro-batches and data-parallel ranks.
 

@@ -20,22 +20,22 @@ For seq-mean-token-sum-norm veRL 0.9.1's `agg_loss` takes the mean over response
 (1/N_seq included, N_seq the global number of responses with a token in the loss) and divides it by a
 constant, `actor.loss_scale_factor`, which defaults to the (padded) max response length; L_max is that
 constant. This is Dr. GRPO's written objective, (1/G) sum_i sum_t l_it / L_max.
+
+numpy, not torch: the weights are computed on the driver, which never imports torch (issue 35); they travel
+to the ranks as per-sample lists.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from mgrpo.algorithms.registry import AGGREGATION_MODES, POLICY_LOSSES
 from mgrpo.config.schema import AlgorithmConfig
 
-Tensor = torch.Tensor
-
-
-def global_counts(response_mask: Tensor) -> tuple[int, int]:
+def global_counts(response_mask: np.ndarray) -> tuple[int, int]:
     """(global_tokens, global_seqs) of a whole mini-batch: tokens in the loss, and responses with at
     least one such token (fully masked responses, e.g. overlong-filtered ones, do not count)."""
-    m = response_mask.to(torch.bool)
+    m = np.asarray(response_mask).astype(bool)
     return int(m.sum()), int(m.any(-1).sum())
 
 
@@ -46,37 +46,37 @@ def effective_loss_agg_mode(cfg: AlgorithmConfig) -> str:
 
 
 # The modes registered in registry.AGGREGATION_MODES; m is the float64 mask.
-def token_mean(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
+def token_mean(m: np.ndarray, *, global_tokens: int, global_seqs: int, max_response_length: int) -> np.ndarray:
     return m / max(global_tokens, 1)
 
 
-def seq_mean_token_sum(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
+def seq_mean_token_sum(m: np.ndarray, *, global_tokens: int, global_seqs: int, max_response_length: int) -> np.ndarray:
     return m / max(global_seqs, 1)
 
 
-def seq_mean_token_mean(m: Tensor, *, global_tokens: int, global_seqs: int, max_response_length: int) -> Tensor:
-    lengths = m.sum(-1, keepdim=True).clamp(min=1)
+def seq_mean_token_mean(m: np.ndarray, *, global_tokens: int, global_seqs: int, max_response_length: int) -> np.ndarray:
+    lengths = np.maximum(m.sum(-1, keepdims=True), 1)
     return m / (lengths * max(global_seqs, 1))
 
 
-def seq_mean_token_sum_norm(m: Tensor, *, global_tokens: int, global_seqs: int,
-                            max_response_length: int) -> Tensor:
+def seq_mean_token_sum_norm(m: np.ndarray, *, global_tokens: int, global_seqs: int,
+                            max_response_length: int) -> np.ndarray:
     return m / (max(global_seqs, 1) * max_response_length)
 
 
-def token_weights(response_mask: Tensor, mode: str, *, global_tokens: int, global_seqs: int,
-                  max_response_length: int) -> Tensor:
+def token_weights(response_mask: np.ndarray, mode: str, *, global_tokens: int, global_seqs: int,
+                  max_response_length: int) -> np.ndarray:
     """Per-token weights [N, L] (float32, 0 where the mask is 0) for any slice of the global batch.
 
     `response_mask` may be the whole mini-batch or any subset of its rows (a micro-batch, one rank's
     share); the global counts come from `global_counts` over the whole mini-batch.
     """
     fn = AGGREGATION_MODES.lookup(mode).load()
-    w = fn(response_mask.to(torch.float64), global_tokens=global_tokens, global_seqs=global_seqs,
+    w = fn(np.asarray(response_mask, dtype=np.float64), global_tokens=global_tokens, global_seqs=global_seqs,
            max_response_length=max_response_length)
-    return w.to(torch.float32)
+    return w.astype(np.float32)
 
 
-def metric_weights(response_mask: Tensor, *, global_tokens: int) -> Tensor:
+def metric_weights(response_mask: np.ndarray, *, global_tokens: int) -> np.ndarray:
     """1 / global_tokens on each response token: weights for token-mean metrics (clipfrac, ppo_kl)."""
-    return response_mask.to(torch.float32) / max(global_tokens, 1)
+    return np.asarray(response_mask, dtype=np.float32) / max(global_tokens, 1)

@@ -1,7 +1,7 @@
 """DAPO's batch shaping: dynamic sampling (filter_groups), overlong filtering and overlong reward shaping.
 
 Each function returns counts next to its result, so the trainer can log what was dropped or changed
-(nothing is lost silently).
+(nothing is lost silently). numpy, not torch: all of it runs on the driver, which never imports torch (issue 35).
 """
 
 from __future__ import annotations
@@ -9,12 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
-import torch
+import numpy as np
 
 from mgrpo.config.schema import OverlongBufferConfig
-
-Tensor = torch.Tensor
-
 
 # --- dynamic sampling ------------------------------------------------------------------------------
 
@@ -110,30 +107,31 @@ class GroupAccumulator:
 
 # --- overlong responses ----------------------------------------------------------------------------
 
-def overlong_filter(response_mask: Tensor, truncated: Tensor) -> tuple[Tensor, int]:
+def overlong_filter(response_mask: np.ndarray, truncated: np.ndarray) -> tuple[np.ndarray, int]:
     """Mask truncated responses (hit max_response_length without EOS) out of the loss entirely
     (DAPO's overlong filtering): their reward says nothing about the answer, which was cut off.
     Returns (new mask, number of responses masked). The trainer's global token/sequence counts
     must be taken after this."""
-    truncated = truncated.to(torch.bool)
-    mask = response_mask * (~truncated).unsqueeze(-1).to(response_mask.dtype)
-    return mask, int((truncated & response_mask.to(torch.bool).any(-1)).sum())
+    truncated, response_mask = np.asarray(truncated, dtype=bool), np.asarray(response_mask)
+    mask = response_mask * (~truncated)[:, None].astype(response_mask.dtype)
+    return mask, int((truncated & response_mask.astype(bool).any(-1)).sum())
 
 
-def overlong_penalty(response_lengths: Tensor, max_response_length: int, cfg: OverlongBufferConfig) -> Tensor:
+def overlong_penalty(response_lengths: np.ndarray, max_response_length: int,
+                     cfg: OverlongBufferConfig) -> np.ndarray:
     """DAPO's soft overlong punishment [N]: 0 up to max_response_length - len tokens, then falling
     linearly to -penalty_factor at max_response_length:
         penalty = min(0, -(length - (max_len - buffer_len)) / buffer_len * penalty_factor)
     """
     expected = max_response_length - cfg.len
-    exceed = response_lengths.to(torch.float32) - expected
-    return torch.clamp(-exceed / cfg.len * cfg.penalty_factor, max=0.0)
+    exceed = np.asarray(response_lengths, dtype=np.float32) - np.float32(expected)
+    return np.minimum(-exceed / np.float32(cfg.len) * np.float32(cfg.penalty_factor), np.float32(0.0))
 
 
-def apply_overlong_buffer(scores: Tensor, response_lengths: Tensor, max_response_length: int,
-                          cfg: OverlongBufferConfig) -> tuple[Tensor, int]:
+def apply_overlong_buffer(scores: np.ndarray, response_lengths: np.ndarray, max_response_length: int,
+                          cfg: OverlongBufferConfig) -> tuple[np.ndarray, int]:
     """(scores + overlong penalty, number of responses penalised); scores unchanged when disabled."""
     if not cfg.enable:
         return scores, 0
     pen = overlong_penalty(response_lengths, max_response_length, cfg)
-    return scores.to(torch.float32) + pen, int((pen < 0).sum())
+    return np.asarray(scores, dtype=np.float32) + pen, int((pen < 0).sum())

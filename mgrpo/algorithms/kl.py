@@ -14,31 +14,39 @@ clamped to [-20, 20] before exp and the estimate to [-10, 10], so one far-off-po
 dominate the batch. The clamps engage only where pi_ref/pi on a token exceeds ~13 (r > 2.6) or
 pi/pi_ref exceeds e^11 (r < -11). These are the only definitions: the fused kernels take the token
 loss (`policy_loss.make_token_loss_fn`) that calls them.
+
+One definition for two array kinds: the estimators use only arithmetic, `.clip` and `_exp`, so the rank's loss
+calls them on torch tensors (autograd) and the driver's KL-in-reward on numpy arrays, which keeps torch out
+of the driver (issue 35). This module imports no torch.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from mgrpo.algorithms.registry import KL_ESTIMATORS
 
-Tensor = torch.Tensor
+
+def _exp(x):
+    """exp of a numpy array, or of a torch tensor through its own method (autograd intact)."""
+    return np.exp(x) if isinstance(x, np.ndarray) else x.exp()
 
 
-def k1(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+def k1(logprob, ref_logprob):
     return logprob - ref_logprob
 
 
-def k2(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
-    return 0.5 * (logprob - ref_logprob).square()
+def k2(logprob, ref_logprob):
+    d = logprob - ref_logprob
+    return 0.5 * (d * d)
 
 
-def k3(logprob: Tensor, ref_logprob: Tensor) -> Tensor:
-    r = (ref_logprob - logprob).clamp(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow
-    return (torch.exp(r) - r - 1.0).clamp(-10.0, 10.0)
+def k3(logprob, ref_logprob):
+    r = (ref_logprob - logprob).clip(-20.0, 20.0)  # exp(20) ~ 5e8: no overflow
+    return (_exp(r) - r - 1.0).clip(-10.0, 10.0)
 
 
-def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+def kl_estimate(logprob, ref_logprob, kind: str):
     """Elementwise KL estimate (same shape as the inputs); differentiable w.r.t. `logprob`.
     `kind` is a name registered in registry.KL_ESTIMATORS."""
     entry = KL_ESTIMATORS.get(kind)
@@ -47,14 +55,13 @@ def kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
     return entry.load()(logprob, ref_logprob)
 
 
-def apply_kl_in_reward(token_rewards: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor,
-                       kl_coef: float, kind: str) -> Tensor:
+def apply_kl_in_reward(token_rewards: np.ndarray, logprob: np.ndarray, ref_logprob: np.ndarray,
+                       mask: np.ndarray, kl_coef: float, kind: str) -> np.ndarray:
     """Token rewards minus a KL penalty on every response token: r_t - kl_coef * KL_t (veRL's
     `use_kl_in_reward`). All tensors [N, L]; positions where `mask` is 0 are left untouched.
 
     `logprob` is the policy that sampled the responses (the old policy), so the result is a constant
-    of the update: it is computed under no_grad.
+    of the update: numpy arrays on the driver, in float32 as the trainer's log-probs are.
     """
-    with torch.no_grad():
-        kl = kl_estimate(logprob.float(), ref_logprob.float(), kind)
-        return token_rewards - kl_coef * kl * mask.to(kl.dtype)
+    kl = kl_estimate(np.asarray(logprob, dtype=np.float32), np.asarray(ref_logprob, dtype=np.float32), kind)
+    return np.asarray(token_rewards, dtype=np.float32) - np.float32(kl_coef) * kl * np.asarray(mask, dtype=np.float32)

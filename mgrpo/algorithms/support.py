@@ -12,15 +12,14 @@ A response's supports are held as CSR in two int32 arrays (`SampleSupport`): the
 each token (0 = the whole vocabulary: nothing was cut) and the ids themselves, ascending per token.
 Never a vocabulary-wide mask: top_k = 50 costs 200 bytes per token. They are `array.array('i')`, not
 tensors: a step's few hundred responses travel to the trainer ranks (twice) and a torch tensor costs
-~0.3 ms to pickle however small, 100x an array's (measured: 256 responses, 152 ms vs 1.1 ms).
+~0.3 ms to pickle however small, 100x an array's (measured: 256 responses, 152 ms vs 1.1 ms). No torch here: the
+driver builds them (issue 35); the rank lays them out per micro-batch (`training/batch.py::gather_tokens`).
 """
 
 from __future__ import annotations
 
 from array import array
 from typing import NamedTuple, Optional, Sequence
-
-import torch
 
 
 class SampleSupport(NamedTuple):
@@ -50,24 +49,3 @@ class SampleSupport(NamedTuple):
     @classmethod
     def from_json(cls, data: list) -> "SampleSupport":
         return cls(array("i", data[0]), array("i", data[1]))
-
-
-def _joined(parts: Sequence[array]) -> torch.Tensor:
-    flat = array("i")
-    for p in parts:
-        flat.extend(p)
-    return torch.frombuffer(flat, dtype=torch.int32).long() if len(flat) else torch.zeros(0, dtype=torch.long)
-
-
-def gather_tokens(supports: Sequence[SampleSupport], order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR (offsets [len(order)+1], ids [nnz], int64) of the tokens `order` picks from all the samples'
-    response tokens laid end to end in sample order (a micro-batch's token order: padded, THD-packed
-    or one CP rank's chunks)."""
-    lens, ids = _joined([s.lens for s in supports]), _joined([s.ids for s in supports])
-    starts = torch.cumsum(lens, 0) - lens
-    picked = lens[order]
-    offsets = torch.zeros(order.numel() + 1, dtype=torch.long)
-    torch.cumsum(picked, 0, out=offsets[1:])
-    # entry j of picked token i sits at starts[order[i]] + j
-    within = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], picked)
-    return offsets, ids[torch.repeat_interleave(starts[order], picked) + within]

@@ -16,7 +16,7 @@ from mgrpo.algorithms.aggregation import effective_loss_agg_mode, global_counts,
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.experience import Experience, ForwardResults
 from mgrpo.observe.timing import PhaseTimer
-from mgrpo.training.batch import RankBatch
+from mgrpo.training.rank_batch import RankBatch
 
 
 class StepForwards:

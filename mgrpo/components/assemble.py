@@ -26,7 +26,8 @@ from mgrpo.components.run_folder import Decision, RunFolder, fingerprint
 from mgrpo.config import Layout, MGRPOConfig
 
 if TYPE_CHECKING:
-    # cluster imports Ray, and the step's parts torch, which the driver loads only when a run starts (build)
+    # cluster imports Ray, and the step's parts numpy and their libraries, which the driver loads only when a run
+    # starts (build); none of them imports torch (issue 35: tests/test_driver_imports.py)
     from mgrpo.cluster.placement import Placement
     from mgrpo.components.actor_client import ActorClient
     from mgrpo.components.evaluator import Evaluator
@@ -132,9 +133,9 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
     engine_pool = ThreadPoolExecutor(1, thread_name_prefix="mgrpo-engines")
     try:
         with phase("Ray placement + initial weights"), ThreadPoolExecutor(1, thread_name_prefix="mgrpo-init") as pool:
-            # While ray.init waits for the processes it starts: the initial weights (transformers' import, a check
-            # or a seeded init written; ~1 s) and the modules of the run's parts, torch among them (~1.2 s on a
-            # quiet machine): both off the path to the first step.
+            # While ray.init waits for the processes it starts: the initial weights (a check of config.json, or a
+            # seeded init written with torch and transformers; ~1 s) and the modules of the run's parts (no torch):
+            # both off the path to the first step.
             weights = pool.submit(initial_weights, cfg, run_dir, tokenizer)
             modules = pool.submit(_import_parts)
             placement = place(cfg, layout)
@@ -244,7 +245,7 @@ class _Phases:
 PART_MODULES = ("mgrpo.cluster.megatron_group", "mgrpo.cluster.rollout_group", "mgrpo.components.actor_client",
                 "mgrpo.components.evaluator", "mgrpo.components.experience_maker", "mgrpo.components.observer",
                 "mgrpo.components.reward_models", "mgrpo.components.weight_sync")
-"""What `build` makes the run's parts from; torch comes with them (the experience, the algorithms)."""
+"""What `build` makes the run's parts from. None imports torch: the driver's bookkeeping is numpy (issue 35)."""
 
 
 def _import_parts() -> None:
@@ -256,14 +257,18 @@ def _import_parts() -> None:
 def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:
     """The HF directory every process starts from: the user's checkpoint, or a seeded random init
     written once per run (so every TP/PP layout and the rollout engines start identical)."""
-    from mgrpo.models import check_hf_config, init_hf_checkpoint
+    from mgrpo.models import check_hf_config
 
     m = cfg.model
     if m.hf_path:
-        check_hf_config(m.hf_path, m)
+        check_hf_config(m.hf_path, m)  # config.json alone: the driver never imports torch (issue 35)
         return m.hf_path
     path = os.path.join(run_dir, "init_hf")
     if not os.path.isfile(os.path.join(path, "config.json")):
+        # Writing seeded random weights takes torch (and transformers' model classes) in the driver; only a run
+        # without model.hf_path pays for it, in the thread beside ray.init, and writes them once per run folder.
+        from mgrpo.models import init_hf_checkpoint
+
         init_hf_checkpoint(path, m, seed=cfg.trainer.seed, tokenizer=tokenizer)
     return path
 

@@ -77,3 +77,23 @@ def load_target(target: str):
     if obj is None:
         raise ValueError(f"target {target!r}: module {module_name!r} has no attribute {attr!r}")
     return obj
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]):
+    """(__getattr__, __dir__) for a package whose names {name: submodule} are imported on first use (PEP 562),
+    so that importing the package loads none of them (torch stays out of whatever reads only a torch-free part).
+    The package's globals are given the name once it is loaded."""
+    module = importlib.import_module(package)
+
+    def __getattr__(name: str):
+        sub = exports.get(name)
+        if sub is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{sub}"), name)
+        setattr(module, name, value)
+        return value
+
+    def __dir__():
+        return sorted(set(vars(module)) | set(exports))
+
+    return __getattr__, __dir__

@@ -10,7 +10,8 @@
   shapes.py        padded vocabulary, TP shard shapes (experts whole on their EP rank), parameter counts (no torch)
   capability.py    can Transformer Engine / FP8 run here (asked at call time)
   layout.py        one TP rank's shard from HF tensors and back (pure tensors)
-  hf_io.py         config.json <-> ModelConfig, lazy safetensors reads, sharded writes, random init
+  hf_config.py     config.json read and checked against ModelConfig without torch
+  hf_io.py         config.json -> ModelConfig, lazy safetensors reads, sharded writes, random init
   hf_checkpoint.py load an HF directory into a stage (each rank reads only its slices)
   weight_iter.py   stream a stage out as HF tensors (TP gather per parameter, EP gather per expert); buckets
   megatron_ckpt.py megatron distributed checkpoints of the weights (reshard on load)
@@ -23,12 +24,12 @@ qwen3_moe.py, shapes.py and capability.py import no torch, and mgrpo.preflight a
 without importing torch.
 """
 
-import importlib
+from mgrpo.config.registry import lazy_exports
 
 _EXPORTS = {
     "bucketize": "weight_iter",
     "build_gpt_model": "gpt",
-    "check_hf_config": "hf_io",
+    "check_hf_config": "hf_config",
     "family_of": "registry",
     "init_hf_checkpoint": "hf_io",
     "iter_megatron_to_hf": "weight_iter",
@@ -42,16 +43,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

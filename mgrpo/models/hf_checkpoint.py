@@ -14,7 +14,8 @@ from typing import Callable, Optional
 import torch
 
 from mgrpo.config import ModelConfig
-from mgrpo.models.hf_io import SafetensorsCheckpoint, check_hf_config, check_hf_tensors
+from mgrpo.models.hf_config import check_hf_config
+from mgrpo.models.hf_io import SafetensorsCheckpoint, check_hf_tensors
 from mgrpo.models.layout import shard_from_hf
 from mgrpo.models.registry import family_of
 from mgrpo.models.shapes import Dims, Weight, local_shape

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+from types import SimpleNamespace
 from typing import Optional
 
-from mgrpo.models.registry import family_for_hf
+from mgrpo.config import ModelConfig
+from mgrpo.models.registry import family_for_hf, family_of
 
 CONFIG = "config.json"
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
@@ -47,6 +50,35 @@ def hf_architecture(hf_dir: str) -> dict:
     family = family_for_hf(raw.get("model_type"), os.path.join(hf_dir, CONFIG))
     fields = family.hf_json_fields(raw)
     return {**checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields}
+
+
+def _raw_view(family, raw: dict) -> SimpleNamespace:
+    """config.json as the attribute view `ModelFamily.hf_unsupported` reads (getattr with defaults), without
+    transformers' config classes: those import torch (transformers' modeling_rope_utils), and the driver checks
+    a checkpoint it never loads (issue 35). The family's architecture fields go over the raw keys, normalised
+    across transformers versions (5.x writes a MoE's expert count as num_local_experts) with its defaults."""
+    return SimpleNamespace(**{**raw, **family.hf_json_fields(raw)})
+
+
+def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
+    """Raise ValueError naming every config.json field that disagrees with `model`, and every variant the
+    family does not implement. From config.json alone, no torch: the driver runs it before any process starts."""
+    path = os.path.join(hf_dir, CONFIG)
+    family = family_of(model)
+    raw = read_hf_config(hf_dir)
+    if raw.get("model_type") != family.hf_model_type:
+        raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
+                         f"(model.family={model.family!r})")
+    errors = family.hf_unsupported(_raw_view(family, raw), path)
+    have = family.hf_json_fields(raw)  # the mapping hf_model_fields applies to a parsed config
+    for hf_name, ours in family.hf_checked_fields:
+        value, want = have.get(ours), getattr(model, ours)
+        same = (math.isclose(float(value), float(want), rel_tol=1e-9) if isinstance(want, float)
+                and value is not None else value == want)
+        if not same:
+            errors.append(f"config.json {hf_name}={value} but model.{ours}={want}")
+    if errors:
+        raise ValueError(f"{path} does not match the model config:\n  " + "\n  ".join(errors))
 
 
 def resolve_hf_dir(path: str) -> Optional[str]:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories: config.json <-> ModelConfig, lazy safetensors reads,
+"""Hugging Face checkpoint directories: config.json -> ModelConfig, lazy safetensors reads,
 streaming sharded writes, and the seeded random initial checkpoint every from-scratch run starts from.
 
 What is architecture-specific (which config.json fields, which tensors, which transformers classes)
@@ -9,7 +9,6 @@ No process groups here; the converter and launchers decide which rank reads or w
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import dataclass, field, replace
@@ -50,27 +49,6 @@ def model_config_from_hf(hf_dir: str) -> ModelConfig:
         raise ValueError("; ".join(errors))
     fields = family.hf_model_fields(cfg)
     return ModelConfig(hf_path=hf_dir, **checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields)
-
-
-def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
-    """Raise ValueError naming every config.json field that disagrees with `model`."""
-    path = os.path.join(hf_dir, CONFIG)
-    family = family_of(model)
-    raw = read_hf_config(hf_dir)
-    if raw.get("model_type") != family.hf_model_type:
-        raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
-                         f"(model.family={model.family!r})")
-    cfg = family.hf_parse_config(raw)
-    errors = family.hf_unsupported(cfg, path)
-    have = family.hf_model_fields(cfg)
-    for hf_name, ours in family.hf_checked_fields:
-        value, want = have.get(ours), getattr(model, ours)
-        same = (math.isclose(float(value), float(want), rel_tol=1e-9) if isinstance(want, float)
-                and value is not None else value == want)
-        if not same:
-            errors.append(f"config.json {hf_name}={value} but model.{ours}={want}")
-    if errors:
-        raise ValueError(f"{path} does not match the model config:\n  " + "\n  ".join(errors))
 
 
 class SafetensorsCheckpoint:

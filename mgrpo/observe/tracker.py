@@ -77,14 +77,14 @@ class Tracker:
         self._jsonl = open(path, "a", buffering=1)
         self._tb = None
         if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
+            from mgrpo.observe.tb_events import EventWriter  # tensorboard's writer, no torch (issue 35)
 
             # purge_step hides events a previous attempt logged after the checkpoint we resume from.
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
+            self._tb = EventWriter(os.path.join(run_dir, "tensorboard"),
+                                   purge_step=None if resume_step is None else resume_step + 1)
             self._tb.add_custom_scalars(TB_LAYOUT)
             if config_text:  # the Text tab: what this run (attempt) was started with
-                self._tb.add_text("config", "```\n" + config_text + "\n```", global_step=resume_step or 0)
+                self._tb.add_text("config", "```\n" + config_text + "\n```", resume_step or 0)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -1,7 +1,7 @@
 """The trainer's view of a batch: samples in, micro-batch tensors out.
 
-The driver sends each data-parallel rank a `RankBatch`: token ids per sample plus per-response-token
-fields (advantages, old / reference / rollout log-probs, aggregation weights). The rank groups the
+The driver sends each data-parallel rank a `RankBatch` (rank_batch.py, no torch): token ids per sample plus
+per-response-token fields (advantages, old / reference / rollout log-probs, aggregation weights). The rank groups the
 samples into micro-batches under its token budget and turns each into a `MicroBatch` laid out as a
 `BatchLayout` says:
   - padded: [b, s] right-padded rows (megatron's plain format);
@@ -21,56 +21,16 @@ with it whichever rank holds it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 from itertools import chain
-from typing import Optional
+from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-from mgrpo.algorithms.support import SampleSupport, gather_tokens
+from mgrpo.algorithms.support import SampleSupport
 from mgrpo.models.attention_layout import cp_positions
-
-# Per-response-token fields a RankBatch may carry (each a list of per-sample lists of floats).
-TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "token_weight")
-
-
-@dataclass
-class RankBatch:
-    input_ids: list[list[int]]
-    """Prompt + response token ids per sample."""
-    prompt_lens: list[int]
-    seq_index: list[int] = field(default_factory=list)
-    """Index of each sample in the global mini-batch (sequence-level losses such as GSPO)."""
-    advantages: Optional[list[list[float]]] = None
-    old_logprobs: Optional[list[list[float]]] = None
-    ref_logprobs: Optional[list[list[float]]] = None
-    rollout_logprobs: Optional[list[list[float]]] = None
-    token_weight: Optional[list[list[float]]] = None
-    """Loss-aggregation weight of each response token, normalised over the global mini-batch."""
-    metric_weight: float = 0.0
-    """1 / (response tokens in the global mini-batch): turns token sums into global token means."""
-    support: Optional[list[SampleSupport]] = None
-    """Each sample's per-response-token sampling supports (algorithm.logprob_support=sampled), or None:
-    every token normalised over the whole vocabulary."""
-    routed_experts: Optional[list] = None
-    """Routing replay: per sample the experts to send each position to, [length - 1, layers, top_k] integer
-    arrays (numpy or torch; the last token's row and padding get `default_route`)."""
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def lengths(self) -> list[int]:
-        return [len(x) for x in self.input_ids]
-
-    def select(self, idx: list[int]) -> "RankBatch":
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return RankBatch(
-            input_ids=pick(self.input_ids), prompt_lens=pick(self.prompt_lens),
-            seq_index=pick(self.seq_index) if self.seq_index else [],
-            **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight,
-            support=pick(self.support), routed_experts=pick(self.routed_experts))
-
+from mgrpo.training.rank_batch import TOKEN_FIELDS, RankBatch
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -270,13 +230,25 @@ def _routes(batch: RankBatch, lens: list[int]) -> Optional[torch.Tensor]:
     return torch.cat(rows).to(torch.int64)
 
 
-def compact_routes(routes: np.ndarray) -> np.ndarray:
-    """Expert ids in the smallest integer type that holds them: one byte per id below 256 experts (a
-    Qwen3-30B-A3B token is 48 layers x 8 ids = 384 bytes), two below 32768."""
-    top = int(routes.max(initial=0))
-    if routes.size and int(routes.min()) < 0:
-        raise ValueError(f"routed experts hold a negative expert id ({int(routes.min())})")
-    return routes.astype(np.uint8 if top < 256 else np.int16 if top < 32768 else np.int32, copy=False)
+def _joined(parts: Sequence[array]) -> torch.Tensor:
+    flat = array("i")
+    for p in parts:
+        flat.extend(p)
+    return torch.frombuffer(flat, dtype=torch.int32).long() if len(flat) else torch.zeros(0, dtype=torch.long)
+
+
+def gather_tokens(supports: Sequence[SampleSupport], order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR (offsets [len(order)+1], ids [nnz], int64) of the tokens `order` picks from all the samples'
+    response tokens laid end to end in sample order (a micro-batch's token order: padded, THD-packed
+    or one CP rank's chunks)."""
+    lens, ids = _joined([s.lens for s in supports]), _joined([s.ids for s in supports])
+    starts = torch.cumsum(lens, 0) - lens
+    picked = lens[order]
+    offsets = torch.zeros(order.numel() + 1, dtype=torch.long)
+    torch.cumsum(picked, 0, out=offsets[1:])
+    # entry j of picked token i sits at starts[order[i]] + j
+    within = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], picked)
+    return offsets, ids[torch.repeat_interleave(starts[order], picked) + within]
 
 
 def split_per_sample(values: torch.Tensor, response_lens: list[int]) -> list[list[float]]:

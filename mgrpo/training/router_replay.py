@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from mgrpo.training.batch import compact_routes
+from mgrpo.training.rank_batch import compact_routes
 
 REPLAY, RECORD = "replay", "record"
 """What a pass does with the routes: follow the micro-batches' targets, or keep the routers' own choice."""

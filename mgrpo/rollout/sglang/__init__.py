@@ -21,11 +21,19 @@ Our client (this folder):
   module name only.
 """
 
-from mgrpo.rollout.sglang.client import SGLangEngine
-from mgrpo.rollout.sglang.http import SGLangRequestError, SGLangUnavailableError
-from mgrpo.rollout.sglang.session import WeightSession
-from mgrpo.rollout.sglang.weights_distributed import DistributedWeightSender
-from mgrpo.rollout.sglang.weights_tensor import IPCWeightSender, TensorWeightSender
+from mgrpo.config.registry import lazy_exports
 
-__all__ = ["SGLangEngine", "SGLangRequestError", "SGLangUnavailableError", "WeightSession", "DistributedWeightSender",
-           "IPCWeightSender", "TensorWeightSender"]
+# Imported on first use, not with the package: the client's modules import torch, and a driver that only resolves
+# the run's key (auth.py) or reads the protocol must not (issue 35).
+_EXPORTS = {
+    "SGLangEngine": "client",
+    "SGLangRequestError": "http",
+    "SGLangUnavailableError": "http",
+    "WeightSession": "session",
+    "DistributedWeightSender": "weights_distributed",
+    "IPCWeightSender": "weights_tensor",
+    "TensorWeightSender": "weights_tensor",
+}
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
