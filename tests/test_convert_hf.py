@@ -218,6 +218,22 @@ def test_check_hf_config_names_every_mismatch(tmp_path):
     assert "hidden_size" not in msg
 
 
+def test_check_hf_config_names_a_missing_field_and_the_file(tmp_path):
+    """config.json is read without transformers (the driver imports no torch): a field it leaves out that has
+    no sensible default is named with the file, not a KeyError."""
+    cfg = tiny_cfg()
+    hf_config(cfg).save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    del raw["vocab_size"]
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match=r"config\.json: config\.json has no vocab_size \(") as e:
+        check_hf_config(str(tmp_path), cfg)
+    assert str(tmp_path) in str(e.value)
+
+
 def _write_config(path, **fields):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -48,7 +48,10 @@ def hf_architecture(hf_dir: str) -> dict:
     """ModelConfig fields (identity and architecture) of the checkpoint in hf_dir, from config.json alone."""
     raw = read_hf_config(hf_dir)
     family = family_for_hf(raw.get("model_type"), os.path.join(hf_dir, CONFIG))
-    fields = family.hf_json_fields(raw)
+    try:
+        fields = family.hf_json_fields(raw)
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(hf_dir, CONFIG)}: {e}") from None
     return {**checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields}
 
 
@@ -69,8 +72,11 @@ def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
     if raw.get("model_type") != family.hf_model_type:
         raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
                          f"(model.family={model.family!r})")
+    try:
+        have = family.hf_json_fields(raw)  # the mapping hf_model_fields applies to a parsed config
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     errors = family.hf_unsupported(_raw_view(family, raw), path)
-    have = family.hf_json_fields(raw)  # the mapping hf_model_fields applies to a parsed config
     for hf_name, ours in family.hf_checked_fields:
         value, want = have.get(ours), getattr(model, ours)
         same = (math.isclose(float(value), float(want), rel_tol=1e-9) if isinstance(want, float)

@@ -217,6 +217,10 @@ def hf_json_fields(raw: dict) -> dict:
     transformers' defaults for the fields a config.json may leave out. The one mapping of this family:
     `hf_model_fields` reads a parsed transformers config through it."""
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [hf for hf in required if raw.get(hf) is None]
+    if missing:  # transformers' defaults for these describe another model (Qwen3Config(): 4096 hidden, 32 layers)
+        raise ValueError(f"config.json has no {', '.join(missing)} (a {raw.get('model_type', 'qwen3')} config.json "
+                         f"names {', '.join(required)})")
     fields = {ours: raw[hf] for hf, ours in HF_CHECKED_FIELDS if hf in required}
     rope = raw.get("rope_parameters") or {}
     fields.update(
