@@ -159,7 +159,6 @@ def test_megatron_router_replay_premise():
 
 
 def _moe_config(**actor):
-    from mgrpo.config import MGRPOConfig
     from mgrpo_launchers.plan import compose_config
 
     cfg = compose_config(["model=tiny-moe"])
