@@ -71,3 +71,32 @@ def test_a_run_from_a_checkpoint_never_imports_torch_in_the_driver(tmp_path):
     assert "step 2/2" in out.stdout, out.stdout[-2000:]  # it really stepped
     assert out.stdout.strip().splitlines()[-1] == "torch imported by the driver: False", out.stdout[-2000:]
     assert list((run_dir / "tensorboard").glob("events.*"))
+
+
+@pytest.mark.integration
+def test_the_qwen3_tokenizer_loads_without_torch_and_encodes_as_autotokenizer_does():
+    """model.tokenizer=qwen3 (and a tokenizer folder) is loaded by the class its tokenizer_config.json names:
+    AutoTokenizer's module imports torch (transformers' config classes), the class alone does not. The same
+    class, the same ids for GSM8K prompts through the chat template, as AutoTokenizer gives."""
+    code = ("import dataclasses, json, sys\n"
+            "from mgrpo.config import MGRPOConfig\n"
+            "from mgrpo.data.tokenizer import load_tokenizer, qwen3_tokenizer_dir\n"
+            "m = dataclasses.replace(MGRPOConfig().model, tokenizer='qwen3', vocab_size=151936)\n"
+            "tok = load_tokenizer(m)\n"
+            "print('torch', 'torch' in sys.modules)\n"
+            "rows = [json.loads(l) for l, _ in zip(open(sys.argv[1]), range(20))]\n"
+            "chats = [[{'role': 'user', 'content': r['question']}] for r in rows]\n"
+            "mine = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]\n"
+            "from transformers import AutoTokenizer\n"
+            "auto = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())\n"
+            "theirs = [auto.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]\n"
+            "print('class', type(tok).__name__ == type(auto).__name__, 'ids', mine == theirs and len(mine) == 20,\n"
+            "      'decode', tok.decode(mine[0]) == auto.decode(theirs[0]), 'eos', tok.eos_token_id == auto.eos_token_id)\n")
+    gsm8k = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+    if not gsm8k.is_file():
+        pytest.skip(f"GSM8K is not at {gsm8k}")
+    out = subprocess.run([sys.executable, "-c", code, str(gsm8k)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["torch", "False", "class", "True", "ids", "True", "decode", "True", "eos", "True"], \
+        out.stdout

@@ -36,14 +36,34 @@ def load_tokenizer(model_cfg: ModelConfig):
         from mgrpo.data.printable import printable_tokenizer
 
         return printable_tokenizer()
-    from transformers import AutoTokenizer
-
     if name == "qwen3":
-        return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+        return _from_pretrained(qwen3_tokenizer_dir())
     if not os.path.isdir(name):
         raise ConfigError(f"model.tokenizer={name!r} is neither 'synthetic', 'printable', 'qwen3' "
                           "nor a tokenizer directory")
-    return AutoTokenizer.from_pretrained(name)
+    return _from_pretrained(name)
+
+
+def _from_pretrained(path: str):
+    """The tokenizer class the folder's tokenizer_config.json names (`tokenizer_class`), loaded from it as
+    AutoTokenizer loads it, without AutoTokenizer's module: that imports transformers' config classes, which
+    import torch, and the driver imports no torch (issue 35; tests/test_driver_imports.py). AutoTokenizer itself
+    where the folder names no class transformers exports."""
+    import json
+
+    import transformers
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    return cls.from_pretrained(path)
 
 
 def check_vocab(tokenizer, model_cfg: ModelConfig) -> None:
