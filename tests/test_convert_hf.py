@@ -229,7 +229,9 @@ def test_check_hf_config_names_a_missing_field_and_the_file(tmp_path):
     del raw["vocab_size"]
     with open(path, "w") as f:
         json.dump(raw, f)
-    with pytest.raises(ValueError, match=r"config\.json: config\.json has no vocab_size \(") as e:
+    from mgrpo.config import InputError  # the launchers print it in a line and exit 2
+
+    with pytest.raises(InputError, match=r"config\.json: config\.json has no vocab_size \(") as e:
         check_hf_config(str(tmp_path), cfg)
     assert str(tmp_path) in str(e.value)
 

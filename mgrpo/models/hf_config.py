@@ -14,7 +14,7 @@ import os
 from types import SimpleNamespace
 from typing import Optional
 
-from mgrpo.config import ModelConfig
+from mgrpo.config import InputError, ModelConfig
 from mgrpo.models.registry import family_for_hf, family_of
 
 CONFIG = "config.json"
@@ -33,7 +33,7 @@ def read_hf_config(hf_dir: str) -> dict:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from e
+            raise InputError(f"{path}: not valid JSON ({e})") from e
 
 
 def checkpoint_identity(hf_dir: str, family, vocab_size: int) -> dict:
@@ -51,7 +51,7 @@ def hf_architecture(hf_dir: str) -> dict:
     try:
         fields = family.hf_json_fields(raw)
     except ValueError as e:
-        raise ValueError(f"{os.path.join(hf_dir, CONFIG)}: {e}") from None
+        raise InputError(f"{os.path.join(hf_dir, CONFIG)}: {e}") from None
     return {**checkpoint_identity(hf_dir, family, fields["vocab_size"]), **fields}
 
 
@@ -70,12 +70,12 @@ def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
     family = family_of(model)
     raw = read_hf_config(hf_dir)
     if raw.get("model_type") != family.hf_model_type:
-        raise ValueError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
+        raise InputError(f"{path}: model_type={raw.get('model_type')!r}, expected {family.hf_model_type!r} "
                          f"(model.family={model.family!r})")
     try:
         have = family.hf_json_fields(raw)  # the mapping hf_model_fields applies to a parsed config
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise InputError(f"{path}: {e}") from None
     errors = family.hf_unsupported(_raw_view(family, raw), path)
     for hf_name, ours in family.hf_checked_fields:
         value, want = have.get(ours), getattr(model, ours)
@@ -84,7 +84,7 @@ def check_hf_config(hf_dir: str, model: ModelConfig) -> None:
         if not same:
             errors.append(f"config.json {hf_name}={value} but model.{ours}={want}")
     if errors:
-        raise ValueError(f"{path} does not match the model config:\n  " + "\n  ".join(errors))
+        raise InputError(f"{path} does not match the model config:\n  " + "\n  ".join(errors))
 
 
 def resolve_hf_dir(path: str) -> Optional[str]:
