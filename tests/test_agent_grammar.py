@@ -70,7 +70,7 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
     prompt = tok("<|im_start|>user\nHidden digit?<|im_end|>\n<|im_start|>assistant\n",
                  add_special_tokens=False)["input_ids"]
     out = engine.generate([GenerateRequest(uid=i, prompt_ids=prompt) for i in range(4)],
-                          SamplingParams(temperature=1.0, max_new_tokens=60, seed=3, structural_tag=tag,
+                          SamplingParams(temperature=1.0, max_new_tokens=60, seed=4, structural_tag=tag,
                                          stop=("</tool_call>",)))
     g = Grammars(tok, len(VOCAB), [tok.eos_token_id])
     call = '<tool_call>\n{"name":"peek", "arguments":{}}\n</tool_call>'
@@ -88,7 +88,7 @@ def test_a_random_model_under_required_writes_a_call_the_parser_accepts(tok, tmp
         assert [(c.name, c.arguments) for c in got.calls] == [("peek", {})] and got.malformed == 0, text
         flags = restricted_steps(g.compile_structural_tag(tag), r.token_ids, len(VOCAB))
         assert all(flags[:n]), (text, flags)  # 'required': nothing in the call is the policy's free choice
-    assert sorted(ends) == [False, True, True, True]  # seed 3: one row spelled the end in characters
+    assert sorted(ends) == [False, True, True, True]  # seed 4: one row spelled the end in characters
     # the bad tag is refused before anything is generated
     with pytest.raises(GrammarError):
         engine.generate([GenerateRequest(uid=0, prompt_ids=prompt)],

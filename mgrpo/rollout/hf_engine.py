@@ -3,9 +3,12 @@
 It implements the same interface as the SGLang client (`RolloutEngine`): generate with per-token
 log-probs (and, when asked, each token's sampling support under top-k / top-p), receive HF-named
 weight buckets from the trainer, report health. It is what the default CPU job and the tests use; on
-GPUs SGLang takes its place. A request with its own seed (`GenerateRequest.seed`) is drawn per row by
-SGLang's seeded sampler (`SeededSample`), independent of its batch. `SamplingParams.structural_tag` (SGLang's grammar-constrained decoding) is
-enforced with xgrammar as SGLang's grammar backend does (mgrpo/rollout/grammar.py).
+GPUs SGLang takes its place. Tokens are drawn by the `Sample` logits processor (transformers decodes
+greedily on what it leaves): a request with its own seed (`GenerateRequest.seed`) per row by SGLang's
+seeded sampler, independent of its batch; the others by inversion (rollout/categorical.py), the
+distribution torch.multinomial draws from at a tenth of its CPU cost. `SamplingParams.structural_tag`
+(SGLang's grammar-constrained decoding) is enforced with xgrammar as SGLang's grammar backend does
+(mgrpo/rollout/grammar.py).
 """
 
 from __future__ import annotations
@@ -95,21 +98,27 @@ class SGLangStops(StoppingCriteria):
         return torch.tensor([f is not None for f in self.found], dtype=torch.bool, device=input_ids.device)
 
 
-class SeededSample(LogitsProcessor):
-    """Per-row seeded sampling (requests with their own `GenerateRequest.seed`): each row's token is drawn with
-    SGLang's seeded sampler (rollout/seeded.py::multinomial_with_seed: Gumbel noise from the row's seed and
-    position), so it does not depend on the other rows of the batch, as transformers' one global generator
-    would make it. Runs last, on what the grammar left: warps with the same transformers warpers generate()
-    builds when sampling (temperature, top-k, top-p), keeps the warped scores when supports are asked (what
-    `output_scores` would have held), draws, and returns scores whose only finite entry is the draw, so the
-    greedy decode that follows takes it. `lengths`: per row its prompt length; `width`: the padded prompt width."""
+class Sample(LogitsProcessor):
+    """Draws each row's token and returns scores whose only finite entry is the draw, so the greedy decode
+    that follows takes it: transformers' `generate` samples with torch.multinomial, whose CPU exponentials
+    cost 48 ms a decode step at 16 rows of Qwen3's 151,936-token vocabulary, more than the step's forward.
 
-    def __init__(self, seeds: Sequence[int], lengths: Sequence[int], width: int, sampling: SamplingParams,
-                 keep_scores: bool):
+    Runs last, on what the grammar left: warps with the same transformers warpers generate() builds when
+    sampling (temperature, top-k, top-p), keeps the warped scores when supports are asked (what
+    `output_scores` would have held), and draws from their softmax:
+    - rows without a seed of their own: `categorical.sample_categorical` (the same distribution as
+      torch.multinomial, from torch's default generator, which SamplingParams.seed seeds);
+    - `seeds` given (requests with their own `GenerateRequest.seed`): each row with SGLang's seeded sampler
+      (rollout/seeded.py::multinomial_with_seed: Gumbel noise from the row's seed and position), so it does
+      not depend on the other rows of the batch. `lengths`: per row its prompt length; `width`: the padded
+      prompt width."""
+
+    def __init__(self, sampling: SamplingParams, keep_scores: bool, seeds: Optional[Sequence[int]] = None,
+                 lengths: Sequence[int] = (), width: int = 0):
         from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                             TopPLogitsWarper)
 
-        self.seeds = torch.tensor(list(seeds), dtype=torch.int64)
+        self.seeds = torch.tensor(list(seeds), dtype=torch.int64) if seeds is not None else None
         self.lengths = torch.tensor(list(lengths), dtype=torch.int64)
         self.width = width
         self.warpers = [w for w in (
@@ -119,6 +128,7 @@ class SeededSample(LogitsProcessor):
         self.scores: Optional[list[torch.Tensor]] = [] if keep_scores else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        from mgrpo.rollout.categorical import sample_categorical
         from mgrpo.rollout.seeded import multinomial_with_seed
 
         warped = scores
@@ -126,8 +136,12 @@ class SeededSample(LogitsProcessor):
             warped = w(input_ids, warped)
         if self.scores is not None:
             self.scores.append(warped.float())
-        positions = self.lengths - 1 + (input_ids.shape[1] - self.width)  # of the last token fed (SGLang's)
-        pick = multinomial_with_seed(torch.log(torch.softmax(warped.float(), dim=-1)), self.seeds, positions)
+        probs = torch.softmax(warped.float(), dim=-1)
+        if self.seeds is None:
+            pick = sample_categorical(probs)
+        else:
+            positions = self.lengths - 1 + (input_ids.shape[1] - self.width)  # of the last token fed (SGLang's)
+            pick = multinomial_with_seed(torch.log(probs), self.seeds, positions)
         return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
@@ -221,20 +235,22 @@ class HFRolloutEngine(EngineDefaults):
         # Without supports each sampled token's log-prob is read from its own decode step's logits (one step
         # held); supports need every step's processed scores.
         step_logprobs = None if supports else TokenLogprobs(sampling.temperature if sample else 1.0)
-        seeded = None
-        if sample and any(r.seed is not None for r in chunk):
-            # rows without a seed of their own draw one from the call's generator (seeded by SamplingParams.seed)
-            seeded = SeededSample([r.seed if r.seed is not None else int(torch.randint(2 ** 62, (1,)))
-                                   for r in chunk], [len(r.prompt_ids) for r in chunk], width, sampling, supports)
+        sampler = None
+        if sample:
+            seeds = None
+            if any(r.seed is not None for r in chunk):
+                # rows without a seed of their own draw one from the call's generator (seeded by SamplingParams.seed)
+                seeds = [r.seed if r.seed is not None else int(torch.randint(2 ** 62, (1,))) for r in chunk]
+            sampler = Sample(sampling, supports, seeds, [len(r.prompt_ids) for r in chunk], width)
         capture = self.routes.every_forward(self.model) if sampling.return_routed_experts else nullcontext([])
         with capture as forwards:
-            out = self._sample(ids, mask, sampling, supports, step_logprobs, grammar, seeded, stops)
+            out = self._sample(ids, mask, sampling, step_logprobs, grammar, sampler, stops)
         new_tokens = out.sequences[:, width:]
         if supports:
             # The processed scores are what transformers sampled from: logits / temperature, then its
             # top-k and top-p warpers (in that order) set every token outside the support to -inf. Their
             # log-softmax is the behaviour log-prob over the support; the finite entries are the support.
-            scores = torch.stack(out.scores if seeded is None else seeded.scores, dim=1).float()
+            scores = torch.stack(sampler.scores, dim=1)
             token_supports = _supports(torch.isfinite(scores))
             token_logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         else:
@@ -299,25 +315,23 @@ class HFRolloutEngine(EngineDefaults):
                 return j + 1, fin["type"]
         return len(toks), "length"
 
-    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, supports: bool,
-                step_logprobs: Optional[TokenLogprobs], grammar=None, seeded: Optional[SeededSample] = None,
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams,
+                step_logprobs: Optional[TokenLogprobs], grammar=None, sampler: Optional[Sample] = None,
                 stops: Optional[SGLangStops] = None):
-        # seeded: the rows are drawn by SeededSample, whose only finite score the greedy decode takes
-        sample = not sampling.greedy and seeded is None
+        # a sampled row's only finite score is its draw (Sample), so transformers always decodes greedily
         return self.model.generate(
             input_ids=ids,
             attention_mask=mask,
-            do_sample=sample,
-            temperature=sampling.temperature if sample else None,
-            top_p=sampling.top_p if sample else None,
-            top_k=(sampling.top_k if sampling.top_k > 0 else 0) if sample else None,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             stopping_criteria=StoppingCriteriaList([stops]) if stops is not None else None,
             pad_token_id=self.pad_token_id,
-            output_scores=supports and seeded is None,
             # the log-probs read the raw logits (what the trainer recomputes), the grammar masks after them
-            logits_processor=LogitsProcessorList([p for p in (step_logprobs, grammar, seeded, TrimHeap())
+            logits_processor=LogitsProcessorList([p for p in (step_logprobs, grammar, sampler, TrimHeap())
                                                   if p is not None]),
             return_dict_in_generate=True,
         )
