@@ -104,7 +104,10 @@ DIFFERENCES = [
     "token-mean. Advantage std epsilon: TRL 1e-4, mgrpo its own; irrelevant to timing.",
     "Generation: both use transformers' generate with a KV cache; mgrpo also computes each sampled token's "
     "log-prob under the engine (a logits processor reads each step's raw logits once: no step's logits are kept "
-    "longer than the next step), which TRL without vLLM does not need.",
+    "longer than the next step), which TRL without vLLM does not need. They draw tokens differently from the same "
+    "distribution: TRL through generate's torch.multinomial (one CPU exponential per vocabulary entry: 48 ms a "
+    "decode step at 16 rows of 151,936), mgrpo's engine by inversion with one uniform per row "
+    "(rollout/categorical.py, 0.55 ms; benchmarks/measure/sampler.py).",
     "Log-prob heads: both avoid [tokens x vocab] logits in training. TRL 1.16 patches the model with its chunked "
     "LM head (add_fused_lm_head; on CPU it scores every position of the padded rows, prompt and padding included); "
     "mgrpo's kernel scores the response positions of THD-packed micro-batches only.",
