@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mgrpo.rollout.categorical import sample_categorical
 from mgrpo.rollout.seeded import sample_row
 from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
 from mgrpo.rollout.stops import StopStrings, finish_after
@@ -277,6 +278,11 @@ class CPUModel:
         if r.seed is not None:  # SGLang's seeded sampler: the row's token depends on its own seed and position only
             tok, probs_sort, probs_idx, pick = sample_row(torch.softmax(scaled, dim=-1), r.top_k, r.top_p, r.seed,
                                                           position, sorted_too=r.mask_mode is not None)
+        elif r.top_k <= 0 and r.top_p >= 1.0 and r.mask_mode is None:
+            # SGLang's sampling_from_probs_torch: the whole vocabulary unsorted, drawn as torch.multinomial draws
+            # (rollout/categorical.py; a sort of Qwen3's vocabulary and multinomial's exponentials cost ~10 ms a row)
+            tok = int(sample_categorical(logp.exp().view(1, -1), generator=gen))
+            return tok, float(logp[tok])
         else:
             probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
             pick = int(torch.multinomial(probs_sort, 1, generator=gen))
