@@ -106,6 +106,36 @@ def test_read_records_jsonl_and_parquet(tmp_path):
     assert recs[1].prompt == [{"role": "user", "content": "question 1"}] and recs[1].extra_info == {"index": 1}
 
 
+def test_parquet_of_several_batches_reads_every_row_in_order_and_a_broken_one_names_the_file(tmp_path):
+    """Parquet is read a batch of 1,024 rows at a time (records.py): 2,600 rows in 3 row groups come back whole
+    and in file order; a file that is not Parquet fails naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "big.parquet")
+    rows = [{**_rec(i), "reward_model": {"ground_truth": str(i), "style": "rule"}} for i in range(2600)]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1000)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
+    recs = read_records(path)
+    assert [r.ground_truth for r in recs] == [str(i) for i in range(2600)] and recs[-1].where == f"{path}:2600"
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    with pytest.raises(RecordError, match=rf"{re.escape(str(bad))}: cannot read Parquet"):
+        read_records(str(bad))
+
+
+@pytest.mark.integration
+def test_reading_parquet_imports_no_pandas(tmp_path):
+    """pyarrow's read_table goes through pyarrow.dataset, which imports pandas: ~40 MiB of the driver."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "a.parquet")
+    write_records(path, [_rec(i) for i in range(3)])
+    code = f"import sys; from mgrpo.data.records import read_records; read_records({path!r}); print('pandas' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("bad, message", [
     ({k: v for k, v in _rec(0).items() if k != "reward_model"}, "field 'reward_model' missing"),
     ({**_rec(0), "reward_model": {"style": "rule"}}, "field 'reward_model.ground_truth' missing"),
@@ -183,6 +213,21 @@ def test_resume_rejects_a_changed_dataset():
     state = PromptDataset(DataConfig(), tok).state_dict()
     with pytest.raises(ValueError, match="saved for 25 prompts but the dataset now has 9"):
         PromptDataset(DataConfig(synthetic_max_operand=2), tok).load_state_dict(state)
+
+
+def test_prompts_tokenized_in_batches_equal_one_by_one(tmp_path, qwen3, monkeypatch):
+    """PromptDataset tokenizes TOKENIZE_BATCH prompts per call (memory): every prompt's ids are those of its own
+    text, across batch edges, and an overlong prompt in the middle is dropped."""
+    import mgrpo.data.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "TOKENIZE_BATCH", 4)
+    rows = [_rec(i, prompt=[{"role": "user", "content": f"question {i}: " + "x y " * i}]) for i in range(11)]
+    rows[6] = _rec(6, prompt=[{"role": "user", "content": "word " * 300}])
+    ds = PromptDataset(DataConfig(train_files=[_jsonl(tmp_path / "t.jsonl", rows)], max_prompt_length=200), qwen3)
+    assert [it.ground_truth for it in ds.items] == [str(i) for i in range(11) if i != 6] and ds.num_filtered == 1
+    for it in ds.items:
+        assert it.prompt_ids == qwen3(it.prompt_text, add_special_tokens=False)["input_ids"]
+        assert it.prompt_text.startswith("<|im_start|>user\nquestion ")
 
 
 def test_files_are_mixed_filtered_and_templated(tmp_path, qwen3):

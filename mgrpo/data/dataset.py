@@ -27,6 +27,10 @@ from mgrpo.data.records import RecordError, RLRecord, parse_record, read_records
 from mgrpo.data.synthetic import synthetic_records
 
 
+TOKENIZE_BATCH = 256
+"""Prompts tokenized per call at load."""
+
+
 @dataclass
 class PromptItem:
     index: int
@@ -112,8 +116,11 @@ class PromptDataset:
 
     def _load(self, records: list[RLRecord]) -> None:
         texts = [self._render(r) for r in records]
-        # The template already holds any special tokens; do not let the tokenizer add more.
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        # The template already holds any special tokens; do not let the tokenizer add more. TOKENIZE_BATCH texts
+        # per call: one call over all of GSM8K's 7,473 left the driver ~70 MiB larger (the fast tokenizer's
+        # encodings of every text at once, returned to the heap but not to the system).
+        ids = [x for i in range(0, len(texts), TOKENIZE_BATCH)
+               for x in self.tokenizer(texts[i:i + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]]
         unk = self.tokenizer.unk_token_id
         for rec, text, tok_ids in zip(records, texts, ids):
             if unk is not None and unk in tok_ids:
