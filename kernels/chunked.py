@@ -202,6 +202,20 @@ def _allreduce_(x, group):
     return x
 
 
+def hand_over_weight_grad(dw, g_loss, into):
+    """The fused losses' backward for dWeight: `dw` scaled by the loss's incoming gradient, for autograd; or,
+    with `into` (cfg["grad_weight_into"]), added to that fp32 buffer in place and None for autograd. That is
+    Megatron's gradient-accumulation fusion into the DDP's main_grad: dWeight is freed as the backward starts
+    instead of waiting in autograd's input buffer for the tied embedding's gradient, to be summed with it into
+    a third [vocab x hidden] tensor at the end of the backward (rank peak: benchmarks/measure/rank_memory.py)."""
+    if dw is None:
+        return None
+    if into is not None:
+        into.addcmul_(dw, g_loss.to(dw.dtype))  # g_loss is 0-d: broadcast, no temporary, no host sync
+        return None
+    return dw if not bool(g_loss != 1) else dw * g_loss  # loss.backward() passes 1: no copy
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
@@ -276,7 +290,8 @@ class _FusedLinearLoss(torch.autograd.Function):
                            None if dh is None else dh[sl], dw, ws.scratch)
         if dh is not None:
             dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
-        if dw is not None:
+        ctx.into = cfg.get("grad_weight_into")
+        if dw is not None and ctx.into is None:
             dw = dw.to(weight.dtype)
         ctx.save_for_backward(dh, dw)
         ctx.mark_non_differentiable(logprob, *([entropy] if entropy_on else []))
@@ -285,22 +300,28 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         dh, dw = ctx.saved_tensors
-        if bool(g_loss != 1):  # the usual loss.backward() passes 1: hand over the stored grads, no copy
-            dh = None if dh is None else dh * g_loss
-            dw = None if dw is None else dw * g_loss
-        return dh, dw, None, None, None, None
+        if dh is not None and bool(g_loss != 1):  # the usual loss.backward() passes 1: no copy
+            dh = dh * g_loss
+        return dh, hand_over_weight_grad(dw, g_loss, ctx.into), None, None, None, None
+
+
+def check_grad_weight_into(into, weight) -> None:
+    if into is not None and (into.dtype != torch.float32 or into.shape != weight.shape):
+        raise ValueError(f"grad_weight_into must be a float32 tensor of the weight's shape {tuple(weight.shape)} "
+                         f"(a DDP main_grad buffer), got {into.dtype} {tuple(into.shape)}")
 
 
 def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
-                support=None):
-    """The kernels' per-call settings; `support` is (support_offsets, support_ids) or None (see support.py)."""
+                support=None, grad_weight_into=None):
+    """The kernels' per-call settings; `support` is (support_offsets, support_ids) or None (see support.py);
+    `grad_weight_into`: see `fused_linear_loss`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError(f"chunk_size and vocab_chunk_size must be >= 1, got {chunk_size}, {vocab_chunk_size}")
     return dict(temperature=float(temperature), chunk_size=int(chunk_size), vocab_chunk_size=int(vocab_chunk_size),
                 tp_group=tp_group, vocab_start=int(vocab_start), vocab_size=vocab_size,
-                compute_entropy=bool(compute_entropy), support=support)
+                compute_entropy=bool(compute_entropy), support=support, grad_weight_into=grad_weight_into)
 
 
 def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
@@ -319,15 +340,19 @@ def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAU
 
 def fused_linear_loss(hidden, weight, labels, token_loss_fn, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
                       vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
-                      compute_entropy=True, support=None):
+                      compute_entropy=True, support=None, grad_weight_into=None):
     """(loss, metrics, logprob, entropy) of a token-local loss, grads computed during the forward.
 
     token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) must be a
     sum over the chunk's tokens (weights carry mask and normalisation); losses and metrics are summed
     over chunks. logprob and entropy come back detached. `support` as in `linear_logprobs`.
+    `grad_weight_into`: a float32 tensor of weight's shape (Megatron DDP's `weight.main_grad`) that the
+    backward adds dWeight to, scaled by the loss's incoming gradient, instead of giving it to autograd
+    (`hand_over_weight_grad`); weight.grad then receives only what other uses of the weight send.
     """
+    check_grad_weight_into(grad_weight_into, weight)
     cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
-                      support)
+                      support, grad_weight_into)
     metrics: dict = {}
     loss, logprob, entropy = _FusedLinearLoss.apply(hidden, weight, labels, token_loss_fn, cfg, metrics)
     return loss, metrics, logprob, entropy

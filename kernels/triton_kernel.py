@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked import coefficients, merge_stats, num_valid_rows
+from .chunked import coefficients, hand_over_weight_grad, merge_stats, num_valid_rows
 from .support import NEG, ChunkColumns, all_columns, chunk_columns
 
 NEG_LOGIT = tl.constexpr(NEG)  # a global read inside @triton.jit must be a constexpr
@@ -291,14 +291,18 @@ class TritonFusedLinearLoss(torch.autograd.Function):
         if (need_h or need_w) and (g_lp is not None or g_ent is not None):
             coeffs = coefficients(g_lp, g_ent, e_z, inv_temp)
             dh, dw = _grads(hidden_c, weight_c, labels_local, n_valid, inv_temp, lse, coeffs, need_h, need_w, cfg)
-        ctx.save_for_backward(None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype))
+        ctx.into = cfg.get("grad_weight_into")
+        if dw is not None and ctx.into is None:
+            dw = dw.to(weight.dtype)
+        ctx.save_for_backward(None if dh is None else dh.to(hidden.dtype), dw)
         ctx.mark_non_differentiable(logprob, *([entropy] if entropy_on else []))
         return loss.detach().float(), logprob, entropy
 
     @staticmethod
     def backward(ctx, g_loss, *_):
         dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * g_loss, None if dw is None else dw * g_loss, None, None, None, None)
+        return (None if dh is None else dh * g_loss, hand_over_weight_grad(dw, g_loss, ctx.into),
+                None, None, None, None)
 
 
 def interpreting() -> bool:

@@ -83,6 +83,29 @@ def test_fused_backward_scales_by_grad_output_and_masks_tokens():
     assert gh[~p["mask"]].abs().max().item() == 0.0  # zero-weight tokens contribute nothing
 
 
+def test_fused_adds_the_weight_grad_to_a_main_grad_buffer_beside_a_tied_embedding():
+    """grad_weight_into (Megatron's gradient-accumulation fusion): with the weight tied to an embedding and the
+    loss scaled, buffer + autograd's grad equal the reference's whole gradient, and autograd's share is the
+    embedding's alone (the kernel's dWeight never reaches autograd)."""
+    from tests.helpers.kernels import run_tied_loss
+
+    p = make_problem(seed=5)
+    fn = grpo_fn(p, kl_loss_type="low_var_kl", kl_coef=0.05, entropy_coeff=0.02)
+    want, _ = run_tied_loss(p, "naive", fn)
+    got, autograd_part = run_tied_loss(p, "chunked", fn, into=True, **SMALL_CHUNKS)
+    assert rel_err(got, want) < 1e-4, rel_err(got, want)
+    plain, _ = run_tied_loss(p, "chunked", fn, **SMALL_CHUNKS)
+    assert rel_err(plain, want) < 1e-4
+    kernel_part = plain - autograd_part  # what the kernel sent: large, and absent from autograd's share
+    assert kernel_part.abs().max().item() > 1e-2 and rel_err(got - autograd_part, kernel_part) < 1e-4
+    h, w = leaves(p)
+    for bad in (torch.zeros(w.shape, dtype=torch.float64), torch.zeros(3, 4)):
+        with pytest.raises(ValueError, match="grad_weight_into must be a float32 tensor of the weight's shape"):
+            K.fused_linear_loss(h, w, p["labels"], fn, grad_weight_into=bad)
+    with pytest.raises(ValueError, match="naive oracle"):
+        K.fused_linear_loss(h, w, p["labels"], fn, impl="naive", grad_weight_into=torch.zeros(w.shape))
+
+
 def test_fused_without_entropy_and_with_frozen_weight():
     p = make_problem(seed=3)
     fn = grpo_fn(p, kl_loss_type="k1", kl_coef=0.1)

@@ -57,6 +57,13 @@ def _child() -> None:
     K.fused_linear_loss(h0, p["weight"], p["labels"], grpo_fn(p, kl_coef=0.1), compute_entropy=False,
                         impl="naive")[0].backward()
     res["frozen_weight_no_entropy"] = {"gh": rel_err(h.grad, h0.grad), "ent_is_none": float(ent is not None)}
+    from tests.helpers.kernels import run_tied_loss
+
+    p = make_problem(seed=5)
+    fn = grpo_fn(p, kl_loss_type="low_var_kl", kl_coef=0.05)
+    want, _ = run_tied_loss(p, "naive", fn)
+    got, _ = run_tied_loss(p, "fused", fn, into=True)
+    res["grad_weight_into_tied"] = {"gw": rel_err(got, want)}
     print("RESULTS" + json.dumps(res))
 
 
@@ -93,3 +100,9 @@ def test_triton_fused_loss(results, kl_loss_type, clip_ratio_c):
 def test_triton_frozen_weight_without_entropy(results):
     e = results["frozen_weight_no_entropy"]
     assert e["gh"] < 1e-4 and e["ent_is_none"] == 0.0, e
+
+
+@pytest.mark.integration
+def test_triton_adds_the_weight_grad_to_a_main_grad_buffer(results):
+    e = results["grad_weight_into_tied"]
+    assert e["gw"] < 1e-4, e

@@ -54,6 +54,8 @@ class MegatronActor:
         gpt = self._build_stage(self.tf_config, init_hf_dir)
         self.actor = DistributedDataParallel(
             config=self.tf_config,
+            # overlap_grad_reduce=False: every bucket is reduced after the backward, also one whose weight's grad
+            # the log-prob kernel adds to main_grad itself without autograd's hook firing (forward.py)
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                      use_distributed_optimizer=a.use_distributed_optimizer),
             module=gpt,

@@ -113,8 +113,13 @@ class LogProbHead:
             token_loss = make_token_loss_fn(inputs, algo)
             if on_policy:
                 token_loss = _on_policy(token_loss, inputs.old_logprob)
+            # Under Megatron's DDP the weight has an fp32 main_grad: the kernel adds dWeight there itself
+            # (Megatron's gradient-accumulation fusion), so the [vocab x hidden] gradient never waits in autograd
+            # for the tied embedding's. The actor's DDP reduces every bucket after the backward
+            # (overlap_grad_reduce=False, actor.py), so a weight whose grad bypasses autograd is reduced too.
             loss, metrics, lp, ent = mgrpo_kernels.fused_linear_loss(
-                h, weight, mb.labels, token_loss, **self._kernel_kwargs(weight, mb))
+                h, weight, mb.labels, token_loss, grad_weight_into=getattr(weight, "main_grad", None),
+                **self._kernel_kwargs(weight, mb))
         else:
             lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
                                                     **self._kernel_kwargs(weight, mb))

@@ -69,3 +69,17 @@ def run_loss(p, impl, fn, scale=1.0, **kw):
     loss, metrics, lp, ent = K.fused_linear_loss(h, w, p["labels"], fn, impl=impl, **kw)
     (scale * loss).backward()
     return loss.detach(), metrics, lp, ent, h.grad, w.grad
+
+
+def run_tied_loss(p, impl, fn, scale=2.0, into=False, **kw):
+    """The kernel's weight tied to an input embedding (as Qwen3's small models are): the weight's whole gradient
+    (autograd's, plus what the kernel added to a main_grad buffer when `into`) and the part autograd gave it.
+    The buffer starts at 1.0, as one holding an earlier micro-batch's gradient: the kernel must add to it."""
+    h, w = leaves(p)
+    ids = torch.arange(h.shape[0]) % w.shape[0]
+    tokens = torch.nn.functional.embedding(ids, w)  # [T, H], the same weight as the output layer
+    buf = torch.ones(w.shape) if into else None
+    loss, *_ = K.fused_linear_loss(h + 0.1 * tokens, w, p["labels"], fn, impl=impl, grad_weight_into=buf, **kw)
+    (scale * loss).backward()
+    total = w.grad + (buf - 1.0 if into else 0.0)
+    return total, w.grad
