@@ -189,10 +189,12 @@ class _Setup:
         return chunk_columns(*self.support, sl, self.labels_local[sl], self.vocab_start, self.n_valid)
 
 
-def _grad_buffers(hidden, weight, need_h, need_w):
+def _grad_buffers(hidden, weight, need_h, need_w, into=None):
     # fp32 accumulators: low-precision grads summed over many chunks would lose their small terms.
+    # `into`: the caller's fp32 buffer that dWeight is added to (fused_linear_loss's grad_weight_into).
     dh = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_h else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+    dw = (into if into is not None else torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)) \
+        if need_w else None
     return dh, dw
 
 
@@ -202,18 +204,23 @@ def _allreduce_(x, group):
     return x
 
 
-def hand_over_weight_grad(dw, g_loss, into):
-    """The fused losses' backward for dWeight: `dw` scaled by the loss's incoming gradient, for autograd; or,
-    with `into` (cfg["grad_weight_into"]), added to that fp32 buffer in place and None for autograd. That is
-    Megatron's gradient-accumulation fusion into the DDP's main_grad: dWeight is freed as the backward starts
-    instead of waiting in autograd's input buffer for the tied embedding's gradient, to be summed with it into
-    a third [vocab x hidden] tensor at the end of the backward (rank peak: benchmarks/measure/rank_memory.py)."""
-    if dw is None:
-        return None
-    if into is not None:
-        into.addcmul_(dw, g_loss.to(dw.dtype))  # g_loss is 0-d: broadcast, no temporary, no host sync
-        return None
-    return dw if not bool(g_loss != 1) else dw * g_loss  # loss.backward() passes 1: no copy
+def scale_coefficients(coeffs, scale: float):
+    """The per-token coefficients times `scale`: dLogits, so dHidden and dWeight, come out scaled."""
+    return tuple(None if c is None else c * scale for c in coeffs)
+
+
+def unscale_for_backward(g_loss, cfg) -> torch.Tensor:
+    """The fused losses' backward with cfg["grad_weight_into"]: the forward added dWeight to that buffer already,
+    scaled by cfg["grad_scale"], the gradient the caller announced the loss would receive (and dHidden the same),
+    so dWeight never needs a [vocab x hidden] buffer of its own (Megatron's gradient-accumulation fusion, done
+    where the fused kernel computes dWeight: in the forward). Returns what the stored dHidden must still be
+    multiplied by; a loss that receives another gradient than announced is an error, not a wrong update."""
+    scale = cfg["grad_scale"]
+    got = float(g_loss)
+    if not math.isclose(got, scale, rel_tol=1e-6):
+        raise RuntimeError(f"the fused log-prob loss received gradient {got!r} but grad_scale={scale!r} was announced "
+                           "at its forward, which added dWeight to grad_weight_into scaled by it")
+    return g_loss / scale
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -258,7 +265,8 @@ class _FusedLinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, token_loss_fn, cfg, metrics_out):
         ws = _Setup(hidden, weight, labels, cfg, keep=True)
         need_h, need_w = ctx.needs_input_grad[:2]
-        dh, dw = _grad_buffers(hidden, weight, need_h, need_w)
+        into = cfg["grad_weight_into"] if need_w else None
+        dh, dw = _grad_buffers(hidden, weight, need_h, need_w, into)
         n_tok, entropy_on = hidden.shape[0], cfg["compute_entropy"]
         logprob = torch.empty(n_tok, device=hidden.device, dtype=torch.float32)
         entropy = torch.empty_like(logprob) if entropy_on else None
@@ -286,33 +294,42 @@ class _FusedLinearLoss(torch.autograd.Function):
             if (need_h or need_w) and (g_lp is not None or g_ent is not None):
                 # The chunk's logits are still in ws.zbuf: use them now instead of recomputing
                 # them in a backward pass (3 GEMMs in all instead of 4).
-                grad_tiles(tiles, h, weight, plan, lse, coefficients(g_lp, g_ent, e_z, ws.inv_temp),
-                           None if dh is None else dh[sl], dw, ws.scratch)
+                coeffs = coefficients(g_lp, g_ent, e_z, ws.inv_temp)
+                if into is not None:
+                    coeffs = scale_coefficients(coeffs, cfg["grad_scale"])
+                grad_tiles(tiles, h, weight, plan, lse, coeffs, None if dh is None else dh[sl], dw, ws.scratch)
         if dh is not None:
             dh = _allreduce_(dh, cfg["tp_group"]).to(hidden.dtype)  # hidden is replicated over TP
-        ctx.into = cfg.get("grad_weight_into")
-        if dw is not None and ctx.into is None:
-            dw = dw.to(weight.dtype)
-        ctx.save_for_backward(dh, dw)
+        ctx.cfg = cfg
+        ctx.into = into is not None
+        ctx.save_for_backward(dh, None if dw is None or ctx.into else dw.to(weight.dtype))
         ctx.mark_non_differentiable(logprob, *([entropy] if entropy_on else []))
         return loss, logprob, entropy
 
     @staticmethod
     def backward(ctx, g_loss, *_):
         dh, dw = ctx.saved_tensors
-        if dh is not None and bool(g_loss != 1):  # the usual loss.backward() passes 1: no copy
-            dh = dh * g_loss
-        return dh, hand_over_weight_grad(dw, g_loss, ctx.into), None, None, None, None
+        if ctx.into:
+            g_loss = unscale_for_backward(g_loss, ctx.cfg)
+        if bool(g_loss != 1):  # the usual loss.backward() passes 1: hand over the stored grads, no copy
+            dh = None if dh is None else dh * g_loss
+            dw = None if dw is None else dw * g_loss
+        return dh, dw, None, None, None, None
 
 
-def check_grad_weight_into(into, weight) -> None:
-    if into is not None and (into.dtype != torch.float32 or into.shape != weight.shape):
+def check_grad_weight_into(into, grad_scale, weight) -> None:
+    if into is None:
+        return
+    if into.dtype != torch.float32 or into.shape != weight.shape:
         raise ValueError(f"grad_weight_into must be a float32 tensor of the weight's shape {tuple(weight.shape)} "
                          f"(a DDP main_grad buffer), got {into.dtype} {tuple(into.shape)}")
+    if grad_scale is None or not grad_scale > 0:
+        raise ValueError(f"grad_weight_into needs grad_scale, the gradient the loss will receive (> 0), got "
+                         f"{grad_scale!r}")
 
 
 def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
-                support=None, grad_weight_into=None):
+                support=None, grad_weight_into=None, grad_scale=None):
     """The kernels' per-call settings; `support` is (support_offsets, support_ids) or None (see support.py);
     `grad_weight_into`: see `fused_linear_loss`."""
     if temperature <= 0:
@@ -321,7 +338,8 @@ def make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start
         raise ValueError(f"chunk_size and vocab_chunk_size must be >= 1, got {chunk_size}, {vocab_chunk_size}")
     return dict(temperature=float(temperature), chunk_size=int(chunk_size), vocab_chunk_size=int(vocab_chunk_size),
                 tp_group=tp_group, vocab_start=int(vocab_start), vocab_size=vocab_size,
-                compute_entropy=bool(compute_entropy), support=support, grad_weight_into=grad_weight_into)
+                compute_entropy=bool(compute_entropy), support=support, grad_weight_into=grad_weight_into,
+                grad_scale=None if grad_scale is None else float(grad_scale))
 
 
 def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
@@ -340,19 +358,20 @@ def linear_logprobs(hidden, weight, labels, *, temperature=1.0, chunk_size=DEFAU
 
 def fused_linear_loss(hidden, weight, labels, token_loss_fn, *, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
                       vocab_chunk_size=DEFAULT_VOCAB_CHUNK, tp_group=None, vocab_start=0, vocab_size=None,
-                      compute_entropy=True, support=None, grad_weight_into=None):
+                      compute_entropy=True, support=None, grad_weight_into=None, grad_scale=None):
     """(loss, metrics, logprob, entropy) of a token-local loss, grads computed during the forward.
 
     token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) must be a
     sum over the chunk's tokens (weights carry mask and normalisation); losses and metrics are summed
     over chunks. logprob and entropy come back detached. `support` as in `linear_logprobs`.
-    `grad_weight_into`: a float32 tensor of weight's shape (Megatron DDP's `weight.main_grad`) that the
-    backward adds dWeight to, scaled by the loss's incoming gradient, instead of giving it to autograd
-    (`hand_over_weight_grad`); weight.grad then receives only what other uses of the weight send.
+    `grad_weight_into` (a float32 tensor of weight's shape: Megatron DDP's `weight.main_grad`) with `grad_scale`
+    (the gradient the returned loss will receive in the backward): dWeight * grad_scale is added to the buffer
+    during the forward and never reaches autograd (weight.grad gets only what other uses of the weight send);
+    the backward checks that the loss received grad_scale (`unscale_for_backward`).
     """
-    check_grad_weight_into(grad_weight_into, weight)
+    check_grad_weight_into(grad_weight_into, grad_scale, weight)
     cfg = make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size, compute_entropy,
-                      support, grad_weight_into)
+                      support, grad_weight_into, grad_scale)
     metrics: dict = {}
     loss, logprob, entropy = _FusedLinearLoss.apply(hidden, weight, labels, token_loss_fn, cfg, metrics)
     return loss, metrics, logprob, entropy

@@ -140,18 +140,19 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                       vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK, tp_group: Optional[dist.ProcessGroup] = None,
                       vocab_start: int = 0, vocab_size: Optional[int] = None, compute_entropy: bool = True,
                       impl: str = "chunked", support_offsets: Optional[torch.Tensor] = None,
-                      support_ids: Optional[torch.Tensor] = None, grad_weight_into: Optional[torch.Tensor] = None):
+                      support_ids: Optional[torch.Tensor] = None, grad_weight_into: Optional[torch.Tensor] = None,
+                      grad_scale: Optional[float] = None):
     """(loss scalar, metrics {name: scalar}, logprob [T] detached, entropy [T] detached or None).
 
     token_loss_fn(logprob_chunk, entropy_chunk, sl) -> (loss_sum_chunk, {name: scalar}) is any
     token-local loss (its per-token weights carry mask and normalisation); loss and metrics are sums
     over chunks. "chunked" and "fused" compute dHidden/dWeight during this call; backward scales them.
-    The support arguments are those of `linear_logprobs`. `grad_weight_into` (a float32 buffer of weight's
-    shape, Megatron DDP's main_grad; "chunked" and "fused"): the backward adds dWeight there instead of
-    handing it to autograd (chunked.hand_over_weight_grad).
+    The support arguments are those of `linear_logprobs`. `grad_weight_into` with `grad_scale` ("chunked" and
+    "fused"): dWeight * grad_scale goes into that float32 buffer (Megatron DDP's main_grad) during the forward,
+    never through autograd; grad_scale is the gradient the loss will receive (chunked.fused_linear_loss).
     """
     support = _check(impl, hidden, weight, labels, support_offsets, support_ids, tp_group, vocab_start, vocab_size)
-    chunked.check_grad_weight_into(grad_weight_into, weight)
+    chunked.check_grad_weight_into(grad_weight_into, grad_scale, weight)
     if impl == "naive" and grad_weight_into is not None:
         raise ValueError("grad_weight_into is for the chunked and fused kernels; the naive oracle leaves "
                          "dWeight to autograd")
@@ -162,7 +163,7 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                                 support_ids=support_ids)
     if impl == "fused":
         cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
-                                  compute_entropy, support, grad_weight_into)
+                                  compute_entropy, support, grad_weight_into, grad_scale)
         metrics: dict = {}
         loss, logprob, entropy = _triton_impl(hidden).TritonFusedLinearLoss.apply(
             hidden, weight, labels, token_loss_fn, cfg, metrics)
@@ -170,4 +171,4 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return chunked.fused_linear_loss(hidden, weight, labels, token_loss_fn, temperature=temperature,
                                      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, tp_group=tp_group,
                                      vocab_start=vocab_start, vocab_size=vocab_size, compute_entropy=compute_entropy,
-                                     support=support, grad_weight_into=grad_weight_into)
+                                     support=support, grad_weight_into=grad_weight_into, grad_scale=grad_scale)

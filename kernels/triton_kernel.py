@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked import coefficients, hand_over_weight_grad, merge_stats, num_valid_rows
+from .chunked import coefficients, merge_stats, num_valid_rows, scale_coefficients, unscale_for_backward
 from .support import NEG, ChunkColumns, all_columns, chunk_columns
 
 NEG_LOGIT = tl.constexpr(NEG)  # a global read inside @triton.jit must be a constexpr
@@ -231,9 +231,11 @@ def _stats(hidden, weight, labels_local, n_valid, inv_temp, cfg):
     return out
 
 
-def _grads(hidden, weight, labels_local, n_valid, inv_temp, lse, coeffs, need_h, need_w, cfg):
+def _grads(hidden, weight, labels_local, n_valid, inv_temp, lse, coeffs, need_h, need_w, cfg, into=None):
+    """`into`: the caller's fp32 buffer dWeight is added to (fused_linear_loss's grad_weight_into)."""
     dh = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_h else None
-    dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+    dw = (into if into is not None else torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)) \
+        if need_w else None
     for sl, plan in _column_chunks(hidden.shape[0], labels_local, n_valid, cfg):
         part = tuple(None if c is None else c[sl] for c in coeffs)
         triton_grads(hidden[sl], weight, plan, inv_temp, lse[sl], part, None if dh is None else dh[sl], dw)
@@ -288,21 +290,25 @@ class TritonFusedLinearLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         g_lp, g_ent = grads[0], (grads[1] if entropy_on else None)
         dh = dw = None
+        into = cfg["grad_weight_into"] if need_w else None
         if (need_h or need_w) and (g_lp is not None or g_ent is not None):
             coeffs = coefficients(g_lp, g_ent, e_z, inv_temp)
-            dh, dw = _grads(hidden_c, weight_c, labels_local, n_valid, inv_temp, lse, coeffs, need_h, need_w, cfg)
-        ctx.into = cfg.get("grad_weight_into")
-        if dw is not None and ctx.into is None:
-            dw = dw.to(weight.dtype)
-        ctx.save_for_backward(None if dh is None else dh.to(hidden.dtype), dw)
+            if into is not None:
+                coeffs = scale_coefficients(coeffs, cfg["grad_scale"])
+            dh, dw = _grads(hidden_c, weight_c, labels_local, n_valid, inv_temp, lse, coeffs, need_h, need_w, cfg,
+                            into)
+        ctx.cfg, ctx.into = cfg, into is not None
+        ctx.save_for_backward(None if dh is None else dh.to(hidden.dtype),
+                              None if dw is None or ctx.into else dw.to(weight.dtype))
         ctx.mark_non_differentiable(logprob, *([entropy] if entropy_on else []))
         return loss.detach().float(), logprob, entropy
 
     @staticmethod
     def backward(ctx, g_loss, *_):
         dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * g_loss, hand_over_weight_grad(dw, g_loss, ctx.into),
-                None, None, None, None)
+        if ctx.into:
+            g_loss = unscale_for_backward(g_loss, ctx.cfg)
+        return (None if dh is None else dh * g_loss, None if dw is None else dw * g_loss, None, None, None, None)
 
 
 def interpreting() -> bool:

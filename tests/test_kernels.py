@@ -84,9 +84,9 @@ def test_fused_backward_scales_by_grad_output_and_masks_tokens():
 
 
 def test_fused_adds_the_weight_grad_to_a_main_grad_buffer_beside_a_tied_embedding():
-    """grad_weight_into (Megatron's gradient-accumulation fusion): with the weight tied to an embedding and the
-    loss scaled, buffer + autograd's grad equal the reference's whole gradient, and autograd's share is the
-    embedding's alone (the kernel's dWeight never reaches autograd)."""
+    """grad_weight_into with grad_scale (Megatron's gradient-accumulation fusion, in the forward): with the weight
+    tied to an embedding and the loss scaled as announced, buffer + autograd's grad equal the reference's whole
+    gradient, and autograd's share is the embedding's alone (the kernel's dWeight never reaches autograd)."""
     from tests.helpers.kernels import run_tied_loss
 
     p = make_problem(seed=5)
@@ -101,9 +101,15 @@ def test_fused_adds_the_weight_grad_to_a_main_grad_buffer_beside_a_tied_embeddin
     h, w = leaves(p)
     for bad in (torch.zeros(w.shape, dtype=torch.float64), torch.zeros(3, 4)):
         with pytest.raises(ValueError, match="grad_weight_into must be a float32 tensor of the weight's shape"):
-            K.fused_linear_loss(h, w, p["labels"], fn, grad_weight_into=bad)
+            K.fused_linear_loss(h, w, p["labels"], fn, grad_weight_into=bad, grad_scale=1.0)
+    with pytest.raises(ValueError, match="grad_weight_into needs grad_scale"):
+        K.fused_linear_loss(h, w, p["labels"], fn, grad_weight_into=torch.zeros(w.shape))
     with pytest.raises(ValueError, match="naive oracle"):
-        K.fused_linear_loss(h, w, p["labels"], fn, impl="naive", grad_weight_into=torch.zeros(w.shape))
+        K.fused_linear_loss(h, w, p["labels"], fn, impl="naive", grad_weight_into=torch.zeros(w.shape), grad_scale=1.0)
+    # a loss that receives another gradient than announced fails in the backward (dWeight is already in the buffer)
+    loss, *_ = K.fused_linear_loss(h, w, p["labels"], fn, grad_weight_into=torch.zeros(w.shape), grad_scale=2.0)
+    with pytest.raises(RuntimeError, match=r"received gradient 3\.0 but grad_scale=2\.0 was announced"):
+        (3.0 * loss).backward()
 
 
 def test_fused_without_entropy_and_with_frozen_weight():

@@ -55,7 +55,7 @@ class MegatronActor:
         self.actor = DistributedDataParallel(
             config=self.tf_config,
             # overlap_grad_reduce=False: every bucket is reduced after the backward, also one whose weight's grad
-            # the log-prob kernel adds to main_grad itself without autograd's hook firing (forward.py)
+            # the log-prob kernel adds to main_grad itself, in its forward, without autograd's hook (forward.py)
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                      use_distributed_optimizer=a.use_distributed_optimizer),
             module=gpt,
@@ -219,7 +219,7 @@ class MegatronActor:
         t0 = time.perf_counter()
         action = self._routing_pass(self.routing, batch, "update", measure=True)
         step_fn = train_step(self.head, lambda: output_weight(self.gpt), scale, per_token=per_token,
-                             routing=self.routing)
+                             routing=self.routing, num_microbatches=len(mbs))
         try:
             metrics = self._reduce_metrics(self._run(self.actor, step_fn, mbs, False))
             metrics.update(moe_metrics(self.cfg.model, self.ctx, len(mbs)))

@@ -82,8 +82,10 @@ class LogProbHead:
         return mgrpo_kernels.linear_logprobs(self._gather(hidden, mb), weight, mb.labels, compute_entropy=entropy,
                                              **self._kernel_kwargs(weight, mb))
 
-    def loss(self, hidden, weight, mb: MicroBatch, per_token: Optional[dict] = None):
+    def loss(self, hidden, weight, mb: MicroBatch, per_token: Optional[dict] = None, grad_scale: Optional[float] = None):
         """Policy loss of one micro-batch (already weighted for the global mini-batch) and metric sums.
+        `grad_scale`: the gradient the returned loss will receive in the backward (see `train_step`); with it and
+        a weight under Megatron's DDP, the kernel adds dWeight to weight.main_grad during the forward.
 
         A micro-batch without old log-probs trains on-policy (the actor client sends none when exactly
         one optimizer step follows the rollout): pi_old is this forward's own log-probs, detached, which
@@ -113,13 +115,15 @@ class LogProbHead:
             token_loss = make_token_loss_fn(inputs, algo)
             if on_policy:
                 token_loss = _on_policy(token_loss, inputs.old_logprob)
-            # Under Megatron's DDP the weight has an fp32 main_grad: the kernel adds dWeight there itself
-            # (Megatron's gradient-accumulation fusion), so the [vocab x hidden] gradient never waits in autograd
-            # for the tied embedding's. The actor's DDP reduces every bucket after the backward
-            # (overlap_grad_reduce=False, actor.py), so a weight whose grad bypasses autograd is reduced too.
+            # Under Megatron's DDP the weight has an fp32 main_grad: the kernel adds dWeight there itself, in the
+            # forward where it computes it (Megatron's gradient-accumulation fusion), so the rank never holds a
+            # [vocab x hidden] fp32 gradient of its own (155 MiB at Qwen3's vocabulary and hidden 256). The actor's
+            # DDP reduces every bucket after the backward (overlap_grad_reduce=False, actor.py), so a weight whose
+            # grad bypasses autograd is reduced too.
+            into = getattr(weight, "main_grad", None) if grad_scale is not None else None
             loss, metrics, lp, ent = mgrpo_kernels.fused_linear_loss(
-                h, weight, mb.labels, token_loss, grad_weight_into=getattr(weight, "main_grad", None),
-                **self._kernel_kwargs(weight, mb))
+                h, weight, mb.labels, token_loss, grad_weight_into=into,
+                grad_scale=grad_scale if into is not None else None, **self._kernel_kwargs(weight, mb))
         else:
             lp, ent = mgrpo_kernels.linear_logprobs(h, weight, mb.labels, compute_entropy=True,
                                                     **self._kernel_kwargs(weight, mb))
@@ -189,13 +193,18 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
     return step
 
 
-def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], loss_scale: float, per_token: Optional[list] = None, routing=None):
+def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], loss_scale: float, per_token: Optional[list] = None, routing=None,
+               num_microbatches: Optional[int] = None):
     """forward_step_func for training. `loss_scale` undoes megatron's averaging over micro-batches and
     data-parallel ranks: our token weights already normalise by the global mini-batch. Under CP each
     rank's loss covers the response tokens it holds; megatron multiplies the loss by cp and averages
     gradients over the dp x cp ranks, so the same scale makes the gradient the sum over CP ranks.
+    So the kernel's loss receives loss_scale * cp / num_microbatches in the backward (megatron's forward_step
+    with a loss_func returning two values, and no grad_scale_func): given `num_microbatches` the head announces
+    that to the kernel (LogProbHead.loss's grad_scale), which checks it in the backward.
     `per_token`, when given, collects each micro-batch's detached {'logprobs', 'entropy'} of this
     forward, in sample order (as `forward_only_step` returns them). `routing`: see `run_model`."""
+    grad_scale = None if num_microbatches is None else loss_scale * head.ctx.cp / num_microbatches
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
@@ -203,7 +212,7 @@ def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], loss_s
 
         def loss_func(hidden):
             got: Optional[dict] = {} if per_token is not None else None
-            loss, metrics = head.loss(hidden, get_weight(), mb, per_token=got)
+            loss, metrics = head.loss(hidden, get_weight(), mb, per_token=got, grad_scale=grad_scale)
             if got is not None:
                 per_token.append({k: in_sample_order(v, mb, head.ctx.cp_group) for k, v in got.items()})
             reported = {k: v.detach().float() for k, v in metrics.items()}

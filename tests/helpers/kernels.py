@@ -79,7 +79,8 @@ def run_tied_loss(p, impl, fn, scale=2.0, into=False, **kw):
     ids = torch.arange(h.shape[0]) % w.shape[0]
     tokens = torch.nn.functional.embedding(ids, w)  # [T, H], the same weight as the output layer
     buf = torch.ones(w.shape) if into else None
-    loss, *_ = K.fused_linear_loss(h + 0.1 * tokens, w, p["labels"], fn, impl=impl, grad_weight_into=buf, **kw)
+    loss, *_ = K.fused_linear_loss(h + 0.1 * tokens, w, p["labels"], fn, impl=impl, grad_weight_into=buf,
+                                   grad_scale=scale if into else None, **kw)
     (scale * loss).backward()
     total = w.grad + (buf - 1.0 if into else 0.0)
     return total, w.grad
