@@ -20,6 +20,10 @@ Three measures, all glibc's own:
   load ~12: the trim 0.52 ms; a call of 200 small tensors 1.30 ms, 1.56 ms right after a trim; the tiny job's
   update returned ~65 MiB a step, ~9 ms of trim plus the refaults, until the bound was raised to 128 MiB); the
   tiny job's calls skip it, a step at Qwen3's vocabulary (hundreds of MB per call) still trims every call.
+- `trim_before_backward_of(embedding)`: the same trim once the backward reaches the model's input embedding. By
+  then the layers' activations are freed but held in the heap, and the embedding's backward allocates a dense
+  fp32 [vocab x hidden] gradient (155 MiB at Qwen3's vocabulary and hidden 256) on top of them: the update's
+  peak, after the log-prob kernel stopped holding its own dWeight (kernels/chunked.py, grad_weight_into).
 - `trim_heap()` every `DECODE_TRIM_EVERY` decode steps of an in-process engine (rollout/hf_engine.py): within
   one `generate` the decode loop's blocks (a `[rows x vocab]` logits block and its softmax every step, a KV
   cache growing by a column) come from the heap once glibc has raised its threshold, small long-lived blocks
@@ -103,3 +107,19 @@ def trim_after_call(min_growth: int = CALL_TRIM_MIN_GROWTH) -> bool:
     trimmed = trim_heap()
     _resident_after_trim[0] = resident_bytes()
     return trimmed
+
+
+def trim_before_backward_of(module) -> None:
+    """Before `module`'s own backward (an input embedding's runs last): `trim_after_call()`, which trims only once
+    the process grew by CALL_TRIM_MIN_GROWTH, so a small model's update (the tiny job's) pays nothing. Registered
+    as a forward hook that hooks the output's gradient, in grad mode only."""
+
+    def _trim_then_pass(grad):
+        trim_after_call()
+        return grad
+
+    def _hook(_module, _inputs, output):
+        if getattr(output, "requires_grad", False):
+            output.register_hook(_trim_then_pass)
+
+    module.register_forward_hook(_hook)

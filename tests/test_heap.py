@@ -93,3 +93,20 @@ def test_call_trim_runs_once_the_process_grew_by_its_threshold(monkeypatch):
     assert heap.trim_after_call(min_growth=32 << 20) is False  # measured again after that trim
     assert len(trims) == 2 and small.sum() > 0 and big[-1] == 1
     big.close()
+
+
+def test_trim_before_an_embeddings_backward_runs_once_between_the_layers_and_it(monkeypatch):
+    """trim_before_backward_of: the trim runs when the backward reaches the embedding's output (the layers'
+    backward done, the embedding's own not yet: its weight has no gradient at that moment), once per backward,
+    and not at all for a forward without grad."""
+    emb, layer = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
+    seen = []
+    monkeypatch.setattr(heap, "trim_after_call", lambda: seen.append((layer.weight.grad is not None,
+                                                                      emb.weight.grad is not None)) or True)
+    heap.trim_before_backward_of(emb)
+    ids = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        layer(emb(ids))
+    assert seen == []
+    layer(emb(ids)).sum().backward()
+    assert seen == [(True, False)] and emb.weight.grad is not None

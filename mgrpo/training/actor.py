@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.packing import over_budget, pack_by_tokens, pack_micro_batches
+from mgrpo.heap import trim_before_backward_of
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.gpt import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, split_per_sample
@@ -52,6 +53,8 @@ class MegatronActor:
                                                finalize_model_grads)
 
         gpt = self._build_stage(self.tf_config, init_hf_dir)
+        if gpt.pre_process:  # the heap's freed activations go back before the embedding's dense gradient comes
+            trim_before_backward_of(gpt.embedding)
         self.actor = DistributedDataParallel(
             config=self.tf_config,
             # overlap_grad_reduce=False: every bucket is reduced after the backward, also one whose weight's grad
