@@ -96,10 +96,7 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
             use_cpu_initialization=True,
             gradient_accumulation_fusion=False,
             masked_softmax_fusion=False,
-            # megatron's SwiGLU autograd function (fusions/fused_bias_swiglu.py) is plain torch, eager here
-            # (cpu_compat disables jit_fuser): it keeps only its input for backward, where the unfused glu also
-            # keeps silu's output, [tokens x ffn] per layer (-72 MiB at the Qwen3-vocabulary benchmark's update)
-            bias_activation_fusion=True,
+            bias_activation_fusion=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
             persist_layer_norm=False,
