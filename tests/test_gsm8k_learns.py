@@ -48,8 +48,10 @@ def test_gsm8k_tiny_cpu_recipe_learns_to_answer_with_a_number(tmp_path):
         _mean([train[s]["critic/score/mean"] for s in (10, 11, 12)])
     assert first < 0.05 and last >= 0.095, (first, last)
     assert val[0] < 0.06 and val[12] >= 0.095, val
-    # A random model's entropy over Qwen3's vocabulary is close to log(151936) = 11.93.
-    assert 11.9 < train[1]["rollout/entropy"] < 11.94 and train[12]["rollout/entropy"] < 2.0
+    # A random model's entropy over Qwen3's vocabulary is close to log(151936) = 11.93; by step 12 it has collapsed
+    # onto a few answer tokens (below 2.0 with torch.multinomial's draws; 2.87 with rollout/categorical.py's, the same
+    # distribution drawn with other random numbers, in .ci/run at 55a393e).
+    assert 11.9 < train[1]["rollout/entropy"] < 11.94 and train[12]["rollout/entropy"] < 4.0
     assert train[1]["rollout/logprob_abs_diff"] < 1e-4
     first_val = next(m for m in metrics if m["step"] == 0 and "val/openai/gsm8k/score" in m)
     assert {"val/openai/gsm8k/mean@2", "val/openai/gsm8k/pass@2"} <= set(first_val)
