@@ -152,7 +152,6 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     never through autograd; grad_scale is the gradient the loss will receive (chunked.fused_linear_loss).
     """
     support = _check(impl, hidden, weight, labels, support_offsets, support_ids, tp_group, vocab_start, vocab_size)
-    chunked.check_grad_weight_into(grad_weight_into, grad_scale, weight)
     if impl == "naive" and grad_weight_into is not None:
         raise ValueError("grad_weight_into is for the chunked and fused kernels; the naive oracle leaves "
                          "dWeight to autograd")
@@ -161,7 +160,8 @@ def fused_linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         return full_linear_loss(hidden, w, labels, token_loss_fn, temperature=temperature, vocab_size=vocab_size,
                                 compute_entropy=compute_entropy, support_offsets=support_offsets,
                                 support_ids=support_ids)
-    if impl == "fused":
+    if impl == "fused":  # (the chunked entry checks grad_weight_into itself)
+        chunked.check_grad_weight_into(grad_weight_into, grad_scale, weight)
         cfg = chunked.make_config(temperature, chunk_size, vocab_chunk_size, tp_group, vocab_start, vocab_size,
                                   compute_entropy, support, grad_weight_into, grad_scale)
         metrics: dict = {}
