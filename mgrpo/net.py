@@ -1,6 +1,6 @@
 """Network helpers every room may use (standard library only; a leaf: it imports nothing of mgrpo).
 
-- `free_port`: a TCP port free now.
+- `free_port`: a TCP port free now, outside the kernel's ephemeral range.
 - `node_ip`: THE rule for a node's address on the cluster network (SLURM discovery, the rollout servers,
   the router and the weight senders all ask it), with `is_this_host`, `short_name` and `resolve_all`,
   which match host names to nodes.
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from typing import Mapping, Optional
 
@@ -21,10 +22,48 @@ class NodeAddressError(RuntimeError):
     """No address could be found for a node."""
 
 
-def free_port(host: str = "") -> int:
-    """A TCP port free on `host` now ('' = every address; the OS picks it; a race with another binder is
-    possible but rare, so callers that can retry on 'address in use' should)."""
+LISTEN_PORTS = (20000, 32768)
+"""Where `free_port` looks: above Ray's worker ports (10002-19999 by default), below Linux's ephemeral range
+(32768-60999 by default; the upper end is lowered to what /proc says)."""
+
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel hands out to bind(port 0) and to the source side of every connect()."""
+    try:
+        with open(path) as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(family: int, host: str, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = "", *, attempts: int = 64) -> int:
+    """A TCP port free on `host` now ('' = every address).
+
+    Chosen at random below the kernel's ephemeral range, not by bind(port 0): a port from bind(0) lies in the
+    range every outgoing connection takes its source port from, so between this choice and the server's own
+    bind any connect() on the node (Ray opens hundreds) could take it; a CI run lost an engine that way
+    (Errno 98 on 46673). Below the range only an explicit bind takes a port. A race with another explicit
+    binder stays possible, so servers started on a chosen port retry on 'address in use'
+    (server.start_on_free_port). Falls back to bind(0) when no port in LISTEN_PORTS binds in `attempts` tries."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    lo, hi = LISTEN_PORTS[0], min(LISTEN_PORTS[1], ephemeral_range()[0])
+    rng = random.SystemRandom()  # forked processes must not draw the same sequence
+    for _ in range(attempts if hi > lo else 0):
+        port = rng.randrange(lo, hi)
+        if _bindable(family, host, port):
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

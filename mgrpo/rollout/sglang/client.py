@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.net import free_port, node_ip
+from mgrpo.net import node_ip
 from mgrpo.rollout.sglang.auth import key_config_file, remove_key_config
 from mgrpo.rollout.sglang.generate_io import (build_generate_payload, checkpoint_moe_shape, checkpoint_tensor_names,
                                               parse_generate_item)
@@ -36,7 +36,7 @@ from mgrpo.rollout.sglang.http import HTTPClient, SGLangBadResponseError, SGLang
 from mgrpo.rollout.sglang.protocol.buckets import FLATTENED, bucket_bytes
 from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS, ROUTING_KEY
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
-                                         start_server, terminate_group, url_of)
+                                         start_on_free_port, start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
 from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer
 from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
@@ -89,7 +89,7 @@ class SGLangEngine(EngineDefaults):
         self.server_module: Optional[str] = None
         """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
         self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "bad_answer_retries": 0,
-                      "weight_buckets": 0, "weight_bytes": 0, "cut": 0}
+                      "weight_buckets": 0, "weight_bytes": 0, "cut": 0, "launch_port_retries": 0}
         self._cut_at = float("-inf")
         """When `abort_all(cut=True)` last cut the requests in flight (monotonic): SGLang's abort answers of
         requests sent before it are what was asked for, not a failure to retry."""
@@ -97,9 +97,9 @@ class SGLangEngine(EngineDefaults):
     @property
     def retries(self) -> int:
         """Every retry: resent /generate batches, requests SGLang aborted, answers that were not SGLang's,
-        other HTTP calls retried."""
+        other HTTP calls retried, starts repeated on another port."""
         return (self.client.retries + self.stats["generate_retries"] + self.stats["aborted_retries"]
-                + self.stats["bad_answer_retries"])
+                + self.stats["bad_answer_retries"] + self.stats["launch_port_retries"])
 
     def refused_requests(self) -> Optional[int]:
         """Requests the server refused for a missing or wrong key, from its /metrics (the CPU server counts
@@ -131,25 +131,30 @@ class SGLangEngine(EngineDefaults):
         if any(a.startswith(("--api-key", "--admin-api-key")) for a in extra_args):
             raise ValueError("pass api_key= to SGLangEngine.launch: a key in extra_args would be on the command line")
         module = choose_server(server)
-        port = port or free_port(host)
-        key_file = key_config_file(api_key) if api_key else None
-        try:
-            cmd = launch_command(module, hf_dir, tp=tp, host=host, port=port,
-                                 mem_fraction_static=mem_fraction_static,
-                                 weight_version=engine_kwargs.get("weight_version", 0),
-                                 enable_memory_saver=enable_memory_saver, extra_args=extra_args, ep=ep,
-                                 return_routed_experts=return_routed_experts, key_file=key_file)
-            log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
-            log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
-            url = url_of(host, port)
-            log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
-            proc = start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env, key_file=key_file)
-        finally:
-            remove_key_config(key_file)  # read once at startup; a restart writes a new one
+        log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-sglang-")
+
+        def start(port: int) -> tuple[subprocess.Popen, str, str]:
+            key_file = key_config_file(api_key) if api_key else None
+            try:
+                cmd = launch_command(module, hf_dir, tp=tp, host=host, port=port,
+                                     mem_fraction_static=mem_fraction_static,
+                                     weight_version=engine_kwargs.get("weight_version", 0),
+                                     enable_memory_saver=enable_memory_saver, extra_args=extra_args, ep=ep,
+                                     return_routed_experts=return_routed_experts, key_file=key_file)
+                log_path = os.path.join(log_dir, f"sglang-{host}-{port}.log")
+                url = url_of(host, port)
+                log.info("starting the rollout server: %s (log: %s)", " ".join(cmd), log_path)
+                return start_server(cmd, url, log_path, startup_timeout_s=startup_timeout_s, env=env,
+                                    key_file=key_file), url, log_path
+            finally:
+                remove_key_config(key_file)  # read once at startup; a restart writes a new one
+
+        (proc, url, log_path), port, port_retries = start_on_free_port(start, host, port)
         engine_kwargs.setdefault("moe_shape", checkpoint_moe_shape(hf_dir))
         engine = cls(url, tp=tp, process=proc, log_path=log_path, expected_names=checkpoint_tensor_names(hf_dir),
                      api_key=api_key, **engine_kwargs)
         engine.server_module = module
+        engine.stats["launch_port_retries"] = port_retries
         return engine
 
     @classmethod

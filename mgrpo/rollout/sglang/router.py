@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +29,8 @@ from typing import Optional, Sequence
 
 from mgrpo.rollout.sglang.http import HTTPClient, SGLangRequestError, SGLangUnavailableError
 from mgrpo.net import free_port
-from mgrpo.rollout.sglang.server import check_host, log_tail, start_server, terminate_group, url_of
+from mgrpo.rollout.sglang.server import (check_host, log_tail, start_on_free_port, start_server, terminate_group,
+                                         url_of)
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +57,25 @@ class Router:
         the fewest keys (`--assignment-mode min_group`), so trajectories spread evenly over the engines."""
         require_router()
         host = check_host(host)
-        port = port or free_port(host)
-        self.url = url_of(host, port)
-        self.metrics_port = free_port(host)  # its Prometheus endpoint (default 29000 would clash across runs)
-        # Our client retries what fails; the router's own retries would resend a request we also resend.
-        cmd = [sys.executable, "-m", __name__, "--host", host, "--port", str(port), "--policy", policy,
-               "--worker-urls", *urls, "--request-timeout-secs", str(int(request_timeout_s)),
-               "--retry-max-retries", str(max_retries), "--log-level", "warn", "--prometheus-host", host,
-               "--prometheus-port", str(self.metrics_port)]
-        if policy == "manual":
-            cmd += ["--assignment-mode", "min_group"]
         env = {**os.environ, KEY_ENV: api_key} if api_key else {k: v for k, v in os.environ.items() if k != KEY_ENV}
         log_dir = log_dir or tempfile.mkdtemp(prefix="mgrpo-router-")
-        self.log_path = os.path.join(log_dir, f"router-{port}.log")
-        log.info("starting SGLang router (%s): %s", "key required" if api_key else "NO key", " ".join(cmd))
-        self.process = start_server(cmd, self.url, self.log_path, startup_timeout_s=startup_timeout_s,
-                                    ready_path="/health", env=env)
+
+        def start(port: int) -> subprocess.Popen:
+            self.url = url_of(host, port)
+            self.metrics_port = free_port(host)  # its Prometheus endpoint (default 29000 would clash across runs)
+            # Our client retries what fails; the router's own retries would resend a request we also resend.
+            cmd = [sys.executable, "-m", __name__, "--host", host, "--port", str(port), "--policy", policy,
+                   "--worker-urls", *urls, "--request-timeout-secs", str(int(request_timeout_s)),
+                   "--retry-max-retries", str(max_retries), "--log-level", "warn", "--prometheus-host", host,
+                   "--prometheus-port", str(self.metrics_port)]
+            if policy == "manual":
+                cmd += ["--assignment-mode", "min_group"]
+            self.log_path = os.path.join(log_dir, f"router-{port}.log")
+            log.info("starting SGLang router (%s): %s", "key required" if api_key else "NO key", " ".join(cmd))
+            return start_server(cmd, self.url, self.log_path, startup_timeout_s=startup_timeout_s,
+                                ready_path="/health", env=env)
+
+        self.process, _, self.port_retries = start_on_free_port(start, host, port)
         self.client = HTTPClient(self.url, timeout_s=30.0, max_retries=2, api_key=api_key)
         self.api_key = api_key
         self.metrics = HTTPClient(url_of(host, self.metrics_port), timeout_s=10.0, max_retries=0)
@@ -131,7 +136,7 @@ class RoutedClient:
                  **client_kwargs):
         self.host, self.log_dir, self.policy, self.client_kwargs = host, log_dir, policy, client_kwargs
         self._retries_before = 0
-        """Retries counted by the clients of routers that were replaced."""
+        """Retries counted by the clients of routers that were replaced, and their starts on another port."""
         self._start(urls)
 
     def _start(self, urls: Sequence[str]) -> None:
@@ -145,7 +150,7 @@ class RoutedClient:
 
     @property
     def retries(self) -> int:
-        return self._retries_before + self.client.retries
+        return self._retries_before + self.router.port_retries + self.client.retries
 
     def alive(self, timeout_s: float) -> bool:
         """The router process runs and answers `/health` within `timeout_s`."""
@@ -160,7 +165,7 @@ class RoutedClient:
         """Replace a dead or hung router with a fresh one in front of `urls` (its own port: requests still
         in flight to the old one fail and are sent again by the rollout group)."""
         log.warning("restarting the SGLang router (was %s, exit code %s)", self.router.url, self.router.process.poll())
-        self._retries_before += self.client.retries
+        self._retries_before += self.router.port_retries + self.client.retries
         self.router.shutdown()
         self._start(urls)
 

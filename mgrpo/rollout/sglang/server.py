@@ -9,15 +9,20 @@ Two servers speak the same HTTP protocol and take the same command line:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import re
 import signal
-
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
+from mgrpo.net import free_port
 from mgrpo.rollout.sglang.http import ENGINE_HINT, SGLangUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*"}
 SGLANG_MODULE = "sglang.launch_server"
@@ -77,12 +82,13 @@ def check_host(host: str) -> str:
 def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-def log_tail(path: Optional[str], lines: int = 40) -> str:
+def log_tail(path: Optional[str], lines: int = 40, since: int = 0) -> str:
+    """The last `lines` lines of the log, from byte `since` on."""
     if not path or not os.path.exists(path):
         return "(no log)"
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 64_000))
+        f.seek(max(since, f.tell() - 64_000))
         text = f.read().decode("utf-8", errors="replace")
     return "\n".join(text.splitlines()[-lines:])
 
@@ -134,6 +140,34 @@ def terminate_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
             pass
         proc.wait(timeout=10)
 
+class PortInUseError(RuntimeError):
+    """The server exited during startup because another process held its port (Errno 98)."""
+
+
+# uvicorn: "[Errno 98] error while attempting to bind on address ...: address already in use";
+# the router (Rust): "Address already in use (os error 98)"
+_PORT_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
+
+PORT_ATTEMPTS = 3
+
+
+def start_on_free_port(start: Callable[[int], T], host: str, port: Optional[int] = None,
+                       attempts: int = PORT_ATTEMPTS) -> tuple[T, int, int]:
+    """`start(port)`, on `port` when given, else on a port `free_port(host)` chooses. A chosen port that another
+    process bound first (PortInUseError) is replaced by a fresh one, `attempts` starts in all; a given port is
+    the caller's and is never replaced. Returns (what `start` returned, the port, how many starts were retried)."""
+    for attempt in range(attempts):
+        chosen = port or free_port(host)
+        try:
+            return start(chosen), chosen, attempt
+        except PortInUseError as e:
+            if port or attempt + 1 >= attempts:
+                raise
+            log.warning("port %d on %s was taken before the server bound it (start %d of %d); choosing another: %s",
+                        chosen, host, attempt + 1, attempts, str(e).splitlines()[0])
+    raise AssertionError("unreachable")
+
+
 def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout_s: float,
                  env: Optional[dict] = None, poll_s: float = 0.1, ready_path: str = "/health_generate",
                  key_file: Optional[str] = None) -> subprocess.Popen:
@@ -147,6 +181,7 @@ def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     # This user only: SGLang logs its server arguments, API keys included.
     with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logf:
+        since = logf.tell()  # this start's lines: an earlier start on the same port may have logged there
         proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
     watch = [str(os.getpid()), str(proc.pid), *([key_file] if key_file else [])]
@@ -160,8 +195,10 @@ def start_server(cmd: Sequence[str], url: str, log_path: str, *, startup_timeout
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            raise RuntimeError(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
-                               f"last lines of {log_path}:\n{log_tail(log_path)}")
+            tail = log_tail(log_path, since=since)
+            error = PortInUseError if _PORT_IN_USE.search(tail) else RuntimeError
+            raise error(f"SGLang server exited with code {rc} during startup.\ncommand: {' '.join(cmd)}\n"
+                        f"last lines of {log_path}:\n{tail}")
         try:
             if requests.get(f"{url}{ready_path}", timeout=min(30.0, startup_timeout_s)).status_code == 200:
                 return proc
