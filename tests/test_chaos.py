@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import chaos
-from tests.helpers.procs import pids_where
+from tests.helpers.procs import still_running
 
 STEPS, BATCH, N = 20, 8, 4
 KINDS = ["engine_kill", "router_kill", "driver_kill"]
@@ -50,7 +50,7 @@ def test_three_faults_in_one_run_end_equal_to_a_run_without_faults(tmp_path):
     v = r["vs_uninterrupted"]
     assert v["hf_max_abs_diff"] == 0.0 and v["hf_tensors"] > 0
     assert v["first_step_metrics_differ"] is None and v["first_step_samples_differ"] is None
-    assert not pids_where(str(tmp_path), environ=True)  # nothing of either run is left running
+    assert not still_running(str(tmp_path), environ=True)  # nothing of either run is left running
 
 
 @pytest.mark.system
@@ -76,4 +76,4 @@ def test_a_hanging_tool_and_a_crashing_environment_are_healed_exactly(tmp_path):
     v = r["vs_uninterrupted"]
     assert v["hf_max_abs_diff"] == 0.0 and v["hf_tensors"] > 0, v
     assert v["first_step_metrics_differ"] is None and v["first_step_samples_differ"] is None, v
-    assert not pids_where(str(tmp_path), environ=True)
+    assert not still_running(str(tmp_path), environ=True)

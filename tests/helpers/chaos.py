@@ -304,6 +304,9 @@ class Soak:
         while left() and time.time() < deadline:  # watchdogs notice their parent's end within a few seconds
             time.sleep(0.5)
         killed = kill_all(left())
+        deadline = time.time() + 10
+        while left() and time.time() < deadline:  # SIGKILLed: gone once the kernel has torn them down
+            time.sleep(0.2)
         resumed = re.search(r"resumed from (\S+) at step (\d+)", output)
         self.attempts.append({"attempt": k, "exit_code": rc, "wall_s": round(time.time() - t0, 1),
                               "last_step": seen["step"], "resumed_from_step": int(resumed.group(2)) if resumed else None,

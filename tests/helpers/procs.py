@@ -36,6 +36,27 @@ def pids_where(*markers: str, environ: bool = False) -> list[int]:
     return out
 
 
+def still_running(*markers: str, environ: bool = False, wait_s: float = 15.0) -> dict[int, str]:
+    """What `pids_where` finds once `wait_s` has passed without it finding nothing: {pid: command line}. A run's
+    processes may still be on their way out when it returns (a watchdog polls its parent every 2 s; a SIGKILLed
+    process is visible until its memory is unmapped), so a test asking 'is anything left' waits, boundedly."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = pids_where(*markers, environ=environ)
+        if not found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    out = {}
+    for pid in found:
+        try:
+            out[pid] = _read(pid, "cmdline").replace("\0", " ").strip() or "(exited)"
+        except OSError:
+            continue  # gone since
+    return {p: c for p, c in out.items() if c != "(exited)"}
+
+
 def kill(pids, sig: int = signal.SIGKILL) -> int:
     """Send `sig` to each pid that still exists; return how many got it."""
     sent = 0
