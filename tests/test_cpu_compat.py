@@ -5,16 +5,39 @@ run over gloo. When a megatron-core upgrade breaks one, the failing test names t
 import pytest
 import torch
 
-from mgrpo.training.cpu_compat import MOE_PATCHES, PATCHES
+from mgrpo.training.cpu_compat import MOE_PATCHES, PATCHES, SWIGLU_PATCH, swiglu_back
 from tests.helpers.distributed import run_ranks
 
 
-@pytest.mark.parametrize("patch", PATCHES + MOE_PATCHES, ids=[p.name for p in PATCHES + MOE_PATCHES])
+CHECKED = PATCHES + MOE_PATCHES + (SWIGLU_PATCH,)
+
+
+@pytest.mark.parametrize("patch", CHECKED, ids=[p.name for p in CHECKED])
 def test_patch_premise_still_holds(patch):
-    """The mixture-of-experts patches are applied only where their premise holds (optional), but on the
-    installed megatron-core they must hold: a MoE model needs each of them here."""
+    """The mixture-of-experts patches and the SwiGLU one are applied only where their premise holds (optional),
+    but on the installed megatron-core they must hold: a MoE model needs each of them here, and without the
+    SwiGLU one every CPU update runs megatron's slow eager gradient."""
     assert patch.premise(), (f"cpu_compat patch {patch.name!r} no longer matches megatron-core ({patch.why}); "
                              "re-check it in mgrpo/training/cpu_compat.py")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_back_is_the_unfused_glus_gradient_bit_for_bit(dtype):
+    """What the CPU ranks' SwiGLU function returns in backward equals autograd's gradient of the unfused glu (the
+    local spec's MLP before bias_activation_fusion) exactly, and the calculus in float64 closely: the swap
+    changes memory, not numbers."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(257, 2 * 96, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(257, 96, generator=gen).to(dtype)
+    a, b = torch.chunk(y, 2, -1)
+    (torch.nn.functional.silu(a) * b).backward(g)
+    ours = swiglu_back(g, y.detach())
+    assert ours.dtype == dtype and torch.equal(ours, y.grad)
+    y1, y2 = torch.chunk(y.detach().double(), 2, -1)
+    sig = torch.sigmoid(y1)
+    exact = torch.cat([g.double() * sig * (1 + y1 * (1 - sig)) * y2, g.double() * y1 * sig], -1)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.double(), exact, **tol)
 
 
 def test_torch_norm_refuses_sequence_parallelism_and_the_wrapper_marks_its_weight():

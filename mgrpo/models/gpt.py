@@ -96,7 +96,10 @@ def transformer_config_kwargs(model: ModelConfig, *, tp: int = 1, pp: int = 1, c
             use_cpu_initialization=True,
             gradient_accumulation_fusion=False,
             masked_softmax_fusion=False,
-            bias_activation_fusion=False,
+            # megatron's SwiGLU autograd function (fusions/fused_bias_swiglu.py), as on a GPU: it keeps only its
+            # input for backward, where the unfused glu also keeps silu's output ([tokens x ffn] per layer); its
+            # backward on CPU is cpu_compat's swiglu_back, autograd's own ops, so the gradients are the same bits
+            bias_activation_fusion=True,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
             persist_layer_norm=False,

@@ -225,6 +225,47 @@ def _apply_moe_tracker() -> None:
     importlib.import_module(_MOE_UTILS).torch = proxy
 
 
+_SWIGLU = "megatron.core.fusions.fused_bias_swiglu"
+
+
+def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """d/dy of silu(y1) * y2 (y = [y1 | y2] on the last dimension) for upstream gradient g: the ops autograd runs
+    for the unfused glu (g * silu(y1) for y2, silu's backward of g * y2 for y1), so bit for bit its gradient, written
+    straight into the two halves of one buffer."""
+    y1, y2 = torch.chunk(y, 2, -1)
+    dy = torch.empty_like(y)
+    d1, d2 = torch.chunk(dy, 2, -1)
+    torch.mul(g, torch.nn.functional.silu(y1), out=d2)
+    torch.ops.aten.silu_backward.grad_input(g * y2, y1, grad_input=d1)
+    return dy
+
+
+def _apply_swiglu() -> None:
+    # Every function of the module is called through its module global (SwiGLUFunction -> swiglu, swiglu_back;
+    # the bias and weighted variants -> swiglu, swiglu_back). Where megatron-core was imported without
+    # `lean_megatron_import` (test processes) `jit_fuser` was torch.compile, whose Inductor fails on this CPU build:
+    # each compiled function goes back to its own eager body, and swiglu_back becomes the one above.
+    module = importlib.import_module(_SWIGLU)
+    for name, fn in list(vars(module).items()):
+        if callable(fn) and hasattr(fn, "_torchdynamo_orig_callable"):
+            setattr(module, name, fn._torchdynamo_orig_callable)
+    module.swiglu_back = swiglu_back
+
+
+SWIGLU_PATCH = Patch(
+    "swiglu",
+    "the SwiGLU autograd function (bias_activation_fusion: it keeps only its input for backward, where the unfused "
+    "glu also keeps silu's output) computes through `swiglu` and `swiglu_back`, jit_fuser functions: one fused "
+    "kernel each under torch.compile on a GPU; eagerly here swiglu_back runs ~11 elementwise passes (the tiny "
+    "update 72 -> 79 ms) where the one above runs autograd's 4",
+    # the module's file, not its (possibly already patched) functions
+    lambda: all(_source_has(_SWIGLU, None, needle) for needle in (
+        "def swiglu_back(g, y):", "torch.cat(", "tmp = swiglu_back(grad_output, input)")),
+    _apply_swiglu)
+"""Optional (applied where its premise holds), but on the installed megatron-core the premise must hold
+(tests/test_cpu_compat.py): without the patch every CPU update runs megatron's slow eager gradient, or, in a
+process that imported megatron-core without `lean_megatron_import`, fails in Inductor."""
+
 MOE_PATCHES: tuple[Patch, ...] = (
     Patch("moe_dtoh_stream", "the alltoall token dispatcher creates torch.cuda.Stream() and moves its routing "
           "counts to the host on it", lambda: (
@@ -247,6 +288,7 @@ every premise on the installed megatron-core."""
 # Patches for code that only some megatron-core releases contain. Each is applied exactly where its
 # premise holds (a capability check, not a version pin), so one tree runs on 0.16.1 and on newer releases.
 OPTIONAL_PATCHES: tuple[Patch, ...] = MOE_PATCHES + (
+    SWIGLU_PATCH,
     Patch("current_stream", "newer megatron-core (0.19.2; not 0.16.1): DDP's start_grad_sync waits on "
           "torch.cuda.current_stream() for CUDA-graph gradient events, even without CUDA graphs",
           lambda: _source_has("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
