@@ -12,8 +12,9 @@ from mgrpo.data import RecordError, read_records
 from mgrpo.data.gsm8k import DATA_SOURCE, INSTRUCTION, convert_gsm8k
 from mgrpo.rewards.gsm8k import compute_score
 from mgrpo_launchers.prepare_data import main as prepare_main
+from tests.helpers import GSM8K_RAW
 
-RAW = "/work/shared/data/gsm8k"
+RAW = GSM8K_RAW
 COUNTS = {"train": 7473, "test": 1319}
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(RAW), reason=f"raw GSM8K not at {RAW}")

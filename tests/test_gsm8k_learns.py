@@ -17,8 +17,8 @@ from mgrpo.data.gsm8k import convert_gsm8k
 from mgrpo.loop import Trainer
 from mgrpo.rewards.gsm8k import extract_solution
 from mgrpo_launchers.train import CONFIG_DIR, to_config
+from tests.helpers import GSM8K_RAW
 
-GSM8K_RAW = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
 
 
 def _mean(xs):

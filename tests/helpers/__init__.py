@@ -11,4 +11,11 @@
 - `runs`: the default job made small, run as a user runs it, and what it writes
 - `sglang_cpu`: the CPU rollout server and an independent transformers reference
 - `verl_scripts`: veRL's own scripts run with bash against stand-ins
+
+`GSM8K_RAW`: raw GSM8K (MIT) in ../shared/data/gsm8k beside the checkout, wherever the checkout is (CI clones it
+elsewhere than /work/main).
 """
+
+import os
+
+GSM8K_RAW = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k"))
