@@ -23,9 +23,10 @@ Transformer Models", the accounting behind megatron's 34sbh + 5as^2b, here term 
 RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens of a micro-batch
 (b sequences of s), t = TP size, dq = heads x head_dim, dkv = kv_heads x head_dim, f = ffn width:
   local spec (CPU, torch RMSNorm, torch's fused attention in mgrpo/models/attention.py: no s x s
-  scores, no GQA-expanded keys and values) — coefficients counted from the tensors autograd saves
+  scores, no GQA-expanded keys and values; megatron's SwiGLU function, which keeps its input only, as
+  on a GPU) — coefficients counted from the tensors autograd saves
   (tests/test_plan_memory.py checks them):
-    e T (6h + 5f/t + (5 + g) dq/t + 5 dkv/t + (2 nq + nkv)/t + 2) + 4 e s hd
+    e T (6h + 3f/t + (5 + g) dq/t + 5 dkv/t + (2 nq + nkv)/t + 2) + 4 e s hd
   with g = 1 under GQA with more than one key/value head per rank, else 0 (the fused attention keeps
   q, k, v and its output in its own [b, h, s, d] layout and one log-sum-exp per query head)
   Transformer Engine spec (cuda: fused RMSNorm in LayerNormLinear, flash attention, fused SwiGLU):
@@ -118,14 +119,14 @@ def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
     f = 0 if moe else m.ffn_hidden_size
     sp = tp if moe else 1  # sequence parallelism splits the norms' and residuals' tokens
     dq, dkv, T = nq * hd, nkv * hd, shape.tokens
-    extra = moe_block_activations(m, T, tp, e, spec, aux=m.router_aux_loss_coef > 0) if moe else 0
+    extra = moe_block_activations(m, T, tp, e, aux=m.router_aux_loss_coef > 0) if moe else 0
     if spec == "te":
         return e * (T * 4 * h // sp + T * ((3 * f + 3 * dq + 3 * dkv) // tp)) + extra
     # torch's fused attention (mgrpo/models/attention.py) keeps q, k, v and its output in its own
     # [b, h, s, d] layout, a log-sum-exp per query head, and under GQA with more than one key/value head
     # per rank one more query-sized buffer; no s x s scores (measured: tests/test_plan_memory.py)
     gqa = 1 if nq != nkv and nkv // tp > 1 else 0
-    per_token = (5 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp
+    per_token = (3 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp
     return e * (T * (6 * h + 2) // sp + T * per_token) + 4 * e * shape.seq_len * hd + extra
 
 

@@ -6,12 +6,13 @@ over the expert-parallel group a rank's experts take T' k rows (dropless: more o
 
 Activations of the MoE block (local spec: megatron's router, alltoall dispatcher and SequentialMLP),
 counted from what autograd saves (tests/test_plan_memory.py checks them byte for byte at TP 1 and 2):
-  per routed row   e (h + 6 I) + 24 B   expert input, SwiGLU input, intermediates and output, fc2 input;
-                                        int64 permutation indices and fp32 probabilities
+  per routed row   e (h + 3 I) + 24 B   expert input, SwiGLU input (megatron's SwiGLU function keeps only
+                                        that, as on a GPU) and fc2 input; int64 permutation indices and fp32
+                                        probabilities
   per token        5 E B                fp32 routing probabilities and the bool routing map
                    + 6 E B              with the load-balancing loss (its fp32 scores and map)
-The Transformer Engine spec (grouped GEMM, fused SwiGLU) is assumed to keep e (h + 3 I) per routed row,
-as its dense MLP keeps 3f per token (not measured: no GPU here). The attention part is the dense layer's
+The Transformer Engine spec (grouped GEMM, fused SwiGLU) is assumed to keep the same e (h + 3 I) per routed
+row, as its dense MLP keeps 3f per token (not measured: no GPU here). The attention part is the dense layer's
 (memory.layer_activations with no MLP) with its norm and residual terms split tp ways.
 
 Beyond activations: the dispatcher's send and receive buffers of one layer (T' k rows of h, twice), the
@@ -28,11 +29,11 @@ def is_moe(m) -> bool:
     return bool(getattr(m, "num_experts", 0))
 
 
-def moe_block_activations(m, tokens: int, tp: int, e: int, spec: str, aux: bool) -> int:
+def moe_block_activations(m, tokens: int, tp: int, e: int, aux: bool) -> int:
     """Bytes the MoE block of one layer saves for a micro-batch of `tokens` tokens (before SP)."""
     t = tokens // tp
     rows = t * m.moe_router_topk
-    per_row = e * (m.hidden_size + (3 if spec == "te" else 6) * m.moe_ffn_hidden_size) + 24
+    per_row = e * (m.hidden_size + 3 * m.moe_ffn_hidden_size) + 24
     return rows * per_row + t * m.num_experts * (5 + (6 if aux else 0))
 
 
