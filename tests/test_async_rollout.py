@@ -43,16 +43,29 @@ def test_one_step_off_trains_on_samples_one_version_behind(tmp_path):
 @pytest.mark.system
 def test_samples_beyond_the_staleness_bound_are_dropped_never_trained(tmp_path, monkeypatch):
     # The look-ahead rule keeps every sample within the bound, so no run of the real code makes a stale one.
-    # Here the producer (a thread of this process) may start three batches ahead of a bound of one: samples
-    # two or three versions old appear, and the consumer's bound must drop them.
+    # Here the producer (a thread of this process) may start three batches ahead of a bound of one, and the first
+    # step waits until it has (else, on a loaded machine, the trainer may keep pace and nothing goes stale): batches
+    # 2 and 3 are made on version 0 and are two versions old when their steps come, so the consumer's bound must
+    # drop them.
     monkeypatch.setattr(RolloutPipeline, "may_start", lambda self, index: index <= self.steps_done + 3)
+    consume = RolloutPipeline.next
+
+    def next_once_three_ahead(self, current_version):
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or self.next_index >= 4, timeout=600)
+        return consume(self, current_version)
+
+    monkeypatch.setattr(RolloutPipeline, "next", next_once_three_ahead)
     run_dir = str(tmp_path)
     cfg = small_config(run_dir, rollout={"mode": "disaggregated", "async_mode": "bounded_staleness",
                                          "max_staleness": 1},
                        trainer={"total_training_steps": 4, "n_gpus_per_node": 2})
     Trainer(cfg).fit()
     m = read_metrics(run_dir)
-    assert m[-1]["rollout/stale_dropped_total"] > 0  # counted
+    per_batch = len(trajectories(run_dir)) // 4  # one batch trained per step
+    # step 3 (weights of version 2) finds batches 2 and 3 of version 0: both dropped whole, batch 4 trained
+    assert [x["rollout/stale_dropped"] for x in m] == [0, 0, 2 * per_batch, 0]
+    assert m[-1]["rollout/stale_dropped_total"] == 2 * per_batch  # counted
     assert sum(x["rollout/stale_dropped"] for x in m) == m[-1]["rollout/stale_dropped_total"]
     for r in trajectories(run_dir):  # trained samples: policy version at step s is s-1
         assert (r["step"] - 1) - r["weight_version"] <= 1, r
