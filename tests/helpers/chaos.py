@@ -56,6 +56,7 @@ from typing import Optional
 
 from benchmarks import REPO
 from tests.helpers.chaos_tools import FAULTS_ENV
+from tests.helpers.procs import until_none
 
 EXIT_STOPPED = 75  # mgrpo_launchers.train.EXIT_STOPPED
 
@@ -300,13 +301,10 @@ class Soak:
         def left() -> list[int]:
             return sorted(set(marked(marker)) | {p for p, t in kids.items() if t and started(p) == t})
 
-        deadline = time.time() + (0 if fatal is not None and fatal["kind"] == "driver_kill" else 20)
-        while left() and time.time() < deadline:  # watchdogs notice their parent's end within a few seconds
-            time.sleep(0.5)
-        killed = kill_all(left())
-        deadline = time.time() + 10
-        while left() and time.time() < deadline:  # SIGKILLed: gone once the kernel has torn them down
-            time.sleep(0.2)
+        # watchdogs notice their parent's end within a few seconds; the SIGKILLed are gone once the kernel has
+        # torn them down
+        killed = kill_all(until_none(left, 0 if fatal is not None and fatal["kind"] == "driver_kill" else 20, 0.5))
+        until_none(left, 10, 0.2)
         resumed = re.search(r"resumed from (\S+) at step (\d+)", output)
         self.attempts.append({"attempt": k, "exit_code": rc, "wall_s": round(time.time() - t0, 1),
                               "last_step": seen["step"], "resumed_from_step": int(resumed.group(2)) if resumed else None,

@@ -36,25 +36,31 @@ def pids_where(*markers: str, environ: bool = False) -> list[int]:
     return out
 
 
-def still_running(*markers: str, environ: bool = False, wait_s: float = 15.0) -> dict[int, str]:
-    """What `pids_where` finds once `wait_s` has passed without it finding nothing: {pid: command line}. A run's
-    processes may still be on their way out when it returns (a watchdog polls its parent every 2 s; a SIGKILLed
-    process is visible until its memory is unmapped), so a test asking 'is anything left' waits, boundedly."""
+def until_none(find, wait_s: float, poll_s: float = 0.25) -> list:
+    """`find()` again every `poll_s` until it returns nothing or `wait_s` has passed; its last answer."""
     import time
 
     deadline = time.monotonic() + wait_s
-    while True:
-        found = pids_where(*markers, environ=environ)
-        if not found or time.monotonic() >= deadline:
-            break
-        time.sleep(0.25)
+    found = find()
+    while found and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        found = find()
+    return found
+
+
+def still_running(*markers: str, environ: bool = False, wait_s: float = 15.0) -> dict[int, str]:
+    """What `pids_where` still finds after waiting up to `wait_s` for it to find nothing: {pid: command line}. A
+    run's processes may still be on their way out when it returns (a watchdog polls its parent every 2 s; a
+    SIGKILLed process is visible until its memory is unmapped), so a test asking 'is anything left' waits, boundedly."""
     out = {}
-    for pid in found:
+    for pid in until_none(lambda: pids_where(*markers, environ=environ), wait_s):
         try:
-            out[pid] = _read(pid, "cmdline").replace("\0", " ").strip() or "(exited)"
+            cmdline = _read(pid, "cmdline").replace("\0", " ").strip()
         except OSError:
             continue  # gone since
-    return {p: c for p, c in out.items() if c != "(exited)"}
+        if cmdline:  # an empty one: a zombie, exited
+            out[pid] = cmdline
+    return out
 
 
 def kill(pids, sig: int = signal.SIGKILL) -> int:
