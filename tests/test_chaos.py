@@ -18,6 +18,35 @@ STEPS, BATCH, N = 20, 8, 4
 KINDS = ["engine_kill", "router_kill", "driver_kill"]
 
 
+@pytest.mark.integration
+def test_descendants_reach_grandchildren_that_renamed_themselves():
+    """What a SIGKILLed driver leaves: the raylet's agents are the driver's grandchildren and overwrite their
+    command line and environment when they rename themselves, so the harness must find them by the tree."""
+    import subprocess
+    import sys
+
+    agent = "import setproctitle, time; setproctitle.setproctitle('ray::Agent'); time.sleep(60)"
+    raylet = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {agent!r}]); time.sleep(60)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {raylet!r}]); time.sleep(60)"
+    driver = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        from tests.helpers.procs import until_none
+
+        def grandchildren():
+            return [p for p in chaos.descendants(driver.pid) if p not in chaos.children(driver.pid)]
+
+        renamed = lambda: any(chaos._proc(p, "cmdline").startswith("ray::Agent") for p in grandchildren())  # noqa: E731
+        assert not until_none(lambda: not renamed(), 20)  # until_none: waits while its answer is truthy
+        found = grandchildren()
+        assert len(found) == 1 and chaos._proc(found[0], "cmdline").startswith("ray::Agent")
+        assert set(chaos.children(driver.pid)) < set(chaos.descendants(driver.pid))
+    finally:
+        pids = chaos.descendants(driver.pid)
+        driver.kill()
+        chaos.kill_all(pids)
+        driver.wait(timeout=10)
+
+
 def test_schedule_is_seeded_and_covers_every_kind():
     a = chaos.make_schedule(0, 200, 12, list(chaos.KINDS))
     assert a == chaos.make_schedule(0, 200, 12, list(chaos.KINDS))  # the seed decides everything

@@ -194,6 +194,18 @@ def children(pid: int) -> list[int]:
     return [p for p in _pids() if _proc(p, "stat").rsplit(")", 1)[-1].split()[1:2] == [str(pid)]]
 
 
+def descendants(pid: int) -> list[int]:
+    """Everything below `pid` in the process tree now: Ray's agents are the raylet's children, not the driver's,
+    and they rename themselves (setproctitle), which can overwrite the environment that carries the marker."""
+    parent = {p: (_proc(p, "stat").rsplit(")", 1)[-1].split()[1:2] or [""])[0] for p in _pids()}
+    out, frontier = [], {str(pid)}
+    while frontier:
+        below = [p for p, pp in parent.items() if pp in frontier]
+        out += below
+        frontier = {str(p) for p in below}
+    return out
+
+
 def started(pid: int) -> str:
     """The process's start time (with its pid, what identifies it: pids are reused)."""
     return (_proc(pid, "stat").rsplit(")", 1)[-1].split()[19:20] or [""])[0]
@@ -274,7 +286,9 @@ class Soak:
         reader.start()
         fatal: Optional[dict] = None
         crossed: Optional[float] = None  # when the next fault's step was reached
-        kids: dict[int, str] = {}  # the driver's children (the router's environment does not carry the marker)
+        # the driver's descendants, each with its start time (the router's and Ray agents' environments may not
+        # carry the marker; a SIGKILLed raylet's agents outlive it by up to a minute, waiting on the dead GCS)
+        kids: dict[int, str] = {}
         last_scan = 0.0
         while proc.poll() is None:
             f = todo[0] if todo else None
@@ -285,12 +299,12 @@ class Soak:
                 if time.time() - crossed >= f.delay_s * min(1.0, seen["dt"]):
                     todo.pop(0)
                     crossed = None
-                    kids.update((p, started(p)) for p in children(proc.pid))
+                    kids.update((p, started(p)) for p in descendants(proc.pid))
                     record = self._inject(f, k, seen["step"], marker, proc.pid)
                     if record is not None and KINDS[f.kind].fatal:
                         fatal = record
             if time.time() - last_scan > 2.0:
-                kids.update((p, started(p)) for p in children(proc.pid))
+                kids.update((p, started(p)) for p in descendants(proc.pid))
                 last_scan = time.time()
             time.sleep(0.02)
         reader.join(timeout=30)
