@@ -28,6 +28,7 @@ def main() -> None:
     os.dup2(2, 1)  # fd 1 (C-level prints too) now goes to stderr
     sys.stdout = sys.stderr
 
+    from mgrpo.rewards import math_reward
     from mgrpo.rewards.registry import EVERY_SOURCE, builtin_rewards, get_reward_fn, load_function, to_score
 
     config = json.loads(sys.stdin.readline())
@@ -41,6 +42,8 @@ def main() -> None:
             fns[key] = load_function(custom[key], key)
         return get_reward_fn(src, fns)
 
+    if any(src in fns for src in math_reward.SOURCES):
+        math_reward.warm()
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         for req in json.loads(line)["requests"]:
