@@ -19,6 +19,7 @@ from mgrpo.components.assemble import Parts, Prepared, build, prepare
 from mgrpo.components.checkpoint import RunState
 from mgrpo.components.signals import StopSignal
 from mgrpo.config import MGRPOConfig, output_dir, resolve_device
+from mgrpo.observe import gc_pauses
 from mgrpo.observe.logs import default_logging
 from mgrpo.observe.metrics import run_summary, step_metrics, summed
 from mgrpo.observe.timing import PhaseTimer
@@ -47,6 +48,10 @@ class Trainer:
         self.parts: Optional[Parts] = None
         """Everything with a process or a file behind it, built by `_start` and taken down by `_close`."""
         self.stop = StopSignal()
+        self.gc = gc_pauses.GCPauses()
+        """The driver's garbage-collector pauses, in each step's metrics."""
+        self._frozen = 0
+        """Objects `gc_pauses.freeze` exempted at start-up (trainer.gc_freeze), given back by `_close`."""
 
     def fit(self) -> dict:
         """Train; return the last step's metrics. A first Ctrl-C (or SIGTERM/SIGUSR1) finishes the step, saves a
@@ -63,6 +68,9 @@ class Trainer:
             self._start(prepared)
             p = self.parts
             self.stop.install()  # after Ray's init, which installs a SIGTERM handler of its own
+            if self.cfg.trainer.gc_freeze:  # start-up's objects (imports, configs, parts) live until the end
+                self._frozen = gc_pauses.freeze()
+            self.gc.take()  # the steps' pauses, not start-up's
             if p.evaluator.before_training(self.state.step):
                 p.observer.log(self.evaluate(), step=0)
             p.experiences.start(self.state.step, self.state.pending)
@@ -134,7 +142,7 @@ class Trainer:
             with timer("update_weights"), p.experiences.idle():  # asynchronous rollout: the batch in flight first
                 state.weight_version += 1
                 synced = p.weights.sync(state.weight_version)
-        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics())
+        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics(), self.gc.take())
         state.count(metrics)  # the run-long counters, logged below as <name>_total
         metrics.update(step_metrics(exp, metrics, self.cfg, self.layout, p.experiences.train_data, state.counters))
         metrics.update(p.guard.measure(exp, version))
@@ -169,6 +177,10 @@ class Trainer:
 
     def _close(self) -> None:
         self.stop.uninstall()
+        self.gc.close()
+        if self._frozen:  # a process that goes on (a notebook, a test) gets its collector back as it was
+            gc_pauses.unfreeze()
+            self._frozen = 0
         if self.parts is not None:
             self.parts.close()
 

@@ -16,6 +16,7 @@ from mgrpo.net import free_port
 from mgrpo.cluster.engine_host import ENGINE_GROUPS, EngineSlot
 from mgrpo.cluster.ray_env import inherited_env
 from mgrpo.heap import arena_env, trim_after_call
+from mgrpo.observe import gc_pauses
 from mgrpo.cluster.placement import Placement
 from mgrpo.config import Layout, MGRPOConfig
 from mgrpo.rollout.types import WeightDeliveryError
@@ -66,6 +67,8 @@ class MegatronRank(EngineSlot):
         info = self.impl.info()
         if self.engine is not None:  # rollout.mode=hybrid: the engine in this process
             info["engine_shared_bytes"] = self.engine.share(self.impl.shareable_weights())
+        if cfg.trainer.gc_freeze:  # the rank's start-up is over (mgrpo/observe/gc_pauses.py)
+            info["gc_frozen_objects"] = gc_pauses.freeze()
         trim_after_call()
         return info
 
