@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mgrpo.rollout.categorical import BLOCK, invert, sample_categorical
+from mgrpo.rollout.categorical import BLOCK, invert, sample_categorical, within
 
 
 def _chi2_bound(df: int, z: float = 4.75) -> float:
@@ -29,15 +29,26 @@ def _weights() -> torch.Tensor:
     return w
 
 
-def test_draws_follow_the_exact_distribution_and_never_a_zero_weight():
-    w = _weights()
+def _one_block() -> torch.Tensor:
+    """20 entries (one block: the path without padding that the tiny job's 16-token vocabulary takes), zeros
+    among them and at both ends."""
+    w = _weights()[:20].clone()
+    w[19] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("weights", [_weights, _one_block])
+def test_draws_follow_the_exact_distribution_and_never_a_zero_weight(weights):
+    w = weights()
+    size = w.numel()
     rows, calls = 4000, 50
     g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(300, dtype=torch.float64)
+    counts = torch.zeros(size, dtype=torch.float64)
     for _ in range(calls):
         got = sample_categorical(w.expand(rows, -1), generator=g)
         assert got.shape == (rows, 1) and got.dtype == torch.int64
-        counts += torch.bincount(got.view(-1), minlength=300).double()
+        counts += torch.bincount(got.view(-1), minlength=size).double()
+    assert counts.numel() == size  # nothing drawn past the vocabulary (padding)
     n = rows * calls
     assert counts[w == 0].sum() == 0  # no zero weight drawn, padding included (bincount would show 300+)
     assert counts.sum() == n
@@ -50,17 +61,18 @@ def test_draws_follow_the_exact_distribution_and_never_a_zero_weight():
     assert stat > df / 4, (stat, df)
 
 
-def test_a_wrong_distribution_fails_the_same_check():
+@pytest.mark.parametrize("weights", [_weights, _one_block])
+def test_a_wrong_distribution_fails_the_same_check(weights):
     """The chi-square check above has power: draws from a slightly different distribution (one entry of
-    probability ~0.06 weighted 20% more) fail it."""
-    w = _weights()
+    probability ~0.06, or ~0.4 in one block, weighted 20% more) fail it."""
+    w = weights()
     shifted = w.clone()
     shifted[7] *= 1.2
     g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(300, dtype=torch.float64)
+    counts = torch.zeros(w.numel(), dtype=torch.float64)
     for _ in range(50):
         counts += torch.bincount(sample_categorical(shifted.expand(4000, -1), generator=g).view(-1),
-                                 minlength=300).double()
+                                 minlength=w.numel()).double()
     expected = w.double() / w.double().sum() * counts.sum()
     keep = expected > 5
     stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
@@ -88,7 +100,18 @@ def test_the_ends_of_the_unit_interval_give_the_first_and_last_entry_with_weight
     assert at(0.7) == [BLOCK + 9, 2 * BLOCK + 5]  # row 1: 1.05 > 1.0
 
 
-def test_qwen3_sized_rows_match_their_probabilities():
+def test_within_one_block_the_ends_give_the_first_and_last_entry_with_weight():
+    w = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.5, 0.0, 0.0, 0.0, 1.0]])
+    total = w.sum(-1, keepdim=True).double()
+
+    def at(u: float) -> list[int]:
+        return within(w, torch.full((2, 1), u, dtype=torch.float64) * total).view(-1).tolist()
+
+    assert at(0.0) == [1, 0]
+    assert at(math.nextafter(1.0, 0.0)) == [3, 4]
+    assert at(1.0) == [3, 4]  # rounded up to the total: the last entry with weight, not the zero after it
+    assert at(0.3) == [3, 0]  # row 0: 0.3 is past the first 0.25; row 1: 0.3 * 1.5 = 0.45 is inside the first 0.5
+
     """At Qwen3's vocabulary (1,187 blocks, no padding) a peaked row's top tokens come out at their
     probabilities, within 5 standard errors."""
     v = 151_936
@@ -110,9 +133,10 @@ def test_same_generator_seed_same_draws():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("vocab", [500, 16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0])
-def test_a_row_that_is_no_distribution_raises(bad):
-    p = torch.softmax(torch.randn(3, 500), -1)
+def test_a_row_that_is_no_distribution_raises(bad, vocab):
+    p = torch.softmax(torch.randn(3, vocab), -1)
     p[1] = 0.0
     p[1, 4] = bad
     with pytest.raises(ValueError, match="not a distribution"):

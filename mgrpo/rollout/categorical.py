@@ -6,7 +6,9 @@ rows x vocab exponentials one at a time, 48 ms for 16 rows of 151,936 (benchmark
 a decode step of the Qwen3-vocabulary benchmark model takes about 45 ms besides. `sample_categorical`
 draws from the same distribution by inversion with one uniform per row, on two levels so that the
 cumulative sums stay short and exact in float64: the block of 128 entries the uniform falls in, then the
-entry inside that block (about 1 ms for the same rows).
+entry inside that block (about 1 ms for the same rows). A vocabulary of one block (the tiny job's 16 tokens)
+takes the inner level alone: 0.05 ms for 256 rows, where padding it to a block and going through both levels
+took 0.2 ms, four of them in each tiny `generate`.
 
 The readable reference is `torch.multinomial`; tests/test_categorical.py checks the draws against the
 exact probabilities (chi-square) and against it.
@@ -42,6 +44,10 @@ def sample_categorical(probs: torch.Tensor, generator: Optional[torch.Generator]
     if probs.dim() != 2:
         raise ValueError(f"sample_categorical takes [rows, vocab] weights, not shape {tuple(probs.shape)}")
     n, v = probs.shape
+    if v <= BLOCK:  # one block (the tiny job's 16 entries): the inner level alone, no padding (0.05 ms, not 0.2)
+        total = probs.sum(-1, keepdim=True).double()
+        _check(total, total)
+        return within(probs, torch.rand((n, 1), dtype=torch.float64, generator=generator) * total)
     nb = -(-v // BLOCK)
     padded = F.pad(probs, (0, nb * BLOCK - v)) if nb * BLOCK != v else probs
     blocks = padded.reshape(n, nb, BLOCK)
@@ -49,11 +55,21 @@ def sample_categorical(probs: torch.Tensor, generator: Optional[torch.Generator]
     # them has; in float64 the sum alone cost 3.3 of the 4 ms), the running sums over blocks in float64.
     sums = blocks.sum(-1).double()  # [n, nb]
     cum = sums.cumsum(-1)
-    total = cum[:, -1:]
+    _check(cum[:, -1:], sums)
+    return invert(blocks, torch.rand((n, 1), dtype=torch.float64, generator=generator), sums, cum)
+
+
+def _check(total: torch.Tensor, sums: torch.Tensor) -> None:
     if not bool(torch.isfinite(total).all() and (total > 0).all() and (sums >= 0).all()):
         raise ValueError("sample_categorical: a row's weights are not a distribution (inf, NaN, negative or all "
                          "zero)")
-    return invert(blocks, torch.rand((n, 1), dtype=torch.float64, generator=generator), sums, cum)
+
+
+def within(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: per row the entry of `weights` ([n, k]) whose cumulative weight (float64) first passes `target`
+    ([n, 1] float64, in [0, the row's total]); a target rounded up to the total gives the last entry with weight."""
+    j = torch.searchsorted(weights.cumsum(-1, dtype=torch.float64), target, right=True)
+    return torch.minimum(j, _last_positive(weights))
 
 
 def invert(blocks: torch.Tensor, u: torch.Tensor, sums: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
@@ -67,6 +83,4 @@ def invert(blocks: torch.Tensor, u: torch.Tensor, sums: torch.Tensor, cum: torch
     k = torch.minimum(torch.searchsorted(cum, u, right=True), _last_positive(sums))
     below = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)), torch.zeros_like(u))  # mass before block k
     inner = blocks.gather(1, k[:, :, None].expand(n, 1, BLOCK)).squeeze(1)  # [n, BLOCK]
-    j = torch.searchsorted(inner.cumsum(-1, dtype=torch.float64), u - below, right=True)
-    j = torch.minimum(j, _last_positive(inner))
-    return k * BLOCK + j
+    return k * BLOCK + within(inner, u - below)
