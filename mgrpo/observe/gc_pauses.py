@@ -1,7 +1,7 @@
 """Python's cycle collector in a long-lived process: frozen once start-up is over, its pauses measured.
 
-A full (generation-2) collection walks every object the collector tracks. The driver imports torch,
-transformers, Ray and Hydra and builds the run's parts; a rank imports megatron besides. One full collection then
+A full (generation-2) collection walks every object the collector tracks. The driver imports Ray, Hydra and the
+run's parts and builds them; a rank imports torch, megatron and transformers besides. One full collection then
 stops the process for a fifth of a second: `python -m benchmarks.measure.gc_pauses --steps 150` (the tiny
 workload's job) saw one in the driver's 148 timed steps, 178 ms, and the step that took it 318 ms against a median
 of 125. Nearly all of the objects it walks are modules, functions, classes and configs made at start-up that live
