@@ -6,8 +6,8 @@
 The tiny workload's job (rollout=hf_cpu, 32 prompts x 8, 4 new tokens: `grpo_vs_trl`'s tiny) runs --steps steps
 with trainer.gc_freeze=false, then =true: the driver's full collections and pause seconds during the steps (the step
 metrics perf/gc_full_collections and perf/gc_pause_s) and the step time's median, mean and maximum (timing_s/step),
-the first --skip steps left out. (What a full collection walks: the tiny job's driver tracked ~488,000 objects at
-its 40th step, 98k functions, 86k tuples, 51k dicts, nearly all made by its imports.)
+the first --skip steps left out. (What a full collection walks: the tiny job's driver tracked ~488,000 objects
+mid-run (14 s after its start), 98k functions, 86k tuples, 51k dicts, nearly all made by its imports.)
 Prints the table and writes JSON. It asserts nothing.
 """
 
