@@ -36,6 +36,7 @@ RESULT_NEUTRAL = (
     "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq", "trainer.val_before_train", "evaluation.",
     # operations: where to connect, how long to wait, how to batch and ship what is computed anyway
     "trainer.ray_address", "trainer.allow_oversubscribe", "trainer.gpu_memory_gb", "trainer.cpus_per_worker",
+    "trainer.gc_freeze",
     "rollout.health_check_interval_s", "rollout.health_check_timeout_s", "rollout.request_timeout_s",
     "rollout.max_retries", "rollout.update_weights_bucket_mb", "rollout.generate_chunk", "rollout.api_key",
     "reward.num_workers", "reward.isolate_builtin_rules", "reward.timeout_s",
