@@ -48,8 +48,8 @@ class Trainer:
         self.parts: Optional[Parts] = None
         """Everything with a process or a file behind it, built by `_start` and taken down by `_close`."""
         self.stop = StopSignal()
-        self.gc = gc_pauses.GCPauses()
-        """The driver's garbage-collector pauses, in each step's metrics."""
+        self.gc: Optional[gc_pauses.GCPauses] = None
+        """The driver's garbage-collector pauses while `fit` trains, in each step's metrics."""
         self._frozen = 0
         """Objects `gc_pauses.freeze` exempted at start-up (trainer.gc_freeze), given back by `_close`."""
 
@@ -64,6 +64,7 @@ class Trainer:
             final, line = run_summary(self.run_dir)
             log.info("%s", line)
             return final
+        self.gc = gc_pauses.GCPauses()  # listens until `_close`
         try:
             self._start(prepared)
             p = self.parts
@@ -142,7 +143,8 @@ class Trainer:
             with timer("update_weights"), p.experiences.idle():  # asynchronous rollout: the batch in flight first
                 state.weight_version += 1
                 synced = p.weights.sync(state.weight_version)
-        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics(), self.gc.take())
+        paused = self.gc.take() if self.gc is not None else {}
+        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics(), paused)
         state.count(metrics)  # the run-long counters, logged below as <name>_total
         metrics.update(step_metrics(exp, metrics, self.cfg, self.layout, p.experiences.train_data, state.counters))
         metrics.update(p.guard.measure(exp, version))
@@ -177,7 +179,9 @@ class Trainer:
 
     def _close(self) -> None:
         self.stop.uninstall()
-        self.gc.close()
+        if self.gc is not None:
+            self.gc.close()
+            self.gc = None
         if self._frozen:  # a process that goes on (a notebook, a test) gets its collector back as it was
             gc_pauses.unfreeze()
             self._frozen = 0

@@ -123,7 +123,10 @@ def test_run_artifacts(tp1_run):
         assert key in metrics[0], key
     import gc
 
+    from mgrpo.observe.gc_pauses import GCPauses
+
     assert gc.get_freeze_count() == 0  # trainer.gc_freeze froze the driver's start-up; fit() gave it back
+    assert not [cb for cb in gc.callbacks if isinstance(getattr(cb, "__self__", None), GCPauses)]  # nor listens
     for m in metrics:  # rules alone judge inline; the loop waits neither for a thread nor for the kept reference
         assert "timing_s/ref" not in m and "timing_s/reward_wait" not in m, m  # forward (test_judge_run: models)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
