@@ -71,7 +71,7 @@ def test_routed_experts_go_to_the_engines_not_through_the_router(monkeypatch):
     from mgrpo.cluster import rollout_group
     from mgrpo.cluster.rollout_group import RolloutGroup
     from mgrpo.config import MGRPOConfig
-    from mgrpo.rollout.types import GenerateResult
+    from mgrpo.rollout.types import GenerateRequest, GenerateResult, from_columns, to_columns
 
     def answer(chunk, where):
         return [GenerateResult(uid=r.uid, token_ids=[where, r.routes_from], logprobs=[0.0, 0.0],
@@ -86,8 +86,9 @@ def test_routed_experts_go_to_the_engines_not_through_the_router(monkeypatch):
             f.set_result(self.fn(*args))
             return SimpleNamespace(future=lambda: f)
 
-    def engine(e):
-        return SimpleNamespace(generate=Remote(lambda chunk, params: answer(chunk, e)),
+    def engine(e):  # EngineSlot.generate's protocol: requests and results as columns
+        return SimpleNamespace(generate=Remote(lambda chunk, params: to_columns(answer(from_columns(GenerateRequest,
+                                                                                                    chunk), e))),
                                retries=Remote(lambda: 0), refused_requests=Remote(lambda: 0))
 
     class Front:
@@ -113,3 +114,24 @@ def test_routed_experts_go_to_the_engines_not_through_the_router(monkeypatch):
     out, _ = g.generate(prompts, 1, SamplingParams(max_new_tokens=2), sessions=sessions)
     assert [r.token_ids for r in out] == [[9, 0]] * 6  # through the router
     g._front_pool.shutdown()
+
+
+def test_an_engine_calls_columns_give_back_the_same_requests_and_results():
+    """What crosses Ray in an engine call (rollout/types.py::to_columns): every field of every request and result,
+    None, numpy routes and supports included, comes back equal and in order; an empty chunk is an empty list."""
+    import numpy as np
+
+    from mgrpo.rollout.types import GenerateRequest, GenerateResult, from_columns, to_columns
+
+    reqs = [GenerateRequest(uid=3, prompt_ids=[1, 2], session="s", seed=7, routes_from=1),
+            GenerateRequest(uid=0, prompt_ids=[5])]
+    assert from_columns(GenerateRequest, to_columns(reqs)) == reqs
+    routes = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
+    res = [GenerateResult(uid=3, token_ids=[4, 1], logprobs=[-0.5, -0.25], finish_reason="stop", weight_version=2,
+                          engine=1, support=[[4, 9], None], routed_experts=routes),
+           GenerateResult(uid=0, token_ids=[], logprobs=[], finish_reason="length", weight_version=2)]
+    back = from_columns(GenerateResult, to_columns(res))
+    assert [b.uid for b in back] == [3, 0] and back[1] == res[1]
+    assert back[0].support == [[4, 9], None] and np.array_equal(back[0].routed_experts, routes)
+    assert back[0].token_ids == [4, 1] and back[0].logprobs == [-0.5, -0.25] and back[0].engine == 1
+    assert to_columns([]) == {} and from_columns(GenerateResult, {}) == []

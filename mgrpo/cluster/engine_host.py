@@ -17,7 +17,7 @@ import ray
 
 from mgrpo.heap import trim_after_call
 from mgrpo.rollout.factory import build_engine
-from mgrpo.rollout.types import RolloutEngine
+from mgrpo.rollout.types import GenerateRequest, RolloutEngine, from_columns, to_columns
 
 ENGINE_GROUPS = {"engine": 4, "health": 1}
 
@@ -35,9 +35,10 @@ class EngineSlot:
         _hosted[ray.get_runtime_context().get_actor_id()] = self.engine
 
     @ray.method(concurrency_group="engine")
-    def generate(self, requests, sampling):
+    def generate(self, requests: dict, sampling) -> dict:
+        """`requests` and the results as columns (`rollout/types.py::to_columns`: cheaper to pickle)."""
         try:
-            return self.engine.generate(requests, sampling)
+            return to_columns(self.engine.generate(from_columns(GenerateRequest, requests), sampling))
         finally:
             trim_after_call()  # an in-process engine's decode steps freed their logits (mgrpo/heap.py)
 

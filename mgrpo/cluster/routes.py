@@ -10,6 +10,23 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from mgrpo.rollout.types import GenerateResult, from_columns, to_columns
+
+
+def _results(call: Future) -> Future:
+    """A future of the GenerateResults of an engine call, which answers them as columns (EngineSlot.generate); the
+    call's error (a dead engine's RayActorError) is this future's."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(from_columns(GenerateResult, f.result()))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(err)
+
+    call.add_done_callback(done)
+    return out
+
 
 def session_engine(session: Optional[str], engines: int) -> int:
     """The engine of a session: a stable hash (the same in every process and run), so a trajectory's turns
@@ -32,7 +49,7 @@ class ToEngines:
         if engine is None:
             engine = self.home[k] if self.home is not None else k % len(self.group.engines)
         e = engine
-        return self.group.engines[e].generate.remote(self.chunks[k], self.params[k]).future(), e
+        return _results(self.group.engines[e].generate.remote(to_columns(self.chunks[k]), self.params[k]).future()), e
 
     def recover(self, e: int) -> int:
         with self.group._heal_lock:  # (another call may have restarted it meanwhile: then it is alive)

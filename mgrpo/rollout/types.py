@@ -3,7 +3,7 @@ in-process transformers engine on CPU)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import numpy as np
@@ -83,6 +83,21 @@ class GenerateResult:
     routed_experts: Optional[np.ndarray] = None
     """int32 [prompt + response - 1, num_layers, top_k]: the logical experts each token was routed to, one row
     per position up to the last response token (which was never fed back); None when not asked."""
+
+
+def to_columns(items: Sequence) -> dict[str, list]:
+    """Dataclass instances of one type as {field: [each item's value]}: how an engine call's requests and results
+    cross Ray. Ray pickles 256 GenerateRequests out and 256 GenerateResults back slower as objects than as these
+    lists (`python -m benchmarks.measure.engine_call`)."""
+    if not items:
+        return {}
+    return {f.name: [getattr(x, f.name) for x in items] for f in fields(items[0])}
+
+
+def from_columns(cls: type, columns: dict[str, list]) -> list:
+    """`to_columns`' inverse: the instances of `cls`, in order."""
+    names = list(columns)
+    return [cls(**dict(zip(names, values))) for values in zip(*columns.values())]
 
 
 @dataclass
