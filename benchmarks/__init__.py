@@ -38,3 +38,14 @@ def output_path(args, name: str, flag: str = "out", folder: bool = False) -> str
     path = getattr(args, flag) or os.path.join(RESULTS if args.update_results else OUTPUTS, name)
     os.makedirs(path if folder else os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
+
+
+def write_json(args, name: str, result: dict) -> str:
+    """`result` as <output_path(args, name)>.json (indented), said on stdout; the path."""
+    import json
+
+    path = output_path(args, name) + ".json"
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+    return path

@@ -14,13 +14,12 @@ round trip (submit, pickle, run, pickle back, unpickle) of a call carrying the t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-from benchmarks import add_output_args, output_path
+from benchmarks import add_output_args, write_json
 from benchmarks.tools.proctree import machine
 
 SHAPES = {"tiny": (256, 5, 4), "qwen3vocab": (64, 150, 128)}
@@ -90,10 +89,7 @@ def main(argv=None) -> None:
             ray.kill(host)
     finally:
         ray.shutdown()
-    path = output_path(a, "engine_call_cpu") + ".json"
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_json(a, "engine_call_cpu", out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import REPO, add_output_args, output_path
+from benchmarks import REPO, add_output_args, write_json
 from benchmarks.tools.proctree import machine
 
 TINY = ["rollout=hf_cpu", "data.train_batch_size=32", "rollout.n=8", "data.max_response_length=4",
@@ -62,10 +62,7 @@ def main(argv=None) -> None:
             r = run_job(freeze, a.steps, a.skip, tmp)
             out["runs"].append(r)
             print(" ".join(f"{k}={v}" for k, v in r.items()))
-    path = output_path(a, "gc_pauses_cpu") + ".json"
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", path)
+    write_json(a, "gc_pauses_cpu", out)
 
 
 if __name__ == "__main__":
