@@ -190,14 +190,19 @@ def reward_model_dir(run_dir: str) -> str:
     return os.path.join(os.path.dirname(run_dir), "rm")
 
 
+def _ppid(pid: int) -> str:
+    """The parent's pid as /proc/<pid>/stat gives it ('' for a process gone)."""
+    return (_proc(pid, "stat").rsplit(")", 1)[-1].split()[1:2] or [""])[0]
+
+
 def children(pid: int) -> list[int]:
-    return [p for p in _pids() if _proc(p, "stat").rsplit(")", 1)[-1].split()[1:2] == [str(pid)]]
+    return [p for p in _pids() if _ppid(p) == str(pid)]
 
 
 def descendants(pid: int) -> list[int]:
     """Everything below `pid` in the process tree now: Ray's agents are the raylet's children, not the driver's,
     and they rename themselves (setproctitle), which can overwrite the environment that carries the marker."""
-    parent = {p: (_proc(p, "stat").rsplit(")", 1)[-1].split()[1:2] or [""])[0] for p in _pids()}
+    parent = {p: _ppid(p) for p in _pids()}
     out, frontier = [], {str(pid)}
     while frontier:
         below = [p for p, pp in parent.items() if pp in frontier]
