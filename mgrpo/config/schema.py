@@ -13,7 +13,7 @@ rollout.n, trainer.total_training_steps, ...).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 # Fields typed with a closed choice (mgrpo.config.choices) default to its plain string: Hydra checks and
@@ -98,7 +98,8 @@ class DataConfig:
     train_batch_size: int = 32
     """Prompts per step (each sampled rollout.n times)."""
     shuffle: bool = True
-    seed: int = 1
+    seed: Optional[int] = None
+    """The record order's seed; null = trainer.seed (set it only to vary the order alone)."""
     apply_chat_template: bool = True
     """Apply the tokenizer's chat template to `prompt` messages (ignored for the synthetic tokenizer)."""
     enable_thinking: bool = False
@@ -235,7 +236,8 @@ class ActorConfig:
     trainer's own old-policy forward, which then always runs). Either way the update reports
     actor/router/agreement: the share of (token, layer) routings the trainer's router, left to itself,
     would have chosen the same as the replayed ones."""
-    seed: int = 1
+    seed: Optional[int] = None
+    """Megatron's parallel RNG seed (dropout, tensor-parallel init streams); null = trainer.seed."""
 
     def logprob_chunk_tokens(self, v_local: int) -> int:
         """Tokens per log-prob kernel chunk on a rank holding `v_local` vocabulary rows."""
@@ -379,6 +381,8 @@ class TrainerConfig:
     logprob_diff_patience: int = 3
     """Consecutive steps over trainer.max_logprob_diff before the run stops; 0 turns the guard off."""
     seed: int = 1
+    """The run's seed: every random stream (model init, data order, sampling, mini-batches, Megatron's RNG) is a
+    function of it, so two runs with one seed on one machine give the same metrics."""
     gpu_memory_gb: Optional[float] = None
     """Memory of one accelerator in GiB for the memory check before start (None = 80; on CPU the host's)."""
     allow_oversubscribe: bool = False
@@ -404,6 +408,13 @@ class MGRPOConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        # One trainer.seed sets every stream: the data order and Megatron's RNG follow it unless set on their own.
+        if self.data.seed is None:
+            self.data = replace(self.data, seed=self.trainer.seed)
+        if self.actor.seed is None:
+            self.actor = replace(self.actor, seed=self.trainer.seed)
 
 
 def schema_keys(cls=MGRPOConfig, prefix: str = "") -> set[str]:
