@@ -1,7 +1,7 @@
 """mgrpo's benchmarks: every script runs from the repository root as `python -m benchmarks.<folder>.<name>`
 and writes its numbers, with the machine they came from, under `outputs/benchmarks/` (untracked); with
 `--update-results` it writes the committed files under `benchmarks/results/` that the READMEs are rendered from
-(see README.md here), so a trial run never changes them.
+(see benchmarks/README.md), so a trial run never changes them.
 
     measure/  mgrpo's own costs: weight streaming and sync, packing, the planner against measured memory, a
               Megatron rank's memory call by call, the decode loop's heap, the engines' log-prob memory
@@ -10,7 +10,7 @@ and writes its numbers, with the machine they came from, under `outputs/benchmar
     jobs/     the training job itself, run end to end: the main job, seeds, rollout paths, log-prob supports,
               the doctor on the main job, the chaos soak
     tools/    what the others share or feed: proctree (process-tree memory, the machine's description),
-              readme_table (renders the README's numbers from results/), test_suite (the suite's counts)
+              readme_table (renders the docs' numbers from results/), test_suite (the suite's counts)
     gpu/      every GPU check in one command (`python -m benchmarks.gpu.run`), with a CPU dry run
 """
 

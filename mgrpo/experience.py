@@ -205,7 +205,7 @@ class Experience:
         return len(self.scores) == len(self.response_ids)
 
     # --- arrays ---------------------------------------------------------------------------------
-    # numpy float32 (the driver never imports torch, issue 35), built from Python lists in one call each: a
+    # numpy float32 (the driver never imports torch), built from Python lists in one call each: a
     # write per row costs more than the step's arithmetic on the default job's 256 short responses
     def _width(self) -> int:
         return max(max((len(r) for r in self.response_ids), default=0), 1)
@@ -341,7 +341,7 @@ class Experience:
     def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:
         """Sample indices of each mini-batch (whole prompt groups, shuffled with a seeded generator
         when there are several mini-batches). numpy's generator, not torch's (the driver has no torch): a given
-        seed puts other groups together than torch.randperm did before issue 35."""
+        seed puts other groups together than torch.randperm did when the driver used torch."""
         groups = sorted(set(self.group_index))
         per = cfg.actor.ppo_mini_batch_size or len(groups)
         if per < len(groups):

@@ -1,4 +1,4 @@
-"""Test tiers by cost, enforced (DESIGN.md section 10).
+"""Test tiers by cost, enforced: a test's tier is what it may start, not a label.
 
 - `unit` (the default for an unmarked test): in-process only. Starting a process (subprocess, multiprocessing,
   fork, spawn), a torch.distributed group (gloo) or a listening server fails the test, naming the marker to use.

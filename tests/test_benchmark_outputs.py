@@ -1,4 +1,4 @@
-"""Benchmarks write to outputs/benchmarks/ unless told to update the committed results (issue 30): a trial run
+"""Benchmarks write to outputs/benchmarks/ unless told to update the committed results: a trial run
 must never change what the READMEs are rendered from."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Every cluster example the docs ship fits: each `mgrpo-train`, `mgrpo-plan` and `sbatch slurm/train.sbatch` command
-in README.md, slurm/README.md, the sbatch header and the recipes' headers that runs on GPUs is planned here as
-mgrpo-plan plans it (FITS on the GPUs it names, every GPU generating), and the training commands name a model path
-and train on GSM8K, not the synthetic task. The commands are read from the files, so an example that changes is
-checked as it reads."""
+in README.md, docs/*.md, slurm/README.md, the sbatch header and the recipes' headers that runs on GPUs is planned
+here as mgrpo-plan plans it (FITS on the GPUs it names, every GPU generating), and the training commands name a
+model path and train on GSM8K, not the synthetic task. The commands are read from the files, so an example that
+changes is checked as it reads."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from mgrpo.compat.verl import translate
 from mgrpo_launchers.plan import build_plan, compose_config, render
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["README.md", "slurm/README.md", "slurm/train.sbatch", *sorted(
+SOURCES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+           "slurm/README.md", "slurm/train.sbatch", *sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "recipe").glob("*.yaml"))]
 COMMAND = re.compile(r"(?P<sbatch>\bsbatch(?P<opts>(?:\s+--[\w-]+=\S+)*)\s+slurm/train\.sbatch\b)|(?<![\w-])mgrpo-(?P<tool>train|plan)(?=\s|$)")
 
@@ -76,7 +77,8 @@ CLUSTER = [(where, tool, full) for where, tool, o, opts in commands() if (full :
 def test_the_examples_are_found():
     """The extraction sees the examples this test is about (a reworded README must not empty it)."""
     where = {w.split(":")[0] for w, _, _ in CLUSTER}
-    assert {"README.md", "slurm/README.md", "slurm/train.sbatch", "configs/recipe/qwen3-8b-gsm8k-grpo.yaml",
+    assert {"README.md", "docs/scale-and-planning.md", "slurm/README.md", "slurm/train.sbatch",
+            "configs/recipe/qwen3-8b-gsm8k-grpo.yaml",
             "configs/recipe/qwen3-8b-dapo.yaml", "configs/recipe/qwen3-8b-dr-grpo.yaml"} <= where
     assert sum(tool == "sbatch" for _, tool, _ in CLUSTER) >= 5 and len(CLUSTER) >= 12
 

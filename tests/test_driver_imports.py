@@ -1,4 +1,4 @@
-"""What the driver imports: no torch (issue 35: `import torch` alone was ~136 MiB of the driver's memory at the tiny
+"""What the driver imports: no torch (`import torch` alone was ~136 MiB of the driver's memory at the tiny
 job's peak). The run's parts (components/assemble.py::PART_MODULES) do their bookkeeping in numpy; torch lives in
 the Megatron ranks and the engines, and what they return through Ray is lists and numpy, so unpickling it does not
 import torch either. Only a run without model.hf_path imports it, to write its seeded initial weights."""

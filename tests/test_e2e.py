@@ -240,7 +240,7 @@ def test_dynamic_sampling_with_no_group_left_trains_unfiltered(tmp_path):
 def test_default_job_learns(tmp_path):
     """The README's main job, as is: mean reward of the first 10 steps <= 0.3, of the last 10 >= 0.7. Last-10 over
     trainer.seed=1-4 was 0.821/0.941/0.982/0.853 (2026-11-27), and seed 1 gives 0.779 on transformers 5.25's
-    install (README, Results): a bound under the spread of runs that learned, far above the ~0.02 of one that
+    install (docs/results.md): a bound under the spread of runs that learned, far above the ~0.02 of one that
     does not."""
     run_dir = str(tmp_path)
     out = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}"],

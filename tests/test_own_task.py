@@ -1,6 +1,7 @@
-"""README's "Bring your own task", followed as a user would: its bash block, as written, in an empty folder (a
-JSONL data file, a reward .py file given on the mgrpo-train command line as `reward.custom_functions={src:
-file.py:fn}`, the printable tokenizer on the tiny model), and the run must learn a task nothing was tuned on."""
+"""The docs' "Bring your own task" (docs/data-and-rewards.md), followed as a user would: its bash block, as
+written, in an empty folder (a JSONL data file, a reward .py file given on the mgrpo-train command line as
+`reward.custom_functions={src: file.py:fn}`, the printable tokenizer on the tiny model), and the run must learn a
+task nothing was tuned on."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "data-and-rewards.md"
 
 
 def recipe() -> str:
-    block = re.search(r"<!-- recipe:own-task -->\n```bash\n(.*?)```\n<!-- /recipe:own-task -->", README.read_text(),
+    block = re.search(r"<!-- recipe:own-task -->\n```bash\n(.*?)```\n<!-- /recipe:own-task -->", PAGE.read_text(),
                       re.S)
-    assert block, "README.md lost its '<!-- recipe:own-task -->' block"
+    assert block, "docs/data-and-rewards.md lost its '<!-- recipe:own-task -->' block"
     return block.group(1)
 
 

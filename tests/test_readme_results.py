@@ -1,5 +1,6 @@
-"""The README's measured numbers are the committed results files' (benchmarks/tools/readme_table.py renders the
-main job's sentence, the planner's table and the Results table from benchmarks/results/)."""
+"""The docs' measured numbers are the committed results files' (benchmarks/tools/readme_table.py renders the
+main job's sentence, the planner's table, the Results table, the test tiers and the performance history from
+benchmarks/results/ into the pages readme_table.PAGES names)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from benchmarks.tools import readme_table
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_is_what_the_results_files_say():
-    text = (ROOT / "README.md").read_text()
-    assert readme_table.render(text) == text, \
-        "README.md disagrees with benchmarks/results/: run `python -m benchmarks.tools.readme_table --write`"
+def test_the_pages_are_what_the_results_files_say():
+    assert sorted(n for names in readme_table.PAGES.values() for n in names) == sorted(readme_table.BLOCKS)
+    for page, names in readme_table.PAGES.items():
+        text = (ROOT / page).read_text()
+        assert readme_table.render(text, names, page) == text, \
+            f"{page} disagrees with benchmarks/results/: run `python -m benchmarks.tools.readme_table --write`"
 
 
 def test_a_changed_results_file_changes_the_readme(tmp_path, monkeypatch):
@@ -30,11 +33,13 @@ def test_a_changed_results_file_changes_the_readme(tmp_path, monkeypatch):
     main_job["reward_last10"] = 0.123456
     (results / "main_job_cpu.json").write_text(json.dumps(main_job))
     monkeypatch.setattr(readme_table, "RESULTS", str(results))
-    text = (ROOT / "README.md").read_text()
-    rendered = readme_table.render(text)
+    page = "docs/results.md"
+    names = readme_table.PAGES[page]
+    text = (ROOT / page).read_text()
+    rendered = readme_table.render(text, names, page)
     assert rendered != text and "0.123 over the last 10" in rendered
     with pytest.raises(ValueError, match="readme_table:results"):
-        readme_table.render(text.replace("<!-- /readme_table:results -->", ""))
+        readme_table.render(text.replace("<!-- /readme_table:results -->", ""), names, page)
 
 
 @pytest.mark.integration

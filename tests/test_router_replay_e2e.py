@@ -4,7 +4,7 @@ log-prob agreement; the whole loop (Ray, the CPU SGLang server behind SGLang's c
 replays the rollout's routes (agreement 1.0, engine and trainer log-probs within 1e-5 at step 1), and R2
 records and replays at EP=2 on the in-process engine.
 
-The learning runs (150 steps) are benchmarks/jobs/main_job.py's (README, Mixture of experts).
+The learning runs (150 steps) are benchmarks/jobs/main_job.py's (docs/moe.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sandbox against hostile code (issue 32's list), each case on bubblewrap: contained, its outcome counted,
+"""The sandbox against hostile code (bombs, floods, escapes), each case on bubblewrap: contained, its outcome counted,
 and the sandbox healthy afterwards (the next call answers). Network cases address only this machine's
 loopback: listeners started here, which must receive nothing.
 

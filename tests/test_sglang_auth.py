@@ -1,4 +1,4 @@
-"""The rollout fleet's key (issue 21 item 1): SGLang's rules read from the wheel, the CPU server enforcing
+"""The rollout fleet's key: SGLang's rules read from the wheel, the CPU server enforcing
 them on every route it serves, the key kept off command lines, the client, the weight senders and the
 router using it, and refusals counted."""
 

@@ -1,4 +1,4 @@
-"""Malformed input never hurts a rollout server or goes unnoticed by the client (issue 21 item 2).
+"""Malformed input never hurts a rollout server or goes unnoticed by the client.
 
 A bounded fuzz (fixed seed, a few hundred requests) against every endpoint of the CPU server: wrong JSON
 types, missing and unknown fields, out-of-range sampling values, token ids at or past the vocabulary,

@@ -1,5 +1,5 @@
 """A Qwen3-MoE checkpoint (transformers' own Qwen3MoeForCausalLM, tiny: 8 experts, top-2, 2 layers) served by
-the CPU server: routed experts returned as SGLang 0.5.23 returns them (issue 19 item 6, engine side),
+the CPU server: routed experts returned as SGLang 0.5.23 returns them (engine side),
 checked against the router's choice recomputed here from the checkpoint's tensors; weight updates under
 SGLang's Qwen3-MoE names (one tensor per expert) into transformers' fused experts."""
 

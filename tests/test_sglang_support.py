@@ -1,4 +1,4 @@
-"""Each output token's sampling support (issue 20, engine side): SGLang 0.5.23's `return_sampling_mask` /
+"""Each output token's sampling support (engine side): SGLang 0.5.23's `return_sampling_mask` /
 `sampling_logprobs_mode` served by the CPU server and read by the client into `GenerateResult.support`
 and behaviour log-probs. The supports are checked against an independent top-k-then-top-p written here
 over a transformers forward, the answer against SGLang's own classes and its server kit's assertions

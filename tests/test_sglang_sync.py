@@ -103,7 +103,7 @@ def _child(payloads, versions, base, q_out, q_in):
 
 @pytest.mark.integration
 def test_sender_rebuilt_every_sync_keeps_one_group_until_restart(engine, ref, ckpt, tmp_path):
-    """Issue 9: the rollout group ships a sender per sync; the trainer keeps one group. After an
+    """The rollout group ships a sender per sync; the trainer keeps one group. After an
     engine restart (generation bumped) a new group is made and the old one is destroyed."""
     base = ref.state()
     start = engine.weight_version

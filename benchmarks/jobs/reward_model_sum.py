@@ -159,7 +159,7 @@ def summarise(steps: list[dict]) -> dict:
     median = lambda key: median_of([m.get(key, 0.0) for m in steps])  # noqa: E731
     # The step's time split around scoring: the judge (rule + reward model) runs in a driver thread while the loop
     # waits for the reference forward (ref); reward_wait is what scoring took beyond it, so reward - reward_wait
-    # is the part of scoring the forward hid (issue 33 item 6).
+    # is the part of scoring the forward hid.
     split = {f"median_{k}_s": median(f"timing_s/{k}") for k in ("reward", "reward_wait", "ref", "update_actor")}
     split["median_reward_hidden_s"] = median_of([m.get("timing_s/reward", 0.0) - m.get("timing_s/reward_wait", 0.0)
                                                  for m in steps])

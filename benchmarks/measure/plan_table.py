@@ -60,7 +60,7 @@ def markdown(table: list[dict]) -> str:
 
 
 def recipe_settings() -> dict:
-    """What the recipe ships with that decides its memory (the README says it beside the table)."""
+    """What the recipe ships with that decides its memory (docs/scale-and-planning.md says it beside the table)."""
     from mgrpo_launchers.plan import compose_config
 
     cfg = compose_config(["recipe=qwen3-8b-gsm8k-grpo"])

@@ -1,5 +1,5 @@
 """The standing performance comparisons in one command, one line per run appended to a history, and a loud
-line when a number got more than 10% worse than the previous run's (issue 35).
+line when a number got more than 10% worse than the previous run's.
 
     python -m benchmarks.tools.perf_history                    # all, appended to outputs/benchmarks/perf_history.jsonl
     python -m benchmarks.tools.perf_history --update-results   # appended to benchmarks/results/perf_history.jsonl

@@ -1,17 +1,22 @@
-"""The README's measured numbers, rendered from the committed results files (benchmarks/results/), so the
-README says what the files say and nothing else.
+"""The docs' measured numbers, rendered from the committed results files (benchmarks/results/), so the
+pages say what the files say and nothing else.
 
     python -m benchmarks.tools.readme_table          # show what would change
-    python -m benchmarks.tools.readme_table --write  # rewrite the README's rendered blocks
-    python -m benchmarks.tools.readme_table --check  # exit 1 when the README and the files disagree
+    python -m benchmarks.tools.readme_table --write  # rewrite the pages' rendered blocks
+    python -m benchmarks.tools.readme_table --check  # exit 1 when a page and the files disagree
 
-Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in README.md:
-  main-job  the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
-  plan      the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from benchmarks/measure/plan_table.py)
-  results   the Results table; a row whose results file is missing is left out (its command makes the file)
-  test-tiers the test tiers' commands, counts and wall times (test_suite_cpu.json, from benchmarks/tools/test_suite.py)
-  perf      the standing comparisons' last line (perf_history.jsonl, from benchmarks/tools/perf_history.py)
-tests/test_readme_results.py fails when README.md is not what this renders.
+Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in the page PAGES names:
+  main-job   (docs/results.md) the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
+  plan       (docs/scale-and-planning.md) the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from
+             benchmarks/measure/plan_table.py)
+  results    (docs/results.md) the Results table; a row whose results file is missing is left out (its command
+             makes the file)
+  test-tiers (docs/development.md) the test tiers' commands, counts and wall times (test_suite_cpu.json, from
+             benchmarks/tools/test_suite.py)
+  perf       (docs/results.md) the standing comparisons' last line (perf_history.jsonl, from
+             benchmarks/tools/perf_history.py)
+Links into benchmarks/ are written relative to the page. tests/test_readme_results.py fails when a page is not what
+this renders.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from typing import Callable, Optional
 
 from benchmarks import REPO, RESULTS
 
-README = os.path.join(REPO, "README.md")
 
 
 def _json(name: str) -> Optional[dict]:
@@ -413,7 +417,7 @@ def row_convert():
 
 
 def test_tiers_block() -> str:
-    """The README's tier table: each tier's command, count, wall time against its budget, and the load."""
+    """The tier table: each tier's command, count, wall time against its budget, and the load."""
     d = _json("test_suite_cpu.json")
     if d is None:
         return "(not measured yet: `python -m benchmarks.tools.test_suite`)"
@@ -520,36 +524,50 @@ BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_blo
           "perf": perf_block}
 
 
-def render(readme: str) -> str:
-    """`readme` with every block replaced by what the results files say; each block must be there once."""
-    for name, block in BLOCKS.items():
+PAGES = {"docs/results.md": ("main-job", "results", "perf"), "docs/scale-and-planning.md": ("plan",),
+         "docs/development.md": ("test-tiers",)}
+"""Each page (relative to the repository) and the blocks it holds."""
+
+
+def render(text: str, names=tuple(BLOCKS), page: str = "README.md") -> str:
+    """`text` (the page `page`) with each named block replaced by what the results files say; each block must be
+    there once. Links to `benchmarks/...` are made relative to the page's folder."""
+    up = os.path.relpath(REPO, os.path.dirname(os.path.join(REPO, page)))
+    prefix = "" if up == "." else up + "/"
+    for name in names:
+        block = BLOCKS[name]
         pattern = re.compile(rf"(<!-- readme_table:{name} -->\n)(.*?)(\n<!-- /readme_table:{name} -->)", re.S)
-        if len(pattern.findall(readme)) != 1:
-            raise ValueError(f"README.md must hold the block <!-- readme_table:{name} --> ... "
+        if len(pattern.findall(text)) != 1:
+            raise ValueError(f"{page} must hold the block <!-- readme_table:{name} --> ... "
                              f"<!-- /readme_table:{name} --> exactly once")
-        readme = pattern.sub(lambda m: m.group(1) + block() + m.group(3), readme)
-    return readme
+        body = block().replace("](benchmarks/", f"]({prefix}benchmarks/")
+        text = pattern.sub(lambda m: m.group(1) + body + m.group(3), text)
+    return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="rewrite README.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 when README.md differs")
+    ap.add_argument("--write", action="store_true", help="rewrite the pages")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page differs")
     args = ap.parse_args(argv)
-    with open(README) as f:
-        old = f.read()
-    new = render(old)
-    if new == old:
-        print("README.md agrees with benchmarks/results/")
-        return 0
-    if args.write:
-        with open(README, "w") as f:
-            f.write(new)
-        print("README.md rewritten from benchmarks/results/")
-        return 0
-    sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README.md",
-                                               "README.md (rendered)"))
-    return 1 if args.check else 0
+    differs = False
+    for page, names in PAGES.items():
+        path = os.path.join(REPO, page)
+        with open(path) as f:
+            old = f.read()
+        new = render(old, names, page)
+        if new == old:
+            print(f"{page} agrees with benchmarks/results/")
+            continue
+        if args.write:
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"{page} rewritten from benchmarks/results/")
+            continue
+        differs = True
+        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), page,
+                                                   f"{page} (rendered)"))
+    return 1 if args.check and differs else 0
 
 
 if __name__ == "__main__":

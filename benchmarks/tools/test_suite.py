@@ -33,7 +33,7 @@ COMMANDS = {
     "system": ["-m", "system", "-n", "2"],  # as .ci/run runs it
 }
 BUDGET_S = {"unit": 180, "readme": 1200, "system": None, "ci": 3000}
-"""Issue 29's budgets on the 2-core machine: unit <= 3 min, the README's command <= 20 min; .ci/run (install,
+"""The budgets on the 2-core machine: unit <= 3 min, the README's command <= 20 min; .ci/run (install,
 SLURM, both commands) <= 50 min."""
 
 

@@ -12,7 +12,7 @@ When `token_rewards` is given it is the whole reward signal and supersedes `scor
 estimators use its masked per-response sum, as veRL does (so a KL-in-reward penalty also lowers the
 GRPO score). Left out on purpose: critics (GAE), ReMax and OPO, which need extra rollouts or values.
 
-numpy, not torch: this is the driver's bookkeeping, and the driver never imports torch (issue 35: ~136 MiB of
+numpy, not torch: this is the driver's bookkeeping, and the driver never imports torch (~136 MiB of
 its memory). Statistics in float64, results in float32 (what the trainer ranks receive).
 """
 

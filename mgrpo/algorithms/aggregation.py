@@ -21,7 +21,7 @@ For seq-mean-token-sum-norm veRL 0.9.1's `agg_loss` takes the mean over response
 constant, `actor.loss_scale_factor`, which defaults to the (padded) max response length; L_max is that
 constant. This is Dr. GRPO's written objective, (1/G) sum_i sum_t l_it / L_max.
 
-numpy, not torch: the weights are computed on the driver, which never imports torch (issue 35); they travel
+numpy, not torch: the weights are computed on the driver, which never imports torch; they travel
 to the ranks as per-sample lists.
 """
 

@@ -1,7 +1,7 @@
 """DAPO's batch shaping: dynamic sampling (filter_groups), overlong filtering and overlong reward shaping.
 
 Each function returns counts next to its result, so the trainer can log what was dropped or changed
-(nothing is lost silently). numpy, not torch: all of it runs on the driver, which never imports torch (issue 35).
+(nothing is lost silently). numpy, not torch: all of it runs on the driver, which never imports torch.
 """
 
 from __future__ import annotations

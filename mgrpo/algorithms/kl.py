@@ -17,7 +17,7 @@ loss (`policy_loss.make_token_loss_fn`) that calls them.
 
 One definition for two array kinds: the estimators use only arithmetic, `.clip` and `_exp`, so the rank's loss
 calls them on torch tensors (autograd) and the driver's KL-in-reward on numpy arrays, which keeps torch out
-of the driver (issue 35). This module imports no torch.
+of the driver. This module imports no torch.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ each token (0 = the whole vocabulary: nothing was cut) and the ids themselves, a
 Never a vocabulary-wide mask: top_k = 50 costs 200 bytes per token. They are `array.array('i')`, not
 tensors: a step's few hundred responses travel to the trainer ranks (twice) and a torch tensor costs
 ~0.3 ms to pickle however small, 100x an array's (measured: 256 responses, 152 ms vs 1.1 ms). No torch here: the
-driver builds them (issue 35); the rank lays them out per micro-batch (`training/batch.py::gather_tokens`).
+torch-free driver builds them; the rank lays them out per micro-batch (`training/batch.py::gather_tokens`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from mgrpo.config import Layout, MGRPOConfig
 
 if TYPE_CHECKING:
     # cluster imports Ray, and the step's parts numpy and their libraries, which the driver loads only when a run
-    # starts (build); none of them imports torch (issue 35: tests/test_driver_imports.py)
+    # starts (build); none of them imports torch (the driver stays torch-free: tests/test_driver_imports.py)
     from mgrpo.cluster.placement import Placement
     from mgrpo.components.actor_client import ActorClient
     from mgrpo.components.evaluator import Evaluator
@@ -245,7 +245,7 @@ class _Phases:
 PART_MODULES = ("mgrpo.cluster.megatron_group", "mgrpo.cluster.rollout_group", "mgrpo.components.actor_client",
                 "mgrpo.components.evaluator", "mgrpo.components.experience_maker", "mgrpo.components.observer",
                 "mgrpo.components.reward_models", "mgrpo.components.weight_sync")
-"""What `build` makes the run's parts from. None imports torch: the driver's bookkeeping is numpy (issue 35)."""
+"""What `build` makes the run's parts from. None imports torch: the driver's bookkeeping is numpy."""
 
 
 def _import_parts() -> None:
@@ -261,7 +261,7 @@ def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:
 
     m = cfg.model
     if m.hf_path:
-        check_hf_config(m.hf_path, m)  # config.json alone: the driver never imports torch (issue 35)
+        check_hf_config(m.hf_path, m)  # config.json alone: the driver never imports torch
         return m.hf_path
     path = os.path.join(run_dir, "init_hf")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -58,7 +58,7 @@ def hf_architecture(hf_dir: str) -> dict:
 def _raw_view(family, raw: dict) -> SimpleNamespace:
     """config.json as the attribute view `ModelFamily.hf_unsupported` reads (getattr with defaults), without
     transformers' config classes: those import torch (transformers' modeling_rope_utils), and the driver checks
-    a checkpoint it never loads (issue 35). The family's architecture fields go over the raw keys, normalised
+    a checkpoint it never loads, without torch. The family's architecture fields go over the raw keys, normalised
     across transformers versions (5.x writes a MoE's expert count as num_local_experts) with its defaults."""
     return SimpleNamespace(**{**raw, **family.hf_json_fields(raw)})
 

@@ -1,7 +1,7 @@
 """TensorBoard event files written with tensorboard's own classes, without torch.
 
 torch's `SummaryWriter` is a thin layer over tensorboard's `EventFileWriter`; importing it costs the driver
-`import torch` (~136 MiB of its memory, issue 35) for three kinds of record. These are those records, built as
+`import torch` (~136 MiB of its memory) for three kinds of record. These are those records, built as
 `torch/utils/tensorboard/summary.py` builds them, so every reader of the files (EventAccumulator, the
 TensorBoard tabs) sees what it saw before: scalars as `simple_value`, the Custom Scalars layout, text.
 (tensorboard's plugins' own `pb` builders for text and custom scalars import TensorFlow, which is not

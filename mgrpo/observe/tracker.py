@@ -77,7 +77,7 @@ class Tracker:
         self._jsonl = open(path, "a", buffering=1)
         self._tb = None
         if "tensorboard" in self.loggers:
-            from mgrpo.observe.tb_events import EventWriter  # tensorboard's writer, no torch (issue 35)
+            from mgrpo.observe.tb_events import EventWriter  # tensorboard's writer, no torch in the driver
 
             # purge_step hides events a previous attempt logged after the checkpoint we resume from.
             self._tb = EventWriter(os.path.join(run_dir, "tensorboard"),

@@ -1,5 +1,5 @@
 """What the driver sends a data-parallel rank: `RankBatch` (plain lists and numpy, so it pickles small and the
-driver never needs torch, issue 35), and the compact routing arrays it may carry. The rank turns it into
+driver never needs torch), and the compact routing arrays it may carry. The rank turns it into
 micro-batch tensors (`mgrpo/training/batch.py`)."""
 
 from __future__ import annotations

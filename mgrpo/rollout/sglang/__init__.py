@@ -24,7 +24,7 @@ Our client (this folder):
 from mgrpo.config.registry import lazy_exports
 
 # Imported on first use, not with the package: the client's modules import torch, and a driver that only resolves
-# the run's key (auth.py) or reads the protocol must not (issue 35).
+# the run's key (auth.py) or reads the protocol must not (torch is ~136 MiB).
 _EXPORTS = {
     "SGLangEngine": "client",
     "SGLangRequestError": "http",
