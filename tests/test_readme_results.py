@@ -23,21 +23,32 @@ def test_the_pages_are_what_the_results_files_say():
 
 
 def test_a_changed_results_file_changes_the_readme(tmp_path, monkeypatch):
-    """The check can fail: the main job's last-10 reward edited in a copy of the results shows in the render."""
+    """The check can fail: the main job's wall time edited in a copy of the results, and a learning-history line
+    with other rewards, show in the render."""
+    from benchmarks.tools import learning_history
+
     results = tmp_path / "results"
     results.mkdir()
     for f in (ROOT / "benchmarks" / "results").iterdir():
         if f.is_file():
             (results / f.name).write_bytes(f.read_bytes())
     main_job = json.loads((results / "main_job_cpu.json").read_text())
-    main_job["reward_last10"] = 0.123456
+    main_job["wall_s"] = 1234.0
     (results / "main_job_cpu.json").write_text(json.dumps(main_job))
+    runs = {str(s): {"first10": 0.01, "last10": 0.123456, "steps": 150, "wall_s": 60.0, "load_1m_at_start": 1.0}
+            for s in (1, 2, 3)}
+    line = {"commit": "abc", "date_utc": "2026-12-06T00:00:00Z", "overrides": [], "machine": {"cpu_model": "X"},
+            "recipes": {"main": learning_history.summarise("main", runs)}}
+    with open(results / "learning_history.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
     monkeypatch.setattr(readme_table, "RESULTS", str(results))
     page = "docs/results.md"
     names = readme_table.PAGES[page]
     text = (ROOT / page).read_text()
     rendered = readme_table.render(text, names, page)
-    assert rendered != text and "0.123 over the last 10" in rendered
+    assert rendered != text and "1234 s of wall time" in rendered and "| 3 | 0.123 / 0.123 / 0.123 |" in rendered
+    readme = (ROOT / "README.md").read_text()
+    assert "**0.123 to 0.123, median 0.123**" in readme_table.render(readme, readme_table.PAGES["README.md"])
     with pytest.raises(ValueError, match="readme_table:results"):
         readme_table.render(text.replace("<!-- /readme_table:results -->", ""), names, page)
 

@@ -6,7 +6,10 @@ pages say what the files say and nothing else.
     python -m benchmarks.tools.readme_table --check  # exit 1 when a page and the files disagree
 
 Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAME -->` in the page PAGES names:
-  main-job   (docs/results.md) the main job's sentence (main_job_cpu.json, rollout_hf_inprocess_cpu.json)
+  learning-main (README.md) the main job's learning over seeds (learning_history.jsonl)
+  learning   (docs/results.md) every recipe's learning over seeds (learning_history.jsonl, from
+             benchmarks/tools/learning_history.py): the only place learning figures come from
+  main-job   (docs/results.md) the main job's time and memory (main_job_cpu.json)
   plan       (docs/scale-and-planning.md) the planner's table for the 8B recipe (plan_qwen3_8x80gb.json, from
              benchmarks/measure/plan_table.py)
   results    (docs/results.md) the Results table; a row whose results file is missing is left out (its command
@@ -75,16 +78,47 @@ def _load(machine: dict) -> str:
 
 # --- main job ------------------------------------------------------------------------------------------
 def main_job_block() -> str:
-    m, hf = _json("main_job_cpu.json"), _json("rollout_hf_inprocess_cpu.json")
-    text = (f"mean reward {m['reward_first10']:.3f} over the first 10 steps and {m['reward_last10']:.3f} over the last "
-            f"10 (`rollout=sglang_cpu`, the default; {m['wall_s']:.0f} s of wall time at load "
-            f"~{_load(m['machine'])}, `python -m benchmarks.jobs.main_job`).")
-    if hf:
-        r = hf["rows"][0]
-        text += (f" With the in-process engine (`mgrpo-train rollout=hf_cpu`) the same job reaches "
-                 f"{r['reward_last10']:.3f} over the last 10 steps in {r['wall_s']:.0f} s at load "
-                 f"~{_load(hf['machine'])}.")
-    return text
+    m = _json("main_job_cpu.json")
+    return (f"The default job's costs: {m['wall_s']:.0f} s of wall time, first step after "
+            f"{m['time_to_first_step_s']:.0f} s, median step {m['median_step_s']:.2f} s, peak process-tree memory "
+            f"{m['peak_pss_tree_mib']:,.0f} MiB PSS at load ~{_load(m['machine'])} (`python -m benchmarks.jobs.main_job`; "
+            f"its rewards are the learning history's).")
+
+
+def _history() -> list[dict]:
+    from benchmarks.tools import learning_history
+
+    return learning_history.read_history(os.path.join(RESULTS, "learning_history.jsonl"))
+
+
+def learning_main_block() -> str:
+    """The main job's learning, from the newest committed learning-history line that ran it."""
+    from benchmarks.tools import learning_history
+
+    got = learning_history.latest(_history()).get("main")
+    if got is None:
+        return "(no learning-history line for the main job yet: `python -m benchmarks.tools.learning_history`)"
+    seeds = sorted(got["seeds"], key=int)
+    firsts = sorted(r["first10"] for r in got["seeds"].values())
+    return (f"Mean reward over the last 10 of {got['seeds'][seeds[0]]['steps']} steps, trainer.seed "
+            f"{seeds[0]}-{seeds[-1]}: **{got['min']:.3f} to {got['max']:.3f}, median {got['median']:.3f}** "
+            f"(the first 10 steps: {firsts[0]:.3f} to {firsts[-1]:.3f}); median wall {got['median_wall_s']:.0f} s "
+            f"(commit {got['commit']}, {got['date_utc'][:10]}, `python -m benchmarks.tools.learning_history "
+            f"--recipes main`).")
+
+
+def learning_block() -> str:
+    """Every recipe's newest committed line: min / median / max over seeds against its floor."""
+    from benchmarks.tools import learning_history
+
+    history = _history()
+    if not history:
+        return "(no learning history yet: `python -m benchmarks.tools.learning_history --update-results`)"
+    cpus = sorted({line["machine"]["cpu_model"] for line in history if not line.get("overrides")})
+    return (learning_history.table(history) + "\n\nMean reward over the first and last 10 steps, per seed "
+            f"(`trainer.seed`), on the 2-core development machine ({', '.join(cpus)}). Command: "
+            "`python -m benchmarks.tools.learning_history [--recipes ...] [--seeds ...]`; the history is "
+            "`benchmarks/results/learning_history.jsonl`.")
 
 
 # --- the planner's table ---------------------------------------------------------------------------------
@@ -124,7 +158,7 @@ def _rollout_row(name: str, what: str, command: str, extra: Callable[[dict], str
             return None
         r = d["rows"][0]
         return (what, f"`{command}`",
-                f"{r['steps']} steps; first-10 {r['reward_first10']:.3f}, last-10 {r['reward_last10']:.3f}; median step "
+                f"{r['steps']} steps; median step "
                 f"{r['median_step_s']:.3f} s{extra(r)}, {r['wall_s']:.0f} s wall at load ~{_load(d['machine'])}")
     return row
 
@@ -134,8 +168,7 @@ def row_main_job():
     if m is None:
         return None
     return ("main job learns (production rollout path, the default)", "`python -m benchmarks.jobs.main_job`",
-            f"{m['steps']} steps; mean reward {m['reward_first10']:.3f} over the first 10, {m['reward_last10']:.3f} "
-            f"over the last 10; step-1 `rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e}, `actor/ppo_kl` "
+            f"{m['steps']} steps; step-1 `rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e}, `actor/ppo_kl` "
             f"{m['ppo_kl_step1']}; median step {m['median_step_s']:.2f} s, {m['wall_s']:.0f} s wall, peak "
             f"process-tree memory {m['peak_pss_tree_mib']:,.0f} MiB PSS ({m['max_processes']} processes) at load "
             f"~{_load(m['machine'])}")
@@ -151,8 +184,7 @@ def row_async():
             f"one-step-off vs synchronous, disaggregated SGLang-protocol engine{pinned}: "
             f"**{one['response_tokens_per_s']:,.0f} vs {sync['response_tokens_per_s']:,.0f} response tokens/s "
             f"({d['async_over_sync_response_tokens_per_s']:.2f}x)**, median step {one['median_step_s']:.2f} vs "
-            f"{sync['median_step_s']:.2f} s; both learn (last-10 {one['reward_last10']:.2f} / "
-            f"{sync['reward_last10']:.2f}); at load ~{_load(d['machine'])}")
+            f"{sync['median_step_s']:.2f} s; at load ~{_load(d['machine'])}")
 
 
 def row_chaos():
@@ -196,13 +228,11 @@ def row_ops():
     d = _json("ops_cpu.json")
     if d is None:
         return None
-    two = next(r for r in d["runs"] if "reward_last10" in r)
     return ("resume, nodes, SLURM", "`python -m pytest tests/test_resume_kill.py tests/test_ray_two_nodes.py "
             "tests/test_slurm_real.py tests/test_async_rollout.py`",
             "after SIGKILL of everything, later steps equal the uninterrupted run within 1e-6, each step once in "
             "metrics, trajectories and TensorBoard; over two `ray start` nodes the engine on the other node samples "
-            "from exactly the trainer's weights after every sync (the 150-step job over them learned: first-10 "
-            f"{two['reward_first10']:.3f}, last-10 {two['reward_last10']:.3f}) and a dead worker node is named; a "
+            "from exactly the trainer's weights after every sync and a dead worker node is named; a "
             "real one-node SLURM runs, "
             "requeues (scontrol, USR1, TERM) and resumes the sbatch job (`benchmarks/results/ops_cpu.json`; the SLURM "
             "tests need `slurm/testing/local_cluster.sh up`, which `.ci/run` does)")
@@ -234,18 +264,6 @@ def row_step0():
     return ("step-0 invariants", "same run, and `tests/test_e2e.py`",
             f"`rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e} (engine vs Megatron, same tokens and "
             f"weights); `actor/ppo_kl` {m['ppo_kl_step1']}")
-
-
-def row_seeds():
-    d = _json("seeds_cpu.json")
-    if d is None:
-        return None
-    rows = d["rows"]
-    return ("learning across seeds", _command(d["command"]),
-            "last-10 mean reward " + " / ".join(f"{r['reward_last10']:.2f}" for r in rows) + " for seeds "
-            + " / ".join(str(r["seed"]) for r in rows) + f" at {rows[0]['steps']} steps (first-10 "
-            + " / ".join(f"{r['reward_first10']:.3f}" for r in rows) + f"); at load ~"
-            + "-".join(sorted({f"{r['load_1m_at_start']:.0f}" for r in rows}, key=float)))
 
 
 def row_kernel():
@@ -459,7 +477,6 @@ ROWS: list[Row] = [
     row_ops,
     row_doctor,
     row_step0,
-    row_seeds,
     _static("layouts agree", "`python -m pytest tests/test_e2e.py -k layouts`",
             "TP=2, PP=2 (with several micro-batches per step) and DP=2 reproduce TP=1's losses and gradient norms "
             "within 1e-5, and their HF exports within 1e-4"),
@@ -520,11 +537,11 @@ def perf_block() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"main-job": main_job_block, "plan": plan_block, "results": results_block, "test-tiers": test_tiers_block,
+BLOCKS = {"main-job": main_job_block, "learning-main": learning_main_block, "learning": learning_block, "plan": plan_block, "results": results_block, "test-tiers": test_tiers_block,
           "perf": perf_block}
 
 
-PAGES = {"docs/results.md": ("main-job", "results", "perf"), "docs/scale-and-planning.md": ("plan",),
+PAGES = {"README.md": ("learning-main",), "docs/results.md": ("learning", "main-job", "results", "perf"), "docs/scale-and-planning.md": ("plan",),
          "docs/development.md": ("test-tiers",)}
 """Each page (relative to the repository) and the blocks it holds."""
 
