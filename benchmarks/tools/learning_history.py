@@ -202,14 +202,20 @@ def regressions(history: list[dict], line: dict) -> list[str]:
 
 
 def latest(history: list[dict]) -> dict[str, dict]:
-    """Per recipe, the newest line's summary (with its commit and date)."""
+    """Per recipe, the newest commit's summary (with its commit and date). Lines of one commit that ran the same
+    recipe (seeds run in separate invocations, e.g. the slow tier) count together; a later seed's run replaces an
+    earlier one of the same seed."""
     out: dict[str, dict] = {}
     for line in history:
         if line.get("overrides"):
             continue
         for name, got in line.get("recipes", {}).items():
-            if "median" in got:
-                out[name] = {**got, "commit": line["commit"], "date_utc": line["date_utc"]}
+            if "median" not in got:
+                continue
+            seeds = got["seeds"]
+            if name in out and out[name]["commit"] == line["commit"]:
+                seeds = {**out[name]["seeds"], **seeds}
+            out[name] = {**summarise(name, seeds), "commit": line["commit"], "date_utc": line["date_utc"]}
     return out
 
 
