@@ -78,10 +78,13 @@ def engine_errors(cfg: MGRPOConfig) -> list[str]:
 
 
 def sandbox_errors(cfg: MGRPOConfig) -> list[str]:
-    """A sandbox level the run names (sandbox.isolation=bwrap|unshare) that this machine cannot give. `auto`
-    is resolved where the sandbox is made (mgrpo.sandbox.tool.configure), which prints the level in force:
-    probing means starting trial sandboxes, which a run that runs no code should not pay for."""
-    if cfg.sandbox.isolation == "auto":
+    """The sandbox level this machine cannot give, for a run that names one (sandbox.isolation=bwrap|unshare)
+    or gives the model the code tool (auto: no level works). A trial sandbox starts here, a fraction of a
+    second, so that a run refused for its sandbox is refused before Ray and the models start; the result is
+    kept for the process, where the sandbox is then made. A run without the code tool on `auto` pays nothing."""
+    from mgrpo.sandbox.tool import gives_code_tool
+
+    if cfg.sandbox.isolation == "auto" and not gives_code_tool(cfg.rollout.multi_turn):
         return []
     from mgrpo.config.validate import InputError
     from mgrpo.sandbox.probe import resolve
