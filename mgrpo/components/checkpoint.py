@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -50,6 +51,10 @@ class RunState:
             self.counters[key] += measured.get(key, 0)
 
 
+SAVES_PER_RUN = 10
+"""trainer.save_freq=null checkpoints this many times over a run (the last one at its end)."""
+
+
 class Checkpointer:
     def __init__(self, run_dir: str, cfg: TrainerConfig, *, fingerprint: dict, total_steps: int):
         self.root = os.path.join(run_dir, "checkpoints")
@@ -60,9 +65,15 @@ class Checkpointer:
         self.total_steps = total_steps
 
     # --- cadence ------------------------------------------------------------------------------------
+    def every(self, total_steps: int) -> int:
+        """trainer.save_freq resolved: null = a tenth of the run (rounded up), so a kill loses at most that."""
+        f = self.cfg.save_freq
+        return f if f is not None else max(1, math.ceil(total_steps / SAVES_PER_RUN))
+
     def due(self, step: int, total_steps: int) -> bool:
         """A checkpoint after this step: every trainer.save_freq steps (the last one is `saves_at_end`'s)."""
-        return self.cfg.save_freq > 0 and step % self.cfg.save_freq == 0 and step < total_steps
+        every = self.every(total_steps)
+        return every > 0 and step % every == 0 and step < total_steps
 
     @property
     def saves_at_end(self) -> bool:
@@ -98,7 +109,7 @@ class Checkpointer:
                 return json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{file}: not valid JSON ({e}); resume from an earlier checkpoint "
-                                  "(trainer.resume=<its directory>) or start over (trainer.resume=off)") from None
+                                  "(trainer.resume=<its directory>) or start over (trainer.resume=disable)") from None
 
     # --- save ---------------------------------------------------------------------------------------
     def save(self, state: RunState, actor, train_data, observer=None, pending: Optional[dict] = None) -> str:
