@@ -12,6 +12,7 @@ copies one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,6 +97,29 @@ def sandbox_errors(cfg: MGRPOConfig) -> list[str]:
     return []
 
 
+def placement_errors(cfg: MGRPOConfig, lay: Layout) -> list[str]:
+    """A GPU layout that the Ray this run starts on this machine (no trainer.ray_address) cannot place: Ray
+    would wait for bundles that never fit and end in a traceback. A CPU run's Ray is given exactly the slots
+    it needs, and a cluster's (trainer.ray_address) resources are not this machine's: both pass."""
+    from mgrpo.config.validate import resolved_device
+
+    t = cfg.trainer
+    if t.ray_address or resolved_device(t.device) != "cuda":
+        return []
+    if resolved_device("auto") != "cuda":
+        return [f"trainer.device=cuda (cluster=gpu) but this machine has no NVIDIA GPU and trainer.ray_address "
+                f"names no cluster: {lay.megatron_world} trainer rank(s) cannot be placed (use cluster=local_cpu, "
+                "or trainer.ray_address of a GPU cluster)"]
+    from mgrpo.cluster.placement import bundle_count
+
+    bundles, have = bundle_count(cfg, lay, gpus=True), os.cpu_count() or 1
+    if bundles * t.cpus_per_worker > have:
+        return [f"trainer.cpus_per_worker={t.cpus_per_worker}: the run's {bundles} Ray bundles ({lay.megatron_world} "
+                f"trainer rank(s) and its engines) need {bundles * t.cpus_per_worker} CPUs, this machine has {have} "
+                f"(lower trainer.cpus_per_worker to {max(have // bundles, 1)} or fewer, or use trainer.ray_address)"]
+    return []
+
+
 def _router_replay_errors(cfg: MGRPOConfig, family) -> list[str]:
     """actor.router_replay needs routers (a mixture-of-experts family) and, to replay the rollout's routes,
     an engine that returns them (`EngineSpec.returns_routes`)."""
@@ -124,12 +148,16 @@ class Checked:
     """The memory plan's verdict (`mgrpo.plan.memory.Verdict`); None when not asked for."""
 
 
-def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True) -> Checked:
+def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True,
+              check_placement: bool = True) -> Checked:
     """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
     With `check_memory`, a run the memory plan says cannot fit fails here too, unless
-    trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
+    trainer.allow_oversubscribe (mgrpo-plan prints the whole plan). With `check_placement`, a layout the Ray
+    this run would start on this machine cannot place fails here too (`placement_errors`)."""
     raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg)
                  + sandbox_errors(cfg))
+    if check_placement:  # a run about to start Ray here (mgrpo-plan plans for other machines too)
+        raise_errors(placement_errors(cfg, layout(cfg)))  # needs a layout: after the field errors
     memory = None
     if check_memory:
         from mgrpo.plan.memory import check_fits
@@ -138,4 +166,5 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     return Checked(layout(cfg), memory)
 
 
-__all__ = ["Checked", "ConfigError", "engine_errors", "preflight", "registry_errors", "sandbox_errors"]
+__all__ = ["Checked", "ConfigError", "engine_errors", "placement_errors", "preflight", "registry_errors",
+           "sandbox_errors"]
