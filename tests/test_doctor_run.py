@@ -207,3 +207,13 @@ def test_a_run_over_the_token_cap_logs_a_sample_of_steps():
     assert period(8, 4, 513) == 2  # just over: every other step
     assert period(128, 5, 1024) == 40  # qwen3-8b-gsm8k-grpo: 655,360 tokens a step, one step in 40
     assert period(128, 5, 1024, True) == 1 and period(8, 4, 16, False) == 0
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_judged_by_its_config_yaml(tmp_path):
+    run = write_run(tmp_path / "run", [_line(1, [1], [2, 3, 4], [1e-6] * 3) for _ in range(4)])
+    assert "UNJUDGED" in verdict_line(analyse(run))
+    with open(os.path.join(run, "config.yaml"), "w") as f:
+        f.write("actor:\n  dtype: fp32\nrollout:\n  temperature: 1.0\n")
+    rep = analyse(run)
+    assert rep["actor_dtype"] == "fp32" and rep["default_bound"] == 1e-3
+    assert verdict_line(rep).startswith("verdict: AGREE: every step's mean |diff| is within the guard's bound")

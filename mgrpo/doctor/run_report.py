@@ -206,17 +206,27 @@ def next_command(run_dir: str, path: str, worst: list[dict]) -> Optional[str]:
 
 
 def run_setting(run_dir: str, key: str):
-    """A config value of the run, from the fingerprint its latest checkpoint stores (None without one)."""
+    """A config value of the run: from the fingerprint its latest checkpoint stores, else from the config.yaml
+    the run folder holds (a run killed before its first checkpoint); None without either."""
     latest = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        state = os.path.join(run_dir, "checkpoints", f.read().strip(), "trainer_state.json")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            state = os.path.join(run_dir, "checkpoints", f.read().strip(), "trainer_state.json")
+        try:
+            with open(state) as f:
+                return json.load(f).get("config", {}).get(key)
+        except (OSError, json.JSONDecodeError):
+            return None
     try:
-        with open(state) as f:
-            return json.load(f).get("config", {}).get(key)
-    except (OSError, json.JSONDecodeError):
+        import yaml
+
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            value = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
         return None
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 # --- text -----------------------------------------------------------------------------------------------
