@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -113,6 +114,7 @@ class Checkpointer:
 
     # --- save ---------------------------------------------------------------------------------------
     def save(self, state: RunState, actor, train_data, observer=None, pending: Optional[dict] = None) -> str:
+        t0 = time.monotonic()
         path = os.path.join(self.root, f"step_{state.step:06d}")
         if os.path.isdir(path):
             shutil.rmtree(path)
@@ -133,7 +135,7 @@ class Checkpointer:
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(self.root, "latest"))
         self._prune(keep=os.path.basename(path))
-        log.info("checkpoint saved: %s", path)
+        log.info("checkpoint saved: %s (%.2f s)", path, time.monotonic() - t0)  # what the save cadence costs
         return path
 
     def _prune(self, keep: str) -> None:
