@@ -27,6 +27,19 @@ def test_the_default_cadence_saves_every_tenth_of_the_run():
     assert _saves(150, -1) == [150] and _saves(150, 0) == [] and _saves(10, 4) == [4, 8, 10]
 
 
+def test_the_default_cadence_keeps_the_newest_two(tmp_path):
+    def kept(**trainer):
+        c = Checkpointer(str(tmp_path / str(len(os.listdir(tmp_path)))), TrainerConfig(**trainer), fingerprint={},
+                         total_steps=150)
+        for step in range(15, 151, 15):
+            os.makedirs(os.path.join(c.root, f"step_{step:06d}"))
+            c._prune(keep=f"step_{step:06d}")
+        return sorted(os.listdir(c.root))
+
+    assert kept() == ["step_000135", "step_000150"]
+    assert len(kept(save_freq=15)) == 10 and kept(max_ckpt_to_keep=3) == ["step_000120", "step_000135", "step_000150"]
+
+
 def test_resume_has_one_vocabulary():
     from mgrpo.components import run_folder
     from mgrpo.config.validate import RESUME_MODES, field_errors

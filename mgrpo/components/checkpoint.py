@@ -54,6 +54,9 @@ class RunState:
 
 SAVES_PER_RUN = 10
 """trainer.save_freq=null checkpoints this many times over a run (the last one at its end)."""
+AUTO_KEEP = 2
+"""...and keeps the newest this many (the published one and the one before it), unless max_ckpt_to_keep says:
+a cadence nobody asked for must not fill the disk with ten copies of a large model."""
 
 
 class Checkpointer:
@@ -139,8 +142,11 @@ class Checkpointer:
         return path
 
     def _prune(self, keep: str) -> None:
-        """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one)."""
+        """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one); unset, the
+        default cadence (save_freq null) keeps AUTO_KEEP, so that its ten saves do not hold ten copies."""
         k = self.cfg.max_ckpt_to_keep
+        if k is None and self.cfg.save_freq is None:
+            k = AUTO_KEEP
         if k is None or k <= 0:
             return
         steps = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d+", d))

@@ -356,7 +356,7 @@ class TrainerConfig:
     """Checkpoint every N steps; null = every tenth of the run (ceil(total steps / 10): a SIGKILL loses at most
     a tenth of it); -1 = only at the end; 0 = never."""
     max_ckpt_to_keep: Optional[int] = None
-    """Keep only the newest N checkpoints (None = all)."""
+    """Keep only the newest N checkpoints (None = all, or the newest 2 with the default save_freq=null)."""
     test_freq: int = -1
     """Evaluate every N steps (-1 = never)."""
     val_before_train: bool = False
