@@ -61,9 +61,30 @@ def in_dict(key: str) -> bool:
     return any(key == d or key.startswith(d + ".") for d in keys_of_type(dict))
 
 
+MEANT = {
+    "max_turns": "max_assistant_turns",  # veRL's multi_turn before it split turns into assistant and user ones
+    "num_turns": "max_assistant_turns",
+    "num_generations": "n",  # TRL's GRPOConfig
+    "n_samples_per_prompt": "n",  # slime
+    "learning_rate": "lr",
+    "epochs": "total_epochs",
+    "max_steps": "total_training_steps",
+    "checkpoint_freq": "save_freq",
+    "save_steps": "save_freq",
+}
+"""Last parts of keys that other trainers spell otherwise, to the key they mean here: a suggestion by meaning
+beats one by spelling (max_turns is closest to max_user_turns in letters but means max_assistant_turns)."""
+
+
 def closest(key: str) -> str:
-    """' (did you mean X?)' for the schema key nearest to `key`, or ''."""
+    """' (did you mean X?)' for the schema key `key` means (MEANT), else the one nearest in spelling, or ''."""
     keys = sorted(schema_keys())
+    group, _, leaf = key.rpartition(".")
+    if leaf in MEANT:
+        meant = [k for k in keys if k == f"{group}.{MEANT[leaf]}" or k == MEANT[leaf]]
+        meant = meant or [k for k in keys if k.endswith("." + MEANT[leaf])]
+        if meant:
+            return f" (did you mean {meant[0]}?)"
     match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not match:  # a typo in the group: compare the last part within its group, then anywhere
         leaf = key.rsplit(".", 1)[-1]

@@ -211,7 +211,7 @@ def gpu_use(cfg: MGRPOConfig, lay: Layout) -> dict:
 # --- the plan ----------------------------------------------------------------------------------------
 def build_plan(cfg: MGRPOConfig, *, dtype: Optional[str] = None, gpu_mem_gb: Optional[float] = None) -> dict:
     """Validate (data files need not exist yet) and lay out a run; raises ConfigError like mgrpo-train."""
-    lay = preflight(cfg, check_files=False, check_memory=False).layout
+    lay = preflight(cfg, check_files=False, check_memory=False, check_placement=False).layout
     warnings: list[str] = []
     if cfg.model.hf_path:
         cfg = hf_planning_config(cfg, warnings)

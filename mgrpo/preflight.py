@@ -12,6 +12,7 @@ copies one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,10 +79,13 @@ def engine_errors(cfg: MGRPOConfig) -> list[str]:
 
 
 def sandbox_errors(cfg: MGRPOConfig) -> list[str]:
-    """A sandbox level the run names (sandbox.isolation=bwrap|unshare) that this machine cannot give. `auto`
-    is resolved where the sandbox is made (mgrpo.sandbox.tool.configure), which prints the level in force:
-    probing means starting trial sandboxes, which a run that runs no code should not pay for."""
-    if cfg.sandbox.isolation == "auto":
+    """The sandbox level this machine cannot give, for a run that names one (sandbox.isolation=bwrap|unshare)
+    or gives the model the code tool (auto: no level works). A trial sandbox starts here, a fraction of a
+    second, so that a run refused for its sandbox is refused before Ray and the models start; the result is
+    kept for the process, where the sandbox is then made. A run without the code tool on `auto` pays nothing."""
+    from mgrpo.sandbox.tool import gives_code_tool
+
+    if cfg.sandbox.isolation == "auto" and not gives_code_tool(cfg.rollout.multi_turn):
         return []
     from mgrpo.config.validate import InputError
     from mgrpo.sandbox.probe import resolve
@@ -90,6 +94,29 @@ def sandbox_errors(cfg: MGRPOConfig) -> list[str]:
         resolve(cfg.sandbox.isolation)
     except InputError as e:
         return [str(e)]
+    return []
+
+
+def placement_errors(cfg: MGRPOConfig, lay: Layout) -> list[str]:
+    """A GPU layout that the Ray this run starts on this machine (no trainer.ray_address) cannot place: Ray
+    would wait for bundles that never fit and end in a traceback. A CPU run's Ray is given exactly the slots
+    it needs, and a cluster's (trainer.ray_address) resources are not this machine's: both pass."""
+    from mgrpo.config.validate import resolved_device
+
+    t = cfg.trainer
+    if t.ray_address or resolved_device(t.device) != "cuda":
+        return []
+    if resolved_device("auto") != "cuda":
+        return [f"trainer.device=cuda (cluster=gpu) but this machine has no NVIDIA GPU and trainer.ray_address "
+                f"names no cluster: {lay.megatron_world} trainer rank(s) cannot be placed (use cluster=local_cpu, "
+                "or trainer.ray_address of a GPU cluster)"]
+    from mgrpo.cluster.placement import bundle_count
+
+    bundles, have = bundle_count(cfg, lay, gpus=True), os.cpu_count() or 1
+    if bundles * t.cpus_per_worker > have:
+        return [f"trainer.cpus_per_worker={t.cpus_per_worker}: the run's {bundles} Ray bundles ({lay.megatron_world} "
+                f"trainer rank(s) and its engines) need {bundles * t.cpus_per_worker} CPUs, this machine has {have} "
+                f"(lower trainer.cpus_per_worker to {max(have // bundles, 1)} or fewer, or use trainer.ray_address)"]
     return []
 
 
@@ -121,12 +148,16 @@ class Checked:
     """The memory plan's verdict (`mgrpo.plan.memory.Verdict`); None when not asked for."""
 
 
-def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True) -> Checked:
+def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool = True,
+              check_placement: bool = True) -> Checked:
     """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
     With `check_memory`, a run the memory plan says cannot fit fails here too, unless
-    trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
+    trainer.allow_oversubscribe (mgrpo-plan prints the whole plan). With `check_placement`, a layout the Ray
+    this run would start on this machine cannot place fails here too (`placement_errors`)."""
     raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg)
                  + sandbox_errors(cfg))
+    if check_placement:  # a run about to start Ray here (mgrpo-plan plans for other machines too)
+        raise_errors(placement_errors(cfg, layout(cfg)))  # needs a layout: after the field errors
     memory = None
     if check_memory:
         from mgrpo.plan.memory import check_fits
@@ -135,4 +166,5 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     return Checked(layout(cfg), memory)
 
 
-__all__ = ["Checked", "ConfigError", "engine_errors", "preflight", "registry_errors", "sandbox_errors"]
+__all__ = ["Checked", "ConfigError", "engine_errors", "placement_errors", "preflight", "registry_errors",
+           "sandbox_errors"]

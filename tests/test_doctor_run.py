@@ -168,3 +168,52 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, case, message):
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 2
     if case in ("short", "json"):
         assert "trajectories.jsonl:2" in out.stderr  # the file and line
+
+
+def test_rounding_sized_differences_are_agreement_not_a_concentration(tmp_path):
+    # a float32 run: 1e-7 everywhere but 3e-7 on the late positions, a 3x ratio of rounding noise
+    rows = [_line(1, [1, 2], list(range(3, 19)), [1e-7] * 8 + [3e-7] * 8) for _ in range(10)]
+    rep = analyse(write_run(tmp_path / "fp32", rows))
+    pos = rep["concentration"]["position"]
+    assert pos["ratio"] == pytest.approx(3.0, rel=1e-3)  # the ratio is still measured ...
+    assert pos["agree"] and not pos["concentrated"]  # ... and called what it is
+    text = render(rep)
+    assert "CONCENTRATED" not in text and "by position  agreement (every group's median |diff| under 5e-06" in text
+    assert "every token group agrees to under 5e-06 (rounding)" in verdict_line(rep)
+
+
+def test_context_tokens_print_as_context_and_the_json_has_no_nan(tmp_path):
+    rows = [_multi_turn_line(s, 1e-3) for s in (1, 2) for _ in range(3)]
+    rep = analyse(write_run(tmp_path / "mt", rows))
+    text = render(rep)
+    assert "nan" not in text.lower()
+    assert "|diff| [1e-07, 1e-07, 1e-07, ctx, ctx, 0.001, 0.001, 0.001]" in text
+    worst = rep["worst"][0]
+    assert worst["diffs"][3:5] == [None, None] and worst["sampled"] == [1, 1, 1, 0, 0, 1, 1, 1]
+    json.dumps(rep, allow_nan=False)  # raises on any NaN or infinity left in the report
+
+
+def test_a_run_over_the_token_cap_logs_a_sample_of_steps():
+    from mgrpo.components.observer import LOG_TOKEN_LOGPROBS_AUTO_TOKENS, log_token_logprobs
+    from mgrpo.config.schema import DataConfig, MGRPOConfig, RolloutConfig, TrainerConfig
+
+    def period(batch, n, length, option=None):
+        return log_token_logprobs(MGRPOConfig(data=DataConfig(train_batch_size=batch, max_response_length=length),
+                                              rollout=RolloutConfig(n=n),
+                                              trainer=TrainerConfig(log_token_logprobs=option)))
+
+    assert LOG_TOKEN_LOGPROBS_AUTO_TOKENS == 16384
+    assert period(8, 4, 512) == 1  # 16,384 tokens a step: every step
+    assert period(8, 4, 513) == 2  # just over: every other step
+    assert period(128, 5, 1024) == 40  # qwen3-8b-gsm8k-grpo: 655,360 tokens a step, one step in 40
+    assert period(128, 5, 1024, True) == 1 and period(8, 4, 16, False) == 0
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_judged_by_its_config_yaml(tmp_path):
+    run = write_run(tmp_path / "run", [_line(1, [1], [2, 3, 4], [1e-6] * 3) for _ in range(4)])
+    assert "UNJUDGED" in verdict_line(analyse(run))
+    with open(os.path.join(run, "config.yaml"), "w") as f:
+        f.write("actor:\n  dtype: fp32\nrollout:\n  temperature: 1.0\n")
+    rep = analyse(run)
+    assert rep["actor_dtype"] == "fp32" and rep["default_bound"] == 1e-3
+    assert verdict_line(rep).startswith("verdict: AGREE: every step's mean |diff| is within the guard's bound")

@@ -138,8 +138,19 @@ def test_run_artifacts(tp1_run):
     with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == 2 * 8 * 4
-    assert {"prompt", "response", "reward", "advantage", "weight_version", "step"} <= set(rows[0])
+    assert {"prompt", "response", "reward", "advantage", "weight_version", "step", "ground_truth"} <= set(rows[0])
     assert {r["weight_version"] for r in rows if r["step"] == 2} == {1}
+    # the ground truth of each line is its prompt's: the sum task's prompt '<a>+<b>=' answers str(a + b)
+    for r in rows:
+        a, b = (int(x) for x in re.search(r"(\d+)\+(\d+)=", r["prompt"]).groups())
+        assert r["ground_truth"] == str(a + b), r["prompt"]
+    # the run folder says what started it, whole, as mgrpo-train --cfg job prints it
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    assert saved.trainer.output_dir == run_dir and saved.data.train_batch_size == 8 and saved.rollout.n == 4
+    assert saved.trainer.save_freq is None  # the default cadence: a tenth of the run, here every step
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["latest", "step_000001", "step_000002"]
 
 
 @pytest.mark.system

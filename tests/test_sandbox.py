@@ -5,6 +5,7 @@ itself, against hostile code, is tests/test_sandbox_hostile.py (integration)."""
 from __future__ import annotations
 
 import inspect
+import os
 import json
 
 import pytest
@@ -148,3 +149,45 @@ def test_preflight_refuses_a_named_level_the_machine_lacks(monkeypatch):
                             "bwrap is not installed")
     # auto asks nothing before the start (no trial sandbox for a run that runs no code)
     preflight(MGRPOConfig(), check_files=False, check_memory=False)
+
+
+def test_preflight_refuses_a_run_with_the_code_tool_when_no_level_works(monkeypatch):
+    from mgrpo.config import ConfigError
+    from mgrpo.config.multi_turn import MultiTurnConfig
+    from mgrpo.config.schema import ModelConfig, RolloutConfig
+    from mgrpo.preflight import preflight
+
+    lacking = {"bwrap": f"bwrap is not installed: {probe_module.INSTALL}", "unshare": "refused"}
+    monkeypatch.setattr(probe_module, "probe", lambda: lacking)
+    tool = MultiTurnConfig(enable=True, function_tools=["mgrpo.sandbox.tool:python"])
+    with pytest.raises(ConfigError) as e:  # auto, but the run runs code: refused before anything starts
+        preflight(MGRPOConfig(model=ModelConfig(tokenizer="qwen3"), rollout=RolloutConfig(multi_turn=tool)),
+                  check_files=False, check_memory=False)
+    assert "sandbox.isolation=auto: no isolation works on this machine" in str(e.value)
+    assert "apt-get install bubblewrap" in str(e.value)
+    # multi-turn without the code tool runs no code: nothing asked
+    other = MultiTurnConfig(enable=True, function_tools=["tests.helpers.agent:add"])
+    preflight(MGRPOConfig(model=ModelConfig(tokenizer="qwen3"), rollout=RolloutConfig(multi_turn=other)),
+              check_files=False, check_memory=False)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the sandbox user differs from the caller only when run by root")
+def test_unshare_as_root_names_the_private_home_and_what_to_install(monkeypatch):
+    import shutil
+    import tempfile
+
+    top = tempfile.mkdtemp(dir="/tmp")  # under /tmp itself: pytest's own folders are 0700
+    try:
+        os.chmod(top, 0o755)
+        home = os.path.join(top, "home")
+        os.makedirs(os.path.join(home, "pyenv"))
+        os.chmod(home, 0o700)
+        monkeypatch.setattr(probe_module, "interpreter_paths", lambda: [os.path.join(home, "pyenv")])
+        assert probe_module.closed_folder() == f"{home} (mode 0700)"
+        why = probe_module._works("unshare")  # said without starting a trial sandbox
+        assert f"lives under {home} (mode 0700), which the sandbox user cannot enter" in why
+        assert "apt-get install bubblewrap" in why
+        os.chmod(home, 0o755)
+        assert probe_module.closed_folder() is None
+    finally:
+        shutil.rmtree(top)

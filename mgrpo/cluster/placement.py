@@ -102,10 +102,8 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
     local_cpu = t.device == "cpu" and not t.ray_address
     # A local CPU Ray is told exactly how many CPU slots it may hand out (a bundle is a logical slot).
     hybrid = r.mode == "hybrid"
-    engine_slots = 0 if hybrid else r.num_engines
     own_rewards = launched_reward_models(cfg, "own")
-    start_ray(address=t.ray_address, num_cpus=cpus * (layout.megatron_world + engine_slots + sum(
-        m.engines for m in own_rewards.values())) + 1 if local_cpu else None)
+    start_ray(address=t.ray_address, num_cpus=cpus * bundle_count(cfg, layout, gpus=False) + 1 if local_cpu else None)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     # Without accelerators there is nothing to share: colocated engines get CPU slots of their own
     # (colocated mode still releases and resumes engine memory around training).
@@ -124,6 +122,15 @@ def place(cfg: MGRPOConfig, layout: Layout) -> Placement:
         raise
     return Placement(megatron=megatron, rollout=rollout, gpus=gpus, hosts_in_actor_bundles=in_actor_bundles,
                      engine_tp=r.tp, hybrid=hybrid, reward=reward, num_engines=r.num_engines)
+
+
+def bundle_count(cfg: MGRPOConfig, layout: Layout, *, gpus: bool) -> int:
+    """The bundles `place` reserves, trainer.cpus_per_worker CPUs each: one per Megatron rank, one per rollout
+    engine unless the engines live in the ranks' bundles (colocated on accelerators) or processes (hybrid), one
+    per engine of each reward model launched with placement=own."""
+    r = cfg.rollout
+    engines = 0 if r.mode == "hybrid" or (r.mode == "colocated" and gpus) else layout.num_engines
+    return layout.megatron_world + engines + sum(m.engines for m in launched_reward_models(cfg, "own").values())
 
 
 def launched_reward_models(cfg: MGRPOConfig, placement: str) -> dict:

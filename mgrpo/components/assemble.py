@@ -91,6 +91,15 @@ def config_yaml(cfg: MGRPOConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(tree))
 
 
+def write_config(run_dir: str, cfg: MGRPOConfig) -> str:
+    """<run_dir>/config.yaml: the whole config of this attempt (`config_yaml`), written whole or not at all."""
+    path = os.path.join(run_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        f.write(config_yaml(cfg))
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     """Data first (a bad record or an unknown data_source fails here, naming file:line:field), then the run
     folder's verdict: a folder holding another run is refused here too, before Ray or any worker starts."""
@@ -118,6 +127,8 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     latest = checkpointer.resume_dir()
     saved = checkpointer.read_state(latest) if latest is not None else None  # a broken checkpoint fails here
     decision = RunFolder(run_dir, cfg).decide(latest, saved, total_steps)
+    if not decision.finished:  # the run folder says what started it, as veRL's and Hydra's runs do
+        write_config(run_dir, cfg)
     return Prepared(tokenizer, train_data, val_data, total_steps, checkpointer, decision, tools)
 
 
@@ -209,7 +220,8 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                               experiences=experiences, stop=cfg.rollout.stop, stop_regex=cfg.rollout.stop_regex)
         observer = Observer(run_dir, t, total_steps=total_steps,
                             resume_step=state.step if resume_dir is not None else None,
-                            token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg))
+                            token_logprobs=log_token_logprobs(cfg), config_text=config_yaml(cfg),
+                            multi_turn=cfg.rollout.multi_turn.enable)
     except BaseException:
         if rollout is None and early is not None:  # engines started beside a failed step: taken down too
             with contextlib.suppress(BaseException):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -50,6 +52,13 @@ class RunState:
             self.counters[key] += measured.get(key, 0)
 
 
+SAVES_PER_RUN = 10
+"""trainer.save_freq=null checkpoints this many times over a run (the last one at its end)."""
+AUTO_KEEP = 2
+"""...and keeps the newest this many (the published one and the one before it), unless max_ckpt_to_keep says:
+a cadence nobody asked for must not fill the disk with ten copies of a large model."""
+
+
 class Checkpointer:
     def __init__(self, run_dir: str, cfg: TrainerConfig, *, fingerprint: dict, total_steps: int):
         self.root = os.path.join(run_dir, "checkpoints")
@@ -60,9 +69,15 @@ class Checkpointer:
         self.total_steps = total_steps
 
     # --- cadence ------------------------------------------------------------------------------------
+    def every(self, total_steps: int) -> int:
+        """trainer.save_freq resolved: null = a tenth of the run (rounded up), so a kill loses at most that."""
+        f = self.cfg.save_freq
+        return f if f is not None else max(1, math.ceil(total_steps / SAVES_PER_RUN))
+
     def due(self, step: int, total_steps: int) -> bool:
         """A checkpoint after this step: every trainer.save_freq steps (the last one is `saves_at_end`'s)."""
-        return self.cfg.save_freq > 0 and step % self.cfg.save_freq == 0 and step < total_steps
+        every = self.every(total_steps)
+        return every > 0 and step % every == 0 and step < total_steps
 
     @property
     def saves_at_end(self) -> bool:
@@ -98,10 +113,11 @@ class Checkpointer:
                 return json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{file}: not valid JSON ({e}); resume from an earlier checkpoint "
-                                  "(trainer.resume=<its directory>) or start over (trainer.resume=off)") from None
+                                  "(trainer.resume=<its directory>) or start over (trainer.resume=disable)") from None
 
     # --- save ---------------------------------------------------------------------------------------
     def save(self, state: RunState, actor, train_data, observer=None, pending: Optional[dict] = None) -> str:
+        t0 = time.monotonic()
         path = os.path.join(self.root, f"step_{state.step:06d}")
         if os.path.isdir(path):
             shutil.rmtree(path)
@@ -122,12 +138,15 @@ class Checkpointer:
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(self.root, "latest"))
         self._prune(keep=os.path.basename(path))
-        log.info("checkpoint saved: %s", path)
+        log.info("checkpoint saved: %s (%.2f s)", path, time.monotonic() - t0)  # what the save cadence costs
         return path
 
     def _prune(self, keep: str) -> None:
-        """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one)."""
+        """Keep the newest `trainer.max_ckpt_to_keep` checkpoints (and always the published one); unset, the
+        default cadence (save_freq null) keeps AUTO_KEEP, so that its ten saves do not hold ten copies."""
         k = self.cfg.max_ckpt_to_keep
+        if k is None and self.cfg.save_freq is None:
+            k = AUTO_KEEP
         if k is None or k <= 0:
             return
         steps = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d+", d))

@@ -55,9 +55,9 @@ class ExperienceMaker:
         """The code tool's module (mgrpo.sandbox.tool) when the run gives that tool: its sandbox is made from
         cfg.sandbox now (refusing a level the machine cannot give; the line names the isolation in force) and
         its per-call outcomes are drained into every step's metrics."""
-        if self.agent is not None and any(t.startswith("mgrpo.sandbox.tool:") for t in mt.function_tools):
-            from mgrpo.sandbox import tool as sandbox_tool
+        from mgrpo.sandbox import tool as sandbox_tool
 
+        if self.agent is not None and sandbox_tool.gives_code_tool(cfg.rollout.multi_turn):
             sandbox_tool.configure(cfg.sandbox)
             self.sandbox = sandbox_tool
         self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger

@@ -12,6 +12,7 @@ on disk; a write that failed raises at the next call, so nothing is lost silentl
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -65,29 +66,33 @@ class _Writer:
 
 
 LOG_TOKEN_LOGPROBS_AUTO_TOKENS = 16384
-"""trainer.log_token_logprobs=null writes token log-probs when a step has at most this many response tokens."""
+"""trainer.log_token_logprobs=null writes token log-probs for about this many response tokens per step on average:
+every step when a step has at most this many, else a sample of the steps."""
 
 
-def log_token_logprobs(cfg: MGRPOConfig) -> bool:
-    """trainer.log_token_logprobs resolved: null = on when a step's response tokens (train_batch_size x n x
-    max_response_length) are at most LOG_TOKEN_LOGPROBS_AUTO_TOKENS. A token costs ~45 bytes of JSON (its id
-    and two log-probs at full precision, which a 1e-7 difference needs), so a small step adds under 1 MB to
-    trajectories.jsonl (the default job, 1024 tokens a step: 7.6 MB over 150 steps); recipe=qwen3-8b-gsm8k-grpo
-    (128 x 5 x 1024 tokens) would add ~30 MB a step, so it is off there unless asked for."""
+def log_token_logprobs(cfg: MGRPOConfig) -> int:
+    """trainer.log_token_logprobs resolved as a step period: 0 = never, 1 = every step, k = steps 1, 1 + k, ...
+    null = every step when a step's response tokens (train_batch_size x n x max_response_length) are at most
+    LOG_TOKEN_LOGPROBS_AUTO_TOKENS, else every k-th step with k = ceil(tokens / that), so a large run writes the
+    same volume on average and `mgrpo-doctor run` still has a sample of its steps. A token costs ~45 bytes of
+    JSON (its id and two log-probs at full precision, which a 1e-7 difference needs): the default job (1024
+    tokens a step) adds 7.6 MB over 150 steps; recipe=qwen3-8b-gsm8k-grpo (655,360 tokens a step) writes one
+    step in 40."""
     t = cfg.trainer
     if t.log_token_logprobs is not None:
-        return bool(t.log_token_logprobs)
+        return int(bool(t.log_token_logprobs))
     tokens = cfg.data.train_batch_size * cfg.rollout.n * cfg.data.max_response_length
-    return tokens <= LOG_TOKEN_LOGPROBS_AUTO_TOKENS
+    return max(1, math.ceil(tokens / LOG_TOKEN_LOGPROBS_AUTO_TOKENS))
 
 
 class Observer:
     def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int],
-                 token_logprobs: bool = False, config_text: Optional[str] = None):
+                 token_logprobs: int = 0, config_text: Optional[str] = None, multi_turn: bool = False):
         self.tracker = Tracker(run_dir, t.logger, total_steps=total_steps, resume_step=resume_step,
-                               config_text=config_text)
+                               config_text=config_text, multi_turn=multi_turn)
         self.token_logprobs = token_logprobs
-        """Trajectory lines carry token ids and both sides' per-token log-probs (`log_token_logprobs`)."""
+        """Every this many steps (0: never) trajectory lines carry token ids and both sides' per-token log-probs
+        (`log_token_logprobs`)."""
         self.trajectories = None
         if t.log_trajectories:
             path = os.path.join(run_dir, "trajectories.jsonl")
@@ -110,7 +115,7 @@ class Observer:
         rows = [
             {"prompt": it.prompt_text, "response": text, "reward": rew, "score": sc,
              "advantage": adv[0] if adv else 0.0, "weight_version": ver, "finish_reason": fr,
-             "data_source": it.data_source, "group": g, "engine": e}
+             "data_source": it.data_source, "ground_truth": it.ground_truth, "group": g, "engine": e}
             for it, text, rew, sc, adv, ver, fr, g, e in zip(
                 exp.items, exp.response_texts, exp.rewards, exp.scores, exp.advantages or [[]] * len(exp),
                 exp.weight_versions, exp.finish_reasons, exp.group_index, exp.engines or [None] * len(exp))
@@ -118,7 +123,7 @@ class Observer:
         for row, outcome, by in zip(rows, exp.outcomes, exp.failed_by):
             if outcome != "ok":  # no reward (score null): why, and whose
                 row.update(reward_status=outcome, failed_by=by)
-        if self.token_logprobs:  # what mgrpo-doctor reads: both sides of rollout/logprob_abs_diff, token by token
+        if self.token_logprobs and (step - 1) % self.token_logprobs == 0:  # what mgrpo-doctor reads: both sides of rollout/logprob_abs_diff, token by token
             for row, p, r, ro, tr in zip(rows, exp.prompt_ids, exp.response_ids, exp.rollout_logprobs,
                                          exp.old_logprobs or [None] * len(exp)):
                 row.update(prompt_ids=p, response_ids=r, rollout_logprobs=ro, trainer_logprobs=tr)

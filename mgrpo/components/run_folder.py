@@ -9,7 +9,7 @@ On `trainer.resume=auto`:
     the ways out;
   - records but no checkpoint (a first attempt stopped before it saved one): start over, with the previous
     attempt's files moved aside (kept) so that no step is ever logged twice.
-`trainer.resume=off` starts over the same way; `trainer.resume=force` continues from the latest checkpoint with
+`trainer.resume=disable` starts over the same way (`off` is read as disable); `trainer.resume=force` continues from the latest checkpoint with
 the new values, listing what changed; `trainer.resume=<checkpoint dir>` continues from that checkpoint.
 """
 
@@ -47,7 +47,7 @@ the attempts of one run. Every other key is in the fingerprint."""
 LENGTH = ("trainer.total_training_steps", "trainer.total_epochs")
 """How long the run is: a longer run continues an equal one; a shorter one is a difference."""
 
-FILES = ("metrics.jsonl", "trajectories.jsonl", "tensorboard", "checkpoints", "hf", "tokenizer", "init_hf", "logs")
+FILES = ("config.yaml", "metrics.jsonl", "trajectories.jsonl", "tensorboard", "checkpoints", "hf", "tokenizer", "init_hf", "logs")
 """What a run writes in its folder (moved aside together when a run starts over)."""
 
 
@@ -104,7 +104,7 @@ class RunFolder:
         current config's step count. Raises ConfigError when the folder holds a different run."""
         mode = self.cfg.trainer.resume
         if mode in ("off", "disable"):
-            return self._start_over("trainer.resume=off")
+            return self._start_over("trainer.resume=disable")
         if mode not in ("auto", "force"):  # an explicit checkpoint directory
             self._warn_differences(saved, "trainer.resume=" + mode)
             return Decision(mode, message=f"resuming from {mode} (trainer.resume) at step {saved['step']}")
@@ -161,7 +161,7 @@ class RunFolder:
         lines = [f"{self.run_dir} holds another run: its checkpoint at step {step} ({latest}) was made with a "
                  f"different config:"]
         lines += [f"    {k}: {old!r} there, {new!r} now" for k, old, new in diffs]
-        lines += ["  ways out: trainer.resume=off (start over; the previous attempt's files are kept under "
+        lines += ["  ways out: trainer.resume=disable (start over; the previous attempt's files are kept under "
                   f"{os.path.join(self.run_dir, 'previous')}), a new trainer.experiment_name (a folder of its own), "
                   "or trainer.resume=force (continue from that checkpoint with the new values)"]
         return "\n".join(lines)

@@ -354,24 +354,28 @@ class TrainerConfig:
     total_epochs: int = 1
     total_training_steps: Optional[int] = 150
     """Stop after this many steps; None = total_epochs over the training data."""
-    save_freq: int = -1
-    """Checkpoint every N steps (-1 = only at the end)."""
+    save_freq: Optional[int] = None
+    """Checkpoint every N steps; null = every tenth of the run (ceil(total steps / 10): a SIGKILL loses at most
+    a tenth of it); -1 = only at the end; 0 = never."""
     max_ckpt_to_keep: Optional[int] = None
-    """Keep only the newest N checkpoints (None = all)."""
+    """Keep only the newest N checkpoints (None = all, or the newest 2 with the default save_freq=null)."""
     test_freq: int = -1
     """Evaluate every N steps (-1 = never)."""
     val_before_train: bool = False
     resume: str = "auto"
-    """auto (latest checkpoint in output_dir, if any) | disable | a checkpoint directory"""
+    """auto (continue from the latest checkpoint in the run folder when its config matches) | disable (start
+    over, the previous attempt's files kept under previous/) | force (continue from the latest checkpoint with
+    the new values) | a checkpoint directory. veRL's `resume_mode` words; `off` is read as disable."""
     logger: list[Logger] = field(default_factory=lambda: ["console", "tensorboard"])
     save_hf: bool = True
     """Write an HF-format checkpoint (config, safetensors, tokenizer) at the end."""
     log_trajectories: bool = True
     log_token_logprobs: Optional[bool] = None
     """Write each trajectory line's token ids and per-token log-probs, the engine's next to the trainer's, and
-    the engine that produced it (what `mgrpo-doctor run` reads). null = on when a step is small: at most
-    LOG_TOKEN_LOGPROBS_AUTO_TOKENS = 16384 response tokens per step (data.train_batch_size * rollout.n *
-    data.max_response_length), under 1 MB of JSON per step written off the driver's path; off above.
+    the engine that produced it (what `mgrpo-doctor run` reads). null = every step when a step is small: at
+    most LOG_TOKEN_LOGPROBS_AUTO_TOKENS = 16384 response tokens per step (data.train_batch_size * rollout.n *
+    data.max_response_length), under 1 MB of JSON per step written off the driver's path; above, a sample of
+    the steps (every ceil(tokens / 16384)-th, from step 1) with that volume on average.
     (A tri-state bool: Hydra and YAML read `true`/`false` as booleans, so 'auto' is spelled null.)"""
     max_logprob_diff: Optional[float] = None
     """Stop the run when `rollout/logprob_abs_diff` (mean per-token |engine - trainer| log-prob over a step's

@@ -23,8 +23,10 @@ from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engin
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
-RESUME_MODES = ("auto", "off", "force", "disable")
-"""trainer.resume values other than a checkpoint directory (disable: veRL's name for off)."""
+RESUME_MODES = ("auto", "disable", "force")
+"""trainer.resume values other than a checkpoint directory (veRL's resume_mode words, and force)."""
+RESUME_ALIASES = ("off",)
+"""Read as disable (accepted, never suggested)."""
 
 
 class InputError(ValueError):
@@ -300,7 +302,7 @@ def _trainer(cfg: MGRPOConfig) -> list[str]:
         e.append(f"trainer.max_logprob_diff={t.max_logprob_diff} must be positive (or null: by the actor's dtype)")
     if t.logprob_diff_patience < 0:
         e.append(f"trainer.logprob_diff_patience={t.logprob_diff_patience} must be at least 0 (0: no guard)")
-    if t.resume not in RESUME_MODES and not os.path.isdir(t.resume):
+    if t.resume not in RESUME_MODES + RESUME_ALIASES and not os.path.isdir(t.resume):
         e.append(f"trainer.resume={t.resume!r} is neither one of {list(RESUME_MODES)} nor a checkpoint directory")
     return e
 

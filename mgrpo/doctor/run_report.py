@@ -28,6 +28,10 @@ from mgrpo.doctor.trajectories import TokenLine, read_token_lines, trajectories_
 CONCENTRATED = 2.0
 """A group whose median difference is this many times the rest's is where the mismatch concentrates (against the
 rest, not the whole, which a group of half the tokens could never double)."""
+AGREE_BELOW = 5e-6
+"""Differences whose group medians all stay under this are rounding, not a mismatch with a place: a float32
+log-prob near -10 has a last bit of 9.5e-7, and two correct float32 programs differ by a few of them. No
+dimension is called concentrated then, whatever the ratios of such small numbers."""
 MIN_SHARE, MIN_TOKENS = 0.01, 20
 MAX_SHARE = 0.5
 """A group counts only with at least MIN_SHARE of the tokens and MIN_TOKENS of them (else it is noise), and at
@@ -76,8 +80,9 @@ def _groups(values: dict, *, order=None) -> dict:
     rows.sort(key=(lambda r: order(r["group"])) if order else (lambda r: -r["ratio"]))
     counted = [r for r in rows if MIN_SHARE <= r["share"] <= MAX_SHARE and r["tokens"] >= MIN_TOKENS]
     top = max(counted, key=lambda r: r["ratio"], default=None)
-    verdict = {"concentrated": bool(top and len(rows) > 1 and top["ratio"] >= CONCENTRATED),
-               "group": top["group"] if top else None, "ratio": top["ratio"] if top else None}
+    agree = max(r["median"] for r in rows) < AGREE_BELOW
+    verdict = {"concentrated": bool(top and len(rows) > 1 and top["ratio"] >= CONCENTRATED and not agree),
+               "agree": agree, "group": top["group"] if top else None, "ratio": top["ratio"] if top else None}
     return {"groups": rows, **verdict}
 
 
@@ -167,9 +172,22 @@ def _sequence(t: TokenLine, d: np.ndarray) -> dict:
     pos = int(np.nanargmax(np.where(np.isfinite(d), d, -1.0)))
     return {"line": t.line, "step": t.step, "engine": t.engine, "weight_version": t.weight_version,
             "prompt_tokens": len(t.prompt_ids), "response_ids": t.response_ids, "response": t.response,
-            "diffs": [float(x) for x in d], "rollout": t.rollout, "trainer": t.trainer,
-            "worst_position": pos, "worst_token": t.response_ids[pos], "max": float(d[pos]),
-            "mean": float(np.nanmean(d)) if np.isfinite(d).any() else float("nan")}
+            "diffs": _finite(d), "rollout": _finite(t.rollout), "trainer": _finite(t.trainer),
+            "sampled": t.sampled, "worst_position": pos, "worst_token": t.response_ids[pos], "max": float(d[pos]),
+            "mean": float(np.nanmean(d)) if np.isfinite(d).any() else None}
+
+
+def _finite(values) -> list:
+    """Numbers, with None where there is none (a multi-turn context token, a log-prob the engine did not
+    return): JSON has no NaN, and a reader should not have to tell a NaN of the data from one of the doctor."""
+    return [float(x) if math.isfinite(x) else None for x in values]
+
+
+def _cell(w: dict, k: int) -> str:
+    """One token's |diff| in the worst-sequence listing: 'ctx' for a context token, which no engine sampled."""
+    if w["sampled"] is not None and not w["sampled"][k]:
+        return "ctx"
+    return _g(w["diffs"][k])
 
 
 def next_command(run_dir: str, path: str, worst: list[dict]) -> Optional[str]:
@@ -188,17 +206,27 @@ def next_command(run_dir: str, path: str, worst: list[dict]) -> Optional[str]:
 
 
 def run_setting(run_dir: str, key: str):
-    """A config value of the run, from the fingerprint its latest checkpoint stores (None without one)."""
+    """A config value of the run: from the fingerprint its latest checkpoint stores, else from the config.yaml
+    the run folder holds (a run killed before its first checkpoint); None without either."""
     latest = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        state = os.path.join(run_dir, "checkpoints", f.read().strip(), "trainer_state.json")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            state = os.path.join(run_dir, "checkpoints", f.read().strip(), "trainer_state.json")
+        try:
+            with open(state) as f:
+                return json.load(f).get("config", {}).get(key)
+        except (OSError, json.JSONDecodeError):
+            return None
     try:
-        with open(state) as f:
-            return json.load(f).get("config", {}).get(key)
-    except (OSError, json.JSONDecodeError):
+        import yaml
+
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            value = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
         return None
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 # --- text -----------------------------------------------------------------------------------------------
@@ -245,14 +273,17 @@ def render(r: dict) -> str:
                    f"{w['worst_position']} (token {w['worst_token']}): rollout {w['rollout'][w['worst_position']]:.7g} "
                    f"trainer {w['trainer'][w['worst_position']]:.7g} |diff| {w['max']:.3g}")
         out.append(f"     tokens {w['response_ids'][:24]}{' ...' if len(w['response_ids']) > 24 else ''}")
-        out.append(f"     |diff| [{', '.join(_g(x) for x in w['diffs'][:24])}{', ...' if len(w['diffs']) > 24 else ''}]")
+        out.append(f"     |diff| [{', '.join(_cell(w, k) for k in range(min(len(w['diffs']), 24)))}"
+                   f"{', ...' if len(w['diffs']) > 24 else ''}]")
     out += ["", f"where it concentrates (median |diff| of the group / of the other tokens; a group counts with "
                 f"{MIN_SHARE:.0%} to {MAX_SHARE:.0%} of the tokens and >= {MIN_TOKENS}; concentrated at >= {CONCENTRATED:g}x)"]
     for dim, c in r["concentration"].items():
         shown = c["groups"] if dim != "token" else sorted(c["groups"], key=lambda g: -g["ratio"])[:6]
         cells = ", ".join(f"{g['group']}: {g['ratio']:.2g}x ({g['tokens']})" for g in shown[:10])
         more = f", ... ({len(c['groups'])} groups)" if len(c["groups"]) > len(shown[:10]) else ""
-        if c["concentrated"]:
+        if c["agree"]:
+            verdict = f"agreement (every group's median |diff| under {AGREE_BELOW:g}: rounding)"
+        elif c["concentrated"]:
             verdict = f"CONCENTRATED in {dim} {c['group']} ({c['ratio']:.2g}x)"
         elif len(c["groups"]) < 2:
             verdict = f"one {dim} only"
@@ -271,7 +302,12 @@ def verdict_line(r: dict) -> str:
     """The report in one line: do the engine and the trainer agree, by the bound the run's guard uses."""
     ws, bound = r["worst_step"], r["default_bound"]
     where = [f"{dim} {c['group']}" for dim, c in r["concentration"].items() if c["concentrated"]]
-    where_text = f"; concentrated in {', '.join(where)}" if where else "; spread over positions, tokens and engines"
+    if where:
+        where_text = f"; concentrated in {', '.join(where)}"
+    elif all(c["agree"] for c in r["concentration"].values()):
+        where_text = f"; every token group agrees to under {AGREE_BELOW:g} (rounding)"
+    else:
+        where_text = "; spread over positions, tokens and engines"
     if ws["mean"] is None:
         return "verdict: NO DATA: no step has token log-probs of both sides"
     if bound is None:

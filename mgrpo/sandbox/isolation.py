@@ -89,9 +89,14 @@ def bwrap_argv(cfg: SandboxConfig) -> list[str]:
     # user namespace to the stub. Anyone else needs bwrap's user namespace for the rest.
     spaces = (["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
               if os.getuid() == 0 else ["--unshare-all"])
+    scratch = ["--perms", "01777", "--size", str(cfg.scratch_mb << 20), "--tmpfs"]
+    # /dev/shm too: bwrap's /dev has it root-only, and multiprocessing's locks live there. The scratch mounts
+    # come BEFORE the interpreter's binds (bwrap applies its arguments in order): an interpreter under /tmp
+    # (a venv made there) is bound on top of the fresh tmpfs instead of being hidden by it.
     argv = [shutil.which("bwrap") or "bwrap", *spaces, "--die-with-parent", "--new-session",
-            "--hostname", "sandbox", *_system_dirs()]
-    made = set()
+            "--hostname", "sandbox", *_system_dirs(), "--proc", "/proc", "--dev", "/dev", *scratch, "/dev/shm",
+            *scratch, "/tmp"]
+    made = {"/tmp", "/dev", "/dev/shm", "/proc"}
     for path in interpreter_paths():
         # bwrap would copy the mode of a parent it creates from the host (/root is 0700, which the sandbox
         # user could not pass through to a pyenv interpreter): create the parents traversable
@@ -104,10 +109,7 @@ def bwrap_argv(cfg: SandboxConfig) -> list[str]:
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
         argv += ["--ro-bind", path, path]
-    scratch = ["--perms", "01777", "--size", str(cfg.scratch_mb << 20), "--tmpfs"]
-    # /dev/shm too: bwrap's /dev has it root-only, and multiprocessing's locks live there
-    return argv + ["--proc", "/proc", "--dev", "/dev", *scratch, "/dev/shm", *scratch, "/tmp", "--chdir", "/tmp",
-                   "--"]
+    return argv + ["--chdir", "/tmp", "--"]
 
 
 def unshare_argv(cfg: SandboxConfig, scratch: str) -> list[str]:

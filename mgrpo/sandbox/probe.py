@@ -9,20 +9,49 @@ the namespaces allow.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import stat
+import sys
 from typing import Optional
 
 from mgrpo.config.choices import Isolation
 from mgrpo.config.schema import SandboxConfig
 from mgrpo.config.validate import InputError
 from mgrpo.sandbox import process
-from mgrpo.sandbox.isolation import RANK
+from mgrpo.sandbox.isolation import RANK, interpreter_paths
+
+INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora/RHEL: dnf install bubblewrap)"
+"""What to do about a machine without a working level: bwrap gives every interpreter location, as root or not."""
 
 TRIAL = "import json, socket, textwrap\nprint(json.dumps('ok'))"
 _TRIAL_CFG = SandboxConfig(wall_time_s=30.0)
 
 
+def closed_folder() -> Optional[str]:
+    """The first folder above the interpreter that others cannot pass (a 0700 home holding pyenv or conda),
+    when run by root: the unshare level runs the code as `sandbox.uid` on the host's files, which cannot
+    read the interpreter's library there (bwrap binds the interpreter into a fresh root instead)."""
+    if os.getuid() != 0:
+        return None  # a user's sandbox runs as that user, who can read the interpreter
+    for path in interpreter_paths():
+        parts = path.split("/")
+        for i in range(2, len(parts) + 1):
+            folder = "/".join(parts[:i])
+            try:
+                mode = stat.S_IMODE(os.stat(folder).st_mode)
+            except OSError:
+                return f"{folder} (which it cannot stat)"
+            if not mode & 0o001:
+                return f"{folder} (mode {mode:04o})"
+    return None
+
+
 def _works(level: str) -> Optional[str]:
+    folder = closed_folder() if level == Isolation.unshare else None
+    if folder is not None:
+        return (f"the interpreter ({sys.executable}) lives under {folder}, which the sandbox user cannot "
+                f"enter; {INSTALL}, or run mgrpo from an interpreter outside it")
     try:
         result = process.run(process.start(_TRIAL_CFG, level), _TRIAL_CFG, TRIAL)
     except (OSError, process.SandboxError) as e:
@@ -39,7 +68,7 @@ def probe() -> dict[str, Optional[str]]:
     trial's launcher dies with the thread that started it, which here is the caller, alive throughout)."""
     out: dict[str, Optional[str]] = {}
     if shutil.which("bwrap") is None:
-        out[Isolation.bwrap] = "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+        out[Isolation.bwrap] = f"bwrap is not installed: {INSTALL}"
     else:
         out[Isolation.bwrap] = _works(Isolation.bwrap)
     if shutil.which("unshare") is None or shutil.which("setpriv") is None:

@@ -16,6 +16,15 @@ from mgrpo.config.schema import SandboxConfig
 from mgrpo.sandbox.counts import OutcomeCounts
 from mgrpo.sandbox.pool import Sandbox
 
+PREFIX = "mgrpo.sandbox.tool:"
+"""Function tools named with this import path run code in the sandbox."""
+
+
+def gives_code_tool(multi_turn) -> bool:
+    """Whether a run's rollout.multi_turn gives the model this module's code tool (its sandbox must work)."""
+    return bool(multi_turn.enable) and any(t.startswith(PREFIX) for t in multi_turn.function_tools)
+
+
 _lock = threading.Lock()
 _sandbox: Optional[Sandbox] = None
 

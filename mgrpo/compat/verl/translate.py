@@ -23,12 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from mgrpo.config.schema import schema_keys
-from mgrpo.config.validate import ConfigError
+from mgrpo.config.validate import ConfigError, resolved_device
 from mgrpo.compat.verl import user_config
 from mgrpo.compat.verl.kit import Refuse, hydra_value
 from mgrpo.compat.verl.layout import rollout_engines
 from mgrpo.compat.verl.rules import (DEFAULT_DIFFS, INFO_CHOICES, RULES, VALUE_FLAGS, VALUE_RULES, VERL_CONFIG_NAMES,
                                      VERL_ONLY_PREFIXES, rule_for)
+
+
+GPU_KEYS = frozenset({"trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device"})
+"""Keys by which a line asks for a GPU layout itself (on a machine without a GPU too: the preflight then says
+whether it can be placed)."""
 
 
 class VerlKeyError(ConfigError):
@@ -98,7 +103,7 @@ def translate(argv: Sequence[str]) -> Translation:
                                      for _, o in parsed)
     for tok, o in parsed:
         t.token(tok, o)
-    if t.out.rows and t.verl_line:
+    if t.out.rows and t.verl_line and t.gpu_layout():
         t.engines()
     if t.errors:
         raise VerlKeyError("cannot honour these veRL keys (remove or change them):\n  - " + "\n  - ".join(t.errors))
@@ -257,13 +262,27 @@ class _Translator:
             self.out.rows.append(("(veRL's rollout engines)", " ".join(f"{k}={hydra_value(v)}" for k, v in keys)
                                   + f": {text}"))
 
+    def gpu_layout(self) -> bool:
+        """Whether veRL's GPU layout (cluster=gpu, its rollout engines) applies: on a machine with an NVIDIA GPU,
+        or where the line asks for GPUs itself (GPU_KEYS). On a machine without one, a line that only names
+        veRL's algorithm or data keys keeps the machine's defaults: veRL's 8 GPUs per node would be placed on
+        CPUs that do not exist."""
+        return resolved_device("auto") == "cuda" or bool(GPU_KEYS & set(self.ctx))
+
     def finish(self) -> Translation:
-        """veRL trains on CUDA (cluster=gpu unless the line says otherwise); notes for veRL defaults that differ."""
+        """veRL trains on CUDA (cluster=gpu unless the line says otherwise, or the machine has no GPU and the line
+        asks for none); notes for veRL defaults that differ."""
         out = self.out
         if out.rows:
             if not {"cluster", "recipe"} & set(self.groups) and "trainer.device" not in self.ctx:
-                out.rows.insert(0, ("(veRL trains on CUDA)", "cluster=gpu (trainer.device=cuda, 8 GPUs per node)"))
-                self.overrides.insert(0, "cluster=gpu")
+                if self.gpu_layout():
+                    out.rows.insert(0, ("(veRL trains on CUDA)", "cluster=gpu (trainer.device=cuda, 8 GPUs per "
+                                                                 "node)"))
+                    self.overrides.insert(0, "cluster=gpu")
+                else:
+                    out.notes.append("this machine has no GPU: its own defaults (cluster=local_cpu, the CPU layout) "
+                                     "are kept for everything the line does not set; veRL's would be cluster=gpu, "
+                                     f"8 GPUs per node, rollout TP 2 (ask for them with {' or '.join(sorted(GPU_KEYS))})")
             for verl_key, verl_default, ours, our_default in DEFAULT_DIFFS:
                 if verl_key not in self.ctx and ours.split("/")[0] not in self.produced:
                     out.notes.append(f"{verl_key} is unset: veRL's default is {verl_default}, mgrpo's {ours} is "
