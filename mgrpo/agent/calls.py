@@ -8,6 +8,8 @@ trajectory fails (tool_timeout)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import time
 from typing import Optional
 
@@ -39,6 +41,7 @@ class ToolCalls:
     async def run(self, traj: Trajectory, parsed, names: list[str], kwargs: dict,
                          instances: dict) -> list[str]:
         calls = list(parsed.calls)
+        traj.count("multi_turn/calls_written", len(calls) + parsed.malformed)
         replies: list[Optional[str]] = [None] * len(calls)
         jobs = []
         for i, c in enumerate(calls):
@@ -62,6 +65,12 @@ class ToolCalls:
         return [r for r in replies if r is not None]
 
     def error(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> str:
+        """A call that could not run: the error is its reply (the model sees it), counted (`fault`)."""
+        self.fault(traj, tool, why, kind)
+        return f"Error: {why}"
+
+    def fault(self, traj: Trajectory, tool: Optional[str], why: str, kind: str) -> None:
+        """A tool error, counted as `kind`, per tool and in total, named in the turn's errors."""
         traj.count(f"multi_turn/{kind}")
         traj.count("multi_turn/tool_errors")
         if tool:
@@ -69,7 +78,6 @@ class ToolCalls:
         if self.cfg.on_tool_error == "mask":
             traj.masked = True
         traj.turns[-1].errors.append(why)
-        return f"Error: {why}"
 
     async def call(self, traj: Trajectory, name: str, args: dict, kwargs: dict, instances: dict) -> str:
         tool = self.tools.tools[name]
@@ -93,22 +101,62 @@ class ToolCalls:
             return self.error(traj, name, f"{name} raised {type(err).__name__}: {err}", "tool_raised")
         finally:
             traj.count(f"multi_turn/tool_seconds/{name}", time.perf_counter() - t0)
-        result = ToolResult(as_text(out[0]), out[1] if len(out) > 1 else None) if isinstance(out, tuple) \
-            else ToolResult(as_text(out))
-        if result.reward is not None:
-            traj.tool_reward += float(result.reward)
+        try:  # what it returned: a reply whose str() raises is the tool's fault too, never the run's
+            result = ToolResult(as_text(out[0]), out[1] if len(out) > 1 else None) if isinstance(out, tuple) \
+                else ToolResult(as_text(out))
+        except Exception as err:  # noqa: BLE001 - counted, the error is its reply
+            return self.error(traj, name, f"{name}'s reply cannot be read as text ({type(err).__name__}: {err})",
+                              "bad_replies")
+        self.add_reward(traj, name, result.reward, "step reward")
         text, cut = truncate(result.text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
         if cut:
             traj.count("multi_turn/tool_response_truncated")
         return text
 
+    def add_reward(self, traj: Trajectory, name: str, value, what: str) -> None:
+        """A tool's reward into the trajectory's tool reward; one that is not a finite number is the tool's
+        fault (counted as a tool error, multi_turn/bad_tool_rewards), never a score."""
+        if value is None:
+            return
+        reward, why = step_reward(value)
+        if why:
+            self.fault(traj, name, f"{name}'s {what} {why}", "bad_tool_rewards")
+            return
+        traj.tool_reward += reward
+
     async def release(self, traj: Trajectory, instances: dict, kwargs: dict) -> None:
+        """veRL's end of an instance: calc_reward, then release, each bounded; release runs whatever
+        calc_reward did (raised, hung, returned something that is not a number), every fault counted."""
         for name, iid in instances.items():
             tool, per = self.tools.tools[name], kwargs.get(name) or {}
             try:
-                traj.tool_reward += float(await asyncio.wait_for(
-                    tool.calc_reward(iid, **(per.get("calc_reward_kwargs") or {})), self.cfg.tool_timeout_s) or 0.0)
+                reward = await asyncio.wait_for(tool.calc_reward(iid, **(per.get("calc_reward_kwargs") or {})),
+                                                self.cfg.tool_timeout_s)
+            except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
+                self._release_error(traj, name, "calc_reward", err)
+            else:
+                self.add_reward(traj, name, reward, "calc_reward")
+            try:
                 await asyncio.wait_for(tool.release(iid), self.cfg.tool_timeout_s)
             except Exception as err:  # noqa: BLE001 - counted; the trajectory is already over
-                traj.count("multi_turn/tool_release_errors")
-                traj.turns[-1].errors.append(f"{name} release: {type(err).__name__}: {err}") if traj.turns else None
+                self._release_error(traj, name, "release", err)
+
+    @staticmethod
+    def _release_error(traj: Trajectory, name: str, what: str, err: BaseException) -> None:
+        traj.count("multi_turn/tool_release_errors")
+        traj.count(f"multi_turn/tool_release_errors/{name}")
+        if traj.turns:
+            traj.turns[-1].errors.append(f"{name} {what}: {type(err).__name__}: {err or 'timed out'}")
+
+
+def step_reward(value) -> tuple[float, str]:
+    """(the reward as a float, '') or (0.0, why it is not one): not a number, or NaN / infinite."""
+    if isinstance(value, (bool, str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        return 0.0, f"is not a number ({type(value).__name__} {repr(value)[:60]})"
+    try:
+        reward = float(value)  # numbers, NumPy and torch scalars
+    except (TypeError, ValueError) as err:
+        return 0.0, f"is not a number ({type(value).__name__}: {err})"
+    if not math.isfinite(reward):
+        return 0.0, f"is {reward} (not a finite number)"
+    return reward, ""

@@ -44,7 +44,7 @@ def load_interactions(path: str) -> dict[str, Any]:
         where = f"{path}: interaction[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("class_name"), str):
             raise InputError(f"{where}: field 'class_name' missing")
-        cls = load_class(e["class_name"], verl_tools.BUILTIN_INTERACTIONS, where)
+        cls = load_class(e["class_name"], verl_tools.BUILTIN_INTERACTIONS, where, os.path.dirname(os.path.abspath(path)))
         simple = e["class_name"].rsplit(".", 1)[-1]
         name = e.get("name") or (simple[:-len("Interaction")] if simple.endswith("Interaction") else simple).lower()
         if name in out:

@@ -109,6 +109,16 @@ class ToolCallParser:
         detector = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt).detector
         return (getattr(detector, "eot_token", "") or "").strip()
 
+    def shortest_call(self, name: str) -> Optional[str]:
+        """The text of a call of tool `name` with no arguments in this format (a lower bound on any call's
+        length), or None for a format without call tags."""
+        FunctionCallParser, _, _ = _sglang_function_call()
+        detector = FunctionCallParser(tools=self.tools, tool_call_parser=self.fmt).detector
+        bot, eot = getattr(detector, "bot_token", "") or "", getattr(detector, "eot_token", "") or ""
+        if not bot:
+            return None
+        return f"{bot}{json.dumps({'name': name, 'arguments': {}})}{eot}"
+
     def parse(self, text: str) -> ParsedTurn:
         FunctionCallParser, _, envs = _sglang_function_call()
         with _lock, envs.SGLANG_FORWARD_UNKNOWN_TOOLS.override(True):  # the override is process-wide

@@ -21,9 +21,7 @@ names) selects a subset of the tools for that record.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import importlib.util
 import inspect
 import os
 import re
@@ -32,6 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from mgrpo.agent.threads import run_sync
 from mgrpo.compat.verl import tools as verl_tools
 from mgrpo.config import ConfigError, InputError
 
@@ -39,7 +38,10 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
 
 
 def load_object(spec: str, what: str) -> Any:
-    """`module:name` or `path/to/file.py:name` -> the object (ConfigError naming `what` when missing)."""
+    """`module:name` or `path/to/file.py:name` (imported as reward files are: mgrpo/rewards/registry.py) -> the
+    object (ConfigError naming `what` when missing)."""
+    from mgrpo.rewards.registry import _import_file
+
     if ":" not in spec:
         raise ConfigError(f"{what}={spec!r}: expected 'module:name' or 'path/to/file.py:name'")
     mod_name, _, attr = spec.rpartition(":")
@@ -47,13 +49,13 @@ def load_object(spec: str, what: str) -> Any:
         if mod_name.endswith(".py"):
             if not os.path.isfile(mod_name):
                 raise ConfigError(f"{what}={spec!r}: file {mod_name} not found")
-            s = importlib.util.spec_from_file_location(f"mgrpo_user_tools_{abs(hash(mod_name))}", mod_name)
-            mod = importlib.util.module_from_spec(s)
-            s.loader.exec_module(mod)
+            mod = _import_file(mod_name)
         else:
             mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"{what}={spec!r}: cannot import {mod_name} ({e})") from e
+        raise ConfigError(f"{what}={spec!r}: cannot import {mod_name} ({e}); the module must be importable where "
+                          f"the run starts (its folder on PYTHONPATH, or installed), or give its file: "
+                          f"'{mod_name.replace('.', '/')}.py:{attr}'") from e
     if not hasattr(mod, attr):
         raise ConfigError(f"{what}={spec!r}: {mod_name} has no {attr!r}")
     return getattr(mod, attr)
@@ -90,13 +92,15 @@ def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
     return " ".join(head.split()), params
 
 
-def function_schema(fn: Callable) -> dict:
-    """The OpenAI function-tool schema of a plain function: name, docstring summary, parameters from hints."""
+def function_schema(fn: Callable, strict: bool = False) -> dict:
+    """The OpenAI function-tool schema of a plain function: name, docstring summary, parameters from hints;
+    keyword-only parameters (after `*`) are hidden (the model never sees them: `FunctionTool`). `strict`: the
+    schema is marked strict (SGLang's grammar then writes the arguments by it, not as any JSON)."""
     hints = typing.get_type_hints(fn)
     summary, descs = _doc_parts(fn.__doc__ or "")
     props, required = {}, []
     for name, p in inspect.signature(fn).parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
             continue
         if name not in hints:
             raise TypeError(f"tool {fn.__name__}: parameter {name!r} has no type hint (the schema needs one)")
@@ -106,9 +110,19 @@ def function_schema(fn: Callable) -> dict:
             raise TypeError(f"tool {fn.__name__}: parameter {name!r}: {e}") from None
         if p.default is p.empty:
             required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": summary,
-                                             "parameters": {"type": "object", "properties": props,
-                                                            "required": required}}}
+    function = {"name": fn.__name__, "description": summary,
+                "parameters": {"type": "object", "properties": props, "required": required}}
+    return {"type": "function", "function": {**function, "strict": True} if strict else function}
+
+
+def function_tools_strict(tool_choice: str, required_per_group: int, strict: Optional[bool]) -> bool:
+    """rollout.multi_turn.strict_function_tools resolved: None = strict when some turns are forced to call
+    (tool_choice=required or required_per_group > 0: the grammar writes those calls, and a tool that is not
+    strict gives it an empty arguments schema, so it writes any JSON, e.g. `"arguments": true`); not strict
+    otherwise (tool_choice=auto then constrains no function tool, as SGLang)."""
+    if strict is not None:
+        return bool(strict)
+    return tool_choice == "required" or required_per_group > 0
 
 
 @dataclass
@@ -162,38 +176,75 @@ class BaseTool:
 
 
 class FunctionTool(BaseTool):
-    """A plain function as a stateless tool: execute calls it with the parsed arguments (sync functions run
-    in a worker thread, so a slow one holds only its own trajectory)."""
+    """A plain function as a tool: execute calls it with the parsed arguments (sync functions run in a daemon
+    thread, so a slow one holds only its own trajectory). Its keyword-only parameters are hidden per-record
+    values, as a veRL tool's: not in the schema, never the model's to set, filled from the record's
+    `extra_info.tools_kwargs[name]` (`create_kwargs`, then `execute_kwargs` over them).
 
-    def __init__(self, fn: Callable):
-        super().__init__({}, function_schema(fn))
+    `strict`: its schema is strict (see `function_tools_strict`); the function's own `strict` attribute
+    (`my_tool.strict = False`) overrides the run's choice for that tool."""
+
+    def __init__(self, fn: Callable, strict: bool = False):
+        own = getattr(fn, "strict", None)
+        super().__init__({}, function_schema(fn, strict=bool(strict if own is None else own)))
         self.fn = fn
+        self.signature = inspect.signature(fn)
+        self.hidden = {n for n, p in self.signature.parameters.items() if p.kind == p.KEYWORD_ONLY}
+        self.records: dict[str, dict] = {}
+        """instance id -> its record's create_kwargs (until release)."""
+
+    async def create(self, instance_id: Optional[str] = None, **kwargs) -> str:
+        iid = instance_id or str(uuid.uuid4())
+        self.records[iid] = kwargs
+        return iid
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self.records.pop(instance_id, None)
 
     async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple[Any, float, dict]:
-        sig = inspect.signature(self.fn)
-        args = {**{k: v for k, v in kwargs.items() if k in sig.parameters}, **parameters}
+        sig = self.signature
+        hidden = sorted(self.hidden & set(parameters))
+        if hidden:
+            raise BadArguments(f"{', '.join(map(repr, hidden))} cannot be given (not a parameter of the tool)")
+        per_record = {**self.records.get(instance_id, {}), **kwargs}
+        args = {**{k: v for k, v in per_record.items() if k in sig.parameters}, **parameters}
+        missing = sorted(n for n in self.hidden - set(args) if sig.parameters[n].default is inspect.Parameter.empty)
+        if missing:
+            raise TypeError(f"hidden parameter(s) {missing} have no value: the record gives them in "
+                            f"extra_info.tools_kwargs.{self.name}.create_kwargs (or execute_kwargs)")
         try:
             sig.bind(**args)
         except TypeError as e:
             raise BadArguments(str(e)) from None
         if inspect.iscoroutinefunction(self.fn):
             out = await self.fn(**args)
-        else:
-            out = await asyncio.to_thread(self.fn, **args)
+        else:  # a daemon thread: one that hangs past tool_timeout_s never holds the process at exit
+            out = await run_sync(self.fn, **args)
         return out, None, {}
 
 
-def load_class(class_name: str, builtins: dict, where: str) -> type:
-    """A veRL config's `class_name`: veRL's own classes from `builtins` (they run without veRL), any other by
-    import; InputError naming `where` and the field when it cannot be loaded."""
+def load_class(class_name: str, builtins: dict, where: str, folder: str = "") -> type:
+    """A veRL config's `class_name`: veRL's own classes from `builtins` (they run without veRL), a file as reward
+    files are given ('path/to/file.py:Class', relative to the working directory or else to `folder`, the
+    config's), any other by import; InputError naming `where` and the field when it cannot be loaded."""
     cls = builtins.get(class_name)
     if cls is not None:
         return cls
+    if class_name.partition(":")[0].endswith(".py"):
+        path, _, attr = class_name.partition(":")
+        if not os.path.isfile(path) and folder and os.path.isfile(os.path.join(folder, path)):
+            path = os.path.join(folder, path)
+        try:
+            return load_object(f"{path}:{attr}", "class_name")
+        except ConfigError as err:
+            raise InputError(f"{where}: field 'class_name': {err}") from None
     mod, _, cls_name = class_name.rpartition(".")
     try:
         return getattr(importlib.import_module(mod), cls_name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise InputError(f"{where}: field 'class_name': cannot load {class_name!r} ({err})") from err
+        raise InputError(f"{where}: field 'class_name': cannot load {class_name!r} ({err}); the module must be "
+                         f"importable (its folder on PYTHONPATH, or installed), or give its file: "
+                         f"'{mod.replace('.', '/')}.py:{cls_name}'") from err
 
 
 def load_verl_tool_config(path: str) -> list[BaseTool]:
@@ -216,7 +267,7 @@ def load_verl_tool_config(path: str) -> list[BaseTool]:
         if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) \
                 or "name" not in schema["function"]:
             raise InputError(f"{where}: field 'tool_schema.function.name' missing")
-        cls = load_class(e["class_name"], verl_tools.BUILTIN_TOOLS, where)
+        cls = load_class(e["class_name"], verl_tools.BUILTIN_TOOLS, where, os.path.dirname(os.path.abspath(path)))
         tools.append(cls(config=e.get("config") or {}, tool_schema=schema))
     return tools
 
@@ -233,8 +284,11 @@ class ToolSet:
             self.tools[name] = t
 
     @classmethod
-    def from_config(cls, function_tools: list[str], tool_config_path: Optional[str]) -> "ToolSet":
-        tools: list = [FunctionTool(load_object(spec, "rollout.multi_turn.function_tools")) for spec in function_tools]
+    def from_config(cls, function_tools: list[str], tool_config_path: Optional[str], strict: bool = False
+                    ) -> "ToolSet":
+        """`strict`: the function tools' schemas are strict (`function_tools_strict`)."""
+        tools: list = [FunctionTool(load_object(spec, "rollout.multi_turn.function_tools"), strict)
+                       for spec in function_tools]
         if tool_config_path:
             tools += load_verl_tool_config(tool_config_path)
         return cls(tools)

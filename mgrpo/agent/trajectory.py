@@ -26,6 +26,11 @@ trajectory is generated again from its prompt with the same seeds, and ends fail
 Not retried here: trajectory_timeout (the wall-clock bound covers every attempt), generation_error (the rollout
 group retried the call already) and aborted (the long-tail cut)."""
 
+FAULT_COUNTS = ("multi_turn/tool_timeouts", "multi_turn/env_timeouts", "multi_turn/env_errors",
+                "multi_turn/trajectory_retries")
+"""What a failed attempt counted that stays counted when its trajectory is generated again (the faults
+themselves and the retries); the rest of its counts (turns, calls) belong to the attempt that was dropped."""
+
 
 @dataclass
 class Turn:
@@ -105,6 +110,15 @@ class Trajectory:
         t = Turn(role=role, start=start, end=len(self.response_ids), **turn)
         self.turns.append(t)
         return t
+
+    def restarted(self) -> "Trajectory":
+        """A new attempt of this trajectory from its prompt (a retry): the same uid, prompt and forcing, no turns,
+        the faults counted so far kept and the retry counted, by the reason this attempt ended."""
+        fresh = Trajectory(uid=self.uid, prompt_ids=self.prompt_ids, forced=self.forced)
+        fresh.counts = {k: v for k, v in self.counts.items() if k.startswith(FAULT_COUNTS)}
+        fresh.count("multi_turn/trajectory_retries")
+        fresh.count(f"multi_turn/trajectory_retries/{self.finish_reason}")
+        return fresh
 
     def count(self, key: str, n: int = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + n

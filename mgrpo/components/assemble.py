@@ -110,10 +110,12 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     check_vocab(tokenizer, cfg.model)
     tools = tools_for = None
     if cfg.rollout.multi_turn.enable:
-        from mgrpo.agent.tools import ToolSet
+        from mgrpo.agent.tools import ToolSet, function_tools_strict
 
         mt = cfg.rollout.multi_turn
-        tools = ToolSet.from_config(list(mt.function_tools), mt.tool_config_path)
+        tools = ToolSet.from_config(list(mt.function_tools), mt.tool_config_path,
+                                    function_tools_strict(mt.tool_choice, mt.required_per_group,
+                                                          mt.strict_function_tools))
         tools_for = lambda extra, where: tools.schemas(tools.for_record(extra, where))  # noqa: E731
     train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train", tools_for=tools_for)
     val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val", tools_for=tools_for)

@@ -143,6 +143,8 @@ class ExperienceMaker:
         Failed trajectories (tool or trajectory timeout, generation or environment failure, aborted) stay in
         place, marked failed (`Experience.from_trajectories`): no reward, no loss, no baseline, counted by
         finish reason here and by outcome where the judging counts every failure."""
+        from mgrpo.agent.episode import AgentTask
+
         t0 = time.perf_counter()
 
         def generate(prompts, params, sessions=None, seeds=None, routes_from=None):  # a session: one trajectory's
@@ -154,7 +156,7 @@ class ExperienceMaker:
                              "rollout/auth_refused": stats.auth_refused}
 
         rate = self.cfg.rollout.over_sample_rate if training else 0.0
-        trajs, measured = self.agent.run([(it.prompt_ids, it.extra_info, it.where, it.messages)
+        trajs, measured = self.agent.run([AgentTask(it.prompt_ids, it.extra_info, it.where, it.messages)
                                           for it in items for _ in range(n)],
                                          sampling, generate, over_sample_rate=rate,
                                          abort=getattr(self.rollout, "abort_all", None),

@@ -85,6 +85,13 @@ def log_token_logprobs(cfg: MGRPOConfig) -> int:
     return max(1, math.ceil(tokens / LOG_TOKEN_LOGPROBS_AUTO_TOKENS))
 
 
+def _sample_advantage(advantages, sampled) -> float:
+    """A sample's advantage as its first token with a loss has it (a multi-turn sample's first tokens may be
+    context: a forced call's are, with advantage 0); 0.0 when it has none."""
+    mask = sampled if sampled is not None else [1] * len(advantages)
+    return next((float(a) for a, m in zip(advantages, mask) if m), 0.0)
+
+
 class Observer:
     def __init__(self, run_dir: str, t: TrainerConfig, *, total_steps: int, resume_step: Optional[int],
                  token_logprobs: int = 0, config_text: Optional[str] = None, multi_turn: bool = False):
@@ -112,12 +119,14 @@ class Observer:
             self._writer.submit(lambda: self._write_trajectories(step, exp))
 
     def _write_trajectories(self, step: int, exp: Experience) -> None:
+        advantages = exp.advantages or [[]] * len(exp)
+        sampled = exp.sampled_mask or [None] * len(exp)
         rows = [
             {"prompt": it.prompt_text, "response": text, "reward": rew, "score": sc,
-             "advantage": adv[0] if adv else 0.0, "weight_version": ver, "finish_reason": fr,
+             "advantage": _sample_advantage(adv, m), "weight_version": ver, "finish_reason": fr,
              "data_source": it.data_source, "ground_truth": it.ground_truth, "group": g, "engine": e}
-            for it, text, rew, sc, adv, ver, fr, g, e in zip(
-                exp.items, exp.response_texts, exp.rewards, exp.scores, exp.advantages or [[]] * len(exp),
+            for it, text, rew, sc, adv, m, ver, fr, g, e in zip(
+                exp.items, exp.response_texts, exp.rewards, exp.scores, advantages, sampled,
                 exp.weight_versions, exp.finish_reasons, exp.group_index, exp.engines or [None] * len(exp))
         ]
         for row, outcome, by in zip(rows, exp.outcomes, exp.failed_by):
@@ -128,8 +137,13 @@ class Observer:
                                          exp.old_logprobs or [None] * len(exp)):
                 row.update(prompt_ids=p, response_ids=r, rollout_logprobs=ro, trainer_logprobs=tr)
         if exp.turns is not None:  # multi-turn: turns (role, token span, text, calls, errors, latency), finish
-            for row, t, m in zip(rows, exp.turns, exp.sampled_mask or [None] * len(exp)):
-                row.update(multi_turn=t, sampled_mask=m)
+            for row, t, m in zip(rows, exp.turns, sampled):
+                # the trajectory's own ending (tool_timeout, max_turns, ...): the experience keeps only
+                # length/stop for overlong filtering
+                row.update(multi_turn=t, sampled_mask=m, finish_reason=t["finish_reason"])
+        if self.token_logprobs or exp.turns is not None:  # lines that are per token already: per-token advantages
+            for row, adv in zip(rows, advantages):
+                row["advantages"] = list(adv)
         self.trajectories.write(step, rows)
 
     def flush(self) -> None:

@@ -26,7 +26,14 @@ class MultiTurnConfig:
     """SGLang's tool-call parser (FunctionCallParser): qwen25 for Qwen2.5/Qwen3's <tool_call>{json}</tool_call>,
     qwen3_coder for its XML form, or any other name SGLang 0.5.23 knows."""
     function_tools: list[str] = field(default_factory=list)
-    """Plain Python functions as tools, by import path (module:function or path/file.py:function)."""
+    """Plain Python functions as tools, by import path (module:function or path/file.py:function). Keyword-only
+    parameters (after `*`) are hidden from the model and filled per record from extra_info.tools_kwargs."""
+    strict_function_tools: Optional[bool] = None
+    """Mark the function tools' schemas `strict` (SGLang's grammar then writes a constrained call's arguments by
+    the schema instead of as any JSON). null: strict when some turns are forced (tool_choice=required or
+    required_per_group > 0), where a tool that is not strict lets the grammar write `"arguments": true`; not
+    strict otherwise (tool_choice=auto constrains only strict tools). A function's own `strict` attribute
+    (`my_tool.strict = False`) overrides this for that tool."""
     tool_config_path: Optional[str] = None
     """A veRL tool-config YAML (tools: [{class_name, config, tool_schema}])."""
     environment: Optional[str] = None

@@ -122,10 +122,13 @@ class PromptDataset:
         ids = [x for i in range(0, len(texts), TOKENIZE_BATCH)
                for x in self.tokenizer(texts[i:i + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]]
         unk = self.tokenizer.unk_token_id
+        longest = None  # (length, record) of the longest prompt over the limit
         for rec, text, tok_ids in zip(records, texts, ids):
             if unk is not None and unk in tok_ids:
                 raise RecordError(self._unrepresentable(rec))
             if len(tok_ids) > self.cfg.max_prompt_length:
+                if longest is None or len(tok_ids) > longest[0]:
+                    longest = (len(tok_ids), rec)
                 self.num_filtered += 1
                 self.filtered_by_source[rec.data_source] = self.filtered_by_source.get(rec.data_source, 0) + 1
                 continue
@@ -134,8 +137,24 @@ class PromptDataset:
                                          extra_info=rec.extra_info, ability=rec.ability, where=rec.where,
                                          messages=self._messages(rec), tools=self._tools(rec), prompt=rec.prompt))
         if records and not self.items:
+            shortest = min(len(x) for x in ids)
             raise ConfigError(f"all {len(records)} prompts of {self.files or 'the synthetic task'} are longer than "
-                             f"data.max_prompt_length={self.cfg.max_prompt_length} tokens")
+                              f"data.max_prompt_length={self.cfg.max_prompt_length} tokens: {shortest} to "
+                              f"{longest[0]} tokens; the longest ({longest[1].where}) is "
+                              f"{self._made_of(longest[1], longest[0])}")
+
+    def _made_of(self, rec: RLRecord, length: int) -> str:
+        """What a rendered prompt's tokens are: its messages' text, the tool schemas the chat template writes
+        into the system prompt (multi-turn), and the template's own tokens."""
+        count = lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        content = sum(count(m["content"]) for m in self._messages(rec) if isinstance(m.get("content"), str))
+        tools = 0
+        if self._tools(rec):
+            bare = self.tokenizer.apply_chat_template(self._messages(rec), tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=self.cfg.enable_thinking)
+            tools = length - count(bare)
+        parts = [f"its messages' text {content}"] + ([f"the tool schemas in the system prompt {tools}"] if tools else [])
+        return f"{length} tokens: {', '.join(parts)}, the chat template {length - content - tools}"
 
     def _unrepresentable(self, rec: RLRecord) -> str:
         """Which field of `rec` holds the first character its tokenizer maps to <unk>, and which character."""
