@@ -146,7 +146,11 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "k1"
     """KL estimator used when use_kl_in_reward."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.01
+    """Weight of the entropy bonus in the loss. 0.01 keeps a prompt whose samples all agree on a wrong answer from
+    collapsing there (its group then has no advantage to learn from): the main job's last-10 reward over seeds 1-5
+    went from 0.815-0.953 at 0 to 0.898-0.950 at 0.01 (benchmarks/results/learning_history.jsonl). veRL's default,
+    and the large-model recipes', is 0."""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     logprob_support: LogprobSupport = "full"

@@ -39,6 +39,7 @@ KL_NAMES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_va
 DEFAULT_DIFFS = (
     (A + "clip_ratio_c", "3.0 (dual-clip on)", "algorithm.clip_ratio_c", "null (off)"),
     (A + "use_kl_loss", "false (no KL term in the loss)", "algorithm.use_kl_loss", "true"),
+    (A + "entropy_coeff", "0", "algorithm.entropy_coeff", "0.01"),
     (A + "optim.weight_decay", "0.01", "actor.weight_decay", "0.0"),
     (A + "optim.betas", "[0.9, 0.999]", "actor.adam_beta1/adam_beta2", "0.9/0.99"),
     (A + "megatron.use_distributed_optimizer", "true", "actor.use_distributed_optimizer", "false"),
