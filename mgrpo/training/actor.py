@@ -53,6 +53,11 @@ class MegatronActor:
                                                finalize_model_grads)
 
         gpt = self._build_stage(self.tf_config, init_hf_dir)
+        self.lora = None
+        if a.lora.enabled:  # adapters trained, the base frozen (before DDP: it buffers trainable parameters only)
+            from mgrpo.training.lora import attach_lora
+
+            self.lora = attach_lora(gpt, a.lora, num_experts=cfg.model.num_experts, seed=a.seed)
         if gpt.pre_process:  # the heap's freed activations go back before the embedding's dense gradient comes
             trim_before_backward_of(gpt.embedding)
         self.actor = DistributedDataParallel(
@@ -70,7 +75,7 @@ class MegatronActor:
         self.scheduler = build_scheduler(a, self.optimizer, total_steps, optimizer_steps_per_step(cfg))
 
         self.ref = None
-        if need_ref:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
+        if need_ref and self.lora is None:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
             # (nor the actor's DDP hooks: megatron's expert MLP deep-copies its config, and a DDP does not copy)
             self.ref = self._build_stage(replace(self.tf_config, no_sync_func=None, finalize_model_grads_func=None),
                                          init_hf_dir)
@@ -79,6 +84,8 @@ class MegatronActor:
         # mixture of experts: each model's routers, driven per micro-batch (routing replay and its metrics)
         self.routing = self._routing(gpt)
         self.ref_routing = self._routing(self.ref) if self.ref is not None else None
+        if self.lora is not None:  # the reference is the actor's base: its adapters off, its routers
+            self.ref_routing = self.routing
         self.skipped_steps = 0
         self._kept_ref: Optional[tuple] = None
         """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
@@ -166,10 +173,16 @@ class MegatronActor:
         `keep` (the reference only): nothing is returned; every rank keeps its values for the update of
         the same batch that follows (`train_mini_batch` without reference log-probs), so they never
         travel to the driver and back."""
+        if which == "ref" and self.lora is not None:  # the base with the adapters switched off
+            with self.lora.disabled():
+                return self._logprobs(self.actor, self.gpt, batch, which, keep)
         model = self.actor if which == "actor" else self.ref
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
+        return self._logprobs(model, gpt, batch, which, keep)
+
+    def _logprobs(self, model, gpt, batch: RankBatch, which: str, keep: bool) -> Optional[dict]:
         t0 = time.perf_counter()
         mbs, groups = self._micro_batches(batch)
         routing = self.routing if which == "actor" else self.ref_routing
@@ -287,9 +300,11 @@ class MegatronActor:
         experts = bool(self.tf_config.num_moe_experts) and c.exports_experts
         if not (c.exports_weights or experts):
             return None
-        return iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp, pp_rank=c.pp_rank,
+        named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp, pp_rank=c.pp_rank,
                                    pp_size=c.pp, ep_group=c.ep_group, ep_size=c.ep, dense=c.exports_weights,
                                    experts=experts)
+        # LoRA: the engines and HF exports take base + scaling * B @ A, merged while the stream runs
+        return named if self.lora is None else self.lora.merged_stream(named)
 
     def shareable_weights(self) -> list:
         """(HF name, tensor) of the weights that export as this rank's own parameter memory (no TP, PP or EP
