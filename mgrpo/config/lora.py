@@ -19,6 +19,9 @@ FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj
 EXPERTS = "experts"
 """Target name for the routed experts' fc1 and fc2 only (a mixture-of-experts model)."""
 ALL = "all-linear"
+INIT_A = ("kaiming", "xavier", "uniform")
+"""lora_A initialisations: PEFT's kaiming_uniform(a=sqrt(5)), Megatron-Bridge's xavier (normal) and uniform
+(xavier-uniform)."""
 
 
 def is_adapter_param(name: str) -> bool:
@@ -80,6 +83,8 @@ def check_lora(lora, *, num_experts: int) -> Optional[str]:
         return f"actor.lora.rank={lora.rank}: a LoRA rank is at least 1 (leave it unset to train every weight)"
     if not lora.alpha > 0:
         return f"actor.lora.alpha={lora.alpha}: must be > 0 (the adapters' scaling is alpha / rank)"
+    if lora.init_a not in INIT_A:
+        return f"actor.lora.init_a={lora.init_a!r}: choose from {', '.join(INIT_A)}"
     if not 0.0 <= lora.dropout < 1.0:
         return f"actor.lora.dropout={lora.dropout}: must be in [0, 1)"
     try:

@@ -176,6 +176,9 @@ class LoraConfig:
     (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; megatron fuses q/k/v and gate/up, so name a
     fused group whole), or experts (a mixture-of-experts model's routed experts' fc1 and fc2). linear_fc1/fc2
     adapt the experts too."""
+    init_a: str = "kaiming"
+    """kaiming | xavier | uniform: lora_A's initialisation (PEFT's kaiming-uniform with a=sqrt(5); Megatron-Bridge's
+    and veRL's xavier-normal and xavier-uniform); lora_B starts at zero."""
 
     @property
     def enabled(self) -> bool:

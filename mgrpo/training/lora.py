@@ -39,7 +39,8 @@ from mgrpo.config.lora import parse_targets
 class _Adapter:
     """One adapted linear: its parameters and how its shards talk (see the module docstring)."""
 
-    def __init__(self, name: str, module, kind: str, rank: int, scaling: float, dropout: float, seed: int):
+    def __init__(self, name: str, module, kind: str, rank: int, scaling: float, dropout: float, seed: int,
+                 init_a: str = "kaiming"):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.name, self.module, self.kind, self.scaling, self.dropout = name, module, kind, scaling, dropout
@@ -55,7 +56,12 @@ class _Adapter:
         in_full = in_local * tp if kind == "row" and self.tp_comm else in_local
         gen = torch.Generator().manual_seed(seed)
         a_full = torch.empty(rank, in_full)
-        torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=gen)  # PEFT's default for lora_A
+        if init_a == "xavier":
+            torch.nn.init.xavier_normal_(a_full, generator=gen)
+        elif init_a == "uniform":
+            torch.nn.init.xavier_uniform_(a_full, generator=gen)
+        else:  # PEFT's default for lora_A
+            torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=gen)
         if kind == "row" and self.tp_comm:
             a_full = a_full[:, tp_rank * in_local:(tp_rank + 1) * in_local]
         A = torch.nn.Parameter(a_full.to(device=w.device, dtype=w.dtype).contiguous())
@@ -152,7 +158,7 @@ def _global_name(model, path: str) -> str:
         if p.isdigit() and parts[i - 1] == "layers":
             p = str(mod.layer_number - 1)
         elif p.isdigit() and parts[i - 1] == "local_experts":
-            p = str(_parent(model, parts[:i - 1]).local_expert_indices[int(p)])
+            p = str(_parent(model, parts[:i - 2]).local_expert_indices[int(p)])  # the MoE layer's
         out.append(p)
     return ".".join(out)
 
@@ -178,7 +184,7 @@ def attach_lora(model, lora, *, num_experts: int, seed: int) -> LoraAdapters:
             continue
         g = _global_name(model, path)
         adapters.append(_Adapter(g, module, kind, rank, scaling, float(lora.dropout),
-                                 seed=(seed * 1_000_003 + zlib.crc32(g.encode())) % 2**63))
+                                 seed=(seed * 1_000_003 + zlib.crc32(g.encode())) % 2**63, init_a=lora.init_a))
     state = LoraAdapters(adapters)
 
     def hook(module, args, output):
