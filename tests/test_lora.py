@@ -38,6 +38,7 @@ def _config(moe: bool, layout: dict):
 
 
 def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
+    from mgrpo.plan.lora import adapter_counts
     from mgrpo.training.actor import MegatronActor
     from mgrpo.training.optim import torch_optimizers
 
@@ -62,7 +63,9 @@ def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
     actor.sync_weights([receiver], bucket_bytes=1 << 14)
     unmerged = [n for n, p in actor.gpt.named_parameters() if n in base and not torch.equal(base[n], p.detach())]
     actor.save_hf(out_dir, None)
-    return dict(samples=mine, before=before, ref=ref, after=after, ref_after=ref_after, metrics=metrics,
+    planned = adapter_counts(cfg.model, cfg.actor.lora, c.tp, c.pp, c.ep)[0][c.pp_rank]
+    return dict(samples=mine, before=before, planned=planned,
+                adapter_numel=sum(p.numel() for p in actor.gpt.parameters() if p.requires_grad), ref=ref, after=after, ref_after=ref_after, metrics=metrics,
                 trainable=trainable, in_optimizer=in_optimizer, base_moved=base_moved, unmerged=unmerged,
                 synced=receiver.sums, has_ref_model=actor.ref is not None)
 
@@ -87,6 +90,8 @@ def _merged(results: list) -> dict:
             for i, v in zip(r["samples"], r[key]["logprobs"]):
                 out[key][i] = v
     synced = {k: v for r in results for k, v in r["synced"].items()}
+    for r in results:  # the planner's count of adapter parameters per rank is what the rank holds
+        assert r["adapter_numel"] == r["planned"], (r["adapter_numel"], r["planned"])
     return dict(out, metrics=results[0]["metrics"], synced=synced, first=results[0])
 
 
