@@ -37,6 +37,20 @@ def _config(moe: bool, layout: dict):
     return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=LoraConfig(**LORA)))
 
 
+def _resumed(rank, world, port, hf_dir, moe: bool, layout: dict, ckpt: str):
+    """A fresh actor from `ckpt`: its log-probs (adapters and base as saved) and the reference's."""
+    from mgrpo.training.actor import MegatronActor
+
+    cfg = _config(moe, layout)
+    actor = MegatronActor(cfg, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                          init_hf_dir=hf_dir, total_steps=1, need_ref=True)
+    actor.load_checkpoint(ckpt)
+    c = actor.ctx
+    full = make_batch(cfg.model.vocab_size)
+    batch = full.select([i for i in range(len(full)) if i % c.dp == c.dp_rank])
+    return dict(after=actor.compute_logprobs(batch, "actor"), ref=actor.compute_logprobs(batch, "ref"))
+
+
 def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
     from mgrpo.plan.lora import adapter_counts
     from mgrpo.training.actor import MegatronActor
@@ -63,6 +77,7 @@ def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
     actor.sync_weights([receiver], bucket_bytes=1 << 14)
     unmerged = [n for n, p in actor.gpt.named_parameters() if n in base and not torch.equal(base[n], p.detach())]
     actor.save_hf(out_dir, None)
+    actor.save_checkpoint(out_dir + "-ckpt")
     planned = adapter_counts(cfg.model, cfg.actor.lora, c.tp, c.pp, c.ep)[0][c.pp_rank]
     return dict(samples=mine, before=before, planned=planned,
                 adapter_numel=sum(p.numel() for p in actor.gpt.parameters() if p.requires_grad), ref=ref, after=after, ref_after=ref_after, metrics=metrics,
@@ -77,6 +92,8 @@ def _runs(rank, world, port, hf_dir, moe, layouts, out_dirs):
     for layout, d in zip(layouts, out_dirs):
         out.append(_one_run(rank, world, port, hf_dir, moe, layout, d))
         ps.destroy_model_parallel()
+        out[-1]["resumed"] = _resumed(rank, world, port, hf_dir, moe, layout, d + "-ckpt")
+        ps.destroy_model_parallel()
     return out
 
 
@@ -90,16 +107,25 @@ def _merged(results: list) -> dict:
             for i, v in zip(r["samples"], r[key]["logprobs"]):
                 out[key][i] = v
     synced = {k: v for r in results for k, v in r["synced"].items()}
+    for r in results:  # a checkpoint brings the adapters back exactly, and the base as it was
+        if r["before"] is not None:
+            assert r["resumed"]["after"]["logprobs"] == r["after"]["logprobs"]
+            assert r["resumed"]["ref"]["logprobs"] == r["ref"]["logprobs"]
     for r in results:  # the planner's count of adapter parameters per rank is what the rank holds
         assert r["adapter_numel"] == r["planned"], (r["adapter_numel"], r["planned"])
     return dict(out, metrics=results[0]["metrics"], synced=synced, first=results[0])
 
 
-def _hf_logprobs(hf_dir: str, batch) -> list:
-    """transformers' per-response-token log-probs of `batch` under the checkpoint in `hf_dir`."""
+def _hf_logprobs(hf_dir: str, batch, adapter: str | None = None) -> list:
+    """transformers' per-response-token log-probs of `batch` under the checkpoint in `hf_dir` (with PEFT's
+    LoRA adapter from `adapter` loaded onto it)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     out = []
     with torch.no_grad():
         for ids, p in zip(batch.input_ids, batch.prompt_lens):
@@ -124,6 +150,14 @@ def _check_one_rank(got: dict, hf_dir: str, export_dir: str, vocab: int) -> None
     d_base = max_diff(_hf_logprobs(hf_dir, batch), got["ref"])
     d_merged = max_diff(_hf_logprobs(export_dir, batch), got["after"])
     assert d_base < 1e-5 and d_merged < 1e-5, (d_base, d_merged)
+    print(f"one rank: base vs transformers {d_base:.2e}, merged export vs transformers {d_merged:.2e}")
+
+
+def _check_peft(got: dict, hf_dir: str, export_dir: str, vocab: int, label: str) -> None:
+    """PEFT's LoRA on the base, from the exported adapter, gives the trained actor's log-probs."""
+    d = max_diff(_hf_logprobs(hf_dir, make_batch(vocab), adapter=export_dir + "/lora_adapter"), got["after"])
+    assert d < 1e-5, f"{label}: PEFT adapter on the base differs by {d}"
+    print(f"{label}: PEFT adapter on the base vs the actor {d:.2e}")
 
 
 def _check_same(got: dict, want: dict, label: str) -> None:
@@ -146,11 +180,14 @@ def test_dense_lora_one_rank_and_tp_pp_cp_layouts(tmp_path):
     (one,) = run_ranks(_runs, 1, hf_dir, False, [dict(packed=True)], [str(tmp_path / "one")], timeout_s=600)[0]
     want = _merged([one])
     _check_one_rank(want, hf_dir, str(tmp_path / "one"), 100)
+    _check_peft(want, hf_dir, str(tmp_path / "one"), 100, "one rank")
     layouts = [dict(tp=2, packed=True), dict(pp=2, packed=True), dict(cp=2, packed=True), dict(packed=True)]
     two = run_ranks(_runs, 2, hf_dir, False, layouts, [str(tmp_path / f"l{i}") for i in range(len(layouts))],
                     timeout_s=900)
     for i, layout in enumerate(layouts):
-        _check_same(_merged([r[i] for r in two]), want, str(layout))
+        got = _merged([r[i] for r in two])
+        _check_same(got, want, str(layout))
+        _check_peft(got, hf_dir, str(tmp_path / f"l{i}"), 100, str(layout))
 
 
 def test_moe_lora_on_experts_at_ep2_and_tp2_ep2(tmp_path):

@@ -8,6 +8,7 @@ this class in a Ray actor and calls its methods on every rank at once. Process g
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -33,6 +34,7 @@ class MegatronActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = cfg
+        self.init_hf_dir = init_hf_dir
         a = cfg.actor
         self.ctx = init_parallel(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                                  tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, seed=a.seed)
@@ -357,6 +359,24 @@ class MegatronActor:
         named = self._export_stream()
         save_hf_checkpoint_distributed(out_dir, named if named is not None else iter(()), self.cfg.model,
                                        writer=c.is_weight_source, stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
+        if self.lora is not None and not self.cfg.model.num_experts:
+            self.save_peft(os.path.join(out_dir, "lora_adapter"))
+
+    def save_peft(self, out_dir: str) -> None:
+        """The adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) for the initial
+        HF weights: every stage's weight source sends its tensors (small) to global rank 0, which writes."""
+        from mgrpo.models.peft_export import iter_peft_tensors, write_peft_adapter
+
+        c = self.ctx
+        mine = {}
+        if c.exports_weights:
+            mine = {k: t.cpu() for k, t in iter_peft_tensors(self.gpt, self.cfg.model, tp_group=c.tp_group,
+                                                             tp_size=c.tp, pp_rank=c.pp_rank, pp_size=c.pp)}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if c.is_weight_source else {}, parts, dst=0)
+        if dist.get_rank() == 0:
+            write_peft_adapter(out_dir, {k: v for p in parts for k, v in p.items()}, self.cfg.actor.lora,
+                               self.init_hf_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         from mgrpo.training.checkpoint import save_checkpoint

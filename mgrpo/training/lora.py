@@ -71,12 +71,16 @@ class _Adapter:
             set_tensor_model_parallel_attributes(split, True, dim, 1)
             if self.sp:
                 whole.sequence_parallel = True
-        if self.expert:
-            for p in (A, B):
+        if self.expert:  # as megatron marks expert weights: reduced over expert-DP, each rank's own in the norm
+            for p, dim in ((A, 1), (B, 0)):
                 p.allreduce = False
+                set_tensor_model_parallel_attributes(p, True, dim, 1)
         module.register_parameter("lora_A", A)
         module.register_parameter("lora_B", B)
         self.A, self.B = A, B
+        if self.tp_comm:  # checkpoints: the split half is a TP shard (megatron would save it as replicated)
+            _shard_in_checkpoints(module, {"weight": 0, "bias": 0, "lora_B": 0} if kind == "column"
+                                  else {"weight": 1, "lora_A": 1})
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings as m
@@ -96,6 +100,18 @@ class _Adapter:
         """This rank's shard of base + scaling * B @ A (both factors are local in the weight's split)."""
         w = self.module.weight
         return (w.detach().float() + self.scaling * (self.B.detach().float() @ self.A.detach().float())).to(w.dtype)
+
+
+def _shard_in_checkpoints(module, axes: dict) -> None:
+    """`module.sharded_state_dict` as megatron's Column/RowParallelLinear writes it, with the adapter's split
+    factor among the TP-sharded tensors."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        state = module.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=module.tp_group)
+
+    module.sharded_state_dict = sharded_state_dict
 
 
 class LoraAdapters:
