@@ -80,7 +80,8 @@ def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
     actor.save_checkpoint(out_dir + "-ckpt")
     planned = adapter_counts(cfg.model, cfg.actor.lora, c.tp, c.pp, c.ep)[0][c.pp_rank]
     return dict(samples=mine, before=before, planned=planned,
-                adapter_numel=sum(p.numel() for p in actor.gpt.parameters() if p.requires_grad), ref=ref, after=after, ref_after=ref_after, metrics=metrics,
+                adapter_numel=sum(p.numel() for p in actor.gpt.parameters() if p.requires_grad),
+                ref=ref, after=after, ref_after=ref_after, metrics=metrics,
                 trainable=trainable, in_optimizer=in_optimizer, base_moved=base_moved, unmerged=unmerged,
                 synced=receiver.sums, has_ref_model=actor.ref is not None)
 

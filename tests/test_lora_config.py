@@ -31,7 +31,8 @@ def test_verl_flat_and_megatron_lora_keys_mean_the_same_config():
     assert table["actor_rollout_ref.actor.megatron.use_mbridge=true"].startswith("ignored: mgrpo converts")
     off = translate(["actor_rollout_ref.model.lora_rank=0"])
     assert compose_config(off.args).actor.lora.rank is None
-    xavier = translate(["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.lora_A_init_method=xavier"])
+    xavier = translate(["actor_rollout_ref.model.lora.rank=8",
+                        "actor_rollout_ref.model.lora.lora_A_init_method=xavier"])
     assert compose_config(xavier.args).actor.lora.init_a == "xavier"
 
 
@@ -44,8 +45,10 @@ def test_verl_lora_settings_mgrpo_lacks_are_refused_with_the_reason():
 
 @pytest.mark.parametrize("overrides, message", [
     (["actor.lora.rank=0"], "actor.lora.rank=0: a LoRA rank is at least 1"),
-    (["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"], "actor.lora.target_modules: 'lm_head' matches no module"),
-    (["actor.lora.rank=8", "actor.lora.target_modules=[experts]"], "'experts' matches no module: the model has no experts"),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[lm_head]"],
+     "actor.lora.target_modules: 'lm_head' matches no module"),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[experts]"],
+     "'experts' matches no module: the model has no experts"),
     (["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"], "q_proj without k_proj"),
     (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha=0.0: must be > 0"),
 ])

@@ -84,7 +84,8 @@ def _run(workload: str, lora: bool, hf_dir: str, steps: int, out):
                           init_hf_dir=hf_dir, total_steps=steps, need_ref=True)
     n, p, r = SAMPLES[workload]
     g = torch.Generator().manual_seed(0)
-    batch = RankBatch(input_ids=[torch.randint(0, cfg.model.vocab_size, (p + r,), generator=g).tolist() for _ in range(n)],
+    ids = [torch.randint(0, cfg.model.vocab_size, (p + r,), generator=g).tolist() for _ in range(n)]
+    batch = RankBatch(input_ids=ids,
                       prompt_lens=[p] * n, seq_index=list(range(n)),
                       advantages=[torch.randn(r, generator=g).tolist() for _ in range(n)],
                       token_weight=[[1.0 / (n * r)] * r for _ in range(n)], metric_weight=1.0 / (n * r))
@@ -147,7 +148,8 @@ def main(argv=None) -> None:
                   f"peak RSS {s['peak_rss_mib']} MiB")
     plan = _plan_rows()
     for name, row in plan.items():
-        print(f"plan {name} {row['layout']}: LoRA rank {row['rank']} {row['adapter_params_per_rank']:,} adapter params/GPU")
+        print(f"plan {name} {row['layout']}: LoRA rank {row['rank']} "
+              f"{row['adapter_params_per_rank']:,} adapter params/GPU")
         for k in row["lora"]:
             print(f"  {k:<20} LoRA {row['lora'][k] / 2**30:8.2f} GiB   full {row['full'][k] / 2**30:8.2f} GiB")
     write_json(args, "lora_cpu", {"lora": LORA, "runs": runs, "plan": plan,

@@ -67,7 +67,8 @@ def parse_targets(names, *, num_experts: int, key: str = "actor.lora.target_modu
             chosen.add(fused)
         elif n == EXPERTS:
             if not num_experts:
-                raise ValueError(f"{key}: {EXPERTS!r} matches no module: the model has no experts (model.num_experts=0)")
+                raise ValueError(f"{key}: {EXPERTS!r} matches no module: the model has no experts "
+                                 "(model.num_experts=0)")
             chosen.add(EXPERTS)
         else:
             raise ValueError(f"{key}: {n!r} matches no module; choose from {ALL}, {', '.join(LINEARS)}, "

@@ -66,5 +66,5 @@ def write_peft_adapter(out_dir: str, tensors: dict, lora, base_dir: str) -> None
               "init_lora_weights": True, "inference_mode": True}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    save_file({k: v.cpu().float().contiguous() for k, v in tensors.items()},
+    save_file({k: v.detach().to("cpu", torch.float32).clone() for k, v in tensors.items()},  # fused parts share A
               os.path.join(out_dir, "adapter_model.safetensors"))
