@@ -89,7 +89,40 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
         "capacity": m.capacity, "peak": m.peak, "peak_phase": m.peak_phase, "largest_term": list(m.largest),
         "fits": m.fits, "verdict": v.message(),
         "suggestion": v.suggestion, "suggested_peak": v.suggested.peak if v.suggested else None,
+        **({"lora": lora_plan(cfg, lay, m, dtype=dtype, gpu_mem_gb=gpu_mem_gb)} if cfg.actor.lora.enabled else {}),
     }
+
+
+LORA_TERMS = ("actor_weights", "actor_grads", "optimizer_states", "reference_weights")
+
+
+def lora_plan(cfg: MGRPOConfig, lay: Layout, mem, *, dtype: Optional[str] = None,
+              gpu_mem_gb: Optional[float] = None) -> dict:
+    """The heaviest stage's persistent memory and peak with actor.lora against full fine-tuning of the same run."""
+    from dataclasses import replace
+
+    from mgrpo.config.schema import LoraConfig
+    from mgrpo.plan.lora import adapter_counts
+    from mgrpo.plan.memory import verdict
+
+    full = verdict(replace(cfg, actor=replace(cfg.actor, lora=LoraConfig())), lay, gpu_mem_gb=gpu_mem_gb,
+                   dtype=dtype).memory
+    a = cfg.actor
+    adapters = adapter_counts(cfg.model, a.lora, a.tp, a.pp, a.ep)[0][mem.stage]
+    return {"rank": a.lora.rank, "adapter_params_per_rank": adapters,
+            "lora": {k: mem.terms.get(k, 0) for k in LORA_TERMS} | {"peak": mem.peak},
+            "full": {k: full.terms.get(k, 0) for k in LORA_TERMS} | {"peak": full.peak}}
+
+
+def render_lora(lo: dict) -> list[str]:
+    from mgrpo.plan.memory import LABELS
+
+    out = [f"lora      rank {lo['rank']}: {lo['adapter_params_per_rank']:,} adapter params per rank; base frozen "
+           f"(weights only), reference = base with adapters off",
+           f"          {'':<48}{'LoRA':>12}{'full FT':>12}"]
+    for k in (*LORA_TERMS, "peak"):
+        out.append(f"          {LABELS.get(k, k):<48}{_size(lo['lora'][k]):>12}{_size(lo['full'][k]):>12}")
+    return out
 
 
 # --- placement and batch -----------------------------------------------------------------------------
@@ -277,6 +310,8 @@ def render_memory(me: dict) -> list[str]:
                f"{_size(act['selective'])} / {_size(act['full'])} "
                + f"(actor.recompute={me['recompute']})")
     out.append(f"verdict   {me['verdict']}")
+    if "lora" in me:
+        out.extend(render_lora(me["lora"]))
     return out
 
 

@@ -20,6 +20,7 @@ from mgrpo.config.checks import (choice, divides, multi_turn_errors, positive, r
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
                                   SmallGroup, is_choice, plain)
+from mgrpo.config.lora import check_lora
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
@@ -135,6 +136,9 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
         e.append(f"actor.logprob_chunk_size={a.logprob_chunk_size} and actor.logprob_chunk_mb={a.logprob_chunk_mb} "
                  "must be positive (logprob_chunk_mb=null: no cap)")
     choice(e, "actor.router_replay", a.router_replay, RouterReplay)  # which families route: preflight
+    lora_problem = check_lora(a.lora, num_experts=m.num_experts)
+    if lora_problem:
+        e.append(lora_problem)
     choice(e, "actor.dtype", a.dtype, Dtype)
     if a.dtype == Dtype.bf16 and t.device == Device.cpu:
         e.append("actor.dtype=bf16 needs CUDA (megatron's mixed-precision optimizer); on trainer.device=cpu "

@@ -46,7 +46,10 @@ class Stage:
         model = unwrap(model)
         decoder_layers = list(model.decoder.layers) if hasattr(model, "decoder") else []
         layers = [layer.layer_number - 1 for layer in decoder_layers]
-        params = {k: p for k, p in model.named_parameters() if p.numel() > 0}
+        # LoRA adapters (`<linear>.lora_A/B`) are not base weights: exported merged or as a PEFT adapter
+        from mgrpo.config.lora import is_adapter_param
+
+        params = {k: p for k, p in model.named_parameters() if p.numel() > 0 and not is_adapter_param(k)}
         experts = next((list(layer.mlp.local_expert_indices) for layer in decoder_layers
                         if hasattr(layer.mlp, "local_expert_indices")), None)
         return cls(params, layers, bool(model.pre_process), bool(model.post_process), experts)

@@ -43,6 +43,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from mgrpo.plan.lora import adapter_counts
 from mgrpo.plan.moe import (dispatch_buffers, ep_gather, is_moe, largest_exported, largest_layer_param,
                                       moe_backward_working_set, moe_block_activations, optimizer_states,
                                       routing_payload)
@@ -274,6 +275,14 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                                                  dp_shard, edp_shard),
             "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
         }
+        if a.lora.enabled:  # the base frozen (weights only), the adapters trained, the reference = the base
+            la, la_expert = (c[stage] for c in adapter_counts(m, a.lora, a.tp, a.pp, a.ep))
+            persistent.update(actor_weights=(n + la) * w, actor_grads=la * 4, reference_weights=0,
+                              optimizer_states=optimizer_states(la, la_expert, 8 + (4 if w == 2 else 0),
+                                                                dp_shard, edp_shard))
+            # no base weight has a gradient: the dense embedding gradient and the optimizer's temporaries are
+            # those of the largest adapter tensor
+            largest_param = a.lora.rank * max(m.hidden_size, m.ffn_hidden_size, m.moe_ffn_hidden_size or 0)
         if device == "cuda":
             persistent["cuda_context"] = int(CUDA_CONTEXT_GIB * GIB)
         else:

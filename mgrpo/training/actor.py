@@ -8,6 +8,7 @@ this class in a Ray actor and calls its methods on every rank at once. Process g
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -33,6 +34,7 @@ class MegatronActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cfg = cfg
+        self.init_hf_dir = init_hf_dir
         a = cfg.actor
         self.ctx = init_parallel(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                                  tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, seed=a.seed)
@@ -53,6 +55,11 @@ class MegatronActor:
                                                finalize_model_grads)
 
         gpt = self._build_stage(self.tf_config, init_hf_dir)
+        self.lora = None
+        if a.lora.enabled:  # adapters trained, the base frozen (before DDP: it buffers trainable parameters only)
+            from mgrpo.training.lora import attach_lora
+
+            self.lora = attach_lora(gpt, a.lora, num_experts=cfg.model.num_experts, seed=a.seed)
         if gpt.pre_process:  # the heap's freed activations go back before the embedding's dense gradient comes
             trim_before_backward_of(gpt.embedding)
         self.actor = DistributedDataParallel(
@@ -70,7 +77,7 @@ class MegatronActor:
         self.scheduler = build_scheduler(a, self.optimizer, total_steps, optimizer_steps_per_step(cfg))
 
         self.ref = None
-        if need_ref:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
+        if need_ref and self.lora is None:  # frozen copy of the initial weights; forward-only, no DDP, no optimizer
             # (nor the actor's DDP hooks: megatron's expert MLP deep-copies its config, and a DDP does not copy)
             self.ref = self._build_stage(replace(self.tf_config, no_sync_func=None, finalize_model_grads_func=None),
                                          init_hf_dir)
@@ -79,6 +86,8 @@ class MegatronActor:
         # mixture of experts: each model's routers, driven per micro-batch (routing replay and its metrics)
         self.routing = self._routing(gpt)
         self.ref_routing = self._routing(self.ref) if self.ref is not None else None
+        if self.lora is not None:  # the reference is the actor's base: its adapters off, its routers
+            self.ref_routing = self.routing
         self.skipped_steps = 0
         self._kept_ref: Optional[tuple] = None
         """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
@@ -166,10 +175,16 @@ class MegatronActor:
         `keep` (the reference only): nothing is returned; every rank keeps its values for the update of
         the same batch that follows (`train_mini_batch` without reference log-probs), so they never
         travel to the driver and back."""
+        if which == "ref" and self.lora is not None:  # the base with the adapters switched off
+            with self.lora.disabled():
+                return self._logprobs(self.actor, self.gpt, batch, which, keep)
         model = self.actor if which == "actor" else self.ref
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
+        return self._logprobs(model, gpt, batch, which, keep)
+
+    def _logprobs(self, model, gpt, batch: RankBatch, which: str, keep: bool) -> Optional[dict]:
         t0 = time.perf_counter()
         mbs, groups = self._micro_batches(batch)
         routing = self.routing if which == "actor" else self.ref_routing
@@ -287,9 +302,11 @@ class MegatronActor:
         experts = bool(self.tf_config.num_moe_experts) and c.exports_experts
         if not (c.exports_weights or experts):
             return None
-        return iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp, pp_rank=c.pp_rank,
+        named = iter_megatron_to_hf(self.gpt, self.cfg.model, tp_group=c.tp_group, tp_size=c.tp, pp_rank=c.pp_rank,
                                    pp_size=c.pp, ep_group=c.ep_group, ep_size=c.ep, dense=c.exports_weights,
                                    experts=experts)
+        # LoRA: the engines and HF exports take base + scaling * B @ A, merged while the stream runs
+        return named if self.lora is None else self.lora.merged_stream(named)
 
     def shareable_weights(self) -> list:
         """(HF name, tensor) of the weights that export as this rank's own parameter memory (no TP, PP or EP
@@ -342,6 +359,24 @@ class MegatronActor:
         named = self._export_stream()
         save_hf_checkpoint_distributed(out_dir, named if named is not None else iter(()), self.cfg.model,
                                        writer=c.is_weight_source, stage=c.pp_rank, tokenizer_dir=tokenizer_dir)
+        if self.lora is not None and not self.cfg.model.num_experts:
+            self.save_peft(os.path.join(out_dir, "lora_adapter"))
+
+    def save_peft(self, out_dir: str) -> None:
+        """The adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) for the initial
+        HF weights: every stage's weight source sends its tensors (small) to global rank 0, which writes."""
+        from mgrpo.models.peft_export import iter_peft_tensors, write_peft_adapter
+
+        c = self.ctx
+        mine = {}
+        if c.exports_weights:
+            mine = {k: t.cpu() for k, t in iter_peft_tensors(self.gpt, self.cfg.model, tp_group=c.tp_group,
+                                                             tp_size=c.tp, pp_rank=c.pp_rank, pp_size=c.pp)}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if c.is_weight_source else {}, parts, dst=0)
+        if dist.get_rank() == 0:
+            write_peft_adapter(out_dir, {k: v for p in parts for k, v in p.items()}, self.cfg.actor.lora,
+                               self.init_hf_dir)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         from mgrpo.training.checkpoint import save_checkpoint

@@ -15,6 +15,7 @@ from typing import Optional
 
 from mgrpo.compat.verl.kit import A, F, M, MICRO, PROFILE, R, TUNING, Refuse, Rule, falsy, ignore, only, refuse, to
 from mgrpo.compat.verl.layout import LAYOUT_PREFIX_RULES, LAYOUT_RULES
+from mgrpo.compat.verl.lora import LORA_RULES
 from mgrpo.compat.verl.multi_turn import MULTI_TURN_RULES
 from mgrpo.compat.verl.reward import REWARD_PREFIX_RULES, REWARD_RULES
 from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
@@ -251,9 +252,6 @@ RULES: dict[str, Rule] = {
     M + "use_shm": ignore("load speed only"),
     M + "trust_remote_code": ignore("mgrpo reads config.json itself"),
     M + "external_lib": only(falsy, "null", "mgrpo trains dense Qwen3 only"),
-    M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo",
-                          "mgrpo has no LoRA: drop the key for full fine-tuning (mgrpo-plan says whether it fits and "
-                          "what to change if not: actor.recompute, actor.use_distributed_optimizer, more GPUs)"),
     M + "enable_activation_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload activations"),
     M + "custom_chat_template": only(falsy, "null", "mgrpo applies the tokenizer's own chat template"),
     # rollout
@@ -273,6 +271,7 @@ RULES: dict[str, Rule] = {
     R + "dtype": only(lambda v: v in ("bfloat16", "bf16"), "bf16, as mgrpo's SGLang", "mgrpo's SGLang serves bf16"),
     R + "mode": ignore("mgrpo's engines are servers driven asynchronously"),
     **MULTI_TURN_RULES,
+    **LORA_RULES,
     R + "val_kwargs.temperature": _val("temperature"),
     R + "val_kwargs.top_p": _val("top_p"),
     R + "val_kwargs.n": _val("n"),

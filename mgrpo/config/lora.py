@@ -1,0 +1,95 @@
+"""The `actor.lora` section's targets and checks (no torch: the validator and the veRL front door use them).
+
+Megatron names the linears an adapter can sit on linear_qkv, linear_proj, linear_fc1 and linear_fc2 (the
+output layer is never adapted); HF/PEFT names map onto them, and since megatron fuses q/k/v and gate/up into
+one linear each, a fused group is named whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron's names of the linear layers an adapter can sit on (the output layer is never adapted)."""
+HF_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+            "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+"""HF/PEFT module names -> the megatron linear that holds them (megatron fuses q/k/v and gate/up)."""
+FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
+EXPERTS = "experts"
+"""Target name for the routed experts' fc1 and fc2 only (a mixture-of-experts model)."""
+ALL = "all-linear"
+INIT_A = ("kaiming", "xavier", "uniform")
+"""lora_A initialisations: PEFT's kaiming_uniform(a=sqrt(5)), Megatron-Bridge's xavier (normal) and uniform
+(xavier-uniform)."""
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name (megatron, dotted) is an adapter's."""
+    return name.rsplit(".", 1)[-1].startswith("lora_")
+
+
+@dataclass(frozen=True)
+class Targets:
+    linears: frozenset
+    """Megatron linear names adapted everywhere (dense MLPs and experts alike), and `experts`: the routed
+    experts' fc1 and fc2."""
+
+    def matches(self, path: str) -> bool:
+        parts = path.split(".")
+        leaf = parts[-1]
+        if leaf not in LINEARS or not any(p == "layers" for p in parts):
+            return False
+        if leaf in self.linears:
+            return True
+        return "local_experts" in parts and EXPERTS in self.linears and leaf in ("linear_fc1", "linear_fc2")
+
+
+def parse_targets(names, *, num_experts: int, key: str = "actor.lora.target_modules") -> Targets:
+    """The adapted linears for `names` (megatron names, HF/PEFT names, 'all-linear', 'experts'); a
+    ValueError naming `key` for a name that adapts nothing in this model."""
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"{key} is empty: name the linears to adapt, e.g. all-linear")
+    chosen: set = set()
+    for n in names:
+        if n == ALL:
+            chosen.update(LINEARS)
+        elif n in LINEARS:
+            chosen.add(n)
+        elif n in HF_NAMES:
+            fused = HF_NAMES[n]
+            group = FUSED.get(fused, (n,))
+            missing = [g for g in group if g not in names and ALL not in names and fused not in names]
+            if missing:
+                raise ValueError(f"{key}: {n} without {', '.join(missing)}: megatron computes {'/'.join(group)} in "
+                                 f"one linear ({fused}), so name all of them (or {fused})")
+            chosen.add(fused)
+        elif n == EXPERTS:
+            if not num_experts:
+                raise ValueError(f"{key}: {EXPERTS!r} matches no module: the model has no experts "
+                                 "(model.num_experts=0)")
+            chosen.add(EXPERTS)
+        else:
+            raise ValueError(f"{key}: {n!r} matches no module; choose from {ALL}, {', '.join(LINEARS)}, "
+                             f"{', '.join(HF_NAMES)}" + (f", {EXPERTS}" if num_experts else ""))
+    return Targets(frozenset(chosen))
+
+
+def check_lora(lora, *, num_experts: int) -> Optional[str]:
+    """The one-line problem with an `actor.lora` section, or None."""
+    if lora.rank is None:
+        return None
+    if int(lora.rank) < 1:
+        return f"actor.lora.rank={lora.rank}: a LoRA rank is at least 1 (leave it unset to train every weight)"
+    if not lora.alpha > 0:
+        return f"actor.lora.alpha={lora.alpha}: must be > 0 (the adapters' scaling is alpha / rank)"
+    if lora.init_a not in INIT_A:
+        return f"actor.lora.init_a={lora.init_a!r}: choose from {', '.join(INIT_A)}"
+    if not 0.0 <= lora.dropout < 1.0:
+        return f"actor.lora.dropout={lora.dropout}: must be in [0, 1)"
+    try:
+        parse_targets(lora.target_modules, num_experts=num_experts)
+    except ValueError as err:
+        return str(err)
+    return None
