@@ -12,16 +12,19 @@ import pytest
 import torch
 
 from mgrpo.cluster.ray_env import stop_ray
-from mgrpo.components.judges import GenerativeJudge
-from mgrpo.components.reward_models import ComposedJudger
+from mgrpo.cluster.aux_engines import RewardEngines
+from mgrpo.rewards.generative import GenerativeJudge
+from mgrpo.rewards import Rubric
 from mgrpo.config.reward import JudgeConfig, RewardConfig, RewardModelConfig
 from mgrpo.config.schema import ModelConfig
 from mgrpo.data.printable import printable_tokenizer
 from mgrpo.models.hf_io import init_hf_checkpoint
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 from mgrpo.rewards.judge import compile_template, parse_number, render, Unparsed
 from tests.helpers.procs import kill_and_wait
 from tests.helpers.sglang_cpu import FaultProxy
+
+ENGINES = RewardEngines()
 
 YES_NO = "Q:{{ question }}\nA:{{ response }}\nRight? Y or N"
 PAIR = "Q:{{ question }}\n1:{{ response_a }}\n2:{{ response_b }}\nIs 1 better? Y or N"
@@ -35,7 +38,7 @@ def judge_model(tmp_path_factory):
     cfg = ModelConfig(tokenizer="printable", vocab_size=107, max_position_embeddings=512, init_std=0.1)
     init_hf_checkpoint(d, cfg, seed=0, tokenizer=printable_tokenizer())
     base = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=d, timeout_s=60, judge=JudgeConfig(
-        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=107)), api_key=None, log_dir=d)
+        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=107)), engines=ENGINES, api_key=None, log_dir=d)
     try:
         yield d, base
     finally:
@@ -79,10 +82,10 @@ class Reference:
 
 
 def connect(base: GenerativeJudge, url: str | None = None, **judge) -> GenerativeJudge:
-    cfg = RewardModelConfig(kind="generative", hf_path=base.cfg.hf_path, url=url or base.engines[0].url,
+    cfg = RewardModelConfig(kind="generative", hf_path=base.cfg.hf_path, url=url or base.hosting.engines[0].url,
                             timeout_s=judge.pop("timeout_s", 60), max_retries=judge.pop("max_retries", 2),
                             judge=JudgeConfig(**judge))
-    return GenerativeJudge("judge", cfg, api_key=None, log_dir=base.log_dir)
+    return GenerativeJudge("judge", cfg, engines=ENGINES, api_key=None, log_dir=base.hosting.log_dir)
 
 
 @pytest.mark.integration
@@ -92,7 +95,7 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
 
     # the server's top log-probs are the model's own most likely next tokens (torch.topk of its log-softmax)
     user = render(compile_template(YES_NO), prompt=reqs[0].prompt, response="3", reference="3", rubric="")
-    got = base.engines[0].client.json("POST", "/generate", {
+    got = base.hosting.engines[0].client.json("POST", "/generate", {
         "input_ids": ref.ids(user), "sampling_params": {"temperature": 0, "max_new_tokens": 1},
         "return_logprob": True, "top_logprobs_num": 5})
     want = torch.topk(ref.next_logprobs(ref.ids(user)), 5)
@@ -139,9 +142,9 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
     assert num.counts["unparsed"] == sum(st == "failed" for st in status)
 
     # through the composed judger: a failed judgement is masked and counted per judge, never a label
-    with FaultProxy(base.engines[0].url) as proxy:
-        composed = ComposedJudger(RewardConfig(num_workers=0, compose={"mgrpo/sum": {"judge": 1.0}}),
-                                  Judger(RewardConfig(num_workers=0)), {"judge": connect(base, proxy.url, **spec)})
+    with FaultProxy(base.hosting.engines[0].url) as proxy:
+        composed = Rubric(RewardConfig(num_workers=0, compose={"mgrpo/sum": {"judge": 1.0}}),
+                                  Rules(RewardConfig(num_workers=0)), {"judge": connect(base, proxy.url, **spec)})
         proxy.garbage["/generate"] = [b'[{"text": "9"}, 5, {}, {}]']  # 200, but not SGLang's answer
         got = composed.score(reqs)
         assert got.scores == [None] * 4 and got.status == ["failed"] * 4 and got.failed_by == ["judge:judge"] * 4
@@ -161,12 +164,12 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
 
     # a judge engine killed mid-run: the next scoring call starts it again and scores as before
     own = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf_dir, timeout_s=60,
-                                                     judge=JudgeConfig(**spec)), api_key=None, log_dir=str(tmp_path))
+                                                     judge=JudgeConfig(**spec)), engines=ENGINES, api_key=None, log_dir=str(tmp_path))
     try:
-        pid = own.addresses[0]["pid"]
+        pid = own.hosting.addresses[0]["pid"]
         kill_and_wait(pid)
         again, status, _ = own.score(reqs)
-        new = own.addresses[0]["pid"]
+        new = own.hosting.addresses[0]["pid"]
         assert own.restarts == 1 and new != pid and os.path.exists(f"/proc/{new}")
         assert again == scores and status == [("ok" if s is not None else "failed") for s in scores]
     finally:
@@ -226,7 +229,7 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
     cfg = RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
         template=NUMBER, system="You grade.", openai_url=end.url, openai_model="judge-m", api_key_env="JUDGE_TEST_KEY",
         concurrency=1))
-    j = GenerativeJudge("api", cfg, api_key=None, log_dir="")
+    j = GenerativeJudge("api", cfg, engines=ENGINES, api_key=None, log_dir="")
     try:
         scores, status, errors = j.score(reqs)
         assert scores == [7.0, None] and status == ["ok", "failed"] and "unparsed answer" in errors[1]
@@ -242,7 +245,7 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
         end.answers = [(200, "Y", [(" Y", math.log(0.3)), ("N", math.log(0.1))]), (503, "", None), (503, "", None)]
         yn = GenerativeJudge("api", RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
             template=YES_NO, parser="yes_no", yes="Y", no="N", openai_url=end.url, openai_model="judge-m",
-            concurrency=1)), api_key=None, log_dir="")
+            concurrency=1)), engines=ENGINES, api_key=None, log_dir="")
         scores, status, _ = yn.score(reqs)
         assert scores[0] == pytest.approx(0.75) and scores[1] is None and status == ["ok", "failed"]
         assert end.seen[3][2]["logprobs"] is True and end.seen[3][2]["top_logprobs"] == 20
