@@ -49,3 +49,18 @@ def write_json(args, name: str, result: dict) -> str:
         json.dump(result, f, indent=1)
     print("wrote", path)
     return path
+
+
+def pyplot_or_say(path: str):
+    """matplotlib's pyplot (the `bench` extra: pip install -e '.[bench]'), or None with a line saying that `path` is
+    not drawn: a job run with the README's install keeps its numbers and ends well without the plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot {path}: matplotlib is not installed (pip install -c constraints.txt -e '.[bench]'); "
+              "the numbers are in the JSON", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -144,3 +144,42 @@ def test_dynamic_sampling_and_validation_skip_missing_scores():
     assert acc.metrics()["dynamic_sampling/score_all_mean"] == pytest.approx(2 / 3)
     out = eval_metrics([1.0, None, 0.0, 0.0], [0, 0, 1, 1], ["s"] * 4, 2)
     assert out == {"val/s/failed": 1.0, "val/s/score": pytest.approx(1 / 3), "val/s/mean@2": 0.5, "val/s/pass@2": 0.5}
+
+
+def test_a_failure_rate_past_the_limit_is_one_line_naming_the_keys_to_change():
+    from mgrpo.config import InputError
+
+    outcomes = ["failed"] * 3 + ["ok"]
+    by = ["judge:j"] * 3 + [""]
+    errors = ["judge:j: unparsed answer: neither the yes token (5) nor the no token (6) is among the 5 most likely\n"
+              "first tokens; raise reward.models.j.judge.top_logprobs=5 (the yes/no tokens must be among the first "
+              "token's most likely), or change reward.models.j.judge.yes='Y' / reward.models.j.judge.no='N'"]
+    with pytest.raises(failed_samples.FailureRateExceeded) as got:
+        failed_samples.check_rate(outcomes, by, warn_rate=0.1, max_rate=0.5, enforce=True,
+                                  log=logging.getLogger("t"), errors=errors)
+    line = str(got.value)
+    # the launchers print an InputError as one line and exit 2 (no traceback)
+    assert isinstance(got.value, InputError) and "\n" not in line
+    assert line.startswith("3 of 4 samples (75%) have no reward (judge:j 3), past reward.failed.max_rate=0.5")
+    assert "Change reward.models.j.judge.top_logprobs, reward.models.j.judge.yes, reward.models.j.judge.no, " \
+           "reward.models.j.judge (or raise reward.failed.max_rate) and resume" in line
+    # a rule's failures name the rule's keys
+    with pytest.raises(failed_samples.FailureRateExceeded, match=r"Change reward.custom_functions / reward.timeout_s "):
+        failed_samples.check_rate(["timeout"] * 2, ["rule:mgrpo/sum"] * 2, warn_rate=0.1, max_rate=0.5, enforce=True,
+                                  log=logging.getLogger("t"))
+
+
+def test_the_asynchronous_producer_hands_a_refusal_on_as_it_is():
+    """The producer thread's FailureRateExceeded reaches the loop (and the launcher's one line) unwrapped."""
+    from mgrpo.components.rollout_pipeline import RolloutPipeline
+
+    def produce(index):
+        raise failed_samples.FailureRateExceeded("8 of 8 samples (100%) have no reward; Change reward.models.j.judge")
+
+    pipe = RolloutPipeline(produce, max_staleness=1)
+    pipe.start()
+    try:
+        with pytest.raises(failed_samples.FailureRateExceeded, match="Change reward.models.j.judge"):
+            pipe.next(current_version=0)
+    finally:
+        pipe.close()

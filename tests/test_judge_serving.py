@@ -231,8 +231,9 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
         concurrency=1))
     j = GenerativeJudge("api", cfg, engines=ENGINES, api_key=None, log_dir="")
     try:
-        scores, status, errors = j.score(reqs)
-        assert scores == [7.0, None] and status == ["ok", "failed"] and "unparsed answer" in errors[1]
+        got = j.score(reqs)
+        assert got.scores == [7.0, None] and got.status == ["ok", "failed"] and got.failed_by == ["", "judge:api"]
+        assert got.failed == 1 and "unparsed answer" in got.errors[0]
         assert j.counts["unparsed"] == 1 and len(end.seen) == 3  # the 500 retried once by the openai client
         path, auth, body = end.seen[1]
         assert path == "/v1/chat/completions" and auth == "Bearer sk-test-123" and body["model"] == "judge-m"
@@ -246,10 +247,35 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
         yn = GenerativeJudge("api", RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
             template=YES_NO, parser="yes_no", yes="Y", no="N", openai_url=end.url, openai_model="judge-m",
             concurrency=1)), engines=ENGINES, api_key=None, log_dir="")
-        scores, status, _ = yn.score(reqs)
-        assert scores[0] == pytest.approx(0.75) and scores[1] is None and status == ["ok", "failed"]
+        got = yn.score(reqs)
+        assert got.scores[0] == pytest.approx(0.75) and got.scores[1] is None and got.status == ["ok", "failed"]
         assert end.seen[3][2]["logprobs"] is True and end.seen[3][2]["top_logprobs"] == 20
         assert end.seen[3][2]["max_tokens"] == 1
         yn.close()
     finally:
         end.close()
+
+
+@pytest.mark.integration
+def test_a_yes_no_judge_whose_tokens_are_not_among_its_top_logprobs_is_refused_in_one_line_naming_the_key():
+    """Past reward.failed.max_rate the refusal names judge.top_logprobs (what decides whether Y/N are seen)."""
+    from mgrpo.config.reward import FailedSamplesConfig
+    from mgrpo.rewards import FailureRateExceeded, judge_batch
+
+    reqs = requests_()
+    end = ChatEndpoint([(200, "maybe", [("maybe", -0.1), ("x", -3.0)])] * len(reqs))
+    cfg = RewardConfig(num_workers=0, compose={"mgrpo/sum": {"yn": 1.0}})
+    yn = GenerativeJudge("yn", RewardModelConfig(kind="generative", timeout_s=10, max_retries=0, judge=JudgeConfig(
+        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=2, openai_url=end.url, openai_model="m",
+        concurrency=1)), api_key=None, log_dir="")
+    rubric = Rubric(cfg, Rules(cfg), {"yn": yn})
+    try:
+        with pytest.raises(FailureRateExceeded) as got:
+            judge_batch(rubric, reqs, [0, 0, 1, 1], [], [], FailedSamplesConfig(max_rate=0.5))
+    finally:
+        rubric.close()
+        end.close()
+    line = str(got.value)
+    assert "\n" not in line and line.startswith("4 of 4 samples (100%) have no reward (judge:yn 4)")
+    assert "Change reward.models.yn.judge.top_logprobs, reward.models.yn.judge.yes, reward.models.yn.judge.no" in line
+    assert "raise reward.models.yn.judge.top_logprobs=2" in line  # the example error says what it is now

@@ -194,7 +194,7 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
 def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
     """A step's requests reach each worker as one message (not one round trip per response), and the
     answers come back to the right requests."""
-    from mgrpo.rewards import judger as judger_mod
+    from mgrpo.rewards import rules as judger_mod
 
     sent = []
     real = judger_mod._Worker.send_todo

@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -86,10 +87,13 @@ def main(argv=None) -> None:
                                        "unparsed_last_repeat": unparsed}
             print(f"{name:>16}: {statistics.median(rates):7.1f} samples/s (median of {args.repeats}), "
                   f"{unparsed} of {len(reqs)} unparsed", flush=True)
+    except BaseException:
+        print(f"kept for a look: {work}", file=sys.stderr)
+        raise
     finally:
         if base is not None:
             base.close()
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)  # everything is in the results: the temporary folder goes
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
