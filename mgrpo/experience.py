@@ -126,7 +126,7 @@ class Experience:
         j-th of prompt i), every one of them: a failed trajectory (tool or trajectory timeout, generation or
         environment failure, aborted as the long tail) keeps its place and is marked failed with its finish
         reason as the outcome, so its group keeps its shape and the judgement leaves it unscored, out of the loss and
-        out of the baseline, counted with every other failure (failed_samples.py). `want_support`: the engine
+        out of the baseline, counted with every other failure (rewards/failed.py). `want_support`: the engine
         was asked for sampling supports; each trajectory carries them per token (context tokens: the whole
         vocabulary, they carry no loss). `want_routes`: the engine was asked for routed experts
         (actor.router_replay=rollout); each trajectory carries them assembled over its turns

@@ -164,7 +164,8 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
 
     # a judge engine killed mid-run: the next scoring call starts it again and scores as before
     own = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf_dir, timeout_s=60,
-                                                     judge=JudgeConfig(**spec)), engines=ENGINES, api_key=None, log_dir=str(tmp_path))
+                                                     judge=JudgeConfig(**spec)),
+                          engines=ENGINES, api_key=None, log_dir=str(tmp_path))
     try:
         pid = own.hosting.addresses[0]["pid"]
         kill_and_wait(pid)

@@ -79,8 +79,8 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
     placement = judger = None
     try:
         placement = place(cfg, layout(cfg))
-        judger = build_rubric(cfg.reward, engines=RewardEngines(), api_key=key, log_dir=str(tmp_path / "logs"), placement=placement,
-                              cpus=cfg.trainer.cpus_per_worker)
+        judger = build_rubric(cfg.reward, engines=RewardEngines(), api_key=key, log_dir=str(tmp_path / "logs"),
+                              placement=placement, cpus=cfg.trainer.cpus_per_worker)
         rm = judger.scorers["rm"]
 
         # in the run's placement group, one bundle each

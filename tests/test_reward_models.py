@@ -65,7 +65,8 @@ def test_composed_reward_failures_and_restart(tmp_path):
         # the same server behind a proxy that fails: each failed request's samples have no score
         with FaultProxy(launched.hosting.engines[0].url) as proxy:
             flaky = RewardModel("rm", RewardModelConfig(hf_path=hf_dir, url=proxy.url, batch_size=3, max_retries=1,
-                                                        timeout_s=1.5), engines=ENGINES, api_key=None, log_dir=str(tmp_path))
+                                                        timeout_s=1.5),
+                                engines=ENGINES, api_key=None, log_dir=str(tmp_path))
             faulty = Rubric(cfg, Rules(cfg), {"rm": flaky})
             proxy.inject["/classify"] = [503, 503]                       # 1st request: 503 twice, out of retries
             proxy.garbage["/classify"] = [b"not json", b'[{"embedding": "x"}]']  # 2nd: garbage, then not SGLang's

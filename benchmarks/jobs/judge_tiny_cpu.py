@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
-from benchmarks import REPO, add_output_args, output_path
+from benchmarks import REPO, add_output_args, add_work_args, fresh_work, output_path
 
 TEMPLATE = "Q:{{ question }}\nA:{{ response }}\nRight? Y or N"
 
@@ -57,14 +56,11 @@ def main(argv=None) -> None:
     add_output_args(ap, "judge_tiny_cpu.json")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top-logprobs", type=int, default=107, help="judge.top_logprobs (107: the whole vocabulary)")
-    ap.add_argument("--work", default=os.path.join(REPO, "outputs", "judge_tiny_cpu"),
-                    help="where the judge and the run folder (run/) are written and kept")
+    add_work_args(ap, "judge_tiny_cpu")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
     args.out = output_path(args, "judge_tiny_cpu.json")
-    work = os.path.abspath(args.work)
-    shutil.rmtree(work, ignore_errors=True)  # the previous run's: mgrpo-train refuses a folder holding another run
-    os.makedirs(work)
+    work = fresh_work(args)
     judge, template = make_judge(work)
     run_dir = os.path.join(work, "run")
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}",

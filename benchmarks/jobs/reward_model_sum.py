@@ -28,12 +28,11 @@ import argparse
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
 
-from benchmarks import REPO, add_output_args, output_path, pyplot_or_say
+from benchmarks import REPO, add_output_args, add_work_args, fresh_work, output_path, pyplot_or_say
 
 DIGITS = "0123456789"
 JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false",)
@@ -199,14 +198,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_args(ap, "reward_model_sum_cpu.json")  # and the .png beside it
     ap.add_argument("--rm-steps", type=int, default=1200)  # 800 ranked 24 of 25 on 2026-12-04's install
-    ap.add_argument("--work", default=os.path.join(REPO, "outputs", "reward_model_sum"),
-                    help="where the reward model (rm/) and the run folder (run/) are written and kept")
+    add_work_args(ap, "reward_model_sum")  # rm/ and run/
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
     args.out = output_path(args, "reward_model_sum_cpu.json")
-    work = os.path.abspath(args.work)
-    shutil.rmtree(work, ignore_errors=True)  # the previous run's: mgrpo-train refuses a folder holding another run
-    os.makedirs(work)
+    work = fresh_work(args)
     print(f"reward model and run folder: {work} (kept)", flush=True)
     rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)
     print(f"reward model: {rm['rm_steps']} steps in {rm['rm_train_s']:.0f} s, held-out accuracy "

@@ -1,8 +1,8 @@
 """Auxiliary engines (reward models, judges: reward.models.<name>): frozen servers hosted exactly as rollout engines
 are, by `EngineHost` actors building an engine of the rollout registry, in the run's placement groups
-(`Placement.reward_options`). Their owner (rewards/hosting.py, given `RewardEngines`) reaches them by URL; this module is the Ray
-side: start, wait until healthy, health-check (`hosts_alive`), restart through the host (a new host in the same
-bundle if the host died), stop.
+(`Placement.reward_options`). Their owner (rewards/hosting.py, given `RewardEngines`) reaches them by URL; this
+module is the Ray side: start, wait until healthy, health-check (`hosts_alive`), restart through the host (a new host
+in the same bundle if the host died), stop.
 Nothing here syncs weights or releases memory: the weight sync only knows the rollout group's engines.
 """
 

@@ -4,7 +4,7 @@ The servers are hosted exactly as rollout engines are: `EngineHost` actors in th
 their own with placement=own, the rollout engines' with placement=shared), built by the rollout engine registry's
 `sglang` engine with the run's API key; they are frozen (nothing here syncs weights or releases memory). This room
 sits below the processes, so what starts and reaches them comes in as `engines`, an `EngineKit`
-(cluster/aux_engines.py `reward_engines()` gives the run's: Ray hosts, SGLang clients, SGLang's router).
+(cluster/aux_engines.py `RewardEngines` is the run's: Ray hosts, SGLang clients, SGLang's router).
 
 The scorer talks to the servers by URL. Several servers of a judge sit behind SGLang's router, which spreads its
 /generate requests; a classifier's /classify requests go to its servers in turn (`spread`). When a call fails (and,
@@ -67,8 +67,9 @@ class EngineHosting:
             return
         self.engines = []
         try:
-            self.servers = engines.launch(name, cfg.hf_path, [self._engine_kwargs(k, devices) for k in range(cfg.engines)],
-                                          placement=placement, cpus=cpus, tp=cfg.tp, timeout_s=cfg.timeout_s)
+            kwargs = [self._engine_kwargs(k, devices) for k in range(cfg.engines)]
+            self.servers = engines.launch(name, cfg.hf_path, kwargs, placement=placement, cpus=cpus, tp=cfg.tp,
+                                          timeout_s=cfg.timeout_s)
             self.engines = [engines.connect(url, **self._client_kwargs()) for url in self.servers.urls]
             if routed and len(self.engines) > 1:
                 self.front = engines.router(self.servers.urls, log_dir=os.path.join(log_dir, "router"),
