@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}",
            f"trainer.total_training_steps={args.steps}", *judge_overrides(judge, template, args.top_logprobs),
            *args.overrides]
-    print(f"judge and run folder: {work} (kept)\n$ mgrpo-train {' '.join(cmd[3:])}", flush=True)
+    print(f"judge and run folder: {work} (kept)\n$ mgrpo-train {shlex.join(cmd[3:])}", flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = proc.stdout.splitlines()
