@@ -72,8 +72,8 @@ def main(argv=None) -> None:
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = proc.stdout.splitlines()
     print("\n".join(line for line in lines if line.startswith("step ")), flush=True)
-    if proc.returncode != 0:
-        print(lines[-1] if lines else "", file=sys.stderr)  # mgrpo-train's own last line: what to change
+    if proc.returncode != 0:  # exit 2: mgrpo-train's own last line says what to change; else its last lines
+        print("\n".join(lines[-1 if proc.returncode == 2 else -40:]), file=sys.stderr)
         sys.exit(proc.returncode)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "reward/judge/mean" in m]
