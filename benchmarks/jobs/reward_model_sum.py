@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -199,15 +200,22 @@ def main(argv=None) -> None:
     add_output_args(ap, "reward_model_sum_cpu.json")  # and the .png beside it
     ap.add_argument("--rm-steps", type=int, default=1200)  # 800 ranked 24 of 25 on 2026-12-04's install
     add_work_args(ap, "reward_model_sum")  # rm/ and run/
+    ap.add_argument("--rm", default=None, help="a reward model trained before (a kept rm/ folder, copied out of "
+                                               "--work first): the job runs on it instead of training one")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
     args.out = output_path(args, "reward_model_sum_cpu.json")
     work = fresh_work(args)
     print(f"reward model and run folder: {work} (kept)", flush=True)
-    rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)
-    print(f"reward model: {rm['rm_steps']} steps in {rm['rm_train_s']:.0f} s, held-out accuracy "
-          f"{rm['rm_heldout_accuracy']:.3f}, right answer ranked first for "
-          f"{rm['rm_right_answer_ranked_first']:.0%} of the prompts", flush=True)
+    if args.rm:
+        shutil.copytree(args.rm, os.path.join(work, "rm"))
+        rm = {"rm_from": os.path.abspath(args.rm)}
+        print(f"reward model: {args.rm} (trained before)", flush=True)
+    else:
+        rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)
+        print(f"reward model: {rm['rm_steps']} steps in {rm['rm_train_s']:.0f} s, held-out accuracy "
+              f"{rm['rm_heldout_accuracy']:.3f}, right answer ranked first for "
+              f"{rm['rm_right_answer_ranked_first']:.0%} of the prompts", flush=True)
     t0 = time.time()
     steps = run_job(os.path.join(work, "rm"), os.path.join(work, "run"), args.overrides)
     result = {"command": "python -m benchmarks.jobs.reward_model_sum " + " ".join(args.overrides), **rm,
