@@ -103,8 +103,9 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
     assert len(top) == 1 and [t for _, t, _ in top[0]] == want.indices.tolist()
     assert max(abs(v - w) for (v, _, _), w in zip(top[0], want.values.tolist())) <= 1e-5
 
-    scores, status, errors = base.score(reqs)
-    assert status == ["ok"] * 4 and errors == [""] * 4
+    got = base.score(reqs)
+    scores, status = got.scores, got.status
+    assert status == ["ok"] * 4 and got.errors == [] and got.failed_by == [""] * 4
     t = compile_template(YES_NO)
     expect = [ref.p_yes(render(t, prompt=r.prompt, response=r.response, reference=r.ground_truth, rubric=""))
               for r in reqs]
@@ -112,7 +113,8 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
     assert len({round(s, 3) for s in scores}) > 1  # different answers, different probabilities
 
     pair = connect(base, template=PAIR, parser="yes_no", yes="Y", no="N", top_logprobs=107, pairwise=True)
-    scores, status, _ = pair.score(reqs)
+    got = pair.score(reqs)
+    scores, status = got.scores, got.status
     t = compile_template(PAIR)
     want, disagree = [], 0
     for r in reqs:
@@ -131,14 +133,16 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
     ref, reqs = Reference(hf_dir), requests_()
     spec = dict(template=NUMBER, parser="number", pattern=r"(\d)", range=[0.0, 9.0], max_new_tokens=8)
     num = connect(base, **spec)
-    scores, status, errors = num.score(reqs)
+    got = num.score(reqs)
+    scores, status = got.scores, got.status
     t = compile_template(NUMBER)
-    for r, s, st, err in zip(reqs, scores, status, errors):
+    for r, s, st, by in zip(reqs, scores, status, got.failed_by):
         answer = ref.greedy(render(t, prompt=r.prompt, response=r.response, reference=r.ground_truth, rubric=""), 8)
         try:
             assert (s, st) == (parse_number(answer, r"(\d)", 0.0, 9.0), "ok"), answer
         except Unparsed:  # the answer holds no digit: a failed judgement, never 0.0
-            assert s is None and st == "failed" and "unparsed answer" in err, (answer, err)
+            assert s is None and st == "failed" and by == "judge:judge", (answer, by)
+            assert any("unparsed answer" in e for e in got.errors), got.errors
     assert num.counts["unparsed"] == sum(st == "failed" for st in status)
 
     # through the composed judger: a failed judgement is masked and counted per judge, never a label
@@ -159,7 +163,7 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
         assert got.scores == scores and got.failed == scores.count(None) and got.status == status
         hung = connect(base, proxy.url, timeout_s=1.0, max_retries=0, **spec)
         proxy.delay["/generate"] = [3.0]
-        assert hung.score(reqs[:1])[1] == ["timeout"]
+        assert hung.score(reqs[:1]).status == ["timeout"]
         composed.close()
 
     # a judge engine killed mid-run: the next scoring call starts it again and scores as before
@@ -169,7 +173,8 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
     try:
         pid = own.hosting.addresses[0]["pid"]
         kill_and_wait(pid)
-        again, status, _ = own.score(reqs)
+        got = own.score(reqs)
+        again, status = got.scores, got.status
         new = own.hosting.addresses[0]["pid"]
         assert own.restarts == 1 and new != pid and os.path.exists(f"/proc/{new}")
         assert again == scores and status == [("ok" if s is not None else "failed") for s in scores]

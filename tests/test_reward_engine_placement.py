@@ -96,7 +96,8 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
         rollout_pg = table["placement_group_id"]
         assert [_bundle_of(h, claimed=True) for h in shared.hosting.hosts] == [(rollout_pg, {0}, {}), (rollout_pg, {1}, {})]
         assert len({a["url"] for a in shared.hosting.addresses} | {a["url"] for a in rm.hosting.addresses}) == 4
-        scores, status, _ = shared.score(reqs)
+        got = shared.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 6 and scores == pytest.approx(want, abs=1e-5)
 
         # keyed: each server refuses a request without the run's key, and answers the run's client
@@ -183,12 +184,14 @@ def test_judge_engines_behind_the_router_keyed_and_restarted(tmp_path):
         body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
         for url in [router.url, *judge.hosting.urls]:
             assert requests.post(f"{url}/generate", json=body, timeout=30).status_code == 401, url
-        scores, status, _ = judge.score(reqs)
+        got = judge.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
 
         old_pid, old_url = judge.hosting.addresses[1]["pid"], judge.hosting.urls[1]
         kill_and_wait(old_pid)
-        scores, status, _ = judge.score(reqs)
+        got = judge.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
         assert judge.restarts == 1 and judge.hosting.urls[1] != old_url and _bundle_of(judge.hosting.hosts[1]) == (pg_id, {1})
         assert set(router.workers()) == set(judge.hosting.urls)  # the router now routes to the new server
