@@ -49,3 +49,35 @@ def write_json(args, name: str, result: dict) -> str:
         json.dump(result, f, indent=1)
     print("wrote", path)
     return path
+
+
+def pyplot_or_say(path: str):
+    """matplotlib's pyplot (the `bench` extra: pip install -e '.[bench]'), or None with a line saying that `path` is
+    not drawn: a job run with the README's install keeps its numbers and ends well without the plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot {path}: matplotlib is not installed (pip install -c constraints.txt -e '.[bench]'); "
+              "the numbers are in the JSON", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def add_work_args(parser, name: str) -> None:
+    """`--work` (default outputs/<name>/): where a job writes what it makes (models, run folders) and keeps it."""
+    parser.add_argument("--work", default=os.path.join(REPO, "outputs", name),
+                        help=f"where the job's models and run folder are written and kept (default outputs/{name}/)")
+
+
+def fresh_work(args) -> str:
+    """`args.work` emptied of the previous run's files (mgrpo-train refuses a folder holding another run) and made;
+    its absolute path. Nothing removes it afterwards, whether the job ends well or not."""
+    import shutil
+
+    work = os.path.abspath(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    return work

@@ -17,7 +17,7 @@ import sys
 
 from mgrpo.config.schema import Gsm8kJudgeConfig, RewardConfig
 from mgrpo.data.records import RecordError, iter_raw
-from mgrpo.rewards import Judger, ScoreRequest, check_data_sources
+from mgrpo.rewards import Rules, ScoreRequest, check_data_sources
 
 EXAMPLE = """\
 an input line (JSONL, one response per line):
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"mgrpo-reward: error: --out {args.out}: cannot write ({e.strerror})", file=sys.stderr)
         return 2
-    with Judger(cfg) as judger:
+    with Rules(cfg) as judger:
         result = judger.score([req for _, req in rows])
     with out:
         for (raw, _), score, status in zip(rows, result.scores, result.status):

@@ -1,4 +1,4 @@
-"""One step's experience on the driver: sampled responses, their scores (judged here, with overlong
+"""One step's experience on the driver: sampled responses, their scores (a judgement applied here, with overlong
 shaping), log-probs and advantages, and the mini-batches the trainer steps on.
 
 How a mini-batch is cut into data-parallel shards is the actor client's business
@@ -15,12 +15,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mgrpo.algorithms import failed_samples
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
 from mgrpo.algorithms.filtering import apply_overlong_buffer, overlong_filter
 from mgrpo.algorithms.kl import apply_kl_in_reward
 from mgrpo.algorithms.support import SampleSupport
 from mgrpo.config import MGRPOConfig
+from mgrpo.rewards import failed as failed_samples
 from mgrpo.rollout.types import GenerateResult
 from mgrpo.training.rank_batch import compact_routes
 
@@ -65,7 +65,7 @@ class Experience:
     """Per sample: who failed it ('rule:<data_source>', 'model:<name>', a producer's name); '' when ok."""
     reward_masked: list[bool] = field(default_factory=list)
     """Per sample: left out of the loss and its group's baseline because it, or too many of its group, have no
-    reward (mgrpo/algorithms/failed_samples.py). Filled by `judge`."""
+    reward (mgrpo/rewards/failed.py). Filled by `apply_judgement`."""
     support: Optional[list[SampleSupport]] = None
     """Each response's per-token sampling supports (algorithm.logprob_support=sampled; CSR, compact), or
     None: the rollout and trainer log-probs are over the whole tempered vocabulary."""
@@ -125,8 +125,8 @@ class Experience:
         """Multi-turn samples (`mgrpo.agent.trajectory.Trajectory`, in rollout order: trajectory i*n + j is the
         j-th of prompt i), every one of them: a failed trajectory (tool or trajectory timeout, generation or
         environment failure, aborted as the long tail) keeps its place and is marked failed with its finish
-        reason as the outcome, so its group keeps its shape and `judge` leaves it unscored, out of the loss and
-        out of the baseline, counted with every other failure (failed_samples.py). `want_support`: the engine
+        reason as the outcome, so its group keeps its shape and the judgement leaves it unscored, out of the loss and
+        out of the baseline, counted with every other failure (rewards/failed.py). `want_support`: the engine
         was asked for sampling supports; each trajectory carries them per token (context tokens: the whole
         vocabulary, they carry no loss). `want_routes`: the engine was asked for routed experts
         (actor.router_replay=rollout); each trajectory carries them assembled over its turns
@@ -201,7 +201,7 @@ class Experience:
 
     @property
     def judged(self) -> bool:
-        """Every sample has its score (`judge` ran on this batch)."""
+        """Every sample has its score (a judgement was applied to this batch)."""
         return len(self.scores) == len(self.response_ids)
 
     # --- arrays ---------------------------------------------------------------------------------
@@ -237,40 +237,33 @@ class Experience:
 
     def mark_failed(self, i: int, kind: str, by: str) -> None:
         """Sample i has no reward, for a reason found before judging (a producer's generation or environment
-        failure): `kind` its outcome (not 'ok'), `by` who failed it. `judge` leaves it unscored and masked."""
+        failure): `kind` its outcome (not 'ok'), `by` who failed it. The judgement leaves it unscored and masked."""
         if kind == failed_samples.OK:
             raise ValueError("mark_failed: the outcome of a failed sample cannot be 'ok'")
         if not self.outcomes:
             self.outcomes, self.failed_by = [failed_samples.OK] * len(self), [""] * len(self)
         self.outcomes[i], self.failed_by[i] = kind, by
 
-    def judge(self, judger, tokenizer, cfg: MGRPOConfig, *, training: bool = True) -> dict:
-        """Decode and score every response with the judge of its data_source, then apply DAPO's overlong
-        shaping. Fills response_texts, scores, rewards, outcomes and reward_masked; returns the counts of this
-        call. A sample whose judge failed (or that a producer marked failed) has no score and leaves the loss and
-        its group's baseline; a group left too small is re-judged or dropped (reward.failed); past
-        reward.failed.max_rate a training batch raises FailureRateExceeded (`training`; a validation only warns)."""
-        fc = cfg.reward.failed
-        n = len(self)
+    def score_requests(self, tokenizer) -> list:
+        """What the rubric scores, one request per sample (decoding every response into `response_texts`)."""
+        from mgrpo.rewards import ScoreRequest
+
         self.response_texts = tokenizer.batch_decode(self.response_ids, skip_special_tokens=True)
-        if not self.outcomes:
-            self.outcomes, self.failed_by = [failed_samples.OK] * n, [""] * n
-        self.scores = [None] * n
-        todo = [i for i in range(n) if self.outcomes[i] == failed_samples.OK]  # marked failed: not judged
-        out = self._score(judger, todo, tokenizer)
-        judged = todo  # a judge's failure may be judged again; a producer's is final
-        rejudged = 0
-        for _ in range(fc.rejudge_attempts if fc.small_group == "rejudge" else 0):
-            short = set(failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size))
-            again = [i for i in judged if self.group_index[i] in short and self.outcomes[i] != failed_samples.OK]
-            if not again:
-                break
-            rejudged += len(again)
-            more = self._score(judger, again, tokenizer)  # counts add up; a second round's means are of its few samples
-            out = {**out, **{k: out.get(k, 0.0) + more[k] for k in ("reward/worker_restarts", "reward/model_restarts")
-                             if k in more}, "errors": out["errors"] + more["errors"]}
-        dropped = failed_samples.short_groups(self.outcomes, self.group_index, fc.min_group_size)
-        self.reward_masked = failed_samples.masked(self.outcomes, self.group_index, dropped)
+        answers, extra = self._judged_texts(tokenizer)
+        return [ScoreRequest(data_source=it.data_source, response=answers[i], ground_truth=it.ground_truth,
+                             prompt=it.prompt, extra_info={**(it.extra_info or {}), **extra[i],
+                                                           "finish_reason": self.finish_reasons[i]})
+                for i, it in enumerate(self.items)]
+
+    def apply_judgement(self, judgement, cfg: MGRPOConfig) -> dict:
+        """Take a `mgrpo.rewards.Judgement` of this batch: scores (plus a tool's own reward, veRL's calc_reward;
+        a failed judgement stays None), outcomes and masks, then DAPO's overlong shaping into `rewards`. Returns
+        the judgement's metrics and the shaping's count."""
+        n = len(self)
+        bonus = self.tool_rewards or [0.0] * n
+        self.scores = [None if s is None else s + b for s, b in zip(judgement.scores, bonus)]
+        self.outcomes, self.failed_by = list(judgement.outcomes), list(judgement.failed_by)
+        self.reward_masked = list(judgement.masked)
         self.in_loss = [keep and not m for keep, m in zip(self.in_loss or [True] * n, self.reward_masked)]
         scored = [i for i in range(n) if self.scores[i] is not None]
         # float32, as the advantages are computed: the reward a sample trains on is the score in float32
@@ -280,34 +273,7 @@ class Experience:
         self.rewards = [None] * n
         for i, r in zip(scored, shaped.tolist()):
             self.rewards[i] = r
-        failed_samples.check_rate(self.outcomes, self.failed_by, warn_rate=fc.warn_rate, max_rate=fc.max_rate,
-                                  enforce=training, log=log, errors=out.pop("errors", None))
-        return {**out, **failed_samples.failure_counts(self.outcomes, self.failed_by, self.reward_masked,
-                                                       len(dropped)),
-                "reward/rejudged": float(rejudged), "reward/overlong_penalised": penalised}
-
-    def _score(self, judger, idx: list[int], tokenizer) -> dict:
-        """Score samples `idx` (their texts decoded); set their scores and outcomes; the judger's counts."""
-        from mgrpo.rewards import ScoreRequest
-
-        answers, extra = self._judged_texts(tokenizer)
-        got = judger.score([
-            ScoreRequest(data_source=self.items[i].data_source, response=answers[i],
-                         ground_truth=self.items[i].ground_truth, prompt=self.items[i].prompt,
-                         extra_info={**(self.items[i].extra_info or {}), **extra[i],
-                                     "finish_reason": self.finish_reasons[i]})
-            for i in idx])
-        for i, score, status, by in zip(idx, got.scores, got.status, got.failed_by):
-            # a tool's own reward (veRL's calc_reward) adds to a judged score; a failed judgement stays None
-            bonus = self.tool_rewards[i] if self.tool_rewards is not None else 0.0
-            self.scores[i] = None if score is None else float(score) + bonus
-            self.outcomes[i], self.failed_by[i] = status, by
-        out = {"reward/worker_restarts": float(got.worker_restarts), "errors": list(got.errors), **got.measured}
-        for name, values in got.components.items():  # each scorer's own mean, e.g. the rule next to a model
-            scored = [v for v in values if v is not None]
-            if scored:
-                out[f"reward/{name}/mean"] = sum(scored) / len(scored)
-        return out
+        return {**judgement.measured, "reward/overlong_penalised": penalised}
 
     def _judged_texts(self, tokenizer) -> tuple[list[str], list[dict]]:
         """What each judge scores and what it sees besides. Multi-turn: the last assistant turn (a tool's reply

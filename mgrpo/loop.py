@@ -113,25 +113,17 @@ class Trainer:
         """One step. Each part returns what it measured; they are merged once, at the end."""
         p, state, timer = self.parts, self.state, PhaseTimer()
         version = state.weight_version  # the weights the trainer's log-probs of this step are computed with
-        judged, filtered = {}, {}
+        filtered = {}
         with timer("step"):
             with timer("rollout"):  # generation, or waiting for a batch generated (and judged) ahead
                 exp, made = p.experiences.next(state.step, state.weight_version)
             released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
-            judging = None
-            if not exp.judged and p.experiences.models_score:  # ...while a driver thread scores with models
-                judging = p.experiences.judge_beside(exp)
-            elif not exp.judged:
-                with timer("reward"):  # ...while the driver judges by rules (no thread hop: a rule takes ms)
-                    judged = p.experiences.judge(exp)
-            # With models, the loop also waits for a reference forward the ranks keep, so that reward_wait shows
-            # what the forwards did not hide; rules alone send the update behind it at once.
-            got, waited = forwards.collect(kept=judging is not None)
+            judging = p.experiences.start_judging(exp)  # ...while the driver judges (models: in a thread)
+            got, waited = forwards.collect(kept=judging.beside)
             timer.took(waited)
-            if judging is not None:
-                with timer("reward_wait"):  # scoring beyond the forwards (its own time: timing_s/reward)
-                    judged = judging.result()
+            judged, took = judging.collect()  # rules' time (reward), or scoring beyond the forwards (reward_wait)
+            timer.took(took)
             if self.cfg.algorithm.overlong_filter:
                 filtered = {"response_length/overlong_filtered": exp.apply_overlong_filter()}
             exp = exp.with_results(got)

@@ -421,7 +421,7 @@ def test_the_code_tool_runs_in_the_sandbox_and_its_outcomes_are_step_metrics(qwe
                                       weight_version=0))
         return out, SimpleNamespace(retries=0, restarts=0, auth_refused=0)
 
-    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, judger=None,
+    maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, rubric=None,
                             rollout=SimpleNamespace(generate=generate), tools=tools)
     try:
         exp, measured = maker.generate(items, 2, SamplingParams(max_new_tokens=256))

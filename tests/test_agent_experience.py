@@ -35,10 +35,10 @@ def _maker_run(qwen3, tmp_digits: list[list], *, min_group_size: int = 2, **mt):
     import threading
     from types import SimpleNamespace
 
-    from mgrpo.components.experience_maker import ExperienceMaker
+    from mgrpo.components.experience_maker import ExperienceMaker, judge_experience
     from mgrpo.config import MGRPOConfig
     from mgrpo.data.dataset import PromptItem
-    from mgrpo.rewards import Judger
+    from mgrpo.rewards import Rules
 
     release = threading.Event()
 
@@ -78,13 +78,13 @@ def _maker_run(qwen3, tmp_digits: list[list], *, min_group_size: int = 2, **mt):
         return out, SimpleNamespace(retries=0, restarts=0, auth_refused=0)
 
     maker = ExperienceMaker(cfg, tokenizer=qwen3, train_data=None, rollout=SimpleNamespace(generate=generate),
-                            tools=tools, judger=None)
+                            tools=tools, rubric=None)
     try:
         exp, measured = maker.generate(items, 3, SamplingParams(max_new_tokens=256))
     finally:
         release.set()
-    with Judger(cfg.reward) as judger:
-        judged = exp.judge(judger, qwen3, cfg)
+    with Rules(cfg.reward) as judger:
+        judged = judge_experience(judger, exp, qwen3, cfg)
     exp.compute_advantages(cfg)
     return exp, measured, judged
 
@@ -189,8 +189,9 @@ def test_aborted_samples_leave_their_group_and_are_not_failures(qwen3):
     from mgrpo.agent.trajectory import Trajectory
     from mgrpo.config import MGRPOConfig
     from mgrpo.data.dataset import PromptItem
+    from mgrpo.components.experience_maker import judge_experience
     from mgrpo.experience import Experience
-    from mgrpo.rewards import Judger
+    from mgrpo.rewards import Rules
 
     item = PromptItem(index=0, prompt_ids=[1, 2], prompt_text="", data_source="s", ground_truth="3")
     trajs = []
@@ -208,8 +209,8 @@ def test_aborted_samples_leave_their_group_and_are_not_failures(qwen3):
     cfg.reward.custom_functions = {"s": "tests.helpers.reward_fns:flaky_digit_reward"}
     cfg.reward.num_workers = 0
     cfg.reward.failed.max_rate = 0.2
-    with Judger(cfg.reward) as judger:
-        got = exp.judge(judger, qwen3, cfg)
+    with Rules(cfg.reward) as judger:
+        got = judge_experience(judger, exp, qwen3, cfg)
     assert exp.outcomes == ["ok", "aborted", "ok"] and exp.failed_by[1] == "over_sample"
     assert exp.scores == [.2, None, .5] and exp.reward_masked == [False, True, False]
     assert got["reward/failed"] == 0 and got["reward/masked_samples"] == 1

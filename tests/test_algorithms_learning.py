@@ -1,6 +1,6 @@
 """The data, rewards and algorithms rooms compose into GRPO that learns (no Megatron, no Ray).
 
-A tiny GRU language model samples answers to the synthetic sum prompts; the Judger scores them, GRPO
+A tiny GRU language model samples answers to the synthetic sum prompts; the Rules scores them, GRPO
 advantages and the token loss (through make_token_loss_fn, as the fused kernel calls it) update it.
 Mean reward must rise well above the random-policy level (~0.005) within 80 steps: a sign error, a
 broken advantage, a wrong reward or misaligned log-probs all keep it near zero.
@@ -17,7 +17,7 @@ from mgrpo.algorithms.aggregation import global_counts, metric_weights, token_we
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn
 from mgrpo.config import MGRPOConfig
 from mgrpo.data import PromptDataset, synthetic_tokenizer
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 
 
 class GRU(torch.nn.Module):
@@ -58,7 +58,7 @@ def _learn():
     cfg.reward.num_workers = 0
     cfg.algorithm.use_kl_loss = False
     tok, n, max_len = synthetic_tokenizer(), cfg.rollout.n, cfg.data.max_response_length
-    data, judger = PromptDataset(cfg.data, tok), Judger(cfg.reward)
+    data, judger = PromptDataset(cfg.data, tok), Rules(cfg.reward)
     model = GRU(cfg.model.vocab_size)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     history = []

@@ -9,13 +9,14 @@ import statistics
 
 import pytest
 
-from mgrpo.algorithms import failed_samples
+from mgrpo.rewards import failed as failed_samples
 from mgrpo.algorithms.filtering import GroupAccumulator
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.dataset import PromptItem
 from mgrpo.data.synthetic import synthetic_tokenizer
+from mgrpo.components.experience_maker import judge_experience
 from mgrpo.experience import Experience
-from mgrpo.rewards import Judger, eval_metrics
+from mgrpo.rewards import Rules, eval_metrics
 from tests.helpers import reward_fns
 
 SOURCE = "mgrpo/flaky"
@@ -61,8 +62,8 @@ def test_failed_samples_leave_the_loss_and_the_baseline(tok, caplog):
                             ["1", "9", "3", "5"],     # one judge raised: baseline over 1, 3, 5
                             ["9", "8", "2", "9"],     # one left: dropped
                             ["6", "6", "4", "8"]])    # garbage answer: baseline over 6, 6, 4
-    with Judger(cfg.reward) as judger, caplog.at_level(logging.WARNING, "mgrpo"):
-        got = exp.judge(judger, tok, cfg)
+    with Rules(cfg.reward) as judger, caplog.at_level(logging.WARNING, "mgrpo"):
+        got = judge_experience(judger, exp, tok, cfg)
     assert exp.scores == [.1, .2, .3, .4, .1, None, .3, .5, None, None, .2, None, .6, .6, .4, None]
     assert [None if r is None else round(r, 6) for r in exp.rewards] == exp.scores  # None stays None, never 0.0
     assert exp.outcomes.count("failed") == 5 and exp.failed_by[5] == "rule:mgrpo/flaky"
@@ -86,8 +87,8 @@ def test_failed_samples_leave_the_loss_and_the_baseline(tok, caplog):
 def test_rejudge_rescues_a_short_group_and_the_refusal(tok, caplog):
     exp = _experience(tok, [["7", "7", "7", "2"], ["1", "2", "3", "4"]])
     cfg = _cfg(small_group="rejudge", rejudge_attempts=1)
-    with Judger(cfg.reward) as judger:
-        got = exp.judge(judger, tok, cfg)
+    with Rules(cfg.reward) as judger:
+        got = judge_experience(judger, exp, tok, cfg)
     assert reward_fns.FLAKY_CALLS["7"] == 6  # three failed calls, three again
     assert exp.scores[:4] == [.7, .7, .7, .2] and got["reward/rejudged"] == 3
     assert got["reward/masked_samples"] == 0 and got["reward/failed"] == 0 and not any(exp.reward_masked)
@@ -96,11 +97,11 @@ def test_rejudge_rescues_a_short_group_and_the_refusal(tok, caplog):
     reward_fns.FLAKY_CALLS.clear()
     exp = _experience(tok, [["9", "9", "8", "2"], ["1", "2", "3", "4"]])
     cfg = _cfg(max_rate=0.3)
-    with Judger(cfg.reward) as judger:
+    with Rules(cfg.reward) as judger:
         with pytest.raises(failed_samples.FailureRateExceeded, match=r"3 of 8 samples \(38%\).*reward.failed.max_rate=0.3"):
-            exp.judge(judger, tok, cfg)
+            judge_experience(judger, exp, tok, cfg)
         with caplog.at_level(logging.WARNING, "mgrpo"):
-            got = exp.judge(judger, tok, cfg, training=False)
+            got = judge_experience(judger, exp, tok, cfg, training=False)
     assert got["reward/failed"] == 3 and "past reward.failed.warn_rate" in caplog.text
 
 
@@ -109,8 +110,8 @@ def test_a_producers_failure_is_not_judged_and_counted_under_its_name(tok):
     exp = _experience(tok, [["1", "2", "3", "4"]])
     exp.mark_failed(2, "env_failed", "env:sandbox")
     cfg = _cfg()
-    with Judger(cfg.reward) as judger:
-        got = exp.judge(judger, tok, cfg)
+    with Rules(cfg.reward) as judger:
+        got = judge_experience(judger, exp, tok, cfg)
     assert "3" not in reward_fns.FLAKY_CALLS  # never sent to the judge
     assert exp.scores == [.1, .2, None, .4] and exp.outcomes[2] == "env_failed"
     assert got["reward/failed"] == 1 and got["reward/failed/env:sandbox"] == 1 and got["reward/masked_samples"] == 1
@@ -143,3 +144,42 @@ def test_dynamic_sampling_and_validation_skip_missing_scores():
     assert acc.metrics()["dynamic_sampling/score_all_mean"] == pytest.approx(2 / 3)
     out = eval_metrics([1.0, None, 0.0, 0.0], [0, 0, 1, 1], ["s"] * 4, 2)
     assert out == {"val/s/failed": 1.0, "val/s/score": pytest.approx(1 / 3), "val/s/mean@2": 0.5, "val/s/pass@2": 0.5}
+
+
+def test_a_failure_rate_past_the_limit_is_one_line_naming_the_keys_to_change():
+    from mgrpo.config import InputError
+
+    outcomes = ["failed"] * 3 + ["ok"]
+    by = ["judge:j"] * 3 + [""]
+    errors = ["judge:j: unparsed answer: neither the yes token (5) nor the no token (6) is among the 5 most likely\n"
+              "first tokens; raise reward.models.j.judge.top_logprobs=5 (the yes/no tokens must be among the first "
+              "token's most likely), or change reward.models.j.judge.yes='Y' / reward.models.j.judge.no='N'"]
+    with pytest.raises(failed_samples.FailureRateExceeded) as got:
+        failed_samples.check_rate(outcomes, by, warn_rate=0.1, max_rate=0.5, enforce=True,
+                                  log=logging.getLogger("t"), errors=errors)
+    line = str(got.value)
+    # the launchers print an InputError as one line and exit 2 (no traceback)
+    assert isinstance(got.value, InputError) and "\n" not in line
+    assert line.startswith("3 of 4 samples (75%) have no reward (judge:j 3), past reward.failed.max_rate=0.5")
+    assert "Change reward.models.j.judge.top_logprobs, reward.models.j.judge.yes, reward.models.j.judge.no, " \
+           "reward.models.j.judge (or raise reward.failed.max_rate) and resume" in line
+    # a rule's failures name the rule's keys
+    with pytest.raises(failed_samples.FailureRateExceeded, match=r"Change reward.custom_functions / reward.timeout_s "):
+        failed_samples.check_rate(["timeout"] * 2, ["rule:mgrpo/sum"] * 2, warn_rate=0.1, max_rate=0.5, enforce=True,
+                                  log=logging.getLogger("t"))
+
+
+def test_the_asynchronous_producer_hands_a_refusal_on_as_it_is():
+    """The producer thread's FailureRateExceeded reaches the loop (and the launcher's one line) unwrapped."""
+    from mgrpo.components.rollout_pipeline import RolloutPipeline
+
+    def produce(index):
+        raise failed_samples.FailureRateExceeded("8 of 8 samples (100%) have no reward; Change reward.models.j.judge")
+
+    pipe = RolloutPipeline(produce, max_staleness=1)
+    pipe.start()
+    try:
+        with pytest.raises(failed_samples.FailureRateExceeded, match="Change reward.models.j.judge"):
+            pipe.next(current_version=0)
+    finally:
+        pipe.close()

@@ -67,7 +67,7 @@ class Ordered(Trainer):
         super()._start(prepared)
         self.events: list[tuple[str, str]] = []
         self.kept: list[tuple[str, bool]] = []
-        group, judger = self.parts.actor.group, self.parts.experiences.judger
+        group, judger = self.parts.actor.group, self.parts.experiences.rubric
         send, score = group.compute_logprobs, judger.score
 
         def compute_logprobs(shards, which, keep=False):

@@ -12,16 +12,19 @@ import pytest
 import torch
 
 from mgrpo.cluster.ray_env import stop_ray
-from mgrpo.components.judges import GenerativeJudge
-from mgrpo.components.reward_models import ComposedJudger
+from mgrpo.cluster.aux_engines import RewardEngines
+from mgrpo.rewards.generative import GenerativeJudge
+from mgrpo.rewards import Rubric
 from mgrpo.config.reward import JudgeConfig, RewardConfig, RewardModelConfig
 from mgrpo.config.schema import ModelConfig
 from mgrpo.data.printable import printable_tokenizer
 from mgrpo.models.hf_io import init_hf_checkpoint
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 from mgrpo.rewards.judge import compile_template, parse_number, render, Unparsed
 from tests.helpers.procs import kill_and_wait
 from tests.helpers.sglang_cpu import FaultProxy
+
+ENGINES = RewardEngines()
 
 YES_NO = "Q:{{ question }}\nA:{{ response }}\nRight? Y or N"
 PAIR = "Q:{{ question }}\n1:{{ response_a }}\n2:{{ response_b }}\nIs 1 better? Y or N"
@@ -35,7 +38,7 @@ def judge_model(tmp_path_factory):
     cfg = ModelConfig(tokenizer="printable", vocab_size=107, max_position_embeddings=512, init_std=0.1)
     init_hf_checkpoint(d, cfg, seed=0, tokenizer=printable_tokenizer())
     base = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=d, timeout_s=60, judge=JudgeConfig(
-        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=107)), api_key=None, log_dir=d)
+        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=107)), engines=ENGINES, api_key=None, log_dir=d)
     try:
         yield d, base
     finally:
@@ -79,10 +82,10 @@ class Reference:
 
 
 def connect(base: GenerativeJudge, url: str | None = None, **judge) -> GenerativeJudge:
-    cfg = RewardModelConfig(kind="generative", hf_path=base.cfg.hf_path, url=url or base.engines[0].url,
+    cfg = RewardModelConfig(kind="generative", hf_path=base.cfg.hf_path, url=url or base.hosting.engines[0].url,
                             timeout_s=judge.pop("timeout_s", 60), max_retries=judge.pop("max_retries", 2),
                             judge=JudgeConfig(**judge))
-    return GenerativeJudge("judge", cfg, api_key=None, log_dir=base.log_dir)
+    return GenerativeJudge("judge", cfg, engines=ENGINES, api_key=None, log_dir=base.hosting.log_dir)
 
 
 @pytest.mark.integration
@@ -92,7 +95,7 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
 
     # the server's top log-probs are the model's own most likely next tokens (torch.topk of its log-softmax)
     user = render(compile_template(YES_NO), prompt=reqs[0].prompt, response="3", reference="3", rubric="")
-    got = base.engines[0].client.json("POST", "/generate", {
+    got = base.hosting.engines[0].client.json("POST", "/generate", {
         "input_ids": ref.ids(user), "sampling_params": {"temperature": 0, "max_new_tokens": 1},
         "return_logprob": True, "top_logprobs_num": 5})
     want = torch.topk(ref.next_logprobs(ref.ids(user)), 5)
@@ -100,8 +103,9 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
     assert len(top) == 1 and [t for _, t, _ in top[0]] == want.indices.tolist()
     assert max(abs(v - w) for (v, _, _), w in zip(top[0], want.values.tolist())) <= 1e-5
 
-    scores, status, errors = base.score(reqs)
-    assert status == ["ok"] * 4 and errors == [""] * 4
+    got = base.score(reqs)
+    scores, status = got.scores, got.status
+    assert status == ["ok"] * 4 and got.errors == [] and got.failed_by == [""] * 4
     t = compile_template(YES_NO)
     expect = [ref.p_yes(render(t, prompt=r.prompt, response=r.response, reference=r.ground_truth, rubric=""))
               for r in reqs]
@@ -109,7 +113,8 @@ def test_yes_no_and_pairwise_equal_the_models_own_softmax(judge_model):
     assert len({round(s, 3) for s in scores}) > 1  # different answers, different probabilities
 
     pair = connect(base, template=PAIR, parser="yes_no", yes="Y", no="N", top_logprobs=107, pairwise=True)
-    scores, status, _ = pair.score(reqs)
+    got = pair.score(reqs)
+    scores, status = got.scores, got.status
     t = compile_template(PAIR)
     want, disagree = [], 0
     for r in reqs:
@@ -128,20 +133,22 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
     ref, reqs = Reference(hf_dir), requests_()
     spec = dict(template=NUMBER, parser="number", pattern=r"(\d)", range=[0.0, 9.0], max_new_tokens=8)
     num = connect(base, **spec)
-    scores, status, errors = num.score(reqs)
+    got = num.score(reqs)
+    scores, status = got.scores, got.status
     t = compile_template(NUMBER)
-    for r, s, st, err in zip(reqs, scores, status, errors):
+    for r, s, st, by in zip(reqs, scores, status, got.failed_by):
         answer = ref.greedy(render(t, prompt=r.prompt, response=r.response, reference=r.ground_truth, rubric=""), 8)
         try:
             assert (s, st) == (parse_number(answer, r"(\d)", 0.0, 9.0), "ok"), answer
         except Unparsed:  # the answer holds no digit: a failed judgement, never 0.0
-            assert s is None and st == "failed" and "unparsed answer" in err, (answer, err)
+            assert s is None and st == "failed" and by == "judge:judge", (answer, by)
+            assert any("unparsed answer" in e for e in got.errors), got.errors
     assert num.counts["unparsed"] == sum(st == "failed" for st in status)
 
     # through the composed judger: a failed judgement is masked and counted per judge, never a label
-    with FaultProxy(base.engines[0].url) as proxy:
-        composed = ComposedJudger(RewardConfig(num_workers=0, compose={"mgrpo/sum": {"judge": 1.0}}),
-                                  Judger(RewardConfig(num_workers=0)), {"judge": connect(base, proxy.url, **spec)})
+    with FaultProxy(base.hosting.engines[0].url) as proxy:
+        composed = Rubric(RewardConfig(num_workers=0, compose={"mgrpo/sum": {"judge": 1.0}}),
+                                  Rules(RewardConfig(num_workers=0)), {"judge": connect(base, proxy.url, **spec)})
         proxy.garbage["/generate"] = [b'[{"text": "9"}, 5, {}, {}]']  # 200, but not SGLang's answer
         got = composed.score(reqs)
         assert got.scores == [None] * 4 and got.status == ["failed"] * 4 and got.failed_by == ["judge:judge"] * 4
@@ -156,17 +163,19 @@ def test_number_parser_garbage_5xx_hang_and_a_killed_engine(judge_model, tmp_pat
         assert got.scores == scores and got.failed == scores.count(None) and got.status == status
         hung = connect(base, proxy.url, timeout_s=1.0, max_retries=0, **spec)
         proxy.delay["/generate"] = [3.0]
-        assert hung.score(reqs[:1])[1] == ["timeout"]
+        assert hung.score(reqs[:1]).status == ["timeout"]
         composed.close()
 
     # a judge engine killed mid-run: the next scoring call starts it again and scores as before
     own = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf_dir, timeout_s=60,
-                                                     judge=JudgeConfig(**spec)), api_key=None, log_dir=str(tmp_path))
+                                                     judge=JudgeConfig(**spec)),
+                          engines=ENGINES, api_key=None, log_dir=str(tmp_path))
     try:
-        pid = own.addresses[0]["pid"]
+        pid = own.hosting.addresses[0]["pid"]
         kill_and_wait(pid)
-        again, status, _ = own.score(reqs)
-        new = own.addresses[0]["pid"]
+        got = own.score(reqs)
+        again, status = got.scores, got.status
+        new = own.hosting.addresses[0]["pid"]
         assert own.restarts == 1 and new != pid and os.path.exists(f"/proc/{new}")
         assert again == scores and status == [("ok" if s is not None else "failed") for s in scores]
     finally:
@@ -226,10 +235,11 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
     cfg = RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
         template=NUMBER, system="You grade.", openai_url=end.url, openai_model="judge-m", api_key_env="JUDGE_TEST_KEY",
         concurrency=1))
-    j = GenerativeJudge("api", cfg, api_key=None, log_dir="")
+    j = GenerativeJudge("api", cfg, engines=ENGINES, api_key=None, log_dir="")
     try:
-        scores, status, errors = j.score(reqs)
-        assert scores == [7.0, None] and status == ["ok", "failed"] and "unparsed answer" in errors[1]
+        got = j.score(reqs)
+        assert got.scores == [7.0, None] and got.status == ["ok", "failed"] and got.failed_by == ["", "judge:api"]
+        assert got.failed == 1 and "unparsed answer" in got.errors[0]
         assert j.counts["unparsed"] == 1 and len(end.seen) == 3  # the 500 retried once by the openai client
         path, auth, body = end.seen[1]
         assert path == "/v1/chat/completions" and auth == "Bearer sk-test-123" and body["model"] == "judge-m"
@@ -242,11 +252,36 @@ def test_openai_compatible_judge_key_from_the_environment_retries_and_parsers(mo
         end.answers = [(200, "Y", [(" Y", math.log(0.3)), ("N", math.log(0.1))]), (503, "", None), (503, "", None)]
         yn = GenerativeJudge("api", RewardModelConfig(kind="generative", timeout_s=10, max_retries=1, judge=JudgeConfig(
             template=YES_NO, parser="yes_no", yes="Y", no="N", openai_url=end.url, openai_model="judge-m",
-            concurrency=1)), api_key=None, log_dir="")
-        scores, status, _ = yn.score(reqs)
-        assert scores[0] == pytest.approx(0.75) and scores[1] is None and status == ["ok", "failed"]
+            concurrency=1)), engines=ENGINES, api_key=None, log_dir="")
+        got = yn.score(reqs)
+        assert got.scores[0] == pytest.approx(0.75) and got.scores[1] is None and got.status == ["ok", "failed"]
         assert end.seen[3][2]["logprobs"] is True and end.seen[3][2]["top_logprobs"] == 20
         assert end.seen[3][2]["max_tokens"] == 1
         yn.close()
     finally:
         end.close()
+
+
+@pytest.mark.integration
+def test_a_yes_no_judge_whose_tokens_are_not_among_its_top_logprobs_is_refused_in_one_line_naming_the_key():
+    """Past reward.failed.max_rate the refusal names judge.top_logprobs (what decides whether Y/N are seen)."""
+    from mgrpo.config.reward import FailedSamplesConfig
+    from mgrpo.rewards import FailureRateExceeded, judge_batch
+
+    reqs = requests_()
+    end = ChatEndpoint([(200, "maybe", [("maybe", -0.1), ("x", -3.0)])] * len(reqs))
+    cfg = RewardConfig(num_workers=0, compose={"mgrpo/sum": {"yn": 1.0}})
+    yn = GenerativeJudge("yn", RewardModelConfig(kind="generative", timeout_s=10, max_retries=0, judge=JudgeConfig(
+        template=YES_NO, parser="yes_no", yes="Y", no="N", top_logprobs=2, openai_url=end.url, openai_model="m",
+        concurrency=1)), api_key=None, log_dir="")
+    rubric = Rubric(cfg, Rules(cfg), {"yn": yn})
+    try:
+        with pytest.raises(FailureRateExceeded) as got:
+            judge_batch(rubric, reqs, [0, 0, 1, 1], [], [], FailedSamplesConfig(max_rate=0.5))
+    finally:
+        rubric.close()
+        end.close()
+    line = str(got.value)
+    assert "\n" not in line and line.startswith("4 of 4 samples (100%) have no reward (judge:yn 4)")
+    assert "Change reward.models.yn.judge.top_logprobs, reward.models.yn.judge.yes, reward.models.yn.judge.no" in line
+    assert "raise reward.models.yn.judge.top_logprobs=2" in line  # the example error says what it is now

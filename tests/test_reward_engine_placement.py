@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from mgrpo.algorithms.failed_samples import OK
+from mgrpo.rewards.failed import OK
 from mgrpo.config.reward import RewardModelConfig
 from mgrpo.data.synthetic import synthetic_tokenizer
 from mgrpo.rewards import ScoreRequest
@@ -58,7 +58,8 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
 
     from mgrpo.cluster.placement import place
     from mgrpo.cluster.ray_env import stop_ray
-    from mgrpo.components.reward_models import build_judger
+    from mgrpo.cluster.aux_engines import RewardEngines
+    from mgrpo.rewards import build_rubric
     from mgrpo.config.validate import layout, resolve_device
     from mgrpo.rollout.sglang.auth import resolve_api_key
 
@@ -78,46 +79,47 @@ def test_reward_engines_in_the_runs_placement_group_keyed_and_restarted(tmp_path
     placement = judger = None
     try:
         placement = place(cfg, layout(cfg))
-        judger = build_judger(cfg.reward, api_key=key, log_dir=str(tmp_path / "logs"), placement=placement,
-                              cpus=cfg.trainer.cpus_per_worker)
-        rm = judger.models["rm"]
+        judger = build_rubric(cfg.reward, engines=RewardEngines(), api_key=key, log_dir=str(tmp_path / "logs"),
+                              placement=placement, cpus=cfg.trainer.cpus_per_worker)
+        rm = judger.scorers["rm"]
 
         # in the run's placement group, one bundle each
         table = ray.util.placement_group_table(placement.reward["rm"].pg)
         assert table["name"] == "mgrpo-reward-rm" and table["state"] == "CREATED" and len(table["bundles"]) == 2
         pg_id = placement.reward["rm"].pg.id.hex()
-        assert [_bundle_of(h) for h in rm.hosts] == [(pg_id, {0}), (pg_id, {1})]
-        assert len({a["url"] for a in rm.addresses}) == 2 and all(a["pid"] for a in rm.addresses)
+        assert [_bundle_of(h) for h in rm.hosting.hosts] == [(pg_id, {0}), (pg_id, {1})]
+        assert len({a["url"] for a in rm.hosting.addresses}) == 2 and all(a["pid"] for a in rm.hosting.addresses)
         assert "shared" not in placement.reward  # no placement group of its own...
-        shared = judger.models["shared"]
+        shared = judger.scorers["shared"]
         table = ray.util.placement_group_table(placement.rollout.pg)  # ...it sits in the rollout engines' bundles
         assert table["name"] == "mgrpo-rollout" and table["state"] == "CREATED" and len(table["bundles"]) == 2
         rollout_pg = table["placement_group_id"]
-        assert [_bundle_of(h, claimed=True) for h in shared.hosts] == [(rollout_pg, {0}, {}), (rollout_pg, {1}, {})]
-        assert len({a["url"] for a in shared.addresses} | {a["url"] for a in rm.addresses}) == 4
-        scores, status, _ = shared.score(reqs)
+        assert [_bundle_of(h, claimed=True) for h in shared.hosting.hosts] == [(rollout_pg, {0}, {}), (rollout_pg, {1}, {})]
+        assert len({a["url"] for a in shared.hosting.addresses} | {a["url"] for a in rm.hosting.addresses}) == 4
+        got = shared.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 6 and scores == pytest.approx(want, abs=1e-5)
 
         # keyed: each server refuses a request without the run's key, and answers the run's client
         ids = [rm.inputs(r) for r in reqs]
-        for k, url in enumerate(rm.urls):
+        for k, url in enumerate(rm.hosting.urls):
             assert requests.post(f"{url}/classify", json={"input_ids": ids}, timeout=30).status_code == 401, url
-            assert [v[0] for v in rm.engines[k].classify(ids)] == pytest.approx(want, abs=1e-5)
+            assert [v[0] for v in rm.hosting.engines[k].classify(ids)] == pytest.approx(want, abs=1e-5)
         # a classifier's /classify goes to its servers in turn (the router has no route for a reward head's score)
-        assert rm.front is None
+        assert rm.hosting.front is None
         got = judger.score(reqs)
         assert got.status == [OK] * 6 and got.scores == pytest.approx(want, abs=1e-5)
         assert got.measured["reward/model_restarts"] == 0
 
         # a SIGKILLed server: restarted through its host, in the same bundle, counted, re-registered
-        old_url, old_pid = rm.addresses[0]["url"], rm.addresses[0]["pid"]
+        old_url, old_pid = rm.hosting.addresses[0]["url"], rm.hosting.addresses[0]["pid"]
         kill_and_wait(old_pid)
         got = judger.score(reqs)
         assert got.status == [OK] * 6 and got.scores == pytest.approx(want, abs=1e-5)
         assert got.measured["reward/model_restarts"] == 1 and rm.restarts == 1
-        assert rm.addresses[0]["pid"] != old_pid and rm.urls[0] != old_url
-        assert _bundle_of(rm.hosts[0]) == (pg_id, {0})
-        assert requests.post(f"{rm.urls[0]}/classify", json={"input_ids": ids}, timeout=30).status_code == 401
+        assert rm.hosting.addresses[0]["pid"] != old_pid and rm.hosting.urls[0] != old_url
+        assert _bundle_of(rm.hosting.hosts[0]) == (pg_id, {0})
+        assert requests.post(f"{rm.hosting.urls[0]}/classify", json={"input_ids": ids}, timeout=30).status_code == 401
     finally:
         if judger is not None:
             judger.close()
@@ -132,7 +134,8 @@ def test_judge_engines_behind_the_router_keyed_and_restarted(tmp_path):
 
     from mgrpo.cluster.placement import place
     from mgrpo.cluster.ray_env import stop_ray
-    from mgrpo.components.judges import GenerativeJudge
+    from mgrpo.cluster.aux_engines import RewardEngines
+    from mgrpo.rewards.generative import GenerativeJudge
     from mgrpo.config.schema import ModelConfig
     from mgrpo.rewards.judge import compile_template, render
     from mgrpo.config.reward import JudgeConfig
@@ -172,25 +175,27 @@ def test_judge_engines_behind_the_router_keyed_and_restarted(tmp_path):
     placement = judge = None
     try:
         placement = place(cfg, layout(cfg))
-        judge = GenerativeJudge("judge", jcfg, api_key=resolve_api_key("auto", environ={}),
+        judge = GenerativeJudge("judge", jcfg, engines=RewardEngines(), api_key=resolve_api_key("auto", environ={}),
                                 log_dir=str(tmp_path / "logs"), placement=placement, cpus=1)
         pg_id = placement.reward["judge"].pg.id.hex()
-        assert [_bundle_of(h) for h in judge.hosts] == [(pg_id, {0}), (pg_id, {1})]
-        router = judge.front.router
-        assert set(router.workers()) == set(judge.urls)
+        assert [_bundle_of(h) for h in judge.hosting.hosts] == [(pg_id, {0}), (pg_id, {1})]
+        router = judge.hosting.front.router
+        assert set(router.workers()) == set(judge.hosting.urls)
         body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}}
-        for url in [router.url, *judge.urls]:
+        for url in [router.url, *judge.hosting.urls]:
             assert requests.post(f"{url}/generate", json=body, timeout=30).status_code == 401, url
-        scores, status, _ = judge.score(reqs)
+        got = judge.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
 
-        old_pid, old_url = judge.addresses[1]["pid"], judge.urls[1]
+        old_pid, old_url = judge.hosting.addresses[1]["pid"], judge.hosting.urls[1]
         kill_and_wait(old_pid)
-        scores, status, _ = judge.score(reqs)
+        got = judge.score(reqs)
+        scores, status = got.scores, got.status
         assert status == [OK] * 4 and scores == pytest.approx(want, abs=1e-5)
-        assert judge.restarts == 1 and judge.urls[1] != old_url and _bundle_of(judge.hosts[1]) == (pg_id, {1})
-        assert set(router.workers()) == set(judge.urls)  # the router now routes to the new server
-        assert ray.get(judge.hosts[1].address.remote())["url"] == judge.urls[1]
+        assert judge.restarts == 1 and judge.hosting.urls[1] != old_url and _bundle_of(judge.hosting.hosts[1]) == (pg_id, {1})
+        assert set(router.workers()) == set(judge.hosting.urls)  # the router now routes to the new server
+        assert ray.get(judge.hosting.hosts[1].address.remote())["url"] == judge.hosting.urls[1]
     finally:
         if judge is not None:
             judge.close()

@@ -9,15 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgrpo.algorithms.failed_samples import OK, TIMEOUT
+from mgrpo.rewards.failed import OK, TIMEOUT
 from mgrpo.cluster.ray_env import stop_ray
-from mgrpo.components.reward_models import ComposedJudger, RewardModel
+from mgrpo.cluster.aux_engines import RewardEngines
+from mgrpo.rewards import Rubric
+from mgrpo.rewards.models import RewardModel
 from mgrpo.config.reward import RewardConfig, RewardModelConfig
 from mgrpo.data.synthetic import synthetic_tokenizer
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 from tests.helpers.procs import kill_and_wait
 from tests.helpers.reward_models import tiny_classifier
 from tests.helpers.sglang_cpu import FaultProxy
+
+ENGINES = RewardEngines()
 
 
 def _requests() -> list[ScoreRequest]:
@@ -49,8 +53,8 @@ def test_composed_reward_failures_and_restart(tmp_path):
     rule = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
     cfg = RewardConfig(num_workers=0, compose={"mgrpo/sum": {"rule": 1.0, "rm": 0.5}},
                        models={"rm": RewardModelConfig(hf_path=hf_dir, batch_size=3)})
-    launched = RewardModel("rm", cfg.models["rm"], api_key=None, log_dir=str(tmp_path / "logs"))
-    judger = ComposedJudger(cfg, Judger(cfg), {"rm": launched})
+    launched = RewardModel("rm", cfg.models["rm"], engines=ENGINES, api_key=None, log_dir=str(tmp_path / "logs"))
+    judger = Rubric(cfg, Rules(cfg), {"rm": launched})
     try:
         got = judger.score(reqs)
         assert got.status == [OK] * 8
@@ -59,10 +63,11 @@ def test_composed_reward_failures_and_restart(tmp_path):
         assert got.measured["reward/rm/samples_per_s"] > 0 and got.measured["reward/model_restarts"] == 0
 
         # the same server behind a proxy that fails: each failed request's samples have no score
-        with FaultProxy(launched.engines[0].url) as proxy:
+        with FaultProxy(launched.hosting.engines[0].url) as proxy:
             flaky = RewardModel("rm", RewardModelConfig(hf_path=hf_dir, url=proxy.url, batch_size=3, max_retries=1,
-                                                        timeout_s=1.5), api_key=None, log_dir=str(tmp_path))
-            faulty = ComposedJudger(cfg, Judger(cfg), {"rm": flaky})
+                                                        timeout_s=1.5),
+                                engines=ENGINES, api_key=None, log_dir=str(tmp_path))
+            faulty = Rubric(cfg, Rules(cfg), {"rm": flaky})
             proxy.inject["/classify"] = [503, 503]                       # 1st request: 503 twice, out of retries
             proxy.garbage["/classify"] = [b"not json", b'[{"embedding": "x"}]']  # 2nd: garbage, then not SGLang's
             got = faulty.score(reqs)
@@ -75,11 +80,11 @@ def test_composed_reward_failures_and_restart(tmp_path):
             assert got.components["rule"] == rule[:3]                    # the rule still says what it says
 
         # a reward engine killed between steps is started again (through its host) before the next call
-        pid = launched.addresses[0]["pid"]
+        pid = launched.hosting.addresses[0]["pid"]
         kill_and_wait(pid)
         got = judger.score(reqs)
         assert got.status == [OK] * 8 and got.measured["reward/model_restarts"] == 1
-        assert got.components["rm"] == pytest.approx(want, abs=1e-5) and launched.addresses[0]["pid"] != pid
+        assert got.components["rm"] == pytest.approx(want, abs=1e-5) and launched.hosting.addresses[0]["pid"] != pid
     finally:
         judger.close()
         stop_ray()  # the reward engine's host ran in the local Ray its start brought up

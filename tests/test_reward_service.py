@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mgrpo.components.reward_models import ComposedJudger
+from mgrpo.rewards import Rubric
 from mgrpo.config.reward import RewardConfig, RewardServiceConfig
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 from mgrpo.rewards.service import RewardService
 
 
@@ -75,7 +75,7 @@ def test_reward_service_protocol_failures_and_composition(monkeypatch):
         assert "s3cret" not in repr(service)
         texts = ["5", "flaky", "junk", "words", "bad request", "hang", "12"]
         reqs = [ScoreRequest("mgrpo/sum", t, "5", {"finish_reason": "stop"}, prompt="2+3=") for t in texts]
-        got = ComposedJudger(cfg, Judger(cfg), {"judge": service}).score(reqs)
+        got = Rubric(cfg, Rules(cfg), {"judge": service}).score(reqs)
         assert got.status == ["ok", "ok", "failed", "failed", "failed", "timeout", "ok"]
         assert got.scores == pytest.approx([1.0 + 2 * 0.1, 0.0 + 2 * 0.5, None, None, None, None, 0.0 + 2 * 0.2])
         assert got.failed_by[2:6] == ["service:judge"] * 4 and (got.failed, got.timeout) == (3, 1)

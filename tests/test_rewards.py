@@ -1,4 +1,4 @@
-"""Reward functions, the registry, the Judger's isolation (failures, timeouts, dying workers),
+"""Reward functions, the registry, the Rules's isolation (failures, timeouts, dying workers),
 evaluation metrics and the mgrpo-reward command."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from mgrpo.config import RewardConfig
-from mgrpo.rewards import BUILTIN_REWARDS, Judger, ScoreRequest, check_data_sources, eval_metrics, to_score
+from mgrpo.rewards import BUILTIN_REWARDS, Rules, ScoreRequest, check_data_sources, eval_metrics, to_score
 from mgrpo.rewards.math_reward import compute_score as math_score
 from mgrpo.rewards.registry import runs_in_process
 from mgrpo.rewards.synthetic import sum_score
@@ -152,7 +152,7 @@ def test_a_reward_function_is_called_once_at_start_on_a_record(user_module):
         check_data_sources({"my/text"}, cfg, samples={"my/text": sample})
 
 
-# --- the Judger ----------------------------------------------------------------------------------
+# --- the Rules ----------------------------------------------------------------------------------
 
 def _requests():
     return [
@@ -173,7 +173,7 @@ def _requests():
 def test_judger_workers_isolate_failures_and_timeouts(user_module):
     # a worker warms math-verify (sympy) before it says it is ready, so 5 s time the calls, not that import
     cfg = RewardConfig(custom_functions=user_module, timeout_s=5.0, num_workers=2)
-    with Judger(cfg) as judger:
+    with Rules(cfg) as judger:
         t0 = time.monotonic()
         res = judger.score(_requests())
         assert time.monotonic() - t0 < 20       # the 30 s call was cut off
@@ -194,13 +194,13 @@ def test_judger_workers_isolate_failures_and_timeouts(user_module):
 def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
     """A step's requests reach each worker as one message (not one round trip per response), and the
     answers come back to the right requests."""
-    from mgrpo.rewards import judger as judger_mod
+    from mgrpo.rewards import rules as judger_mod
 
     sent = []
     real = judger_mod._Worker.send_todo
     monkeypatch.setattr(judger_mod._Worker, "send_todo", lambda w, reqs: (sent.append(len(w.todo)), real(w, reqs)))
     reqs = [ScoreRequest("openai/gsm8k", f"#### {i % 7}", str(i % 5)) for i in range(301)]
-    with Judger(RewardConfig(num_workers=2, isolate_builtin_rules=True)) as judger:
+    with Rules(RewardConfig(num_workers=2, isolate_builtin_rules=True)) as judger:
         res = judger.score(reqs)
         assert sorted(sent) == [150, 151]
         assert res.scores == [float(i % 7 == i % 5) for i in range(301)] and res.status == ["ok"] * 301
@@ -210,7 +210,7 @@ def test_judger_sends_one_message_per_worker_per_call(monkeypatch):
 
 @pytest.mark.integration
 def test_judger_replaces_a_worker_that_died_while_idle():
-    with Judger(RewardConfig(num_workers=1, isolate_builtin_rules=True)) as judger:
+    with Rules(RewardConfig(num_workers=1, isolate_builtin_rules=True)) as judger:
         assert judger.score([ScoreRequest("openai/gsm8k", "#### 1", "1")]).scores == [1.0]
         w = judger._workers[0]
         w.proc.kill()   # our own child; simulates an OOM kill between steps
@@ -228,7 +228,7 @@ def test_judger_worker_killed_during_a_call_costs_no_score(user_module):
 
     reqs = [ScoreRequest("my/slow", "0.5", "1"), ScoreRequest("my/exact", "3", "3"),
             ScoreRequest("my/exact", "3", "4")]
-    with Judger(RewardConfig(custom_functions=user_module, timeout_s=30.0, num_workers=1)) as judger:
+    with Rules(RewardConfig(custom_functions=user_module, timeout_s=30.0, num_workers=1)) as judger:
         judger.score([ScoreRequest("my/exact", "1", "1")])  # the worker is up
         pid = judger._workers[0].proc.pid
         killer = threading.Timer(0.2, os.kill, (pid, signal.SIGKILL))  # lands inside the 0.5 s call
@@ -242,7 +242,7 @@ def test_judger_worker_killed_during_a_call_costs_no_score(user_module):
 def test_judger_in_process(user_module):
     reqs = [r for r in _requests() if r.data_source != "my/crash"]
     reqs[3] = ScoreRequest("my/slow", "0.3", "1")   # in-process calls cannot be cut: only counted
-    with Judger(RewardConfig(custom_functions=user_module, timeout_s=0.2, num_workers=0)) as judger:
+    with Rules(RewardConfig(custom_functions=user_module, timeout_s=0.2, num_workers=0)) as judger:
         res = judger.score(reqs)
     assert res.scores == [1.0, 1.0, None, None, 1.0, None, 1.0, 0.0, 1.0]
     assert (res.failed, res.timeout) == (2, 1)
@@ -257,7 +257,7 @@ def test_builtin_string_rules_run_in_process_without_workers():
             ScoreRequest("mgrpo/sum", "7", "7", {"finish_reason": "length"}),
             ScoreRequest("openai/gsm8k", "#### 71", "72"), ScoreRequest("openai/gsm8k", "so #### 72", "72"),
             ScoreRequest("mgrpo/sum", "7", "7")]  # no finish_reason: the rule raises, a failure, not a 0
-    with Judger(RewardConfig(num_workers=2)) as judger:
+    with Rules(RewardConfig(num_workers=2)) as judger:
         res = judger.score(reqs)
         assert judger._workers == []
     assert res.scores == [1.0, 0.0, 0.0, 0.0, 1.0, None] and res.status == ["ok"] * 5 + ["failed"]
@@ -272,7 +272,7 @@ def test_builtin_string_rules_run_in_process_without_workers():
 
 @pytest.mark.integration
 def test_judger_unknown_source_at_score_time_is_counted():
-    with Judger(RewardConfig(num_workers=1)) as judger:
+    with Rules(RewardConfig(num_workers=1)) as judger:
         res = judger.score([ScoreRequest("nobody/knows", "x", "y"), ScoreRequest("openai/gsm8k", "#### 2", "2")])
     assert res.scores == [None, 1.0] and res.failed == 1 and "nobody/knows" in res.errors[0]
 

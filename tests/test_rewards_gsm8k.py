@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mgrpo.config.schema import Gsm8kJudgeConfig, RewardConfig
-from mgrpo.rewards import Judger, ScoreRequest
+from mgrpo.rewards import Rules, ScoreRequest
 from mgrpo.rewards.gsm8k import compute_score, extract_solution
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_the_judger_applies_reward_gsm8k(num_workers):
                                  ("flexible", 0.1, [1.0, 0.1, 1.0, 0.0])):
         cfg = RewardConfig(gsm8k=Gsm8kJudgeConfig(method=method, format_score=credit), num_workers=num_workers,
                            isolate_builtin_rules=num_workers > 0)  # the workers are sent reward.gsm8k too
-        with Judger(cfg) as judger:
+        with Rules(cfg) as judger:
             assert judger.score(requests).scores == pytest.approx(want), (method, credit)
 
 

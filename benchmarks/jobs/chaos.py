@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 from benchmarks import add_output_args, output_path
@@ -67,9 +68,11 @@ def main(argv=None) -> None:
                   f"{len(r['attempts'])} attempts; records {r['records']}; final HF export vs the run without faults: "
                   f"max abs diff {v['hf_max_abs_diff']:g} ({'bit-exact' if v['hf_bit_exact'] else 'NOT bit-exact'}); "
                   f"wall {r['chaos_wall_s']:.0f} s (reference {r['reference_wall_s']} s)\nwrote {args.out}")
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    except BaseException:
+        print(f"kept for a look: {workdir}", file=sys.stderr)
+        raise
+    if args.workdir is None:  # everything is in the results: the temporary folder goes
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

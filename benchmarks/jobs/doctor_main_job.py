@@ -72,10 +72,12 @@ def main(argv=None) -> None:
         print(f"per-token |diff| mean {report['tokens']['mean']:.3g}, max {report['tokens']['max']:.3g}; largest step "
               f"mean {report['worst_step']['mean']:.3g}; layers: "
               + "; ".join(f"{k}: {v['kind']}" for k, v in verdicts.items()) + f"\nwrote {args.out}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if made:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    except BaseException:
+        print(f"kept for a look: the run folder {run_dir}, the doctor's reports {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)  # everything is in the results: the temporary folders go
+    if made:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

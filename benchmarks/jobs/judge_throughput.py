@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,12 +35,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     args.out = output_path(args, "judge_throughput_cpu.json")
 
-    from mgrpo.components.judges import GenerativeJudge
+    from mgrpo.cluster.aux_engines import RewardEngines
     from mgrpo.config.reward import JudgeConfig, RewardModelConfig
     from mgrpo.config.schema import ModelConfig
     from mgrpo.data.printable import printable_tokenizer
     from mgrpo.models.hf_io import init_hf_checkpoint
     from mgrpo.rewards import ScoreRequest
+    from mgrpo.rewards.generative import GenerativeJudge
+
+    ENGINES = RewardEngines()  # noqa: N806
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = tempfile.mkdtemp(prefix="mgrpo-judge-bench-")
@@ -64,15 +68,17 @@ def main(argv=None) -> None:
                                            init_std=0.1), seed=0, tokenizer=printable_tokenizer())
         t0 = time.perf_counter()
         base = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf, judge=JudgeConfig(
-            **parsers["yes_no"])), api_key=None, log_dir=work)
+            **parsers["yes_no"])), engines=ENGINES, api_key=None, log_dir=work)
         result["server_start_s"] = round(time.perf_counter() - t0, 2)
         for name, spec in parsers.items():
-            judge = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf, url=base.engines[0].url,
-                                                               judge=JudgeConfig(**spec)), api_key=None, log_dir=work)
+            judge = GenerativeJudge("judge", RewardModelConfig(kind="generative", hf_path=hf,
+                                                               url=base.hosting.engines[0].url,
+                                                               judge=JudgeConfig(**spec)),
+                                    engines=ENGINES, api_key=None, log_dir=work)
             rates, unparsed = [], 0
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                scores, status, _ = judge.score(reqs)
+                judge.score(reqs)
                 rates.append(len(reqs) / (time.perf_counter() - t0))
                 unparsed = judge.counts["unparsed"]
             result["parsers"][name] = {"samples_per_s_median": round(statistics.median(rates), 1),
@@ -81,10 +87,13 @@ def main(argv=None) -> None:
                                        "unparsed_last_repeat": unparsed}
             print(f"{name:>16}: {statistics.median(rates):7.1f} samples/s (median of {args.repeats}), "
                   f"{unparsed} of {len(reqs)} unparsed", flush=True)
+    except BaseException:
+        print(f"kept for a look: {work}", file=sys.stderr)
+        raise
     finally:
         if base is not None:
             base.close()
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)  # everything is in the results: the temporary folder goes
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -16,8 +16,10 @@
    one change to the default job), under which the model's small differences between wrong answers stay small.
 2. Runs the default job (`mgrpo-train`) with that model as its only reward (reward.models.rm on the CPU server's
    `/classify`, reward.compose={mgrpo/sum: {rm: 1.0}}), the rule's score computed beside it at weight 0.
-3. Writes benchmarks/results/reward_model_sum_cpu.json (rule accuracy and model score, first and last 10 steps,
-   per step) and reward_model_sum_cpu.png (both curves).
+3. Writes reward_model_sum_cpu.json (rule accuracy and model score, first and last 10 steps, per step; under
+   outputs/benchmarks/, or benchmarks/results/ with --update-results) and reward_model_sum_cpu.png (both curves,
+   when matplotlib is installed: the `bench` extra; without it a line says so). The trained reward model and the
+   run folder stay in --work (default outputs/reward_model_sum/), whether the job ends well or not.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-from benchmarks import REPO, add_output_args, output_path
+from benchmarks import REPO, add_output_args, add_work_args, fresh_work, output_path, pyplot_or_say
 
 DIGITS = "0123456789"
 JOB_OVERRIDES = ("algorithm.norm_adv_by_std_in_grpo=false", "algorithm.entropy_coeff=0.0")
@@ -148,7 +149,7 @@ def run_job(rm_dir: str, run_dir: str, overrides: list[str]) -> list[dict]:
             print(line, end="", flush=True)
         tail = (tail + [line])[-40:]
     if proc.wait() != 0:
-        sys.exit(f"mgrpo-train exited {proc.returncode}:\n" + "".join(tail))
+        sys.exit(f"mgrpo-train exited {proc.returncode} (its run folder is kept: {run_dir}):\n" + "".join(tail))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [m for m in map(json.loads, f) if "reward/rule/mean" in m]
 
@@ -178,11 +179,9 @@ def median_of(xs: list[float]) -> float:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot_or_say(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = range(1, len(result["rule_accuracy"]) + 1)
     ax.plot(x, result["rule_accuracy"], label="rule accuracy (exact sum + EOS; weight 0)")
@@ -201,21 +200,27 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_args(ap, "reward_model_sum_cpu.json")  # and the .png beside it
     ap.add_argument("--rm-steps", type=int, default=1200)  # 800 ranked 24 of 25 on 2026-12-04's install
+    add_work_args(ap, "reward_model_sum")  # rm/ and run/
+    ap.add_argument("--rm", default=None, help="a reward model trained before (a kept rm/ folder, copied out of "
+                                               "--work first): the job runs on it instead of training one")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for mgrpo-train (after --)")
     args = ap.parse_args(argv)
     args.out = output_path(args, "reward_model_sum_cpu.json")
-    work = tempfile.mkdtemp(prefix="mgrpo-rm-sum-")
-    try:
+    work = fresh_work(args)
+    print(f"reward model and run folder: {work} (kept)", flush=True)
+    if args.rm:
+        shutil.copytree(args.rm, os.path.join(work, "rm"))
+        rm = {"rm_from": os.path.abspath(args.rm)}
+        print(f"reward model: {args.rm} (trained before)", flush=True)
+    else:
         rm = train_reward_model(os.path.join(work, "rm"), steps=args.rm_steps)
         print(f"reward model: {rm['rm_steps']} steps in {rm['rm_train_s']:.0f} s, held-out accuracy "
               f"{rm['rm_heldout_accuracy']:.3f}, right answer ranked first for "
               f"{rm['rm_right_answer_ranked_first']:.0%} of the prompts", flush=True)
-        t0 = time.time()
-        steps = run_job(os.path.join(work, "rm"), os.path.join(work, "run"), args.overrides)
-        result = {"command": "python -m benchmarks.jobs.reward_model_sum " + " ".join(args.overrides), **rm,
-                  "job_wall_s": time.time() - t0, **summarise(steps)}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    t0 = time.time()
+    steps = run_job(os.path.join(work, "rm"), os.path.join(work, "run"), args.overrides)
+    result = {"command": "python -m benchmarks.jobs.reward_model_sum " + " ".join(args.overrides), **rm,
+              "job_wall_s": time.time() - t0, **summarise(steps)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

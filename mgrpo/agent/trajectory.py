@@ -16,7 +16,7 @@ budget (data.max_response_length) is used up; max_turns: rollout.multi_turn.max_
 The rest are failures (`FAILED`); aborted: cut as the step's long tail (rollout.over_sample_rate). A failed
 trajectory stays in its place in the batch and goes through the one failed-sample path: its finish reason
 is its outcome (`Experience.mark_failed`), so it has no reward, leaves the loss and its group's baseline, and
-is counted with every other failure (mgrpo/algorithms/failed_samples.py); never a made-up reward."""
+is counted with every other failure (mgrpo/rewards/failed.py); never a made-up reward."""
 
 FAILED = ("tool_timeout", "trajectory_timeout", "generation_error", "env_failed", "aborted")
 

@@ -1,8 +1,8 @@
 """Auxiliary engines (reward models, judges: reward.models.<name>): frozen servers hosted exactly as rollout engines
 are, by `EngineHost` actors building an engine of the rollout registry, in the run's placement groups
-(`Placement.reward_options`). Their owner (components/reward_engines.py) reaches them by URL; this module is the Ray
-side: start, wait until healthy, health-check (`hosts_alive`), restart through the host (a new host in the same
-bundle if the host died), stop.
+(`Placement.reward_options`). Their owner (rewards/hosting.py, given `RewardEngines`) reaches them by URL; this
+module is the Ray side: start, wait until healthy, health-check (`hosts_alive`), restart through the host (a new host
+in the same bundle if the host died), stop.
 Nothing here syncs weights or releases memory: the weight sync only knows the rollout group's engines.
 """
 
@@ -74,3 +74,36 @@ class AuxEngineHosts:
         for host in self.hosts:
             stop_host(host, self.timeout_s)
         self.hosts, self.addresses = [], []
+
+
+ENGINE = "sglang"
+"""The rollout engine registry's entry that builds a reward server (the CPU server stands in where SGLang cannot)."""
+
+
+class RewardEngines:
+    """The `EngineKit` the reward room's hosting part is given (rewards/hosting.py): Ray hosts built by the rollout
+    registry's sglang engine, SGLang's client for each server, SGLang's router in front of several."""
+
+    def __init__(self):
+        from mgrpo.rollout.sglang.http import SGLangBadResponseError, SGLangRequestError
+
+        self.request_error, self.bad_response = SGLangRequestError, SGLangBadResponseError
+
+    @staticmethod
+    def launch(name: str, hf_path: str, kwargs: list[dict], *, placement=None, cpus: float = 1, tp: int = 1,
+               timeout_s: float = 60.0) -> AuxEngineHosts:
+        return AuxEngineHosts(name, ENGINE, hf_path, kwargs, placement=placement, cpus=cpus, tp=tp,
+                              timeout_s=timeout_s)
+
+    @staticmethod
+    def connect(url: str, **client_kwargs):
+        from mgrpo.rollout.sglang import SGLangEngine
+
+        return SGLangEngine.connect(url, **client_kwargs)
+
+    @staticmethod
+    def router(urls: list[str], *, log_dir: str, **client_kwargs):
+        from mgrpo.net import node_ip
+        from mgrpo.rollout.sglang.router import RoutedClient
+
+        return RoutedClient(urls, host=node_ip(), log_dir=log_dir, **client_kwargs)

@@ -61,7 +61,7 @@ class Parts:
 
     def close(self) -> None:
         self.experiences.close()  # the asynchronous producer stops before its engines go
-        close(self.observer, self.experiences.judger, self.experiences.rollout, self.actor.group)
+        close(self.observer, self.experiences.rubric, self.experiences.rollout, self.actor.group)
 
 
 @dataclass
@@ -141,7 +141,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
-    judger = group = rollout = early = None
+    rubric = group = rollout = early = None
     phase = _Phases()
     engine_pool = ThreadPoolExecutor(1, thread_name_prefix="mgrpo-engines")
     try:
@@ -160,9 +160,10 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
         from mgrpo.components.evaluator import Evaluator
         from mgrpo.components.experience_maker import ExperienceMaker
         from mgrpo.components.logprob_guard import LogprobGuard
+        from mgrpo.cluster.aux_engines import RewardEngines
         from mgrpo.components.observer import Observer, log_token_logprobs
-        from mgrpo.components.reward_models import build_judger
         from mgrpo.components.weight_sync import WeightSync
+        from mgrpo.rewards import build_rubric
         from mgrpo.rollout.factory import EngineContext
 
         eos = [tokenizer.eos_token_id]
@@ -198,8 +199,8 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
             with phase(engines):
                 rollout = RolloutGroup(cfg, placement, hf_dir=init_dir, devices=devices, hosts=hosts, context=context)
         with phase(f"judges ({', '.join(['rules', *cfg.reward.models])})"):  # reward models: the run's key
-            judger = build_judger(cfg.reward, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"),
-                                  placement=placement, cpus=t.cpus_per_worker,
+            rubric = build_rubric(cfg.reward, engines=RewardEngines(), api_key=rollout.api_key,
+                                  log_dir=os.path.join(run_dir, "logs"), placement=placement, cpus=t.cpus_per_worker,
                                   shared_devices=devices or [a["gpu_ids"] for a in rollout.addresses])
         if alongside:
             with phase(stages, since=stages_from, note="built alongside the engines"):
@@ -215,7 +216,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
             with phase(f"resume from {resume_dir}"):
                 state = checkpointer.restore(resume_dir, actor, p.train_data)
                 weights.sync(state.weight_version)  # engines started from the initial weights
-        experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=p.train_data, judger=judger,
+        experiences = ExperienceMaker(cfg, tokenizer=tokenizer, train_data=p.train_data, rubric=rubric,
                                       rollout=rollout, tools=p.tools)
         evaluator = Evaluator(cfg.evaluation, test_freq=t.test_freq, val_before_train=t.val_before_train,
                               seed=t.seed, max_response_length=cfg.data.max_response_length, val_data=p.val_data,
@@ -228,7 +229,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
         if rollout is None and early is not None:  # engines started beside a failed step: taken down too
             with contextlib.suppress(BaseException):
                 rollout = early.result()
-        close(None, judger, rollout, group)
+        close(None, rubric, rollout, group)
         raise
     finally:
         engine_pool.shutdown(wait=False)
@@ -258,7 +259,7 @@ class _Phases:
 
 PART_MODULES = ("mgrpo.cluster.megatron_group", "mgrpo.cluster.rollout_group", "mgrpo.components.actor_client",
                 "mgrpo.components.evaluator", "mgrpo.components.experience_maker", "mgrpo.components.observer",
-                "mgrpo.components.reward_models", "mgrpo.components.weight_sync")
+                "mgrpo.rewards.rubric", "mgrpo.cluster.aux_engines", "mgrpo.components.weight_sync")
 """What `build` makes the run's parts from. None imports torch: the driver's bookkeeping is numpy."""
 
 
@@ -287,10 +288,10 @@ def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:
     return path
 
 
-def close(observer, judger, rollout, group) -> None:
+def close(observer, rubric, rollout, group) -> None:
     """Take down whatever was built (any of them may be None after a failed start); a failure while
     shutting down is logged, never allowed to hide the failure that caused it."""
-    for closer in (observer, judger):
+    for closer in (observer, rubric):
         if closer is not None:
             closer.close()
     for part in (rollout, group):

@@ -2,8 +2,9 @@
 
 The loop asks for the batch of a step (`next`) and gets it in one of two states:
   - generated, not judged: the plain synchronous case. The loop starts the step's log-prob forwards on
-    the Megatron ranks first and judges while they run: by rules on the driver's own thread (`judge`), with
-    reward models, judges or services in a driver thread (`judge_beside`) so that the step's split shows the overlap;
+    the Megatron ranks first and judges while they run (`start_judging`, then `Judging.collect`): by rules on the
+    driver's own thread, with reward models, judges or services in a driver thread so that the step's split shows
+    the overlap;
   - judged already: when a whole batch must be judged before it exists (dynamic sampling keeps only prompt
     groups whose rewards differ, generating rounds until the batch is full) or when an asynchronous
     producer made it ahead of time (`rollout.async_mode`, components/rollout_pipeline.py).
@@ -34,7 +35,7 @@ from mgrpo.rollout.types import SamplingParams
 log = logging.getLogger("mgrpo")
 
 class ExperienceMaker:
-    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, judger, rollout, tools=None):
+    def __init__(self, cfg: MGRPOConfig, *, tokenizer, train_data, rubric, rollout, tools=None):
         self.cfg = cfg
         self.agent = None
         """rollout.multi_turn: the `mgrpo.agent.runner.AgentRunner` that makes every sample a trajectory."""
@@ -60,11 +61,12 @@ class ExperienceMaker:
         if self.agent is not None and sandbox_tool.gives_code_tool(cfg.rollout.multi_turn):
             sandbox_tool.configure(cfg.sandbox)
             self.sandbox = sandbox_tool
-        self.tokenizer, self.train_data, self.judger = tokenizer, train_data, judger
+        self.tokenizer, self.train_data, self.rubric = tokenizer, train_data, rubric
+        """`mgrpo.rewards.Rubric`: every scorer of the run, weighted per data_source."""
         self.rollout = rollout
         """`mgrpo.cluster.rollout_group.RolloutGroup`."""
         self._judging: Optional[ThreadPoolExecutor] = None
-        """The driver thread that judges while the loop waits for the trainer's log-prob forwards (`judge_beside`)."""
+        """The driver thread that judges while the loop waits for the trainer's log-prob forwards (`start_judging`)."""
         self.pipeline: Optional[RolloutPipeline] = None
         """The asynchronous producer (rollout.async_mode != off), from `start`."""
         r = cfg.rollout
@@ -179,20 +181,20 @@ class ExperienceMaker:
                                            want_routes=sampling.return_routed_experts), measured
 
     def judge(self, exp: Experience, *, training: bool = True) -> dict:
-        """Score every sample with the judge of its data_source; return the counts. A sample without a reward
-        (its judge failed or timed out) is masked and counted, never scored 0 (`Experience.judge`)."""
-        return exp.judge(self.judger, self.tokenizer, self.cfg, training=training)
+        """Score every sample with the rubric and apply the judgement; return the counts (`judge_experience`)."""
+        return judge_experience(self.rubric, exp, self.tokenizer, self.cfg, training=training)
 
-    @property
-    def models_score(self) -> bool:
-        """Reward models, judges or services score this run's samples (reward.models / services), not rules alone."""
-        return bool(self.cfg.reward.models or self.cfg.reward.services)
-
-    def judge_beside(self, exp: Experience) -> Future:
-        """`judge` in a driver thread, so that rules, reward models and judges score while the loop waits for the
-        step's log-prob forwards; a Future of the counts, with the scoring's own wall time as timing_s/reward
-        (the loop times what it waits for it after the forwards as timing_s/reward_wait). Every call it makes has
-        its own timeout; an error it raises (FailureRateExceeded) is raised by `result()`."""
+    def start_judging(self, exp: Experience) -> "Judging":
+        """Start judging a batch the loop has just sent to the trainer's forwards; `collect()` the counts after them.
+        Rules alone are judged here, on the driver's own thread (a rule takes ms: no thread hop); reward models,
+        judges or services score in a driver thread while the loop waits for the forwards. A batch judged already
+        (dynamic sampling, the asynchronous producer) has nothing left to judge."""
+        if exp.judged:
+            return Judging(None, {}, {})
+        if not self.rubric.models_score:
+            t0 = time.perf_counter()
+            judged = self.judge(exp)
+            return Judging(None, judged, {"reward": time.perf_counter() - t0})
         if self._judging is None:
             self._judging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgrpo-judge")
 
@@ -201,7 +203,7 @@ class ExperienceMaker:
             judged = self.judge(exp)
             return {**judged, "timing_s/reward": time.perf_counter() - t0}
 
-        return self._judging.submit(run)
+        return Judging(self._judging.submit(run), {}, {})
 
     def generate_and_judge(self, step: int) -> tuple[Experience, dict]:
         """The judged samples of batch `step`, and what making them measured; with dynamic sampling only the
@@ -237,3 +239,33 @@ class ExperienceMaker:
         with timer("reward"):
             judged = self.judge(exp)
         return exp, summed(generated, judged, timer.metrics())
+
+
+def judge_experience(scorer, exp: Experience, tokenizer, cfg: MGRPOConfig, *, training: bool = True) -> dict:
+    """Score every sample of `exp` with `scorer` (`mgrpo.rewards.judge_batch`) and apply the judgement; return the
+    counts. A sample without a reward (its scorer failed or timed out) is masked and counted, never scored 0."""
+    from mgrpo.rewards import judge_batch
+
+    judgement = judge_batch(scorer, exp.score_requests(tokenizer), exp.group_index, exp.outcomes, exp.failed_by,
+                            cfg.reward.failed, training=training)
+    return exp.apply_judgement(judgement, cfg)
+
+
+class Judging:
+    """A batch being judged (`ExperienceMaker.start_judging`). `beside`: in a driver thread (models score), and the
+    loop then also waits for a reference forward the ranks keep, so that timing_s/reward_wait shows what the
+    forwards did not hide; rules alone send the update behind it at once."""
+
+    def __init__(self, future: Optional[Future], judged: dict, seconds: dict):
+        self.future, self.judged, self.seconds = future, judged, seconds
+        self.beside = future is not None
+
+    def collect(self) -> tuple[dict, dict]:
+        """The counts, and the phases to put into the step's timer: rules' own time (timing_s/reward), or the wait
+        for the thread beyond the forwards (timing_s/reward_wait; its own time, timing_s/reward, is in the counts).
+        Every call the thread makes has its own timeout; what it raised (FailureRateExceeded) is raised here."""
+        if self.future is None:
+            return self.judged, self.seconds
+        t0 = time.perf_counter()
+        judged = self.future.result()
+        return judged, {"reward_wait": time.perf_counter() - t0}

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 from mgrpo.algorithms.support import SampleSupport
+from mgrpo.config import InputError
 from mgrpo.experience import Experience, routes_from_json, routes_to_json
 from mgrpo.observe.metrics import summed
 
@@ -95,6 +96,8 @@ class RolloutPipeline:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self.ready or self._error is not None)
+                if isinstance(self._error, InputError):  # its one line names the key to change: said as it is
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError("the rollout producer failed") from self._error
                 item = self.ready.pop(0)

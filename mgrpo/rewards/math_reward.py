@@ -5,7 +5,7 @@ response is searched for a final answer as a LaTeX (\\boxed{...}, $...$) or plai
 are compared symbolically (fractions, radicals, intervals, equivalent forms).
 
 math-verify guards its own parsing with signal.alarm, which only works in a process's main thread;
-off the main thread its timeouts are switched off here and the Judger's process timeout applies.
+off the main thread its timeouts are switched off here and the Rules's process timeout applies.
 """
 
 from __future__ import annotations

@@ -39,14 +39,14 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 """The built-in judges with their default options (reward.gsm8k: strict, format_score 0)."""
 
 IN_PROCESS_SAFE = frozenset({"mgrpo/sum", "mgrpo/peek", "openai/gsm8k"})
-"""Built-ins the Judger may call in its own process: a few string operations and regexes without nested
+"""Built-ins the Rules may call in its own process: a few string operations and regexes without nested
 quantifiers over at most the response (GSM8K's over its last 300 characters; peek's think-block removal is at worst
 quadratic in the response's length, bounded by data.max_response_length), no imports, nothing that can hang, exit
 or leak. math-verify is not among them (sympy parsing can hang: it stays in the workers)."""
 
 
 def runs_in_process(data_source: str, cfg: RewardConfig) -> bool:
-    """Whether the Judger scores `data_source` in its own process although it has workers: a built-in of
+    """Whether the Rules scores `data_source` in its own process although it has workers: a built-in of
     IN_PROCESS_SAFE that no user function replaces, unless reward.isolate_builtin_rules."""
     return (not cfg.isolate_builtin_rules and data_source in IN_PROCESS_SAFE
             and data_source not in cfg.custom_functions and EVERY_SOURCE not in cfg.custom_functions)

@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from mgrpo.config.reward import RewardServiceConfig
-
-OK, TIMEOUT, FAILED = "ok", "timeout", "failed"
+from mgrpo.rewards.scoring import FAILED, OK, TIMEOUT, ScoreRequest, ScoreResult
 
 
 class RewardService:
+    label = "service"
+
     def __init__(self, name: str, cfg: RewardServiceConfig):
         import requests
 
@@ -78,15 +79,20 @@ class RewardService:
             return float(value), OK, ""
         return None, status, f"{error} ({cfg.max_retries + 1} attempts)"
 
-    def score(self, reqs: Sequence) -> tuple[list[Optional[float]], list[str], list[str]]:
-        """(score or None, outcome, error or '') per request (ScoreRequest); never raises for the service's failure."""
+    def score(self, reqs: Sequence[ScoreRequest]) -> ScoreResult:
+        """A score or None per request; never raises for the service's failure."""
         payloads = [{"prompt": r.prompt, "response": r.response, "label": r.ground_truth} for r in reqs]
+        result = ScoreResult.empty(len(payloads))
         if not payloads:
-            return [], [], []
+            return result
         with ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(payloads))) as pool:
             got = list(pool.map(self._one, payloads))
-        return ([s for s, _, _ in got], [st for _, st, _ in got],
-                [f"service:{self.name}: {e}" if e else "" for _, _, e in got])
+        for i, (score, status, error) in enumerate(got):
+            if status == OK:
+                result.scores[i] = score
+            else:
+                result.fail(i, status, f"{self.label}:{self.name}", error)
+        return result
 
     def close(self) -> None:
         s = getattr(self._local, "session", None)

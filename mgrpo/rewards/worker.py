@@ -1,10 +1,10 @@
-"""A reward worker process: `python -m mgrpo.rewards.worker`, driven by the Judger over pipes.
+"""A reward worker process: `python -m mgrpo.rewards.worker`, driven by the Rules over pipes.
 
 Protocol, one JSON object per line: the first stdin line is the config {"custom_functions": {...},
 "gsm8k": {"method", "format_score"}};
 the worker answers {"ready": true}; then each batch {"requests": [{"id", "data_source", "response",
 "ground_truth", "extra_info"}, ...]} (one message per worker per step) is scored in order, each
-request answered by its own line {"id", "score", "error"} as soon as it is done: the Judger times
+request answered by its own line {"id", "score", "error"} as soon as it is done: the Rules times
 every call from the previous answer, so a hung call is cut without losing the finished ones. The
 protocol owns the original stdout; anything a reward function prints goes to stderr instead, so
 user code cannot corrupt it.

@@ -1,8 +1,7 @@
-"""Generative judges (reward.models.<name>.kind=generative) on auxiliary engines: a chat model asked, through its
-own chat template, what the judge's template says about each response; its answer parsed to a score
-(mgrpo/rewards/judge.py holds the templates and parsers). The engines are launched, keyed, revived and spread over
-exactly as a classifier reward model's (RewardModel, whose launch is the rollout engines' SGLangEngine.launch);
-an OpenAI-compatible endpoint (judge.openai_url) is called through the openai client instead.
+"""Generative judges (reward.models.<name>.kind=generative): a chat model asked, through its own chat template,
+what the judge's template says about each response; its answer parsed to a score (judge.py holds the templates and
+parsers). Its servers are hosted by an `EngineHosting` (hosting.py), as a classifier reward model's are; an
+OpenAI-compatible endpoint (judge.openai_url) is called through the openai client instead, with no hosting.
 """
 
 from __future__ import annotations
@@ -11,13 +10,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
-from mgrpo.algorithms.failed_samples import OK, TIMEOUT
-from mgrpo.components.reward_engines import RewardModel
 from mgrpo.config.reward import RewardModelConfig
-from mgrpo.rewards import ScoreRequest
+from mgrpo.rewards import judge
+from mgrpo.rewards.hosting import EngineHosting, EngineKit
+from mgrpo.rewards.scoring import FAILED, OK, TIMEOUT, ScoreRequest, ScoreResult
 
 
-class GenerativeJudge(RewardModel):
+class GenerativeJudge:
     """A chat model as a judge (kind=generative, rewards/judge.py): each response (pairwise: each order of response
     and reference) rendered into the judge's template, formatted with the judge model's own chat template and sent
     to its engines' /generate as token ids (or, judge.openai_url, to an OpenAI-compatible /chat/completions through
@@ -26,18 +25,18 @@ class GenerativeJudge(RewardModel):
     refuses leaves the sample without a score, never 0: counted per judge (reward/<name>/unparsed) and masked."""
 
     label = "judge"
-    server_flags = ()
-    routed = True
-    """Several judge servers sit behind SGLang's router, which takes one prompt per /generate request."""
 
-    def __init__(self, name: str, cfg: RewardModelConfig, *, api_key: Optional[str], log_dir: str, **hosting):
-        """`hosting`: where its engines go (RewardModel's placement, devices, cpus)."""
-        from mgrpo.rewards.judge import template_of
-
+    def __init__(self, name: str, cfg: RewardModelConfig, engines: Optional[EngineKit] = None, *,
+                 api_key: Optional[str], log_dir: str, **where):
+        """`engines`: how servers are started and reached (not needed with judge.openai_url); `where`: where they
+        go (EngineHosting's placement, devices, cpus)."""
         j = cfg.judge
-        self.template = template_of(f"reward.models.{name}.judge", j)
+        self.name, self.cfg = name, cfg
+        self.template = judge.template_of(f"reward.models.{name}.judge", j)
         self.counts = {"unparsed": 0, "disagreements": 0, "judgements": 0}
         self.openai = None
+        self.hosting: Optional[EngineHosting] = None
+        self.tokenizer = None
         if j.openai_url:
             try:
                 from openai import OpenAI
@@ -47,25 +46,30 @@ class GenerativeJudge(RewardModel):
                 raise ConfigError(f"reward.models.{name}.judge.openai_url needs the openai package "
                                   "(pip install openai)") from None
 
-            self.name, self.cfg, self.api_key, self.log_dir = name, cfg, None, log_dir
-            self.tokenizer, self.engines, self.restarts, self._turn = None, [], 0, 0
-            self.servers, self.front = None, None
             key = os.environ.get(j.api_key_env) if j.api_key_env else None
             # the openai client retries connection errors, 408/409/429 and 5xx with exponential backoff
             self.openai = OpenAI(base_url=j.openai_url, api_key=key or "none", timeout=cfg.timeout_s,
                                  max_retries=cfg.max_retries)
             return
-        super().__init__(name, cfg, api_key=api_key, log_dir=log_dir, **hosting)
-        if j.parser == "yes_no":
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.hf_path)
+        if j.parser == "yes_no":  # checked before any server starts
             self.yes_no_ids = tuple(self._one_token(f"reward.models.{name}.judge.{k}", t)
                                     for k, t in (("yes", j.yes), ("no", j.no)))
+        # Several judge servers sit behind SGLang's router, which takes one prompt per /generate request.
+        self.hosting = EngineHosting(name, cfg, engines, api_key=api_key, log_dir=log_dir, server_flags=(),
+                                     routed=True, label=self.label, **where)
+
+    @property
+    def restarts(self) -> int:
+        return self.hosting.restarts if self.hosting is not None else 0
 
     def _one_token(self, where: str, text: str) -> int:
         from mgrpo.config import ConfigError
 
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
-            self.close()
             raise ConfigError(f"{where}={text!r} is {len(ids)} tokens of {self.cfg.hf_path}'s tokenizer ({ids}); "
                               "the yes/no parser reads one token's probability")
         return ids[0]
@@ -76,8 +80,7 @@ class GenerativeJudge(RewardModel):
 
     def prompts(self, req: ScoreRequest) -> list[str]:
         """The judge's user message(s) for one request: one, or the two orders in pairwise mode."""
-        from mgrpo.rewards.judge import render
-
+        render = judge.render
         j = self.cfg.judge
         rubric = str((req.extra_info or {}).get("rubric") or j.rubric)
         kw = dict(prompt=req.prompt, response=req.response, reference=req.ground_truth, rubric=rubric)
@@ -89,8 +92,7 @@ class GenerativeJudge(RewardModel):
 
     def _generate(self, engine, users: list[str]) -> list[tuple[str, list]]:
         """One /generate batch: (answer text, first position's top log-probs [(logprob, token_id)]) per message."""
-        from mgrpo.rollout.sglang.http import SGLangBadResponseError
-
+        SGLangBadResponseError = self.hosting.kit.bad_response  # noqa: N806 - an exception class
         j, tok = self.cfg.judge, self.tokenizer
         ids = [tok.apply_chat_template(self.messages(u), tokenize=True, add_generation_prompt=True,
                                        return_dict=False) for u in users]
@@ -133,8 +135,6 @@ class GenerativeJudge(RewardModel):
         return choice.message.content or "", top
 
     def _parse(self, text: str, top: list) -> float:
-        from mgrpo.rewards import judge
-
         j = self.cfg.judge
         lo, hi = float(j.range[0]), float(j.range[1])
         if j.parser == "yes_no":
@@ -144,63 +144,53 @@ class GenerativeJudge(RewardModel):
             return judge.parse_json(text, j.json_key, lo, hi)
         return judge.parse_number(text, j.pattern, lo, hi)
 
-    def _ask(self, users: list[str]) -> tuple[list, list[str], list[str]]:
-        """(text, top) or None per message, with its outcome and error."""
+    def _ask(self, users: list[str]) -> tuple[list, ScoreResult]:
+        """(text, top) or None per message, and the outcome of each (a failed call: 'timeout' or 'failed')."""
+        by = f"{self.label}:{self.name}"
+        if self.openai is None:  # through the hosting: several messages a request, or one each behind the router
+            routed = self.hosting.front is not None
+            return self.hosting.spread(len(users), 1 if routed else self.cfg.batch_size,
+                                       self.cfg.judge.concurrency if routed else len(self.hosting.engines),
+                                       lambda engine, idx: self._generate(engine, [users[i] for i in idx]), by=by)
+        import openai
+
         n = len(users)
         answers: list = [None] * n
-        status, errors = [OK] * n, [""] * n
-        if self.openai is not None:
-            import openai
+        failures: list[tuple[int, str, str]] = []
 
-            def one(i: int) -> None:
-                try:
-                    answers[i] = self._chat(users[i])
-                except openai.APITimeoutError as e:
-                    status[i], errors[i] = TIMEOUT, f"judge:{self.name}: {e}"
-                except openai.OpenAIError as e:
-                    status[i], errors[i] = "failed", f"judge:{self.name}: {type(e).__name__}: {e}"
-
-            with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.judge.concurrency, n))) as pool:
-                list(pool.map(one, range(n)))
-            return answers, status, errors
-        from mgrpo.rollout.sglang.http import SGLangRequestError
-
-        self._check()
-        size = 1 if self.front is not None else self.cfg.batch_size
-        chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-        def run(k: int) -> None:
+        def one(i: int) -> None:
             try:
-                got = self.on_engine((self._turn + k) % len(self.engines),
-                                     lambda engine: self._generate(engine, [users[i] for i in chunks[k]]))
-            except SGLangRequestError as e:
-                for i in chunks[k]:
-                    status[i], errors[i] = TIMEOUT if e.timeout else "failed", f"judge:{self.name}: {e}"
-                return
-            for i, a in zip(chunks[k], got):
-                answers[i] = a
+                answers[i] = self._chat(users[i])
+            except openai.APITimeoutError as e:
+                failures.append((i, TIMEOUT, str(e)))
+            except openai.OpenAIError as e:
+                failures.append((i, FAILED, f"{type(e).__name__}: {e}"))
 
-        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(chunks)))) as pool:
-            list(pool.map(run, range(len(chunks))))
-        self._turn += len(chunks)
-        return answers, status, errors
+        with ThreadPoolExecutor(max_workers=max(1, min(self.cfg.judge.concurrency, n))) as pool:
+            list(pool.map(one, range(n)))
+        result = ScoreResult.empty(n)
+        for i, status, error in sorted(failures):
+            result.fail(i, status, by, error)
+        return answers, result
 
-    @property
-    def parallel(self) -> int:
-        """Requests sent at once: one per server, or judge.concurrency through the router (one prompt each)."""
-        return self.cfg.judge.concurrency if self.front is not None else len(self.engines)
+    def _unparsed_hint(self) -> str:
+        """Which keys decide whether an answer parses (named in the failure, and so in a refusal past max_rate)."""
+        j, key = self.cfg.judge, f"reward.models.{self.name}.judge"
+        if j.parser == "yes_no":
+            return (f"; raise {key}.top_logprobs={j.top_logprobs} (the yes/no tokens must be among the first "
+                    f"token's most likely), or change {key}.yes={j.yes!r} / {key}.no={j.no!r} or {key}.template")
+        return f"; see {key}.parser={j.parser!r} and {key}.template (the answer must hold what the parser reads)"
 
-    def score(self, reqs: Sequence[ScoreRequest]) -> tuple[list[Optional[float]], list[str], list[str]]:
-        """(score or None, outcome, error or '') per request; never raises for an engine's or a parser's failure."""
-        from mgrpo.rewards import judge
-
+    def score(self, reqs: Sequence[ScoreRequest]) -> ScoreResult:
+        """A score or None per request; never raises for an engine's or a parser's failure."""
         j = self.cfg.judge
         self.counts = {"unparsed": 0, "disagreements": 0, "judgements": 0}  # this call's (the step's) counts
         per = [self.prompts(r) for r in reqs]
         flat = [u for p in per for u in p]
+        out = ScoreResult.empty(len(reqs))
         if not flat:
-            return [], [], []
-        answers, status, errors = self._ask(flat)
+            return out
+        answers, asked = self._ask(flat)
         values: list[Optional[float]] = [None] * len(flat)
         for i, a in enumerate(answers):
             if a is None:
@@ -208,34 +198,30 @@ class GenerativeJudge(RewardModel):
             try:
                 values[i] = self._parse(*a)
             except judge.Unparsed as e:
-                status[i], errors[i] = "failed", f"judge:{self.name}: unparsed answer: {e}"
+                asked.fail(i, FAILED, f"{self.label}:{self.name}", f"unparsed answer: {e}{self._unparsed_hint()}")
                 self.counts["unparsed"] += 1
         self.counts["judgements"] += len(flat)
-        scores: list[Optional[float]] = []
-        out_status, out_errors = [], []
         k = 0
         lo, hi = float(j.range[0]), float(j.range[1])
-        for p in per:
+        for r, p in enumerate(per):
             idx = list(range(k, k + len(p)))
             k += len(p)
-            bad = next((i for i in idx if status[i] != OK), None)
+            bad = next((i for i in idx if asked.status[i] != OK), None)
             if bad is not None:
-                scores.append(None)
-                out_status.append(status[bad])
-                out_errors.append(errors[bad])
+                out.fail(r, asked.status[bad], asked.failed_by[bad], "")
                 continue
             if j.pairwise:
                 first, swapped = (judge.preference(values[i], j.parser, lo, hi) for i in idx)
-                value, disagree = judge.swap_average(first, swapped)
+                out.scores[r], disagree = judge.swap_average(first, swapped)
                 self.counts["disagreements"] += disagree
             else:
-                value = values[idx[0]]
-            scores.append(value)
-            out_status.append(OK)
-            out_errors.append("")
-        return scores, out_status, out_errors
+                out.scores[r] = values[idx[0]]
+        out.errors = asked.errors
+        out.measured = {f"reward/{self.name}/{key}": float(v) for key, v in self.counts.items()}
+        return out
 
     def close(self) -> None:
         if self.openai is not None:
             self.openai.close()
-        super().close()
+        if self.hosting is not None:
+            self.hosting.close()

@@ -16,11 +16,16 @@ Plain Python over per-sample lists (the experience's order); no torch, no proces
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Hashable, Optional, Sequence
 
+from mgrpo.config import InputError
+
 OK = "ok"
 """The outcome of a sample that was scored."""
+FAILED = "failed"
+"""A failed outcome: the scorer raised, answered garbage, or was down."""
 TIMEOUT = "timeout"
 """A failed outcome: the judge (model, service) did not answer in time. Every other non-OK outcome is a failure
 of its own kind ('failed': raised or answered garbage; producers may name theirs, e.g. 'env_failed')."""
@@ -32,8 +37,9 @@ ROLLOUT_CUT = "over_sample"
 """Who marks an aborted sample (its failed_by)."""
 
 
-class FailureRateExceeded(RuntimeError):
-    """A training step's share of failed samples passed reward.failed.max_rate: the judges are broken, not flaky."""
+class FailureRateExceeded(InputError, RuntimeError):
+    """A training step's share of failed samples passed reward.failed.max_rate: the judges are broken (usually
+    configured wrong), not flaky. One line naming the keys to change; the launchers print it and exit 2."""
 
 
 def short_groups(outcomes: Sequence[str], group_index: Sequence[Hashable], min_group_size: int) -> list[Hashable]:
@@ -72,6 +78,23 @@ def failure_rate(outcomes: Sequence[str]) -> float:
     return sum(o != OK for o in kept) / max(len(kept), 1)
 
 
+def fix_keys(failed_by: Counter, errors: Optional[Sequence[str]]) -> list[str]:
+    """The config keys that decide how the failing scorers score, the most failing first: a scorer's errors may
+    name the key themselves ('... (reward.models.judge.judge.top_logprobs=5) ...'), else its section."""
+    named = [k for e in (errors or []) for k in _KEY.findall(str(e))]
+    section = {"rule": "reward.custom_functions / reward.timeout_s", "model": "reward.models.{}",
+               "judge": "reward.models.{}.judge", "service": "reward.services.{}",
+               "multi_turn": "rollout.multi_turn.tool_timeout_s / trajectory_timeout_s"}
+    for src, _ in failed_by.most_common():
+        kind, _, name = str(src).partition(":")
+        if kind in section:
+            named.append(section[kind].format(name))
+    return list(dict.fromkeys(named)) or ["the failing scorer's keys"]
+
+
+_KEY = re.compile(r"\b(reward\.(?:models|services)\.[\w.-]+?\.[a-z_]+)=")
+
+
 def check_rate(outcomes: Sequence[str], sources: Sequence[str], *, warn_rate: float, max_rate: float,
                enforce: bool, log, errors: Optional[Sequence[str]] = None) -> None:
     """A warning line when the share of failed samples passes `warn_rate`; FailureRateExceeded past `max_rate`
@@ -82,12 +105,12 @@ def check_rate(outcomes: Sequence[str], sources: Sequence[str], *, warn_rate: fl
     by = Counter(s for o, s in zip(outcomes, sources) if o not in (OK, ABORTED))
     total = sum(o != ABORTED for o in outcomes)
     said = ", ".join(f"{src} {k}" for src, k in by.most_common())
-    example = f"; e.g. {errors[0]}" if errors else ""
+    example = f"; e.g. {' '.join(str(errors[0]).split())[:400]}" if errors else ""  # one line
     if enforce and rate > max_rate:
         raise FailureRateExceeded(
             f"{sum(by.values())} of {total} samples ({rate:.0%}) have no reward ({said}), past "
             f"reward.failed.max_rate={max_rate}: the judges (or the rollouts: 'multi_turn') are failing, not the "
-            f"policy{example}. Fix them (or raise reward.failed.max_rate) and resume")
+            f"policy{example}. Change {', '.join(fix_keys(by, errors))} (or raise reward.failed.max_rate) and resume")
     log.warning("reward: %d of %d samples (%.0f%%) have no reward (%s), past reward.failed.warn_rate=%s; they are "
                 "left out of the loss and their groups' baselines%s", sum(by.values()), total, 100 * rate,
                 said, warn_rate, example)

@@ -1,4 +1,4 @@
-"""The Judger: scores responses with the reward function of their data_source, safely and in parallel.
+"""The rules: score responses with the reward function of their data_source, safely and in parallel.
 
 Reward functions are arbitrary code (user functions, symbolic math that can hang), so each call is
 isolated: with reward.num_workers > 0 they run in that many worker processes (mgrpo.rewards.worker).
@@ -7,7 +7,7 @@ costs one round trip per worker, not one per response. A call that raises (or re
 not a finite number) has no score (None) and the outcome `failed`; a call that runs past reward.timeout_s
 (timed from the worker's previous answer) gets its worker killed and restarted and has no score, outcome
 `timeout`; the calls after it in that share go to the fresh worker. A failed call is never scored 0: the
-experience leaves it out of the loss and its group's baseline (mgrpo/algorithms/failed_samples.py).
+experience leaves it out of the loss and its group's baseline (mgrpo/rewards/failed.py).
 Nothing a reward function does can crash the run or stall it for longer than the timeout.
 
 A worker that dies (killed from outside, out of memory, or a function that ends the interpreter) is
@@ -32,54 +32,15 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
 
 from mgrpo.config.schema import RewardConfig
 from mgrpo.rewards.registry import (absolute_spec, get_reward_fn, gsm8k_options, reward_functions, runs_in_process,
                                     to_score)
+from mgrpo.rewards.scoring import FAILED, TIMEOUT, ScoreRequest, ScoreResult
 
 log = logging.getLogger("mgrpo.rewards")
 
-MAX_ERRORS_KEPT = 5
 STARTUP_TIMEOUT_S = 120.0
-
-
-@dataclass
-class ScoreRequest:
-    data_source: str
-    response: str
-    """The decoded response (the reward function's `solution_str`)."""
-    ground_truth: str
-    extra_info: Optional[dict] = None
-    prompt: Any = None
-    """The record's prompt as written (a string or chat messages), for scorers that read it (reward models)."""
-
-
-@dataclass
-class ScoreResult:
-    scores: list[Optional[float]]
-    """Per request: its score, or None when the call failed (see `status`)."""
-    failed: int = 0
-    """Calls that raised or returned something other than a finite number (no score)."""
-    timeout: int = 0
-    """Calls that exceeded reward.timeout_s (no score)."""
-    worker_restarts: int = 0
-    """Workers found dead (exited or killed, not timed out) and replaced."""
-    status: list[str] = field(default_factory=list)
-    """Per request: 'ok' | 'failed' | 'timeout'."""
-    failed_by: list[str] = field(default_factory=list)
-    """Per request: which judge failed it ('rule:<data_source>'), '' when ok."""
-    errors: list[str] = field(default_factory=list)
-    """The first few failure messages, for logs."""
-    components: dict[str, list[Optional[float]]] = field(default_factory=dict)
-    """Scorer name -> per request its own score (None: not asked, or failed), when several are combined."""
-    measured: dict[str, float] = field(default_factory=dict)
-    """What the scorers measured beyond the counts above (model restarts, seconds, samples/s)."""
-
-    def metrics(self) -> dict[str, float]:
-        return {"reward/failed": float(self.failed), "reward/timeouts": float(self.timeout),
-                "reward/worker_restarts": float(self.worker_restarts)}
 
 
 class _Worker:
@@ -145,7 +106,9 @@ class _Worker:
         self.kill()
 
 
-class Judger:
+class Rules:
+    """The scorer of rules: each request's reward function by its data_source (mgrpo/rewards/registry.py)."""
+
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self._fns = reward_functions(cfg)  # imports custom functions now: a bad spec fails here
@@ -153,8 +116,7 @@ class Judger:
 
     # --- public ------------------------------------------------------------------------------------
     def score(self, requests: list[ScoreRequest]) -> ScoreResult:
-        result = ScoreResult(scores=[None] * len(requests), status=["ok"] * len(requests),
-                             failed_by=[""] * len(requests))
+        result = ScoreResult.empty(len(requests))
         here = [i for i, r in enumerate(requests)
                 if self.cfg.num_workers == 0 or runs_in_process(r.data_source, self.cfg)]
         if here:
@@ -174,7 +136,7 @@ class Judger:
             w.stop()
         self._workers = []
 
-    def __enter__(self) -> "Judger":
+    def __enter__(self) -> "Rules":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,15 +151,7 @@ class Judger:
     # --- internals ---------------------------------------------------------------------------------
     @staticmethod
     def _record(result: ScoreResult, idx: int, status: str, error: str, req: ScoreRequest) -> None:
-        result.status[idx] = status
-        result.scores[idx] = None
-        result.failed_by[idx] = f"rule:{req.data_source}"
-        if status == "failed":
-            result.failed += 1
-        else:
-            result.timeout += 1
-        if len(result.errors) < MAX_ERRORS_KEPT:
-            result.errors.append(f"{req.data_source}: {error}")
+        result.fail(idx, status, f"rule:{req.data_source}", error)
 
     def _score_in_process(self, requests: list[ScoreRequest], idx: list[int], result: ScoreResult) -> None:
         for i in idx:
@@ -207,10 +161,10 @@ class Judger:
                 fn = get_reward_fn(req.data_source, self._fns)
                 score = to_score(fn(req.data_source, req.response, req.ground_truth, req.extra_info))
             except (Exception, SystemExit) as e:  # noqa: BLE001 - a reward function must not end the run
-                self._record(result, i, "failed", f"{type(e).__name__}: {e}", req)
+                self._record(result, i, FAILED, f"{type(e).__name__}: {e}", req)
                 continue
             if time.monotonic() - t0 > self.cfg.timeout_s:
-                self._record(result, i, "timeout", f"took longer than reward.timeout_s={self.cfg.timeout_s}", req)
+                self._record(result, i, TIMEOUT, f"took longer than reward.timeout_s={self.cfg.timeout_s}", req)
             else:
                 result.scores[i] = score
 
@@ -260,7 +214,7 @@ class Judger:
                         if msg["error"] is None:
                             result.scores[i] = float(msg["score"])
                         else:
-                            self._record(result, i, "failed", msg["error"], requests[i])
+                            self._record(result, i, FAILED, msg["error"], requests[i])
                     w.since = time.monotonic()  # the next call started at the latest now
                 now = time.monotonic()
                 for w in list(self._workers):
@@ -285,14 +239,14 @@ class Judger:
             code = w.proc.returncode
             if w.sent and w.sent[0] in retried:
                 i = todo.popleft()
-                self._record(result, i, "failed", f"reward worker exited (code {code}) twice on this call",
+                self._record(result, i, FAILED, f"reward worker exited (code {code}) twice on this call",
                              requests[i])
             elif w.sent:
                 retried.add(w.sent[0])
                 log.warning("reward worker exited (code %s) during a call; sending it to a fresh worker", code)
         elif w.sent:
             i = todo.popleft()
-            self._record(result, i, "timeout", f"exceeded reward.timeout_s={self.cfg.timeout_s}", requests[i])
+            self._record(result, i, TIMEOUT, f"exceeded reward.timeout_s={self.cfg.timeout_s}", requests[i])
         fresh = _Worker(self.cfg)
         fresh.todo = todo
         self._workers[self._workers.index(w)] = fresh
