@@ -37,6 +37,8 @@ from typing import Callable, Optional
 from benchmarks import REPO, add_output_args, output_path
 from benchmarks.tools.proctree import machine
 
+ASYNC = ("rollout.mode=disaggregated", "trainer.n_gpus_per_node=2")
+"""Asynchronous rollout overlaps generation with training: the engine needs a place of its own."""
 TOP_K = ("rollout.top_k=5", "rollout.top_p=0.9", "algorithm.logprob_support=sampled", "rollout.n=16",
          "actor.lr=3e-4")
 
@@ -61,8 +63,9 @@ RECIPES: dict[str, Recipe] = {
     "main-pp2": Recipe(("actor.pp=2",), 0.8, "the main job at PP2"),
     "main-cp2": Recipe(("actor.cp=2",), 0.8, "the main job at CP2"),
     "topk": Recipe(TOP_K, 0.8, "top-k 5 / top-p 0.9 with sampled support (" + " ".join(TOP_K) + ")"),
-    "async-one-step-off": Recipe(("rollout.async_mode=one_step_off",), 0.8, "one-step-off asynchronous rollout"),
-    "async-bounded": Recipe(("rollout.async_mode=bounded_staleness", "rollout.max_staleness=2"), 0.8,
+    "async-one-step-off": Recipe(ASYNC + ("rollout.async_mode=one_step_off",), 0.8,
+                                 "one-step-off asynchronous rollout (disaggregated engine)"),
+    "async-bounded": Recipe(ASYNC + ("rollout.async_mode=bounded_staleness", "rollout.max_staleness=2"), 0.8,
                             "bounded-staleness asynchronous rollout (max_staleness 2)"),
     "moe-r3": Recipe(("model=tiny-moe", "actor.router_replay=rollout"), 0.8, "Qwen3-MoE (tiny-moe) with R3"),
     "moe-r3-ep2": Recipe(("model=tiny-moe", "actor.router_replay=rollout", "actor.ep=2"), 0.8,
