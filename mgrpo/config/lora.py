@@ -7,7 +7,7 @@ one linear each, a fused group is named whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -93,3 +93,29 @@ def check_lora(lora, *, num_experts: int) -> Optional[str]:
     except ValueError as err:
         return str(err)
     return None
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (PEFT's formula: y = W x + alpha/rank * B A dropout(x)); the base weights are
+    frozen, the optimizer and gradient clipping see the adapters only, and the reference policy is the base
+    with the adapters switched off (no second model)."""
+
+    rank: Optional[int] = None
+    """Adapter rank; None trains every weight (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling numerator (PEFT's lora_alpha; veRL's default 16): the adapter's output is scaled by alpha/rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linears to adapt: all-linear, megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names
+    (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; megatron fuses q/k/v and gate/up, so name a
+    fused group whole), or experts (a mixture-of-experts model's routed experts' fc1 and fc2). linear_fc1/fc2
+    adapt the experts too."""
+    init_a: str = "kaiming"
+    """kaiming | xavier | uniform: lora_A's initialisation (PEFT's kaiming-uniform with a=sqrt(5); Megatron-Bridge's
+    and veRL's xavier-normal and xavier-uniform); lora_B starts at zero."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None

@@ -21,6 +21,7 @@ from typing import Optional
 from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay)
 # Groups in files of their own (this module stays under the size limit).
+from mgrpo.config.lora import LoraConfig  # noqa: F401 - re-exported
 from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
 from mgrpo.config.sandbox import SandboxConfig
@@ -162,32 +163,6 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False
     """Mask out of the loss responses truncated at max_response_length."""
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapters on the actor (PEFT's formula: y = W x + alpha/rank * B A dropout(x)); the base weights are
-    frozen, the optimizer and gradient clipping see the adapters only, and the reference policy is the base
-    with the adapters switched off (no second model)."""
-
-    rank: Optional[int] = None
-    """Adapter rank; None trains every weight (full fine-tuning)."""
-    alpha: float = 16.0
-    """Scaling numerator (PEFT's lora_alpha; veRL's default 16): the adapter's output is scaled by alpha/rank."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (PEFT's lora_dropout)."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Linears to adapt: all-linear, megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names
-    (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; megatron fuses q/k/v and gate/up, so name a
-    fused group whole), or experts (a mixture-of-experts model's routed experts' fc1 and fc2). linear_fc1/fc2
-    adapt the experts too."""
-    init_a: str = "kaiming"
-    """kaiming | xavier | uniform: lora_A's initialisation (PEFT's kaiming-uniform with a=sqrt(5); Megatron-Bridge's
-    and veRL's xavier-normal and xavier-uniform); lora_B starts at zero."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank is not None
 
 
 @dataclass
