@@ -258,7 +258,8 @@ def test_context_tokens_get_exactly_zero_gradient(mode):
     from mgrpo.training.batch import batch_layout, build_micro_batch
 
     cfg = MGRPOConfig()
-    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg_mode=mode))
+    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg_mode=mode,
+                                                                 entropy_coeff=0.0))  # the masks alone
     g = torch.Generator().manual_seed(0)
     masks = [[1, 1, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 0, 0, 0, 0, 1, 1]]
     exp = Experience(prompt_ids=[[1, 2], [3], [4, 5, 6]],

@@ -42,9 +42,13 @@ unrouted_positions / routed tokens in a step with such trajectories.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mgrpo.agent.trajectory import Trajectory
+    from mgrpo.rollout.types import GenerateResult
 
 
 class RoutesError(ValueError):
@@ -94,3 +98,33 @@ def trajectory_routes(routes: Optional[np.ndarray], length: int, failed: bool, s
     layers, top_k = shape
     fill = np.broadcast_to(np.arange(top_k, dtype=np.int32), (missing, layers, top_k))
     return (fill.copy() if routes is None else np.concatenate([routes, fill.astype(routes.dtype)])), missing
+
+
+def add_turn_routes(traj: "Trajectory", res: "GenerateResult", fed: int, start: int) -> None:
+    """The turn's routed experts (positions [start, fed + output - 1)) into the trajectory's (each position from
+    the turn that first computed it)."""
+    if res.routed_experts is None:
+        traj.routes_missing = True
+        return
+    try:
+        traj.routes, differ = extend_routes(traj.routes, res.routed_experts, fed, len(res.token_ids), start)
+    except RoutesError as err:
+        raise RoutesError(f"trajectory {traj.uid}, turn {traj.counts.get('turns', 0) + 1}: {err}") from None
+    if differ:
+        traj.count("multi_turn/route_rows_recomputed_differ", differ)
+
+
+def finish_routes(trajs: Sequence["Trajectory"], measured: dict, rechecked: bool) -> None:
+    """Every trajectory's routes to [prompt + response - 1, L, K] (a failed one's positions that no engine
+    forward computed filled and counted, mgrpo/agent/routes.py); skipped when no turn returned any."""
+    shape = next((t.routes.shape[1:] for t in trajs if t.routes is not None), None)
+    unrouted = 0
+    for t in trajs:
+        if shape is not None and not t.routes_missing:
+            t.routes, n = trajectory_routes(t.routes, len(t.prompt_ids) + len(t.response_ids), t.failed, shape,
+                                            t.uid)
+            unrouted += n
+    measured["multi_turn/unrouted_positions"] = unrouted
+    measured.setdefault("multi_turn/route_rows_received", 0)
+    if rechecked:  # only then does a turn return rows an earlier turn returned (to compare)
+        measured.setdefault("multi_turn/route_rows_recomputed_differ", 0)

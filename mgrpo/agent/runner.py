@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from mgrpo.agent.calls import ToolCalls, ToolTimeout, step_reward
@@ -37,10 +37,10 @@ from mgrpo.agent.environment import EnvironmentSession, call_maybe_sync
 from mgrpo.agent import threads
 from mgrpo.agent.episode import AgentTask, Batch, Episode, Request, State
 from mgrpo.agent.parse import ToolCallParser
-from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
+from mgrpo.agent.routes import add_turn_routes, finish_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.tools import ToolSet
-from mgrpo.agent.trajectory import FAULT_COUNTS, RETRIED, Trajectory, batch_metrics  # noqa: F401 - FAULT_COUNTS: re-exported
+from mgrpo.agent.trajectory import FAULT_COUNTS, RETRIED, Trajectory, batch_metrics, warn_invalid_calls  # noqa: F401 - FAULT_COUNTS: re-exported
 from mgrpo.config import InputError, seeds
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import GenerateResult, SamplingParams
@@ -55,11 +55,6 @@ trajectory: its turns go to one engine (the rollout group's `sessions`, for the 
 turn (the rollout group's `request_seeds`, SGLang's per-request sampling_seed). `routes_from` (given when the
 sampling asks for routed experts): each request's SGLang routed_experts_start_len, the routed positions its
 trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/routes.py)."""
-
-MOSTLY_INVALID = 0.5
-"""A batch in which more than this share of the calls the model wrote could not run (bad arguments, malformed,
-unknown tool) is warned about and counted (multi_turn/mostly_invalid_batches)."""
-
 
 class AgentRunner:
     def __init__(self, cfg: MultiTurnConfig, tokenizer, tools: ToolSet, *, max_response_length: int,
@@ -138,13 +133,13 @@ class AgentRunner:
         finally:
             dispatcher.cancel()
         if sampling.return_routed_experts:
-            _finish_routes(trajs, batch.measured, self.cfg.recheck_routes)
+            finish_routes(trajs, batch.measured, self.cfg.recheck_routes)
         batch_version = min((t.weight_version for t in trajs if t.weight_version is not None), default=0)
         for t in trajs:
             if t.weight_version is None:
                 t.weight_version = batch_version
         metrics = batch_metrics(trajs, batch.measured, self.cfg.tool_choice == "auto")
-        _warn_invalid_calls(metrics)
+        warn_invalid_calls(metrics)
         metrics["multi_turn/call_cannot_fit"] = int(self.shortest_call > self.turn_budget)
         metrics["multi_turn/hung_tool_threads"] = threads.running()
         return trajs, metrics
@@ -278,7 +273,7 @@ class AgentRunner:
         if sampling.return_support and res.support is None:
             traj.supports_missing = True
         if sampling.return_routed_experts:
-            _add_routes(traj, res, len(fed), known)
+            add_turn_routes(traj, res, len(fed), known)
         ep.versions.append(res.weight_version)
         traj.engine = res.engine
         ep.result, ep.text = res, self.tok.decode(res.token_ids, skip_special_tokens=False)  # for parsing only
@@ -412,36 +407,6 @@ class AgentRunner:
         return count_drift(traj.prompt_ids + traj.response_ids, theirs)
 
 
-def _add_routes(traj: Trajectory, res: GenerateResult, fed: int, start: int) -> None:
-    """The turn's routed experts (positions [start, fed + output - 1)) into the trajectory's (each position from
-    the turn that first computed it)."""
-    if res.routed_experts is None:
-        traj.routes_missing = True
-        return
-    try:
-        traj.routes, differ = extend_routes(traj.routes, res.routed_experts, fed, len(res.token_ids), start)
-    except RoutesError as err:
-        raise RoutesError(f"trajectory {traj.uid}, turn {traj.counts.get('turns', 0) + 1}: {err}") from None
-    if differ:
-        traj.count("multi_turn/route_rows_recomputed_differ", differ)
-
-
-def _finish_routes(trajs: Sequence[Trajectory], measured: dict, rechecked: bool) -> None:
-    """Every trajectory's routes to [prompt + response - 1, L, K] (a failed one's positions that no engine
-    forward computed filled and counted, mgrpo/agent/routes.py); skipped when no turn returned any."""
-    shape = next((t.routes.shape[1:] for t in trajs if t.routes is not None), None)
-    unrouted = 0
-    for t in trajs:
-        if shape is not None and not t.routes_missing:
-            t.routes, n = trajectory_routes(t.routes, len(t.prompt_ids) + len(t.response_ids), t.failed, shape,
-                                            t.uid)
-            unrouted += n
-    measured["multi_turn/unrouted_positions"] = unrouted
-    measured.setdefault("multi_turn/route_rows_received", 0)
-    if rechecked:  # only then does a turn return rows an earlier turn returned (to compare)
-        measured.setdefault("multi_turn/route_rows_recomputed_differ", 0)
-
-
 def _deliver(call: asyncio.Future, reqs: list[Request], batch: Batch) -> None:
     """A generate call's results to the trajectories waiting on them (its error, when it raised, to each)."""
     batch.in_flight.discard(call)
@@ -459,22 +424,6 @@ def _deliver(call: asyncio.Future, reqs: list[Request], batch: Batch) -> None:
     for r, res in zip(reqs, results):
         if not r.future.done():  # (a trajectory that timed out or was aborted meanwhile is gone)
             r.future.set_result(res)
-
-
-def _warn_invalid_calls(metrics: dict) -> None:
-    """Say so (and count it) when most calls the model wrote in this batch could not run: a schema the model
-    cannot follow (e.g. a function tool that is not `strict` under tool_choice=required) is otherwise silent."""
-    invalid = sum(metrics.get(f"multi_turn/{k}", 0) for k in ("bad_arguments", "parse_errors", "unknown_tool"))
-    written = metrics.get("multi_turn/calls_written", 0)
-    metrics["multi_turn/invalid_calls"] = invalid
-    metrics["multi_turn/invalid_call_rate"] = invalid / written if written else 0.0
-    metrics["multi_turn/mostly_invalid_batches"] = int(written > 0 and invalid > MOSTLY_INVALID * written)
-    if metrics["multi_turn/mostly_invalid_batches"]:
-        log.warning("%d of the %d tool calls the model wrote in this batch could not run (bad arguments %d, "
-                    "malformed %d, unknown tool %d): is each tool's schema one the model can follow? (a function "
-                    "tool is constrained by its schema only when strict: rollout.multi_turn.strict_tools)",
-                    invalid, written, metrics.get("multi_turn/bad_arguments", 0),
-                    metrics.get("multi_turn/parse_errors", 0), metrics.get("multi_turn/unknown_tool", 0))
 
 
 class _GenerationFailed(Exception):

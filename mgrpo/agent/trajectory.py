@@ -4,10 +4,13 @@ log-prob 0.0, never in a loss or a metric), plus its turns for the trajectory li
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
+
+log = logging.getLogger("mgrpo")
 
 FINISH_REASONS = ("stop", "length", "max_turns", "tool_timeout", "trajectory_timeout", "generation_error",
                   "env_failed", "aborted")
@@ -156,3 +159,24 @@ def batch_metrics(trajs: Sequence[Trajectory], measured: dict, free_choice: bool
     out["multi_turn/masked"] = sum(t.masked for t in trajs)
     out["multi_turn/context_tokens"] = sum(len(t.sampled) - sum(t.sampled) for t in trajs)
     return out
+
+
+MOSTLY_INVALID = 0.5
+"""A batch in which more than this share of the calls the model wrote could not run (bad arguments, malformed,
+unknown tool) is warned about and counted (multi_turn/mostly_invalid_batches)."""
+
+
+def warn_invalid_calls(metrics: dict) -> None:
+    """Say so (and count it) when most calls the model wrote in this batch could not run: a schema the model
+    cannot follow (e.g. a function tool that is not `strict` under tool_choice=required) is otherwise silent."""
+    invalid = sum(metrics.get(f"multi_turn/{k}", 0) for k in ("bad_arguments", "parse_errors", "unknown_tool"))
+    written = metrics.get("multi_turn/calls_written", 0)
+    metrics["multi_turn/invalid_calls"] = invalid
+    metrics["multi_turn/invalid_call_rate"] = invalid / written if written else 0.0
+    metrics["multi_turn/mostly_invalid_batches"] = int(written > 0 and invalid > MOSTLY_INVALID * written)
+    if metrics["multi_turn/mostly_invalid_batches"]:
+        log.warning("%d of the %d tool calls the model wrote in this batch could not run (bad arguments %d, "
+                    "malformed %d, unknown tool %d): is each tool's schema one the model can follow? (a function "
+                    "tool is constrained by its schema only when strict: rollout.multi_turn.strict_tools)",
+                    invalid, written, metrics.get("multi_turn/bad_arguments", 0),
+                    metrics.get("multi_turn/parse_errors", 0), metrics.get("multi_turn/unknown_tool", 0))
