@@ -1,6 +1,6 @@
 """The processes of a run: Ray, its placement, the Megatron ranks and the rollout engines as actors, and SLURM.
 
-The only room that talks to Ray (tests/test_architecture.py). The memory planner is mgrpo/plan/ (no Ray, no
+The only room that talks to Ray (tests/repo/test_architecture.py). The memory planner is mgrpo/plan/ (no Ray, no
 torch); a node's network address is mgrpo/net.py.
 
   ray_env.py         start (or join) the Ray cluster: a private, lean local Ray, or the SLURM job's

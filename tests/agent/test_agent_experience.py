@@ -1,7 +1,7 @@
 """Multi-turn trajectories into the experience (mgrpo/agent/ with the experience maker and the trainer's batch path):
 failed samples keep their place out of the loss and their group's baseline, veRL's rollout.over_sample_rate cuts
 the long tail (aborted, counted, never in a group), and a ready multi-turn batch survives the checkpoint.
-tests/test_agent.py holds the runner's own unit tests."""
+tests/agent/test_agent.py holds the runner's own unit tests."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Routing replay from the rollout (actor.router_replay=rollout, R3) with multi-turn trajectories: each position's
 route comes from the turn whose forward first computed it (mgrpo/agent/routes.py), assembled by the runner and
 carried into the experience; a turn without routes refuses the batch. The runs with the in-process engine (EP=2,
-TP=2 x EP=2) are tests/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes."""
+TP=2 x EP=2) are tests/e2e/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def _experience(tok, groups: list[list[str]]) -> Experience:
 def _cfg(**failed) -> MGRPOConfig:
     cfg = MGRPOConfig()
     cfg.reward.custom_functions = {SOURCE: FN}
-    cfg.reward.num_workers = 0  # in-process: the same outcomes as the workers (tests/test_rewards.py)
+    cfg.reward.num_workers = 0  # in-process: the same outcomes as the workers (tests/rewards/test_rewards.py)
     for k, v in failed.items():
         setattr(cfg.reward.failed, k, v)
     return cfg

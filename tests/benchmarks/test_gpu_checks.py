@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
+
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -80,7 +82,7 @@ def test_kernel_correctness_rows(dry_run):
         if r["impl"] == "naive":
             continue
         assert r["ok"] == "True", r
-        if r["dtype"] == "fp32":  # the kernel's fp32 contract (tests/test_kernels.py)
+        if r["dtype"] == "fp32":  # the kernel's fp32 contract (tests/kernels/test_kernels.py)
             assert float(r["lp_err"]) < 1e-5 and float(r["ent_err"]) < 1e-4, r
             assert float(r["gh_rel"]) < 1e-4 and float(r["gw_rel"]) < 1e-4, r
         else:  # bf16 logits tiles: visibly less exact, still within the bf16 tolerance

@@ -4,13 +4,12 @@ main job's sentence, the planner's table and the Results table from benchmarks/r
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from benchmarks.tools import readme_table
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def test_readme_is_what_the_results_files_say():

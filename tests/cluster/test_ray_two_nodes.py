@@ -81,7 +81,7 @@ def train(nodes: TwoNodes, run_dir: str, *args: str) -> subprocess.Popen:
 def test_the_engine_on_the_other_node_samples_from_the_trainers_weights_every_step(two_nodes, tmp_path):
     """The default job over two nodes: after every cross-node weight sync the engine samples from exactly the
     trainer's weights (engine and trainer log-probs of the same tokens within 1e-5 at every step). That is what
-    learning over two nodes rests on; the learning itself is the one-node job's (tests/test_e2e.py, TP=1) and
+    learning over two nodes rests on; the learning itself is the one-node job's (tests/e2e/test_e2e.py, TP=1) and
     TP=2's equality to it (test_parallel_layouts_match_tp1[tp2]). The whole 150-step job over two nodes learned
     (first-10 0.017, last-10 0.943; benchmarks/results/ops_cpu.json), 315 s in CI: 12 steps check the same
     path in a third of that."""

@@ -61,9 +61,9 @@ def test_router_keeps_each_session_on_one_engine_and_spreads_sessions(tmp_path):
 
 
 def test_routed_experts_go_to_the_engines_not_through_the_router(monkeypatch):
-    """sglang-router 0.3.2 drops return_routed_experts (tests/test_sglang_moe.py shows it): a call asking for
-    routes bypasses the router and goes to the engines, each session to its hashed engine, each request with its
-    routes_from; any other call goes through the router."""
+    """sglang-router 0.3.2 drops return_routed_experts (tests/rollout/sglang/test_sglang_moe.py shows it): a call
+    asking for routes bypasses the router and goes to the engines, each session to its hashed engine, each request
+    with its routes_from; any other call goes through the router."""
     import threading
     from concurrent.futures import Future, ThreadPoolExecutor
     from types import SimpleNamespace

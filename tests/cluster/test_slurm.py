@@ -1,5 +1,5 @@
 """SLURM discovery (node lists, GPU/CPU counts, the allocation) and the Ray join check, against a real
-local Ray head. The sbatch script itself is checked in tests/test_slurm_sbatch.py."""
+local Ray head. The sbatch script itself is checked in tests/cluster/test_slurm_sbatch.py."""
 
 from __future__ import annotations
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from mgrpo.net import free_port
+from tests.helpers import ROOT
 from tests.helpers.procs import machine_wide, processes_mentioning
 
-ROOT = Path(__file__).resolve().parent.parent
+
 SCRIPT = ROOT / "slurm" / "train.sbatch"
 CLUSTER = ROOT / "slurm" / "testing" / "local_cluster.sh"
 STATE = Path(os.environ.get("MGRPO_SLURM_STATE", "/var/spool/mgrpo-slurm"))

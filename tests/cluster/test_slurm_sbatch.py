@@ -1,7 +1,7 @@
 """slurm/train.sbatch: syntax, shellcheck, the #SBATCH header, and a pretend two-node allocation on this
 machine with tiny `srun`/`scontrol` shims (srun runs its command here) and the real `ray`: a node that
 never joins is named. The one-node SLURM here cannot show that; everything a real SLURM does with the
-script (submit, requeue, the time-limit signal, SIGTERM) is in tests/test_slurm_real.py."""
+script (submit, requeue, the time-limit signal, SIGTERM) is in tests/cluster/test_slurm_real.py."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from mgrpo.net import free_port
+from tests.helpers import ROOT
 from tests.helpers.procs import machine_wide, processes_mentioning
 
 pytestmark = machine_wide  # see tests/helpers/procs.py
 
-ROOT = Path(__file__).resolve().parent.parent
+
 SCRIPT = ROOT / "slurm" / "train.sbatch"
 
 SRUN = """#!/usr/bin/env bash

@@ -14,10 +14,11 @@ import yaml
 
 from mgrpo.agent.tools import ToolSet
 from mgrpo.config import InputError
+from tests.helpers import GSM8K_RAW
 from tests.helpers.verl_scripts import SCRIPTS
 
 TOOL_CONFIG = SCRIPTS / "examples" / "sglang_multiturn" / "config" / "tool_config" / "gsm8k_tool_config.yaml"
-GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "train.jsonl")
+GSM8K = os.path.join(GSM8K_RAW, "train.jsonl")
 
 
 def _verl_record() -> dict:

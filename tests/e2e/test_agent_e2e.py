@@ -14,6 +14,7 @@ import pytest
 from mgrpo.config import MGRPOConfig
 from mgrpo.data.printable import VOCAB
 from mgrpo.loop import Trainer
+from tests.helpers import ROOT
 from tests.helpers.runs import read_metrics, trajectories
 
 
@@ -70,7 +71,7 @@ def test_tool_task_learns(tmp_path):
     The recipe as shipped forces 6 of 8 and leaves the call to the other 2 (entropy_coeff 0.02): their call rate
     rises only after the reply is read, past what this tier can run: for trainer.seed=1/2/3 it is 0.02/0.07/0.02
     in steps 31-40 (reward 0.42/0.45/0.33) and first reaches 0.4 (per ten steps) in 61-70/41-50/81-90. The
-    forcing itself is tests/test_agent_grammar.py's."""
+    forcing itself is tests/agent/test_agent_grammar.py's."""
     import os
     import subprocess
     import sys
@@ -80,7 +81,7 @@ def test_tool_task_learns(tmp_path):
                           f"trainer.output_dir={run_dir}", "trainer.save_hf=false", "trainer.logger=[tensorboard]",
                           "trainer.total_training_steps=40", "trainer.save_freq=-1",
                           "rollout.multi_turn.required_per_group=8", "algorithm.entropy_coeff=0.01"],
-                         capture_output=True, text=True, timeout=1500, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     metrics = read_metrics(run_dir)
     rewards = [m["critic/score/mean"] for m in metrics]

@@ -3,7 +3,7 @@ call constrained (tool_choice=required: the grammar's tokens are context too), w
 replies (so every trajectory holds a context span and a turn after it), and the
 engine's and the trainer's log-probs compared token by token on every sampled token, also those after a
 context span. A layout that scored context tokens, or shifted the ids the engine continued from, would differ
-there by far more than 1e-5 (tests/test_agent_e2e.py does TP=2 with packing).
+there by far more than 1e-5 (tests/e2e/test_agent_e2e.py does TP=2 with packing).
 
 - CP=2 with packing: each sequence is split over two ranks and gathered back in sample order;
 - PP=2: two pipeline stages, the log-probs from the last one;

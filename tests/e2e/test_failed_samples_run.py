@@ -1,6 +1,6 @@
 """A run whose judge fails on a quarter of the samples goes on: each step appears once, the failed samples are
 masked and counted (per step, per judge, run-long), their trajectory lines say so with score null. (The refusal
-past reward.failed.max_rate is tested where it is raised, tests/test_failed_samples.py.)"""
+past reward.failed.max_rate is tested where it is raised, tests/algorithms/test_failed_samples.py.)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The tiny Qwen3-MoE through the whole loop (Ray, megatron-core over gloo, the in-process transformers
 engine holding a Qwen3MoeForCausalLM): EP=2 and TP=2 x EP=2 reproduce the one-rank run, two steps of
-the default job shortened as tests/test_e2e.py shortens it.
+the default job shortened as tests/e2e/test_e2e.py shortens it.
 
 The engine generates the second step with the experts both EP ranks trained and the weight source
 gathered (its log-probs agree with the trainer's), and the HF export written from the EP ranks equals
 the one-rank run's. The load-balancing loss is off here: with EP=2 the two data-parallel replicas each
-average it over their own half of the batch (tests/test_moe_parallel.py checks it where that is exact)."""
+average it over their own half of the batch (tests/training/test_moe_parallel.py checks it where that is exact)."""
 
 from __future__ import annotations
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+from tests.helpers import ROOT
+
+README = ROOT / "README.md"
 
 
 def recipe() -> str:

@@ -12,10 +12,13 @@
 - `sglang_cpu`: the CPU rollout server and an independent transformers reference
 - `verl_scripts`: veRL's own scripts run with bash against stand-ins
 
+`ROOT`: the checkout's root (a `Path`), wherever the test module reading it sits in tests/.
 `GSM8K_RAW`: raw GSM8K (MIT) in ../shared/data/gsm8k beside the checkout, wherever the checkout is (CI clones it
 elsewhere than /work/main).
 """
 
 import os
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K_RAW = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k"))

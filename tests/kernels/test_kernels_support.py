@@ -7,7 +7,7 @@ whose support union is small (gathered weight rows), one that mixes 'full' token
 vocabulary) with small supports (every row, masked), one of large nuclei (every row, masked), tokens
 whose support lies entirely in the low or the high half of the vocabulary (one TP shard each under
 TP=2), supports straddling the shard boundary, and fully 'full' tokens. The Triton kernels run under
-TRITON_INTERPRET=1 in a subprocess (as tests/test_kernels_triton.py), TP=2 over gloo in spawned ranks.
+TRITON_INTERPRET=1 in a subprocess (as tests/kernels/test_kernels_triton.py), TP=2 over gloo in spawned ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +23,10 @@ import torch
 import mgrpo_kernels as K
 from mgrpo_kernels.reference import full_logprobs
 from mgrpo_kernels.support import chunk_columns, support_mask
+from tests.helpers import ROOT
 from tests.helpers.distributed import run_ranks
 from tests.helpers.kernels import SMALL_CHUNKS, grpo_fn, make_problem
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 LOSS_CFG = dict(clip_ratio_c=3.0, kl_loss_type="low_var_kl", kl_coef=0.1, entropy_coeff=0.01)
 CASES = [(1.0, None), (0.7, 83)]  # (temperature, vocab_size) of a 96-row output layer
@@ -218,7 +217,8 @@ def _triton_child() -> None:
 def triton_results():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels_support import _triton_child; _triton_child()"],
+    child = "from tests.kernels.test_kernels_support import _triton_child; _triton_child()"
+    proc = subprocess.run([sys.executable, "-c", child],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS"))

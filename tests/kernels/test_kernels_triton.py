@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_CASES = [(t, v) for t in (1.0, 0.7) for v in (None, 83)]
 LOSS_CASES = [(kl, c) for kl in ("k1", "k2", "k3", "low_var_kl") for c in (None, 3.0)]
 
@@ -70,7 +70,7 @@ def _child() -> None:
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_kernels_triton import _child; _child()"],
+    proc = subprocess.run([sys.executable, "-c", "from tests.kernels.test_kernels_triton import _child; _child()"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS"))

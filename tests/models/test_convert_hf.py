@@ -17,6 +17,7 @@ from mgrpo.models import (bucketize, check_hf_config, init_hf_checkpoint, iter_m
 from mgrpo.models.layout import hf_from_shards, shard_from_hf
 from mgrpo.models.qwen3 import hf_config, hf_shapes, stage_weights
 from mgrpo.models.shapes import Dims, local_shape, padded_vocab_size
+from tests.helpers import ROOT
 from tests.helpers.convert import hf_state, make_hf_checkpoint, tiny_cfg
 from tests.helpers.convert import _tokenizer
 
@@ -255,7 +256,7 @@ def test_released_style_config_matches_the_preset(tmp_path):
     import yaml
 
     hf_dir = _write_config(tmp_path / "q", **RELEASED_STYLE)
-    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "qwen3-0.6b.yaml")) as f:
+    with open(os.path.join(ROOT, "configs", "model", "qwen3-0.6b.yaml")) as f:
         preset = ModelConfig(**yaml.safe_load(f))
     check_hf_config(hf_dir, preset)
     got = model_config_from_hf(hf_dir)

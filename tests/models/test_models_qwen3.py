@@ -19,10 +19,11 @@ from mgrpo.models import capability
 from mgrpo.models.gpt import fp8_kwargs, packed_seq_params, transformer_config, transformer_config_kwargs
 from mgrpo.models.qwen3 import QWEN3, hf_shapes
 from mgrpo.models.shapes import padded_vocab_size
+from tests.helpers import ROOT
 
 layer_spec = QWEN3.layer_spec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 CFG = ModelConfig(vocab_size=100, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
                   head_dim=24, ffn_hidden_size=96)
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")

@@ -16,6 +16,7 @@ import torch
 
 from mgrpo.config import ModelConfig
 from mgrpo.models.registry import FAMILIES, family_of, param_counts
+from tests.helpers import ROOT
 from tests.helpers.distributed import run_ranks
 from tests.helpers.convert import hf_state, init_rank, layout_kwargs, megatron_logits, token_ids, tiny_cfg
 
@@ -341,7 +342,7 @@ def _rank_replay(rank, world, port, cfg, hf_dir):
 def test_routing_replay_can_be_switched_on(tmp_path):
     """routing_replay=True builds megatron's RouterReplay in every router: the experts each token was routed
     to can be recorded, and replaying them reproduces the logits (what actor.router_replay builds on,
-    tests/test_router_replay*.py); replaying other experts changes them."""
+    tests/training/test_router_replay*.py); replaying other experts changes them."""
     cfg = odd_cfg()
     hf_dir = make_moe_checkpoint(str(tmp_path / "hf"), cfg, seed=2)
     (res,) = run_ranks(_rank_replay, 1, cfg, hf_dir)
@@ -354,7 +355,7 @@ def test_routing_replay_can_be_switched_on(tmp_path):
 def test_released_presets_list_every_field(preset):
     import yaml
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "model", preset + ".yaml")
+    path = os.path.join(ROOT, "configs", "model", preset + ".yaml")
     values = yaml.safe_load(open(path))
     assert set(values) == {f.name for f in dataclasses.fields(ModelConfig)}
     m = ModelConfig(**values)

@@ -15,7 +15,7 @@ from mgrpo.models import rope
 
 class _CpGroup:
     """The CP group as the RoPE functions read it: megatron's and ours call only size() and rank()
-    (the multi-rank runs in tests/test_context_parallel.py use real gloo groups)."""
+    (the multi-rank runs in tests/training/test_context_parallel.py use real gloo groups)."""
 
     def __init__(self, size: int, rank: int):
         self._size, self._rank = size, rank

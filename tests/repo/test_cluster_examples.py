@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
 from mgrpo.compat.verl import translate
 from mgrpo_launchers.plan import build_plan, compose_config, render
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+
 SOURCES = ["README.md", "slurm/README.md", "slurm/train.sbatch", *sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "recipe").glob("*.yaml"))]
 COMMAND = re.compile(r"(?P<sbatch>\bsbatch(?P<opts>(?:\s+--[\w-]+=\S+)*)\s+slurm/train\.sbatch\b)|(?<![\w-])mgrpo-(?P<tool>train|plan)(?=\s|$)")
@@ -59,7 +59,7 @@ def on_gpus(tool: str, overrides: list[str], opts: dict) -> list[str] | None:
         overrides = [f"trainer.nnodes={header['nodes']}", f"trainer.n_gpus_per_node={header['gpus-per-node']}",
                      "trainer.device=cuda", *overrides]
     if translate(overrides).is_verl:
-        return None  # a veRL line takes veRL's GPU defaults; tests/test_verl_scripts.py runs veRL's own scripts
+        return None  # a veRL line takes veRL's GPU defaults; tests/compat/test_verl_scripts.py runs veRL's own scripts
     return overrides if planned(overrides).trainer.device == "cuda" else None
 
 

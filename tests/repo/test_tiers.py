@@ -11,9 +11,9 @@ import os
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.conftest import longest_first
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SUITE = '''
 import multiprocessing
@@ -63,7 +63,7 @@ def test_subprocess_in_integration():
 
 def _child_suite(pytester, monkeypatch):
     durations = pytester.path / "durations.json"
-    monkeypatch.setenv("PYTHONPATH", ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("MGRPO_TEST_DURATIONS", str(durations))
     monkeypatch.delenv("MGRPO_TIER_AUDIT", raising=False)
     monkeypatch.setenv("COLUMNS", "1000")  # the short summary's lines whole

@@ -20,7 +20,7 @@ from mgrpo.rewards.synthetic import sum_score
 
 # --- built-in reward functions -------------------------------------------------------------------
 
-# GSM8K (veRL's strict and flexible judges, format credit): tests/test_rewards_gsm8k.py
+# GSM8K (veRL's strict and flexible judges, format credit): tests/rewards/test_rewards_gsm8k.py
 
 
 @pytest.mark.parametrize("response, truth, score", [

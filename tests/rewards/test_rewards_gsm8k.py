@@ -8,15 +8,15 @@ import importlib.util
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from mgrpo.config.schema import Gsm8kJudgeConfig, RewardConfig
 from mgrpo.rewards import Judger, ScoreRequest
 from mgrpo.rewards.gsm8k import compute_score, extract_solution
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 

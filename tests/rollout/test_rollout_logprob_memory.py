@@ -19,9 +19,10 @@ from mgrpo.config.schema import ModelConfig
 from mgrpo.models.hf_io import init_hf_checkpoint
 from mgrpo.rollout.hf_engine import HFRolloutEngine
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
+from tests.helpers import ROOT
 from tests.helpers.sglang_cpu import VOCAB, Reference, tiny_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 BIG_VOCAB = 32768
 ROWS, NEW_TOKENS, PROMPT_LEN = 16, 48, 200
 

@@ -1,6 +1,6 @@
 """The sandbox's parts that need no process: how an ending is classified, what the model sees, the counts,
 the config checks, the refusal of a level the machine lacks, and the tool's function schema. The sandbox
-itself, against hostile code, is tests/test_sandbox_hostile.py (integration)."""
+itself, against hostile code, is tests/sandbox/test_sandbox_hostile.py (integration)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import pytest
 
 from mgrpo.config.schema import SandboxConfig
 from mgrpo.net import free_port
+from tests.helpers import ROOT
 from tests.helpers.procs import processes_mentioning
 from tests.helpers.sandbox import require_level
 
@@ -368,7 +369,7 @@ def test_as_an_unprivileged_user_both_levels_work():
         pytest.skip("needs root (to run as uid 65534) and Debian's /usr/bin/python3")
     require_level("bwrap")
     listener = Listener()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = str(ROOT)
     readable = os.path.join(repo, "README.md")  # the checkout (world-readable here), where runs keep outputs/
     try:
         out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "env", "-i",

@@ -98,7 +98,7 @@ def merged(results: list[dict]) -> dict:
 def assert_same(got: dict, want: dict, label: str, keys=LOSS_KEYS, tol: float = 1e-5, after_tol: float = 1e-5) -> None:
     """`after_tol`: log-probs after the update. Adam's first step (lr=1e-2) is about lr * sign(gradient),
     so where micro-batches sum gradients in another order, fp32 rounding of near-zero gradients becomes
-    lr-sized moves of single weights (tests/test_context_parallel.py measures the same)."""
+    lr-sized moves of single weights (tests/training/test_context_parallel.py measures the same)."""
     for key in ("before", "ref", "after"):
         d = max_diff(got[key]["logprobs"], want[key]["logprobs"])
         assert d < (after_tol if key == "after" else tol), f"{label}: {key} log-probs differ by {d}"

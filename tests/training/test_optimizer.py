@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import run_ranks
-from tests.test_lr_schedule import run_config
+from tests.training.test_lr_schedule import run_config
 
 
 def _first_update(rank, world, port, hf_dir, ckpt_dir):

@@ -3,8 +3,8 @@ megatron's RouterReplay replays and records them per model, the counts behind ac
 the per-layer imbalance, the config checks, and the experience carrying the routes compactly.
 
 The multi-rank parity of replay (EP=2, TP2xEP2, CP2xEP2, padded, PP2 with full recompute against one rank)
-is tests/test_router_replay_parallel.py; the engines' routes and the whole loop are
-tests/test_router_replay_e2e.py.
+is tests/training/test_router_replay_parallel.py; the engines' routes and the whole loop are
+tests/e2e/test_router_replay_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Routing replay on the real MegatronActor (megatron-core over gloo, the alltoall dispatcher): every layout
 replays and records the same routes as one rank.
 
-Per layout, on tests/test_moe_parallel.py's checkpoint and batch:
+Per layout, on tests/training/test_moe_parallel.py's checkpoint and batch:
   - actor.router_replay=old's recording forward returns, per sample, the experts the routers chose: equal to
     the one-rank run's (ids, exactly), and replaying them reproduces the plain log-probs (a route that went
     to the wrong token under some layout would change them);
@@ -107,8 +107,8 @@ def runs(tmp_path_factory):
                          timeout_s=600)[0]
     routes = {"own": first["recorded"]["routed_experts"], "random": random_routes(cfg)}
     one = run_ranks(rank_runs, 1, hf_dir, [{}, dict(packed=False), dict(aux=0.0)], routes, timeout_s=600)[0]
-    # the load-balancing loss is per micro-batch and data-parallel replica (tests/test_moe_parallel.py): layouts
-    # that split the batch otherwise run without it, against the one-rank run without it
+    # the load-balancing loss is per micro-batch and data-parallel replica (tests/training/test_moe_parallel.py):
+    # layouts that split the batch otherwise run without it, against the one-rank run without it
     two = run_ranks(rank_runs, 2, hf_dir, [dict(ep=2, aux=0.0), dict(tp=2, ep=2), dict(cp=2, ep=2),
                                            dict(tp=2, ep=2, packed=False),
                                            dict(pp=2, recompute="full", budget=32, aux=0.0)],

@@ -53,7 +53,7 @@ SAMPLING_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0,
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 # Top-level fields of GenerateReqInput the CPU server implements (each with its checks below); any other
-# field must be absent or at a false default. tests/test_sglang_schema.py checks every name against the
+# field must be absent or at a false default. tests/rollout/sglang/test_sglang_schema.py checks every name against the
 # wheel's class.
 GENERATE_FIELDS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                              "top_logprobs_num", "stream", "return_text_in_logprobs", "log_metrics",
