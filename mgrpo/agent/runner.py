@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from mgrpo.agent.parse import ToolCallParser
-from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
+from mgrpo.agent.turn_routes import RoutesError, extend_routes, trajectory_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.calls import ToolCalls, ToolTimeout
 from mgrpo.agent.constrain import CallConstraints
@@ -54,7 +54,7 @@ trajectory: its turns go to one engine (the rollout group's `sessions`, for the 
 (given when the sampling has a seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and
 turn (the rollout group's `request_seeds`, SGLang's per-request sampling_seed). `routes_from` (given when the
 sampling asks for routed experts): each request's SGLang routed_experts_start_len, the routed positions its
-trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/routes.py)."""
+trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/turn_routes.py)."""
 
 
 @dataclass
@@ -396,7 +396,7 @@ def _add_routes(traj: Trajectory, res: GenerateResult, fed: int, start: int) -> 
 
 def _finish_routes(trajs: Sequence[Trajectory], measured: dict, rechecked: bool) -> None:
     """Every trajectory's routes to [prompt + response - 1, L, K] (a failed one's positions that no engine
-    forward computed filled and counted, mgrpo/agent/routes.py); skipped when no turn returned any."""
+    forward computed filled and counted, mgrpo/agent/turn_routes.py); skipped when no turn returned any."""
     shape = next((t.routes.shape[1:] for t in trajs if t.routes is not None), None)
     unrouted = 0
     for t in trajs:

@@ -1,5 +1,5 @@
 """Routing replay from the rollout (actor.router_replay=rollout, R3) with multi-turn trajectories: each position's
-route comes from the turn whose forward first computed it (mgrpo/agent/routes.py), assembled by the runner and
+route comes from the turn whose forward first computed it (mgrpo/agent/turn_routes.py), assembled by the runner and
 carried into the experience; a turn without routes refuses the batch. The runs with the in-process engine (EP=2,
 TP=2 x EP=2) are tests/e2e/test_agent_layouts.py::test_multi_turn_replays_the_engines_routes."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mgrpo.agent.routes import RoutesError, extend_routes, trajectory_routes
+from mgrpo.agent.turn_routes import RoutesError, extend_routes, trajectory_routes
 from mgrpo.agent.runner import AgentRunner
 from mgrpo.agent.tools import FunctionTool, ToolSet
 from mgrpo.config.schema import MultiTurnConfig

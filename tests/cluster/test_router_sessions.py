@@ -11,7 +11,7 @@ import collections
 
 import pytest
 
-from mgrpo.cluster.routes import session_engine
+from mgrpo.cluster.engine_dispatch import session_engine
 from mgrpo.rollout.types import GenerateRequest, SamplingParams
 from tests.helpers.sglang_cpu import launch, tiny_checkpoint
 

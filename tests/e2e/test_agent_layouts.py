@@ -73,7 +73,7 @@ def test_multi_turn_replays_the_engines_routes(tmp_path, monkeypatch, layout):
     """Routing replay from the rollout (actor.router_replay=rollout, R3) on multi-turn samples: the tiny MoE at
     EP=2, and at TP=2 x EP=2 (experts split over the tensor-parallel ranks, tokens dispatched between them), with
     packing, the in-process engine returning each turn's routes from the first position its trajectory has no
-    route for (routed_experts_start_len), the runner assembling them over the turns (mgrpo/agent/routes.py).
+    route for (routed_experts_start_len), the runner assembling them over the turns (mgrpo/agent/turn_routes.py).
     Every position's assembled route equals the routers' top-k recomputed by a plain transformers forward over
     the whole trajectory (tests/helpers/moe.py::recomputed_routes), each row came over once, the trainer's
     routers would have chosen the replayed experts at every routed position (agreement 1.0), and engine and

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from mgrpo.rollout.sglang.cpu.receive import RequestError
 from mgrpo.rollout.sglang.cpu.text import grammar_key
 from mgrpo.rollout.stops import StopError, StopStrings
-from mgrpo.rollout.routes import routes_from_error
+from mgrpo.rollout.route_capture import routes_from_error
 from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.sglang.protocol.tables import SAMPLING_FIELDS
 
