@@ -1,6 +1,16 @@
 """Judgers: reward functions keyed by data_source, run in isolated worker processes with timeouts.
 
 Imports only mgrpo.config and libraries (math-verify lazily); no torch, so worker processes start fast.
+
+  registry.py     reward functions keyed by data_source, veRL's signature
+  judger.py       the Judger: scores in isolated worker processes, with timeouts
+  worker.py       a reward worker process (`python -m mgrpo.rewards.worker`)
+  gsm8k.py        veRL's GSM8K judge
+  math_reward.py  competition math with math-verify
+  synthetic.py    rewards of the built-in synthetic tasks
+  judge.py        generative judges: the prompt a judge reads, its answer parsed to a score
+  service.py      an HTTP reward service (slime's --rm-url)
+  metrics.py      validation metrics per data source (mean@n, pass@n)
 """
 
 from mgrpo.rewards.judger import Judger, ScoreRequest, ScoreResult
