@@ -8,7 +8,6 @@ import json
 import pytest
 
 from benchmarks.tools import readme_table
-
 from tests.helpers import ROOT
 
 
