@@ -9,6 +9,13 @@ This folder is installed as mgrpo_kernels so that it does not shadow PyPI's `ker
 (>= 5.25) imports with every model. A process whose sys.path starts at the repository root (`python -m ...` or
 `python -c` run in a checkout) still finds this folder first by its short name; imported as `kernels`, it hands
 that name to the installed package (_pypi.py) instead of breaking transformers.
+
+  dispatch.py      the one interface (`linear_logprobs`, `fused_linear_loss`, `capabilities`), picked by impl
+  chunked.py       "chunked": log-prob / entropy / token loss one chunk of logits at a time, in torch
+  triton_kernel.py "fused": the Triton kernels, imported after a capability check
+  reference.py     "naive": the full-logits oracle the fast paths are tested against
+  support.py       per-token sampling supports: validation, and which columns a chunk needs
+  _pypi.py         PyPI's `kernels` loaded in this folder's place when imported by the short name
 """
 
 if __name__ == "kernels":

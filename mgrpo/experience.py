@@ -130,7 +130,7 @@ class Experience:
         was asked for sampling supports; each trajectory carries them per token (context tokens: the whole
         vocabulary, they carry no loss). `want_routes`: the engine was asked for routed experts
         (actor.router_replay=rollout); each trajectory carries them assembled over its turns
-        (mgrpo/agent/routes.py)."""
+        (mgrpo/agent/turn_routes.py)."""
         support = None
         if want_support:
             missing = [t.uid for t in trajs if t.supports_missing]
@@ -343,7 +343,7 @@ def _rollout_routes(results: Sequence[GenerateResult]) -> Optional[list[np.ndarr
 
 def _trajectory_routes(trajs: Sequence) -> list[np.ndarray]:
     """Each multi-turn trajectory's routes [prompt + response - 1, layers, top_k], compact, as the runner
-    assembled them over its turns (mgrpo/agent/routes.py); a turn answered without routes refuses the batch
+    assembled them over its turns (mgrpo/agent/turn_routes.py); a turn answered without routes refuses the batch
     (never replayed partially)."""
     missing = [t.uid for t in trajs if t.routes_missing]
     if missing:

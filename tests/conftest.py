@@ -33,7 +33,7 @@ import pytest
 
 from tests.helpers.sglang_cpu import Reference, launch, tiny_checkpoint
 
-pytest_plugins = ["pytester"]  # tests/test_tiers.py runs a suite of its own
+pytest_plugins = ["pytester"]  # tests/repo/test_tiers.py runs a suite of its own
 
 TIERS = ("unit", "integration", "system")
 # Per-test backstops (seconds), well above the slowest test of each tier as measured; a hang ends, named.
@@ -119,8 +119,8 @@ def longest_first(items: list, seconds: dict[str, float]) -> list:
 # (and so asyncio, Ray's launcher, shell-outs) reaches `subprocess._fork_exec`; multiprocessing's spawn and
 # forkserver reach `_posixsubprocess.fork_exec`; its fork context reaches `os.fork`; uvicorn, http.server and
 # socketserver reach `socket.socket.listen`; gloo groups start at `torch.distributed.init_process_group`.
-# `os.system` is left alone: tests pickle it (a payload that would run a command, tests/test_sglang_fuzz.py), and
-# pickle finds a function by its name, which a wrapper cannot keep.
+# `os.system` is left alone: tests pickle it (a payload that would run a command,
+# tests/rollout/sglang/test_sglang_fuzz.py), and pickle finds a function by its name, which a wrapper cannot keep.
 # ---------------------------------------------------------------------------------------------------------------
 
 class _Watch:

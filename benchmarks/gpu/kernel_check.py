@@ -31,7 +31,7 @@ import mgrpo_kernels as K  # noqa: E402
 from mgrpo.algorithms.policy_loss import TokenLossInputs, make_token_loss_fn  # noqa: E402
 from mgrpo.config import AlgorithmConfig  # noqa: E402
 
-# Tolerances by input dtype. fp32: the kernel's contract (tests/test_kernels.py), loosened 10x for
+# Tolerances by input dtype. fp32: the kernel's contract (tests/kernels/test_kernels.py), loosened 10x for
 # H=4096 sums. bf16: GEMM inputs are bf16 but statistics fp32; the chunked path also rounds each logit
 # tile to bf16 (|z| ~ 2 -> ~8e-3) and both round dLogits to bf16 before the gradient GEMMs (2^-8).
 TOL = {

@@ -1,7 +1,7 @@
 """Chaos soak: one long run with a seeded schedule of faults of every kind, healed in the run or survived by
 resuming (as a SLURM requeue would), and at the end the same records and the same final weights as the run
 without faults. The harness, its fault kinds and what each is expected to do are in tests/helpers/chaos.py,
-beside tests/test_chaos.py, which runs it in short; this is its command line and results writer.
+beside tests/e2e/test_chaos.py, which runs it in short; this is its command line and results writer.
 
     python -m benchmarks.jobs.chaos                     # every job, 200 steps, 12 faults each (of the kinds it has)
     python -m benchmarks.jobs.chaos --job default --steps 20 --faults 3 --kinds engine_kill,router_kill,driver_kill

@@ -12,7 +12,7 @@ resident memory (VmHWM) above a baseline is read after each phase: the baseline 
 torch, megatron-core and mgrpo are imported, and the peak is reset to the current RSS
 (/proc/self/clear_refs) before the first phase. The planner (mgrpo.plan.memory.estimate_stages)
 estimates the same config; results go to benchmarks/results/plan_vs_measured_cpu.{csv,json}.
-A benchmark reports numbers; tests/test_plan_memory.py asserts the agreement on the fast cases.
+A benchmark reports numbers; tests/plan/test_plan_memory.py asserts the agreement on the fast cases.
 """
 
 from __future__ import annotations

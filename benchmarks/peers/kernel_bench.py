@@ -8,7 +8,7 @@ rendered from (benchmarks/results/kernel_cpu.*) change only with --update-result
 
 It lives here, not in kernels/: the kernels are loss-agnostic (they run whatever token loss they are
 handed) and this measures them with the loss production trains with, mgrpo.algorithms' (the kernel room
-may not import the algorithms room: tests/test_architecture.py).
+may not import the algorithms room: tests/repo/test_architecture.py).
 
 `gemm` is the floor, not a loss: the three bare GEMMs of the same shapes (logits = h @ W^T,
 dHidden = dz @ W, dWeight = dz^T @ h, with the logits standing in for dz), no softmax, no loss.

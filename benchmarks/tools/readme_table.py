@@ -18,7 +18,7 @@ Each block sits between `<!-- readme_table:NAME -->` and `<!-- /readme_table:NAM
              benchmarks/tools/test_suite.py)
   perf       (docs/results.md) the standing comparisons' last line (perf_history.jsonl, from
              benchmarks/tools/perf_history.py)
-Links into benchmarks/ are written relative to the page. tests/test_readme_results.py fails when a page is not what
+Links into benchmarks/ are written relative to the page. tests/benchmarks/test_readme_results.py fails when a page is not what
 this renders.
 """
 
@@ -228,8 +228,8 @@ def row_ops():
     d = _json("ops_cpu.json")
     if d is None:
         return None
-    return ("resume, nodes, SLURM", "`python -m pytest tests/test_resume_kill.py tests/test_ray_two_nodes.py "
-            "tests/test_slurm_real.py tests/test_async_rollout.py`",
+    return ("resume, nodes, SLURM", "`python -m pytest tests/e2e/test_resume_kill.py "
+            "tests/cluster/test_ray_two_nodes.py tests/cluster/test_slurm_real.py tests/e2e/test_async_rollout.py`",
             "after SIGKILL of everything, later steps equal the uninterrupted run within 1e-6, each step once in "
             "metrics, trajectories and TensorBoard; over two `ray start` nodes the engine on the other node samples "
             "from exactly the trainer's weights after every sync and a dead worker node is named; a "
@@ -261,7 +261,7 @@ def row_step0():
     m = _json("main_job_cpu.json")
     if m is None:
         return None
-    return ("step-0 invariants", "same run, and `tests/test_e2e.py`",
+    return ("step-0 invariants", "same run, and `tests/e2e/test_e2e.py`",
             f"`rollout/logprob_abs_diff` {m['logprob_abs_diff_step1']:.1e} (engine vs Megatron, same tokens and "
             f"weights); `actor/ppo_kl` {m['ppo_kl_step1']}")
 
@@ -468,7 +468,7 @@ ROWS: list[Row] = [
                  "python -m benchmarks.jobs.rollout_paths --only router",
                  lambda r: " (one request per POST through the router)"),
     row_async,
-    _static("SGLang path, every mode", "`python -m pytest tests/test_e2e_sglang.py`",
+    _static("SGLang path, every mode", "`python -m pytest tests/e2e/test_e2e_sglang.py`",
             "colocated and disaggregated at trainer TP 1 and 2: 5 syncs per run, rollout vs trainer log-probs within "
             "1e-5 at every step; 2 engines behind `sglang-router`; SIGKILLed and SIGSTOPped engines recovered with "
             "every sample exactly once"),
@@ -477,7 +477,7 @@ ROWS: list[Row] = [
     row_ops,
     row_doctor,
     row_step0,
-    _static("layouts agree", "`python -m pytest tests/test_e2e.py -k layouts`",
+    _static("layouts agree", "`python -m pytest tests/e2e/test_e2e.py -k layouts`",
             "TP=2, PP=2 (with several micro-batches per step) and DP=2 reproduce TP=1's losses and gradient norms "
             "within 1e-5, and their HF exports within 1e-4"),
     row_logprob_support,

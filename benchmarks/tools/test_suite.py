@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                   f"{r['wall_s'] / 60:.1f} min{budget} at load {r['load_1m_at_start']:.1f}-{r['load_1m_at_end']:.1f}",
                   flush=True)
             status = status or (r["exit_status"] or 0)
-    # Written once at the end: tests/test_readme_results.py, in the runs above, compares the README with the
+    # Written once at the end: tests/benchmarks/test_readme_results.py, in the runs above, compares the README with the
     # committed file, which must not change under it.
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

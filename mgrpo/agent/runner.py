@@ -37,7 +37,7 @@ from mgrpo.agent.environment import EnvironmentSession, call_maybe_sync
 from mgrpo.agent import threads
 from mgrpo.agent.episode import AgentTask, Batch, Episode, Request, State
 from mgrpo.agent.parse import ToolCallParser
-from mgrpo.agent.routes import add_turn_routes, finish_routes
+from mgrpo.agent.turn_routes import add_turn_routes, finish_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.tools import ToolSet
 from mgrpo.agent.trajectory import FAULT_COUNTS, RETRIED, Trajectory, batch_metrics, warn_invalid_calls  # noqa: F401 - FAULT_COUNTS: re-exported
@@ -54,7 +54,7 @@ trajectory: its turns go to one engine (the rollout group's `sessions`, for the 
 (given when the sampling has a seed): each request's own sampling seed, `seeds.turn_seed` of its trajectory and
 turn (the rollout group's `request_seeds`, SGLang's per-request sampling_seed). `routes_from` (given when the
 sampling asks for routed experts): each request's SGLang routed_experts_start_len, the routed positions its
-trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/routes.py)."""
+trajectory already holds, so a turn returns only the rows it adds (mgrpo/agent/turn_routes.py)."""
 
 class AgentRunner:
     def __init__(self, cfg: MultiTurnConfig, tokenizer, tools: ToolSet, *, max_response_length: int,

@@ -84,7 +84,7 @@ class Trajectory:
     """Supports were asked for and an engine answered a turn without them (Experience refuses the sample)."""
     routes: Optional[np.ndarray] = None
     """actor.router_replay=rollout: the engine's routed experts of positions [0, len(routes)) of prompt +
-    response, each from the turn that first computed it (mgrpo/agent/routes.py); None before the first turn."""
+    response, each from the turn that first computed it (mgrpo/agent/turn_routes.py); None before the first turn."""
     routes_missing: bool = False
     """Routes were asked for and an engine answered a turn without them (Experience refuses the batch)."""
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from mgrpo.cluster.engine_host import EngineHost, HostDelivery, host_alive, stop_host
 from mgrpo.cluster.placement import Placement
-from mgrpo.cluster.routes import ToEngines, ViaRouter, session_engine
+from mgrpo.cluster.engine_dispatch import ToEngines, ViaRouter, session_engine
 from mgrpo.cluster.megatron_group import dead_nodes
 from mgrpo.config import MGRPOConfig, seeds
 from mgrpo.rollout.factory import EngineContext, engine_spec, resolve_api_key

@@ -27,7 +27,7 @@ from mgrpo.config import Layout, MGRPOConfig
 
 if TYPE_CHECKING:
     # cluster imports Ray, and the step's parts numpy and their libraries, which the driver loads only when a run
-    # starts (build); none of them imports torch (the driver stays torch-free: tests/test_driver_imports.py)
+    # starts (build); none of them imports torch (the driver stays torch-free: tests/repo/test_driver_imports.py)
     from mgrpo.cluster.placement import Placement
     from mgrpo.components.actor_client import ActorClient
     from mgrpo.components.evaluator import Evaluator

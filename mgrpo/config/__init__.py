@@ -1,4 +1,16 @@
-"""Typed run configuration (Hydra structured configs), its closed choices and its field-local checks."""
+"""Typed run configuration (Hydra structured configs), its closed choices and its field-local checks.
+
+  schema.py       the dataclasses, one docstring per field
+  multi_turn.py   rollout.multi_turn's group
+  reward.py       reward.*'s groups (rules, reward models, failed samples)
+  sandbox.py      sandbox.*'s group
+  choices.py      the closed choices (StrEnums)
+  registry.py     named (open) choices and what each one is
+  validate.py     the one validator: field-local checks, every message naming its key
+  checks.py       checks of single groups, collected by the validator
+  seeds.py        every seed a run derives from its config
+  vocab.py        the model vocabulary that follows the tokenizer (a Hydra resolver)
+"""
 
 from mgrpo.config.schema import (
     ActorConfig,

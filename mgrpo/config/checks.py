@@ -8,7 +8,8 @@ import os
 import re
 from typing import Optional
 
-from mgrpo.config.choices import Isolation, JudgeParser, RewardModelKind, RewardPlacement, is_choice, values
+from mgrpo.config.choices import (Isolation, JudgeParser, OnToolError, RewardModelKind, RewardPlacement, ToolChoice,
+                                  TruncateSide, is_choice, values)
 from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.sandbox import SandboxConfig
 
@@ -72,13 +73,10 @@ def multi_turn_errors(m: MultiTurnConfig, tokenizer: str, n: Optional[int] = Non
     if m.max_tokens_per_turn < 0:
         e.append(f"rollout.multi_turn.max_tokens_per_turn={m.max_tokens_per_turn} must be >= 0 (0: the rest of "
                  "data.max_response_length)")
-    if m.tool_response_truncate_side not in ("left", "right", "middle"):
-        e.append(f"rollout.multi_turn.tool_response_truncate_side={m.tool_response_truncate_side!r}: left | right "
-                 "| middle")
-    if m.on_tool_error not in ("reply", "mask"):
-        e.append(f"rollout.multi_turn.on_tool_error={m.on_tool_error!r}: reply | mask")
-    if m.tool_choice not in ("auto", "required"):
-        e.append(f"rollout.multi_turn.tool_choice={m.tool_choice!r}: auto | required")
+    for key, choice in (("tool_response_truncate_side", TruncateSide), ("on_tool_error", OnToolError),
+                        ("tool_choice", ToolChoice)):
+        if not is_choice(getattr(m, key), choice):
+            e.append(f"rollout.multi_turn.{key}={getattr(m, key)!r}: {' | '.join(values(choice))}")
     k = m.required_per_group
     if k < 0 or (n is not None and k > n):
         e.append(f"rollout.multi_turn.required_per_group={k} must be in [0, rollout.n={n}]" if n is not None else

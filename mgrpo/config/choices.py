@@ -116,6 +116,35 @@ class AsyncMode(StrEnum):
     bounded_staleness = "bounded_staleness"
 
 
+class TruncateSide(StrEnum):
+    """Which part of a too long tool reply is kept (rollout.multi_turn.tool_response_truncate_side), as veRL."""
+
+    left = "left"
+    """the start"""
+    right = "right"
+    """the end"""
+    middle = "middle"
+    """both ends"""
+
+
+class OnToolError(StrEnum):
+    """A malformed call, an unknown tool or bad arguments (rollout.multi_turn.on_tool_error)."""
+
+    reply = "reply"
+    """the error goes back as the tool's reply, counted"""
+    mask = "mask"
+    """the same, and the trajectory is kept out of the loss"""
+
+
+class ToolChoice(StrEnum):
+    """OpenAI's and SGLang's tool_choice for an assistant turn (rollout.multi_turn.tool_choice)."""
+
+    auto = "auto"
+    """the model decides; only tools marked `strict: true` are constrained"""
+    required = "required"
+    """the turn calls a tool: the grammar writes the call"""
+
+
 class Logger(StrEnum):
     console = "console"
     tensorboard = "tensorboard"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mgrpo.config.choices import OnToolError, ToolChoice, TruncateSide
+
 
 @dataclass
 class MultiTurnConfig:
@@ -18,7 +20,7 @@ class MultiTurnConfig:
     """Tool calls executed per assistant turn; further calls in the same turn are answered with an error."""
     max_tool_response_length: int = 256
     """Characters of one tool reply kept (longer replies are truncated, marked '...(truncated)', counted)."""
-    tool_response_truncate_side: str = "middle"
+    tool_response_truncate_side: TruncateSide = "middle"
     """left (keep the start) | right (keep the end) | middle (both ends), as veRL."""
     max_tokens_per_turn: int = 0
     """New tokens of one assistant turn; 0 = what is left of data.max_response_length (always clamped to it)."""
@@ -65,10 +67,10 @@ class MultiTurnConfig:
     """Earlier turns keep their <think> blocks in the context of later turns: the model generated every turn
     seeing them, so this is what it was sampled from and what it trains on (token-in, token-out). False is
     refused for now: dropping them means re-rendering the context per turn (Qwen3's official view; verl #6854)."""
-    on_tool_error: str = "reply"
+    on_tool_error: OnToolError = "reply"
     """A malformed call, an unknown tool or bad arguments: reply (the error goes back as the tool's reply,
     counted) | mask (the same, and the trajectory is kept out of the loss)."""
-    tool_choice: str = "auto"
+    tool_choice: ToolChoice = "auto"
     """OpenAI's and SGLang's tool_choice for every assistant turn: auto | required. The runner sends the
     constraint SGLang's chat serving would (FunctionCallParser.get_structure_constraint) as sampling_params:
     for qwen25, a structural tag whose trigger `<tool_call>` hands the call to the grammar (the name, and

@@ -196,7 +196,7 @@ class ActorConfig:
     """Lay micro-batches out as THD packs (samples end to end, no padding; megatron's PackedSeqParams)
     instead of right-padded [b, s] rows. Transformer Engine's attention takes them on GPU; without TE
     an exact reference attention does (mgrpo/models/attention.py). Log-probs, losses and gradients
-    are the same either way (tests/test_packing.py); only the padding work differs: on GSM8K-like
+    are the same either way (tests/training/test_packing.py); only the padding work differs: on GSM8K-like
     lengths 15% of the padded layout's tokens are padding and a CPU training step is ~5% faster
     packed (benchmarks/results/packing_cpu.json); on the default job's short samples they are even."""
     tp: int = 1

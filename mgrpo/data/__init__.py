@@ -2,6 +2,14 @@
 
 Imports only mgrpo.config and libraries (tokenizers, transformers, pyarrow) - never torch
 distributed, Ray or the trainer.
+
+  records.py     RL records on disk (JSONL or Parquet), read strictly
+  dataset.py     prompts: records -> chat template -> token ids -> batches, resumable
+  tokenizer.py   which tokenizer a run uses (synthetic, printable, qwen3, a folder)
+  synthetic.py   the built-in synthetic tasks and their compact tokenizer
+  printable.py   a character-level tokenizer for a user's own text task on the tiny model
+  gsm8k.py       raw GSM8K -> RL records, as veRL's preprocessing
+  packing.py     micro-batches under a token budget (padded or packed)
 """
 
 from mgrpo.data.dataset import PromptDataset, PromptItem

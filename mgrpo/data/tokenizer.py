@@ -47,7 +47,7 @@ def load_tokenizer(model_cfg: ModelConfig):
 def _from_pretrained(path: str):
     """The tokenizer class the folder's tokenizer_config.json names (`tokenizer_class`), loaded from it as
     AutoTokenizer loads it, without AutoTokenizer's module: that imports transformers' config classes, which
-    import torch, and the driver imports no torch (tests/test_driver_imports.py). AutoTokenizer itself
+    import torch, and the driver imports no torch (tests/repo/test_driver_imports.py). AutoTokenizer itself
     where the folder names no class transformers exports."""
     import json
 

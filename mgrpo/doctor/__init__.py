@@ -11,6 +11,13 @@ own loaders, on CPU, one rank: `trainer_side.py`), hooks every layer on both, an
 they part beyond what the dtypes' rounding explains (`compare.py`; `layers.py` puts it together).
 
 This room builds models (models, training) and reads runs' files; it never starts Ray or a cluster.
+
+  run_report.py     `mgrpo-doctor run`: the log-prob difference over steps, sequences, tokens
+  trajectories.py   a run's trajectory lines with token log-probs, read and checked
+  layers.py         `mgrpo-doctor layers`: both models on one sequence, layer by layer
+  engine_side.py    the engine's model (transformers), every layer hooked
+  trainer_side.py   the trainer's model (megatron-core), every layer hooked
+  compare.py        where two traces part, beyond what the dtypes' rounding explains
 """
 
 from mgrpo.config import InputError

@@ -16,7 +16,8 @@
   weight_iter.py   stream a stage out as HF tensors (TP gather per parameter, EP gather per expert); buckets
   megatron_ckpt.py megatron distributed checkpoints of the weights (reshard on load)
   attention.py     core attention for the local spec (packed, context-parallel, padded) through torch's
-                   fused attention; attention_layout.py: which tokens a CP rank holds
+                   fused attention
+  attention_layout.py  which tokens a context-parallel rank holds
   rope.py          megatron's unfused THD RoPE without its per-sequence loop (bitwise the same)
 
 The names below are imported on first use, not with the package: family.py, registry.py, qwen3.py,

@@ -9,7 +9,7 @@ default job's 256 short sequences that loop is ~6 ms of a ~28 ms forward on CPU,
 
 `apply_rotary_pos_emb_thd` below computes every token's row of `freqs` with tensor ops, gathers
 `freqs` once and calls megatron's own `_apply_rotary_pos_emb_bshd` once, on the same tensors megatron
-builds: the result is bitwise megatron's (tests/test_rope_thd.py compares them with torch.equal).
+builds: the result is bitwise megatron's (tests/models/test_rope_thd.py compares them with torch.equal).
 It follows megatron's two cases:
   - `freqs` covers max-seqlen positions: every sequence reads rows from 0 (the usual case);
   - `freqs.size(0) == cu_seqlens[-1]` (freqs for every packed position, e.g. multimodal RoPE):
@@ -21,7 +21,7 @@ half from chunk r and the second from chunk 2cp-1-r of its 2cp chunks (megatron'
 patch of megatron's unfused baseline (TE's fused THD kernel, used with `apply_rope_fusion`, is not
 touched), exact on any device, so it is installed on CPU and GPU alike (`mgrpo.training.parallel`).
 Its `premise` says whether the installed megatron-core still has the code it replaces; where it does
-not, megatron's own function stays (correct, only slower) and tests/test_rope_thd.py fails by name.
+not, megatron's own function stays (correct, only slower) and tests/models/test_rope_thd.py fails by name.
 """
 
 from __future__ import annotations

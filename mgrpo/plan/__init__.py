@@ -6,4 +6,5 @@ modules), so mgrpo-plan and the driver's preflight (`check_fits`, before anythin
   memory.py   every term by phase (weights, grads, optimizer, reference, activations, head, sync),
               `estimate` / `estimate_stages`, `verdict`, `suggest`, `check_fits`
   moe.py      the mixture-of-experts terms (MoE blocks, dispatcher buffers, EP gather, routing payload)
+  rewards.py  the reward models' engines (reward.models): accelerators, memory, whether they fit
 """

@@ -25,7 +25,7 @@ RMSNorm, GQA, q/k norms, SwiGLU, no dropout). With e bytes per element, T tokens
   local spec (CPU, torch RMSNorm, torch's fused attention in mgrpo/models/attention.py: no s x s
   scores, no GQA-expanded keys and values; megatron's SwiGLU function, which keeps its input only, as
   on a GPU) — coefficients counted from the tensors autograd saves
-  (tests/test_plan_memory.py checks them):
+  (tests/plan/test_plan_memory.py checks them):
     e T (6h + 3f/t + (5 + g) dq/t + 5 dkv/t + (2 nq + nkv)/t + 2) + 4 e s hd
   with g = 1 under GQA with more than one key/value head per rank, else 0 (the fused attention keeps
   q, k, v and its output in its own [b, h, s, d] layout and one log-sum-exp per query head)
@@ -125,7 +125,7 @@ def layer_activations(m, shape: Shape, tp: int, e: int, spec: str) -> int:
         return e * (T * 4 * h // sp + T * ((3 * f + 3 * dq + 3 * dkv) // tp)) + extra
     # torch's fused attention (mgrpo/models/attention.py) keeps q, k, v and its output in its own
     # [b, h, s, d] layout, a log-sum-exp per query head, and under GQA with more than one key/value head
-    # per rank one more query-sized buffer; no s x s scores (measured: tests/test_plan_memory.py)
+    # per rank one more query-sized buffer; no s x s scores (measured: tests/plan/test_plan_memory.py)
     gqa = 1 if nq != nkv and nkv // tp > 1 else 0
     per_token = (3 * f + (5 + gqa) * dq + 5 * dkv + 2 * nq + nkv) // tp
     return e * (T * (6 * h + 2) // sp + T * per_token) + 4 * e * shape.seq_len * hd + extra

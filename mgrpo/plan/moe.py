@@ -5,7 +5,7 @@ T' = T / tp of a micro-batch's T tokens; each is routed to k of E experts, and w
 over the expert-parallel group a rank's experts take T' k rows (dropless: more on an overloaded rank).
 
 Activations of the MoE block (local spec: megatron's router, alltoall dispatcher and SequentialMLP),
-counted from what autograd saves (tests/test_plan_memory.py checks them byte for byte at TP 1 and 2):
+counted from what autograd saves (tests/plan/test_plan_memory.py checks them byte for byte at TP 1 and 2):
   per routed row   e (h + 3 I) + 24 B   expert input, SwiGLU input (megatron's SwiGLU function keeps only
                                         that, as on a GPU) and fc2 input; int64 permutation indices and fp32
                                         probabilities

@@ -10,7 +10,7 @@ entry inside that block (about 1 ms for the same rows). A vocabulary of one bloc
 takes the inner level alone: 0.05 ms for 256 rows, where padding it to a block and going through both levels
 took 0.2 ms, four of them in each tiny `generate`.
 
-The readable reference is `torch.multinomial`; tests/test_categorical.py checks the draws against the
+The readable reference is `torch.multinomial`; tests/rollout/test_categorical.py checks the draws against the
 exact probabilities (chi-square) and against it.
 """
 

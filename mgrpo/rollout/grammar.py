@@ -132,7 +132,7 @@ def structural_tag_object(key_string: str):
 @functools.lru_cache(maxsize=64)
 def structural_tag_ebnf(key_string: str) -> str:
     """The grammar SGLang compiles from a structural tag, as xgrammar prints it (EBNF): what SGLang's
-    `ebnf` compiles back to the same grammar (tests/test_agent_sglang.py walks both). For sglang-router
+    `ebnf` compiles back to the same grammar (tests/agent/test_agent_sglang.py walks both). For sglang-router
     0.3.2, whose /generate request type has no structural_tag field: it drops the field and passes ebnf
     (generate_io.py::build_generate_payload)."""
     import xgrammar as xgr

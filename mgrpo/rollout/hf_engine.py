@@ -22,7 +22,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from mgrpo.heap import DECODE_TRIM_EVERY, trim_heap
 from mgrpo.models.registry import hf_named_tensors
-from mgrpo.rollout.routes import check_routes_from, generated_routes
+from mgrpo.rollout.route_capture import check_routes_from, generated_routes
 from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 
@@ -169,7 +169,7 @@ class HFRolloutEngine(EngineDefaults):
         """`tokenizer`: the run's model.tokenizer, loaded when a request first carries a grammar."""
         from transformers import AutoModelForCausalLM
 
-        from mgrpo.rollout.routes import RouteCapture
+        from mgrpo.rollout.route_capture import RouteCapture
 
         if num_threads:
             torch.set_num_threads(num_threads)

@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places that our CPU path (local layer spec, fp32, gloo)
 reaches. Each patch below redirects exactly one such assumption to the CPU and is applied only when
 no CUDA device is present. Every patch names the megatron-core code it relies on (`premise`), so
-`tests/test_cpu_compat.py` fails with the patch's name when a megatron-core upgrade moves or
+`tests/training/test_cpu_compat.py` fails with the patch's name when a megatron-core upgrade moves or
 removes that code, instead of failing somewhere deep inside a training step.
 
 Checked against megatron-core 0.16.1 with torch 2.13 (CPU build), and against 0.19.2 (the newest release,
@@ -263,7 +263,7 @@ SWIGLU_PATCH = Patch(
         "def swiglu_back(g, y):", "torch.cat(", "tmp = swiglu_back(grad_output, input)")),
     _apply_swiglu)
 """Optional (applied where its premise holds), but on the installed megatron-core the premise must hold
-(tests/test_cpu_compat.py): without the patch every CPU update runs megatron's slow eager gradient, or, in a
+(tests/training/test_cpu_compat.py): without the patch every CPU update runs megatron's slow eager gradient, or, in a
 process that imported megatron-core without `lean_megatron_import`, fails in Inductor."""
 
 MOE_PATCHES: tuple[Patch, ...] = (
@@ -282,7 +282,7 @@ MOE_PATCHES: tuple[Patch, ...] = (
           lambda: _source_has(_MOE_UTILS, "track_moe_metrics", 'device="cuda"'), _apply_moe_tracker),
 )
 """Needed by mixture-of-experts models only; optional like the next ones (applied where the premise holds),
-so a dense model does not depend on megatron's MoE code staying as it is. tests/test_cpu_compat.py asserts
+so a dense model does not depend on megatron's MoE code staying as it is. tests/training/test_cpu_compat.py asserts
 every premise on the installed megatron-core."""
 
 # Patches for code that only some megatron-core releases contain. Each is applied exactly where its

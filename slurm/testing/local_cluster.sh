@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node SLURM on this machine, for tests/test_slurm_real.py (and for trying slurm/train.sbatch
+# A real one-node SLURM on this machine, for tests/cluster/test_slurm_real.py (and for trying slurm/train.sbatch
 # by hand): Debian's slurm-wlm and munge, a localhost slurm.conf without cgroups or accounting, and the
 # three daemons (munged, slurmctld, slurmd) run as root.
 #
@@ -7,7 +7,7 @@
 #   bash slurm/testing/local_cluster.sh status   # the node and the daemons
 #   bash slurm/testing/local_cluster.sh down     # stop the daemons this script started, remove its slurm.conf
 #
-# Nothing else starts it: `python -m pytest` only uses a cluster that is up (tests/test_slurm_real.py skips
+# Nothing else starts it: `python -m pytest` only uses a cluster that is up (tests/cluster/test_slurm_real.py skips
 # without one, and fails instead when MGRPO_REQUIRE_SLURM is set); .ci/run runs `up` before the tests and
 # `down` after them.
 #

@@ -1,6 +1,6 @@
 # veRL's GSM8K scorer, copied verbatim below this header from https://github.com/volcengine/verl at commit
 # b178a3cd56f58b2d502255daba591e92833930a7, file verl/utils/reward_score/gsm8k.py: the independent reference
-# tests/test_rewards_gsm8k.py checks mgrpo's judge (mgrpo/rewards/gsm8k.py) against.
+# tests/rewards/test_rewards_gsm8k.py checks mgrpo's judge (mgrpo/rewards/gsm8k.py) against.
 # Copyright 2024 Bytedance Ltd. and/or its affiliates
 #
 # Licensed under the Apache License, Version 2.0 (the "License");

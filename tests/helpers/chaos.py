@@ -31,7 +31,7 @@ Processes are found by what belongs to this run only: the CPU servers by their m
 its own), reward workers also by their parent (the driver). A resumed attempt runs with
 `trainer.resume=auto`, exactly as slurm/train.sbatch does after a requeue.
 
-`python -m benchmarks.jobs.chaos` runs the long soak with it; tests/test_chaos.py runs it in short. Checked at the
+`python -m benchmarks.jobs.chaos` runs the long soak with it; tests/e2e/test_chaos.py runs it in short. Checked at the
 end and written to the benchmark's --out (benchmarks/results/chaos_cpu.json): every step exactly once in
 metrics.jsonl, TensorBoard and trajectories.jsonl, every step's samples complete (each prompt n times),
 every fault accounted for (in the harness's events and, for healed ones, in the run's counters), and the

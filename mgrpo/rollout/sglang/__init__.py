@@ -11,11 +11,9 @@ Our client (this folder):
 - `weights_tensor.py`       colocated sync: `update_weights_from_tensor` (CUDA IPC / shared memory)
 - `weights_distributed.py`  disaggregated sync: a process group (NCCL / gloo) + broadcasts
 - `router.py`    SGLang's router in front of several engines, and a client through it
-`protocol/`: SGLang's protocol, what both sides read (the leaf: it imports nothing else of this folder)
-- `tables.py`    request fields, memory tags, the routes' key levels, the payload allow-list (sglang 0.5.23)
-- `wheel.py`     SGLang's own request classes, JSON contract, unpickler, key rules, read from the wheel
-- `buckets.py`   flattened weight buckets as SGLang lays them out
-- `group.py`     the weight-update process group, made as SGLang makes its side
+`protocol/`: SGLang's protocol, what both sides read (the leaf: it imports nothing else of this folder;
+  protocol/__init__.py lists its files: request fields, SGLang's own classes read from the wheel, weight
+  buckets, the weight-update group)
 `cpu/`: the CPU server, SGLang's HTTP server over transformers: `python -m mgrpo.rollout.sglang.cpu.server`
   (cpu/__init__.py lists its files). It imports protocol/, never the client; the client launches it by
   module name only.

@@ -102,7 +102,7 @@ def build_generate_payload(requests: Sequence[GenerateRequest], sampling: Sampli
     if sampling.return_routed_experts:
         if single:
             # sglang-router 0.3.2's /generate request type has neither return_routed_experts nor
-            # routed_experts_start_len: it drops both, silently (measured: tests/test_sglang_moe.py)
+            # routed_experts_start_len: it drops both, silently (measured: tests/rollout/sglang/test_sglang_moe.py)
             raise ValueError("return_routed_experts cannot go through SGLang's router (sglang-router 0.3.2 drops "
                              "the field); send it to the servers directly")
         extra["return_routed_experts"] = True

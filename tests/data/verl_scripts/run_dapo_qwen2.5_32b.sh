@@ -2,7 +2,7 @@
 # 21892b9276936efab5375c3f6b8415e472ef7118, file dapo/run_dapo_qwen2.5_32b.sh (veRL's recipe/ submodule at that commit).
 # Copyright 2023-2024 Bytedance Ltd. and/or its affiliates. Licensed under the Apache License, Version 2.0
 # (http://www.apache.org/licenses/LICENSE-2.0): see that repository's LICENSE and Notice.txt.
-# tests/test_verl_scripts.py runs it with bash, with python3 (and ray, conda, python) on PATH replaced by
+# tests/compat/test_verl_scripts.py runs it with bash, with python3 (and ray, conda, python) on PATH replaced by
 # stand-ins that record the command line veRL's trainer would have been given.
 #!/usr/bin/env bash
 set -xeuo pipefail

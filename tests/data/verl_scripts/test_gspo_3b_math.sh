@@ -2,7 +2,7 @@
 # b178a3cd56f58b2d502255daba591e92833930a7, file examples/gspo_trainer/test_gspo_3b_math.sh.
 # Copyright 2023-2024 Bytedance Ltd. and/or its affiliates. Licensed under the Apache License, Version 2.0
 # (http://www.apache.org/licenses/LICENSE-2.0): see that repository's LICENSE and Notice.txt.
-# tests/test_verl_scripts.py runs it with bash, with python3 (and ray, conda, python) on PATH replaced by
+# tests/compat/test_verl_scripts.py runs it with bash, with python3 (and ray, conda, python) on PATH replaced by
 # stand-ins that record the command line veRL's trainer would have been given.
 #!/usr/bin/env bash
 #SBATCH --job-name=rl-gspo-3B

@@ -9,5 +9,7 @@
 - `generate.py`  /generate: the body checked as SGLang checks it, and SGLang's answer
 - `model.py`     the model side: batched sampling with per-token log-probs, weight loading, memory release
 - `moe.py`       SGLang's weight names for a transformers MoE model
+- `classify.py`  `--is-embedding`: a sequence classifier (reward model) served through /classify
+- `text.py`      the tokenizer and grammar compiler, for the requests that need text
 - `weights.py`   the weight-update routes, both transports, as an SGLang engine receives them
 """

@@ -26,8 +26,8 @@ from mgrpo.rollout.sglang.cpu.receive import RequestError
 
 CLASSIFY_FIELDS = frozenset({"rid", "text", "input_ids", "sampling_params", "log_metrics", "priority",
                              "routing_key", "return_prompt_token_ids"})
-"""EmbeddingReqInput's fields this server implements (tests/test_sglang_schema.py checks they are SGLang's);
-any other field is refused, not ignored."""
+"""EmbeddingReqInput's fields this server implements (tests/rollout/sglang/test_sglang_schema.py checks they are
+SGLang's); any other field is refused, not ignored."""
 
 NOT_EMBEDDING = ("This model does not appear to be an embedding model by default. "
                  "Please add `--is-embedding` when launching the server or try another model.")

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from mgrpo.rollout.sglang.cpu.receive import RequestError
 from mgrpo.rollout.sglang.cpu.text import grammar_key
 from mgrpo.rollout.stops import StopError, StopStrings
-from mgrpo.rollout.routes import routes_from_error
+from mgrpo.rollout.route_capture import routes_from_error
 from mgrpo.rollout.sglang.protocol import wheel
 from mgrpo.rollout.sglang.protocol.tables import SAMPLING_FIELDS
 
@@ -53,7 +53,7 @@ SAMPLING_DEFAULTS = {"frequency_penalty": 0.0, "presence_penalty": 0.0,
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 # Top-level fields of GenerateReqInput the CPU server implements (each with its checks below); any other
-# field must be absent or at a false default. tests/test_sglang_schema.py checks every name against the
+# field must be absent or at a false default. tests/rollout/sglang/test_sglang_schema.py checks every name against the
 # wheel's class.
 GENERATE_FIELDS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                              "top_logprobs_num", "stream", "return_text_in_logprobs", "log_metrics",

@@ -9,7 +9,7 @@ before top-p/top-k truncation (T=0: greedy, log-probs at T=1), as `hf_engine.py`
 compute them. On request (`mask_mode`) also each token's sampling support and behaviour log-prob, as
 SGLang's sampler captures them (srt/layers/sampler.py::_build_sampling_mask_output: the tokens the
 filtered distribution keeps, by decreasing probability, and log(p / mass kept)), and the experts each
-position was routed to (rollout/routes.py).
+position was routed to (rollout/route_capture.py).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CPUModel:
                  enable_weights_cpu_backup: bool = False, return_routed_experts: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from mgrpo.rollout.routes import RouteCapture
+        from mgrpo.rollout.route_capture import RouteCapture
         from mgrpo.rollout.sglang.cpu.moe import weight_targets
 
         torch_dtype = torch.float32 if dtype in ("auto", "float32", "float") else getattr(torch, dtype)

@@ -9,7 +9,7 @@ forward's `.chunk(2)` reads them) and `mlp.experts.down_proj` [E, H, I]. `weight
 SGLang name to the slice of the model's parameter it fills.
 
 Routes: SGLang returns for a request the rows of positions [start, prompt + output - 1); the capture from
-the model's own routers is `mgrpo/rollout/routes.py::RouteCapture`, which the in-process engine shares.
+the model's own routers is `mgrpo/rollout/route_capture.py::RouteCapture`, which the in-process engine shares.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """SGLang's protocol as tables written from sglang 0.5.23: what a server accepts, and what it lets through.
 
-Standard library only. The tests compare every table with the installed wheel (tests/test_sglang_schema.py,
-test_sglang_auth.py, test_sglang_weights.py); the CPU server uses them where the wheel is missing.
+Standard library only. The tests compare every table with the installed wheel
+(tests/rollout/sglang/test_sglang_schema.py, test_sglang_auth.py, test_sglang_weights.py); the CPU server uses
+them where the wheel is missing.
 - `SAMPLING_FIELDS`, `REQUESTS`, `BASE_FIELDS`: the fields of `/generate`'s sampling parameters and of
   every control endpoint's request class;
 - `MEMORY_TAGS`: what `/release_memory_occupation` and `/resume_memory_occupation` name;
@@ -16,7 +17,7 @@ SGLANG_VERSION = "0.5.23"
 
 ROUTING_KEY = "x-smg-routing-key"
 """sglang-router's header for its `manual` policy (0.3.x): requests with the same key go to the same worker
-(sticky), a new key to the worker `--assignment-mode` picks. tests/test_router_sessions.py checks it."""
+(sticky), a new key to the worker `--assignment-mode` picks. tests/cluster/test_router_sessions.py checks it."""
 
 # sglang/api/v1/api_types.py::SamplingParams (0.5.23): /generate refuses other keys.
 SAMPLING_FIELDS = frozenset({
@@ -27,7 +28,7 @@ SAMPLING_FIELDS = frozenset({
 
 # Endpoint -> io_struct request class and its fields (0.5.23; `rid` and `http_worker_ipc` come from
 # BaseReq). SGLang ignores unknown fields here; the CPU server refuses them, so that a misspelt
-# field (silently defaulted by SGLang) fails our tests. tests/test_sglang_schema.py compares this
+# field (silently defaulted by SGLang) fails our tests. tests/rollout/sglang/test_sglang_schema.py compares this
 # table with the wheel's classes.
 REQUESTS = {
     "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput", {
@@ -64,7 +65,7 @@ PAYLOAD_DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8", "int8", 
 """The torch dtypes a weight payload may carry (torch.<name>)."""
 
 # Globals our payloads may contain; each is in SGLang's SafeUnpickler.ALLOWED_GLOBALS
-# (utils/common.py). tests/test_sglang_weights.py checks both statements.
+# (utils/common.py). tests/rollout/sglang/test_sglang_weights.py checks both statements.
 PAYLOAD_GLOBALS = frozenset({
     ("types", "SimpleNamespace"), ("torch", "Size"), ("torch", "Tensor"),
     ("torch.storage", "UntypedStorage"),
