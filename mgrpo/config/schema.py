@@ -22,6 +22,7 @@ from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, F
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay)
 # Groups in files of their own (this module stays under the size limit).
 from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.offload import OffloadConfig
 from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
 from mgrpo.config.sandbox import SandboxConfig
 
@@ -236,6 +237,9 @@ class ActorConfig:
     actor/router/agreement: the share of (token, layer) routings the trainer's router, left to itself,
     would have chosen the same as the replayed ones."""
     seed: int = 1
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host memory for the actor's parameters, gradients and optimizer states, and the reference's parameters,
+    while engines on the same accelerators generate (rollout.mode colocated or hybrid)."""
 
     def logprob_chunk_tokens(self, v_local: int) -> int:
         """Tokens per log-prob kernel chunk on a rank holding `v_local` vocabulary rows."""

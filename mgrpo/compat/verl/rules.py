@@ -253,7 +253,9 @@ RULES: dict[str, Rule] = {
     M + "lora_rank": only(falsy, "0: full fine-tuning, as in mgrpo",
                           "mgrpo has no LoRA: drop the key for full fine-tuning (mgrpo-plan says whether it fits and "
                           "what to change if not: actor.recompute, actor.use_distributed_optimizer, more GPUs)"),
-    M + "enable_activation_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload activations"),
+    M + "enable_activation_offload": only(falsy, "false, as in mgrpo",
+                                            "mgrpo does not offload activations; actor.recompute=full (veRL's "
+                                            "enable_gradient_checkpointing) keeps one layer's at a time"),
     M + "custom_chat_template": only(falsy, "null", "mgrpo applies the tokenizer's own chat template"),
     # rollout
     R + "name": _rollout_name,
