@@ -378,11 +378,12 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
         options["actor.use_distributed_optimizer"] = [(True, 1)]
     if a.recompute != "full":
         options["actor.recompute"] = [("full", 1)]
-    # host memory while the engines generate (and the reference out of training): every set of the switches not
-    # on yet, each costing its rank in ORDER (bytes copied per step)
+    # host memory while the engines generate (and the reference out of training), each set costing its switches'
+    # ranks in ORDER (bytes copied per step): the one that copies nothing, the one that frees most, all of them
+    # (three sets, not all fifteen: the search estimates every combination when nothing fits)
     off = [k for k in host_offload.ORDER if not getattr(a.offload, k)]
-    options["actor.offload"] = [(combo, sum(host_offload.ORDER.index(k) + 1 for k in combo))
-                                for n in range(1, len(off) + 1) for combo in itertools.combinations(off, n)]
+    sets = {tuple(k for k in s if k in off) for s in (("grads",), ("optimizer",), host_offload.ORDER)} - {()}
+    options["actor.offload"] = sorted((s, sum(host_offload.ORDER.index(k) + 1 for k in s)) for s in sets)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     options["actor.max_tokens_per_gpu"] = [(a.max_tokens_per_gpu // 2 ** k, k) for k in (1, 2, 3)
                                            if a.max_tokens_per_gpu // 2 ** k >= seq]
