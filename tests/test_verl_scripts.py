@@ -208,8 +208,8 @@ CASES = [
     # Megatron multi-turn: multi-turn on in the YAML behind --config-path/-name (defaults: ppo_megatron_trainer),
     # the engine by name and every offload on, as veRL's current Megatron scripts pass them
     Case("run_qwen2.5-3b_megatron_gsm8k_multiturn.sh",
-         refused=[M + "path", A + "megatron.virtual_pipeline_model_parallel_size",
-                  F + "megatron.virtual_pipeline_model_parallel_size"],
+         # the reference's VPP equals the actor's (accepted as shared); dropped with it
+         refused=[M + "path", A + "megatron.virtual_pipeline_model_parallel_size"],
          changes={M + "path": "{qwen3}", A + "megatron.virtual_pipeline_model_parallel_size": None,
                   F + "megatron.virtual_pipeline_model_parallel_size": None},
          args=MEGATRON_OFFLOAD,
@@ -378,7 +378,7 @@ def test_megatron_multi_turn_in_verls_current_config_layout(hub):
         assert _table(plan.stderr) == _table(train.stderr)
         jobs.append(yaml.safe_load(train.stdout))
     assert jobs[0] == jobs[1]
-    rows = dict(row.strip().split(" -> ", 1) for row in _table(train.stderr) if " -> " in row)
+    rows = {k.strip(): v for k, v in (row.strip().split(" -> ", 1) for row in _table(train.stderr) if " -> " in row)}
     name = "gsm8k_multiturn_megatron_grpo_model_engine.yaml"
     assert rows[f"model_engine='megatron' ({name}:11)"] == "superseded by the command line's model_engine"
     assert rows["model_engine=megatron"] == "ignored: megatron: mgrpo trains with Megatron-Core"
