@@ -160,10 +160,12 @@ def test_colocated_run_with_every_offload_matches_one_without(tmp_path):
     assert export_on.keys() == export_off.keys()
     assert all(torch.equal(export_on[k], export_off[k]) for k in export_on)
     assert len(seen) == 2
-    for ranks in seen:
+    for step, ranks in enumerate(seen):
         for groups in ranks:
-            assert groups.keys() >= {"params", "grads", "ref"}
-            assert all(g["resident"] == 0 and g["released"] > 0 for g in groups.values()), groups
+            assert groups.keys() == {"params", "grads", "optimizer", "ref"}
+            assert all(g["resident"] == 0 for g in groups.values()), groups
+            # an fp32 actor's optimizer holds nothing of its own before its first step (Adam's state comes with it)
+            assert all(g["released"] > 0 for k, g in groups.items() if k != "optimizer" or step), groups
 
 
 def test_offload_keys_are_result_neutral_so_a_checkpoint_without_them_resumes(tmp_path):
