@@ -72,7 +72,8 @@ def hf_planning_config(cfg: MGRPOConfig, warnings: list) -> MGRPOConfig:
 def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                 gpu_mem_gb: Optional[float] = None) -> dict:
     """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.plan.memory)."""
-    from mgrpo.plan.memory import verdict
+    from mgrpo.plan.memory import estimate, verdict
+    from mgrpo.plan.offload import table as offload_table
 
     v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
     m = v.memory
@@ -90,6 +91,7 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
         "fits": m.fits, "verdict": v.message(),
         "suggestion": v.suggestion, "suggested_peak": v.suggested.peak if v.suggested else None,
         **({"lora": lora_plan(cfg, lay, m, dtype=dtype, gpu_mem_gb=gpu_mem_gb)} if cfg.actor.lora.enabled else {}),
+        "offload": offload_table(cfg, estimate, gpu_mem_gb=gpu_mem_gb, dtype=dtype),
     }
 
 
@@ -312,6 +314,29 @@ def render_memory(me: dict) -> list[str]:
     out.append(f"verdict   {me['verdict']}")
     if "lora" in me:
         out.extend(render_lora(me["lora"]))
+    return out + render_offload(me.get("offload"))
+
+
+def render_offload(o: Optional[dict]) -> list[str]:
+    """actor.offload: the trainer's bytes per phase with each choice, and the engines' KV-cache tokens."""
+    if not o:
+        return []
+    rows = o["choices"]
+    phases = list(next(iter(rows.values()))["trainer_by_phase"])
+    out = [f"offload   actor + reference per GPU by phase with actor.offload (engines excluded); KV cache "
+           f"{o['kv_bytes_per_token'] / 1024:.0f} KiB/token, engine weights {_size(o['engine_weights_per_gpu'])}/GPU, "
+           f"{o['kv_tokens_at_configured_share']:,} tokens at rollout.gpu_memory_utilization={o['configured_share']}"]
+    width = {p: max(12, len(p)) + 2 for p in phases}
+    out.append(f"          {'':<14}" + "".join(f"{p:>{width[p]}}" for p in phases)
+               + f"{'peak':>18}  {'engine share':>12} {'KV tokens':>12} {'vs none':>11}")
+    for name, row in rows.items():
+        cells = "".join(f"{_size(row['trainer_by_phase'][p]):>{width[p]}}" for p in phases)
+        verdict = ("FITS" if row["fits"] else "NO FIT")
+        out.append(f"          {name:<14}{cells}{_size(row['peak']):>11} {verdict:>6}  "
+                   f"{row['largest_engine_share']:>12.3f} {row['kv_tokens_at_largest_share']:>12,} "
+                   f"{row['kv_tokens_more_than_none']:>+11,}")
+    out.append("          (engine share: the largest rollout.gpu_memory_utilization that fits while the engines "
+               "generate; KV tokens per engine GPU at it)")
     return out
 
 

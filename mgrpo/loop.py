@@ -115,9 +115,11 @@ class Trainer:
         version = state.weight_version  # the weights the trainer's log-probs of this step are computed with
         filtered = {}
         with timer("step"):
+            offloaded = p.actor.offload()  # actor.offload: the actor hands its memory to the engines...
             with timer("rollout"):  # generation, or waiting for a batch generated (and judged) ahead
                 exp, made = p.experiences.next(state.step, state.weight_version)
             released = p.weights.release_engines()  # engines on the actor's devices hand it their memory
+            restored = p.actor.restore()  # ...and takes it back
             forwards = p.actor.begin(exp)  # reference (and pi_old) log-probs start on the ranks...
             judging = p.experiences.start_judging(exp)  # ...while the driver judges (models: in a thread)
             got, waited = forwards.collect(kept=judging.beside)
@@ -136,7 +138,8 @@ class Trainer:
                 state.weight_version += 1
                 synced = p.weights.sync(state.weight_version)
         paused = self.gc.take() if self.gc is not None else {}
-        metrics = summed(made, released, judged, filtered, trained, synced, timer.metrics(), paused)
+        metrics = summed(made, released, offloaded, restored, judged, filtered, trained, synced, timer.metrics(),
+                         paused)
         state.count(metrics)  # the run-long counters, logged below as <name>_total
         metrics.update(step_metrics(exp, metrics, self.cfg, self.layout, p.experiences.train_data, state.counters))
         metrics.update(p.guard.measure(exp, version))

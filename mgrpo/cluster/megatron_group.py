@@ -65,7 +65,8 @@ class MegatronRank(EngineSlot):
 
         self.impl = MegatronActor(cfg, num_threads=self.num_threads, **kwargs)
         info = self.impl.info()
-        if self.engine is not None:  # rollout.mode=hybrid: the engine in this process
+        if self.engine is not None and not cfg.actor.offload.params:  # rollout.mode=hybrid: the engine in this
+            # process uses the rank's weights in place (not when they go to host memory while it generates)
             info["engine_shared_bytes"] = self.engine.share(self.impl.shareable_weights())
         if cfg.trainer.gc_freeze:  # the rank's start-up is over (mgrpo/observe/gc_pauses.py)
             info["gc_frozen_objects"] = gc_pauses.freeze()
@@ -92,6 +93,18 @@ class MegatronRank(EngineSlot):
             return self.impl.sync_weights(receivers, bucket_bytes, finish_version)
         finally:
             trim_after_call()
+
+    def offload(self) -> dict:
+        try:
+            return self.impl.offload()
+        finally:
+            trim_after_call()
+
+    def restore(self) -> dict:
+        return self.impl.restore()
+
+    def offloaded_bytes(self) -> dict:
+        return self.impl.offloaded_bytes()
 
     def save_hf(self, out_dir: str, tokenizer_dir: Optional[str]) -> None:
         self.impl.save_hf(out_dir, tokenizer_dir)
@@ -225,6 +238,16 @@ class MegatronGroup:
             raise WeightDeliveryError(f"weight sync failed: {err}") from err
         return {"bytes": sum(r["bytes"] for r in results), "tensors": sum(r["tensors"] for r in results),
                 "seconds": max(r["seconds"] for r in results), "finished": any(r["finished"] for r in results)}
+
+    def offload(self, back: bool = False) -> dict:
+        """actor.offload on every rank: to host memory (`back`: from it); the bytes moved on all ranks and the
+        slowest rank's seconds."""
+        got = self._all(lambda r: (r.restore if back else r.offload).remote())
+        return {"perf/offload_s": max(g["perf/offload_s"] for g in got),
+                "perf/offload_bytes": sum(g["perf/offload_bytes"] for g in got)}
+
+    def offloaded_bytes(self) -> list[dict]:
+        return self._all(lambda r: r.offloaded_bytes.remote())
 
     def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
         self._all(lambda r: r.save_hf.remote(out_dir, tokenizer_dir))

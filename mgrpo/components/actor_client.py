@@ -171,6 +171,16 @@ class ActorClient:
                                        version if can_finish else None, watch=watch,
                                        every_s=self.cfg.rollout.health_check_interval_s)
 
+    # --- host memory while the engines generate (actor.offload) ---------------------------------------
+    def offload(self) -> dict:
+        """The actor's memory to host before generation (what actor.offload names; engines on its devices only:
+        the validator refuses it otherwise); the seconds and bytes moved."""
+        return self.group.offload() if self.cfg.actor.offload.any else {}
+
+    def restore(self) -> dict:
+        """Back to the accelerators after generation, before the step's first forward."""
+        return self.group.offload(back=True) if self.cfg.actor.offload.any else {}
+
     def save_checkpoint(self, path: str) -> None:
         self.group.save_checkpoint(path)
 

@@ -40,6 +40,8 @@ RESULT_NEUTRAL = (
     "rollout.health_check_interval_s", "rollout.health_check_timeout_s", "rollout.request_timeout_s",
     "rollout.max_retries", "rollout.update_weights_bucket_mb", "rollout.generate_chunk", "rollout.api_key",
     "reward.num_workers", "reward.isolate_builtin_rules", "reward.timeout_s",
+    # where the actor's memory waits while the engines generate: the bytes come back as they left
+    "actor.offload.",
 )
 """Config keys (or key prefixes ending in '.') that cannot change what a run computes: they may differ between
 the attempts of one run. Every other key is in the fingerprint."""

@@ -23,6 +23,7 @@ from mgrpo.config.choices import (AsyncMode, Device, Dtype, Engine, Fp8Format, F
 # Groups in files of their own (this module stays under the size limit).
 from mgrpo.config.lora import LoraConfig  # noqa: F401 - re-exported
 from mgrpo.config.multi_turn import MultiTurnConfig
+from mgrpo.config.offload import OffloadConfig
 from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
 from mgrpo.config.sandbox import SandboxConfig
 
@@ -244,6 +245,9 @@ class ActorConfig:
     seed: Optional[int] = None
     """Megatron's parallel RNG seed (dropout, tensor-parallel init streams); null = trainer.seed."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Host memory for the actor's parameters, gradients and optimizer states, and the reference's parameters,
+    while engines on the same accelerators generate (rollout.mode colocated or hybrid)."""
 
     def logprob_chunk_tokens(self, v_local: int) -> int:
         """Tokens per log-prob kernel chunk on a rank holding `v_local` vocabulary rows."""

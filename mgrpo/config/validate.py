@@ -290,6 +290,12 @@ def _rollout(cfg: MGRPOConfig) -> list[str]:
         if problem:
             e.append(problem)
     e += multi_turn_errors(r.multi_turn, cfg.model.tokenizer, r.n)
+    o = cfg.actor.offload
+    if o.actor_any and not r.shares_actor_devices:  # the reference's offload also frees memory for the update
+        on = ", ".join(f"actor.offload.{k}" for k in ("params", "grads", "optimizer") if getattr(o, k))
+        e.append(f"{on}: the actor hands its memory to engines on its accelerators while they generate; "
+                 f"rollout.mode={r.mode!s} engines have accelerators of their own (set them false, or use "
+                 "rollout.mode=colocated)")
     return e
 
 

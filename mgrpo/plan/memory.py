@@ -12,7 +12,7 @@ Persistent (resident through the whole step):
   context      CUDA context + cuBLAS workspace + NCCL buffers (CUDA_CONTEXT_GIB, an assumption)
 Phases (the peak is the largest):
   generation   colocated SGLang holds rollout.gpu_memory_utilization of the card while the trainer
-               keeps its persistent memory (nothing is offloaded)
+               keeps its persistent memory, less what actor.offload moves to host memory (offload.py)
   training     activations of the micro-batches in flight (1F1B: stage s of pp holds min(pp - s, M)),
                the log-prob head's working set on the last stage, the released SGLang engine's residue
   optimizer    on CPU torch's single-tensor Adam and megatron's clip-scale allocate up to two
@@ -48,6 +48,7 @@ from mgrpo.plan.moe import (dispatch_buffers, ep_gather, is_moe, largest_exporte
                                       moe_backward_working_set, moe_block_activations, optimizer_states,
                                       routing_payload)
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
+from mgrpo.plan import offload as host_offload
 from mgrpo.config.validate import default_dtype, resolved_device
 
 GIB = 1024**3
@@ -323,6 +324,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         full = {p: {**persistent, **t} for p, t in phases.items()}
         if engines_use_actor_gpus:
             full["generation"] = {**persistent, "sglang_share": int(r.gpu_memory_utilization * capacity)}
+        host_offload.apply(full, a.offload)
         if device == "cuda":
             for p in full.values():
                 p["allocator_slack"] = int(ALLOCATOR_SLACK * sum(p.values()))
@@ -343,7 +345,7 @@ def _host_memory() -> int:
 # --- the verdict ---------------------------------------------------------------------------------------
 # Knobs the search may turn, cheapest first: (name, cost of one step). Recompute only once the schema
 # has actor.recompute (the trainer must honour what the planner suggests).
-KNOB_COST = {"actor.use_distributed_optimizer": 1, "actor.recompute": 2, "actor.max_tokens_per_gpu": 3,
+KNOB_COST = {"actor.offload": 1, "actor.use_distributed_optimizer": 1, "actor.recompute": 2, "actor.max_tokens_per_gpu": 3,
              "rollout.gpu_memory_utilization": 3, "actor.ep": 4, "actor.tp": 5, "actor.pp": 6}
 
 
@@ -385,6 +387,12 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
         options["actor.use_distributed_optimizer"] = [(True, 1)]
     if a.recompute != "full":
         options["actor.recompute"] = [("full", 1)]
+    # host memory while the engines generate (and the reference out of training), each set costing its switches'
+    # ranks in ORDER (bytes copied per step): the one that copies nothing, the one that frees most, all of them
+    # (three sets, not all fifteen: the search estimates every combination when nothing fits)
+    off = [k for k in host_offload.ORDER if not getattr(a.offload, k)]
+    sets = {tuple(k for k in s if k in off) for s in (("grads",), ("optimizer",), host_offload.ORDER)} - {()}
+    options["actor.offload"] = sorted((s, sum(host_offload.ORDER.index(k) + 1 for k in s)) for s in sets)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     options["actor.max_tokens_per_gpu"] = [(a.max_tokens_per_gpu // 2 ** k, k) for k in (1, 2, 3)
                                            if a.max_tokens_per_gpu // 2 ** k >= seq]
@@ -407,6 +415,10 @@ def _candidates(cfg: MGRPOConfig, lay: Layout, device: str):
 def _with(cfg: MGRPOConfig, changes: dict) -> MGRPOConfig:
     out = cfg
     for key, value in changes.items():
+        if key == "actor.offload":  # a group of switches: the names turned on
+            on = replace(out.actor.offload, **{k: True for k in value})
+            out = replace(out, actor=replace(out.actor, offload=on))
+            continue
         group, name = key.split(".")
         out = replace(out, **{group: replace(getattr(out, group), **{name: value})})
     return out
@@ -426,7 +438,9 @@ def suggest(cfg: MGRPOConfig, *, gpu_mem_gb: Optional[float] = None, dtype: Opti
             continue
         mem = estimate(new, new_lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
         if mem.fits:
-            return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()], mem
+            return [s for k, v in changes.items() for s in (
+                [f"actor.offload.{n}=true" for n in v] if k == "actor.offload" else
+                [f"{k}={str(v).lower() if isinstance(v, bool) else v}"])], mem
     return None, None
 
 

@@ -23,6 +23,7 @@ from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.gpt import build_gpt_model, transformer_config
 from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, split_per_sample
 from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
+from mgrpo.training.offload import HostOffload, unique_storages
 from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step, torch_optimizers
 from mgrpo.training.parallel import init_parallel
 from mgrpo.training.router_replay import RECORD, REPLAY, ModelRouting, routing_metrics
@@ -89,6 +90,11 @@ class MegatronActor:
         if self.lora is not None:  # the reference is the actor's base: its adapters off, its routers
             self.ref_routing = self.routing
         self.skipped_steps = 0
+        self.host = HostOffload(pinned=self.ctx.device.type == "cuda")
+        """actor.offload: what is in host memory now, and the seconds and bytes moved since the last report."""
+        if self.ref is not None and a.offload.ref_params:  # in host memory except during its forwards
+            self.host.offload("ref", unique_storages(self.ref.parameters()), frozen=True)
+            self.host.take()  # start-up's copy, not a step's
         self._kept_ref: Optional[tuple] = None
         """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
 
@@ -182,7 +188,13 @@ class MegatronActor:
         if model is None:
             raise RuntimeError("reference log-probs requested but no reference model was built")
         gpt = model.module if which == "actor" else model
-        return self._logprobs(model, gpt, batch, which, keep)
+        if which == "ref":
+            self.host.restore("ref")
+        try:
+            return self._logprobs(model, gpt, batch, which, keep)
+        finally:
+            if which == "ref" and self.cfg.actor.offload.ref_params:
+                self.host.offload("ref", unique_storages(self.ref.parameters()), frozen=True)
 
     def _logprobs(self, model, gpt, batch: RankBatch, which: str, keep: bool) -> Optional[dict]:
         t0 = time.perf_counter()
@@ -288,6 +300,51 @@ class MegatronActor:
             dist.broadcast_object_list(box, src=dist.get_global_rank(c.pp_group, c.pp - 1), group=c.pp_group)
             metrics = box[0]
         return metrics
+
+    # --- host memory while the engines generate (actor.offload) ----------------------------------
+    def _param_storages(self) -> list:
+        return unique_storages(self.gpt.parameters())
+
+    def _grad_storages(self) -> list:
+        """The DDP gradient buffers (every main_grad is a view into one) and any other .grad."""
+        ddp = self.actor
+        buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+        tensors = [b.grad_data for b in buffers] + [p.grad for p in self.gpt.parameters() if p.grad is not None]
+        return unique_storages(tensors, skip={s.data_ptr() for s in self._param_storages()})
+
+    def _optimizer_storages(self) -> list:
+        """The torch optimizers' states and their own parameters where those are not the model's (the fp32
+        master weights of a bf16 actor)."""
+        tensors = []
+        for opt in torch_optimizers(self.optimizer):
+            tensors += [p for g in opt.param_groups for p in g["params"]]
+            tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        skip = {s.data_ptr() for s in self._param_storages() + self._grad_storages()}
+        return unique_storages(tensors, skip=skip)
+
+    def offload(self) -> dict:
+        """Move what actor.offload names to host memory (before the engines generate); the seconds and bytes
+        moved since the last report (a reference release after its last forward included)."""
+        o = self.cfg.actor.offload
+        if o.optimizer:  # first: which storages are the optimizer's own is told apart from resident ones
+            self.host.offload("optimizer", self._optimizer_storages())
+        if o.grads:  # zeroed at the start of every update: nothing worth copying
+            self.host.offload("grads", self._grad_storages(), copy=False)
+        if o.params:
+            self.host.offload("params", self._param_storages())
+        return self.host.take()
+
+    def restore(self) -> dict:
+        """Bring the actor's offloaded memory back (after generation, before the step's first forward), and the
+        reference's, whose forward comes next (so that its copy is counted in this step)."""
+        for name in ("params", "grads", "optimizer", "ref"):
+            self.host.restore(name)
+        return self.host.take()
+
+    def offloaded_bytes(self) -> dict:
+        """Each offloaded group now: {'released': bytes it held, 'resident': bytes its storages hold now (0)}."""
+        return {name: {"released": sum(got.sizes), "resident": sum(s.nbytes() for s in got.storages)}
+                for name, got in self.host.out.items()}
 
     # --- weight sync ----------------------------------------------------------------------------
     def _export_stream(self):

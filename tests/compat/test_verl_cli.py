@@ -168,10 +168,60 @@ def test_refusals_name_every_key_with_its_reason(env):
                                             "actor_rollout_ref.model.path=Qwen/Qwen3-8B"}))
     msg = str(info.value)
     refused = [line.split(": ")[0].strip(" -") for line in msg.splitlines()[1:]]
-    assert refused == ["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.rollout.name=vllm",
-                       "actor_rollout_ref.ref.fsdp_config.param_offload=True"]
+    assert refused == ["actor_rollout_ref.model.path=Qwen/Qwen3-8B", "actor_rollout_ref.rollout.name=vllm"]
     assert "does not download" in msg and "use actor_rollout_ref.rollout.name=sglang" in msg
-    assert "keeps the reference model on the GPU" in msg
+
+
+OFFLOAD = {  # every spelling of veRL's offload switches -> the actor.offload keys it sets
+    "actor_rollout_ref.actor.megatron.param_offload": {"params"},
+    "actor_rollout_ref.actor.megatron.grad_offload": {"grads"},
+    "actor_rollout_ref.actor.megatron.optimizer_offload": {"optimizer"},
+    "actor_rollout_ref.ref.megatron.param_offload": {"ref_params"},
+    "actor_rollout_ref.actor.fsdp_config.param_offload": {"params", "grads"},  # FSDP moves the grads with them
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": {"optimizer"},
+    "actor_rollout_ref.ref.fsdp_config.param_offload": {"ref_params"},
+    "actor_rollout_ref.ref.megatron.grad_offload": set(),  # the reference has neither: accepted, named as such
+    "actor_rollout_ref.ref.megatron.optimizer_offload": set(),
+    "actor_rollout_ref.ref.fsdp_config.optimizer_offload": set(),
+}
+
+
+@pytest.mark.parametrize("key", list(OFFLOAD))
+def test_every_offload_spelling_sets_its_actor_offload_keys(key):
+    names = ("params", "grads", "optimizer", "ref_params")
+    for value in (True, False):
+        t = translate([f"{key}={value}", "model_engine=megatron"])
+        o = compose_config(t.args).actor.offload
+        assert {n for n in names if getattr(o, n)} == (OFFLOAD[key] if value else set()), (key, value)
+        rows = dict(t.rows)
+        assert rows["model_engine=megatron"] == "ignored: megatron: mgrpo trains with Megatron-Core"
+        if not OFFLOAD[key]:
+            assert rows[f"{key}={value}"].startswith("ignored: the reference has no ")
+
+
+def test_offload_keys_still_refused_name_what_to_use_instead():
+    with pytest.raises(VerlKeyError) as info:
+        translate(["+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+                   "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction=1.0",
+                   "+actor_rollout_ref.actor.optim.override_optimizer_config.some_other_knob=3",
+                   "model_engine=veomni", "actor_rollout_ref.model.enable_activation_offload=True"])
+    lines = str(info.value).splitlines()[1:]
+    instead = "use actor_rollout_ref.actor.megatron.optimizer_offload=True (actor.offload.optimizer"
+    assert [line.split("=")[0].strip(" -+") for line in lines] == [
+        "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload",
+        "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction",
+        "actor_rollout_ref.actor.optim.override_optimizer_config.some_other_knob", "model_engine",
+        "actor_rollout_ref.model.enable_activation_offload"]
+    assert all(instead in line for line in lines[:3])
+    assert "model_engine=megatron (or leave it out)" in lines[3] and "actor.recompute=full" in lines[4]
+    # megatron's CPU optimizer left off, as veRL's default: accepted
+    t = translate(["+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=False"])
+    assert dict(t.rows)["+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=False"] \
+        == "ignored: off: the optimizer steps on the accelerator"
+    # two spellings that disagree are named together
+    with pytest.raises(VerlKeyError, match="both set actor.offload.params"):
+        translate(["actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                   "actor_rollout_ref.actor.megatron.param_offload=False"])
 
 
 def test_values_that_need_two_keys():

@@ -75,3 +75,32 @@ def test_verl_newer_reward_layout_translates_and_the_plan_counts_its_pool():
                      (["reward.reward_model.enable=True"], "needs reward.reward_model.model_path")]:
         with pytest.raises(VerlKeyError, match=why):
             translate(bad)
+
+
+# veRL's current reward.yaml (verl-project/verl 1dda039, verl/trainer/config/reward/reward.yaml) at its defaults,
+# and the same settings in the older layout (reward_manager.yaml, sandbox_fusion.*): accepted, each with its row
+REWARD_YAML_DEFAULTS = ["reward.num_workers=8", "reward.custom_reward_function.path=null",
+                        "reward.custom_reward_function.name=compute_score", "reward.reward_manager.source=register",
+                        "reward.reward_manager.name=naive", "reward.reward_manager.module.path=null",
+                        "reward.reward_manager.module.name=custom_reward_manager", "reward.reward_model.enable=False",
+                        "reward.reward_model.enable_resource_pool=False", "reward.reward_model.n_gpus_per_node=8",
+                        "reward.reward_model.nnodes=0", "reward.reward_model.model_path=null",
+                        "reward.sandbox_fusion.url=null", "reward.sandbox_fusion.max_concurrent=64",
+                        "reward.sandbox_fusion.memory_limit_mb=1024"]
+LEGACY_DEFAULTS = ["reward_manager.source=register", "reward_manager.name=naive", "reward_manager.module.path=null",
+                   "reward_manager.module.name=custom_reward_manager", "sandbox_fusion.url=null",
+                   "sandbox_fusion.max_concurrent=64", "custom_reward_function.path=null", "reward_model.enable=False"]
+
+
+def test_verls_reward_yaml_defaults_are_accepted_in_both_layouts():
+    for keys in (REWARD_YAML_DEFAULTS, LEGACY_DEFAULTS):
+        t = translate(keys)
+        cfg = compose_config(t.args)
+        assert cfg.reward.models == {} and cfg.reward.custom_functions == {}
+        rows = dict(t.rows)
+        assert all(k in rows or k == "reward.num_workers=8" for k in keys), [k for k in keys if k not in rows]
+    assert compose_config(translate(REWARD_YAML_DEFAULTS).args).reward.num_workers == 8  # the same key in mgrpo
+    for bad in ("reward.reward_manager.module.path=my_manager.py", "reward_manager.name=prime",
+                "reward.reward_kwargs.some_kwarg=10"):
+        with pytest.raises(VerlKeyError, match="reward.custom_functions"):
+            translate([bad])

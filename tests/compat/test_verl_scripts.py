@@ -96,14 +96,18 @@ class Case:
     """The script's environment (e.g. SLURM's)."""
     knobs: dict[str, str] = field(default_factory=dict)
     """Environment variables the script reads, set by the user for mgrpo (with `changes`)."""
+    args: list[str] = field(default_factory=list)
+    """What the user passes to the script (its `$@`), as veRL's newer Megatron scripts write it."""
 
 
-OFF = {A + "fsdp_config.param_offload": "False", A + "fsdp_config.optimizer_offload": "False",
-       F + "fsdp_config.param_offload": "False"}
+MEGATRON_OFFLOAD = ["model_engine=megatron", A + "megatron.param_offload=True", A + "megatron.grad_offload=True",
+                    A + "megatron.optimizer_offload=True", F + "megatron.param_offload=True"]
+"""veRL's current Megatron command line: the engine by name and every offload on."""
+EVERY_OFFLOAD = {f"actor.offload.{k}": True for k in ("params", "grads", "optimizer", "ref_params")}
 CASES = [
     Case("run_qwen3-8b.sh",
-         refused=[R + "name", F + "fsdp_config.param_offload"],
-         changes={R + "name": "sglang", F + "fsdp_config.param_offload": None},
+         refused=[R + "name"],
+         changes={R + "name": "sglang"},
          expect={"data.train_batch_size": 1024, "data.max_prompt_length": 512, "data.max_response_length": 1024,
                  "actor.lr": 1e-6, "actor.ppo_mini_batch_size": 256, "actor.recompute": "full", "actor.tp": 1,
                  "algorithm.adv_estimator": "grpo", "algorithm.use_kl_loss": True, "algorithm.kl_coef": 0.001,
@@ -112,7 +116,9 @@ CASES = [
                  "rollout.num_engines": 4, "rollout.gpu_memory_utilization": 0.6, "rollout.n": 5,
                  "trainer.device": "cuda", "trainer.logger": ["console"], "trainer.n_gpus_per_node": 8,
                  "trainer.nnodes": 1, "trainer.save_freq": 20, "trainer.test_freq": 5, "trainer.total_epochs": 15,
-                 "trainer.total_training_steps": None, "model.hf_path": "{snapshot}", "model.num_layers": 36},
+                 "trainer.total_training_steps": None, "model.hf_path": "{snapshot}", "model.num_layers": 36,
+                 "actor.offload.params": False, "actor.offload.grads": False, "actor.offload.optimizer": False,
+                 "actor.offload.ref_params": True},
          plan={"world": 8, "tp": 1, "pp": 1, "cp": 1, "dp": 8, "engines": 4, "rollout_tp": 2, "steps": None,
                "epochs": 15}),
     Case("run_qwen2-7b_math_megatron.sh",
@@ -126,9 +132,8 @@ CASES = [
          plan={"world": 8, "tp": 2, "pp": 2, "cp": 1, "dp": 2, "engines": 4, "rollout_tp": 2, "steps": None,
                "epochs": 15}),
     Case("run_dapo_qwen2.5_32b.sh",
-         refused=["data.truncation", "data.gen_batch_size", M + "path", A + "fsdp_config.param_offload",
-                  A + "fsdp_config.optimizer_offload", R + "name", F + "fsdp_config.param_offload"],
-         changes={"data.truncation": "error", "data.gen_batch_size": None, R + "name": "sglang", **OFF},
+         refused=["data.truncation", "data.gen_batch_size", M + "path", R + "name"],
+         changes={"data.truncation": "error", "data.gen_batch_size": None, R + "name": "sglang"},
          knobs={"MODEL_PATH": "{qwen3}"},  # the script's own knob for the model
          expect={"data.train_batch_size": 512, "data.max_response_length": 20480, "rollout.n": 16,
                  "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10,
@@ -140,13 +145,12 @@ CASES = [
                  "actor.max_tokens_per_gpu": 22528, "rollout.tp": 4, "rollout.num_engines": 32,
                  "trainer.nnodes": 16, "trainer.total_epochs": 1, "trainer.total_training_steps": None,
                  "trainer.resume": "auto", "trainer.output_dir": "{home}/verl/ckpts/DAPO/DAPO-Qwen2.5-32B",
-                 "evaluation.top_p": 0.7, "evaluation.n": 1, "model.hf_path": "{qwen3}"},
+                 "evaluation.top_p": 0.7, "evaluation.n": 1, "model.hf_path": "{qwen3}", **EVERY_OFFLOAD},
          plan={"world": 128, "tp": 1, "pp": 1, "cp": 8, "dp": 16, "engines": 32, "rollout_tp": 4, "steps": None,
                "epochs": 1}),
     Case("test_gspo_3b_math.sh",
-         refused=[R + "name", M + "path", A + "fsdp_config.param_offload", A + "fsdp_config.optimizer_offload",
-                  F + "fsdp_config.param_offload"],
-         changes={R + "name": "sglang", M + "path": "{qwen3}", **OFF},
+         refused=[R + "name", M + "path"],
+         changes={R + "name": "sglang", M + "path": "{qwen3}"},
          env={"SLURM_JOB_NUM_NODES": "2"},  # a 2-node allocation
          expect={"algorithm.policy_loss": "gspo", "algorithm.loss_agg_mode": "seq-mean-token-mean",
                  "algorithm.clip_ratio_low": 0.0003, "algorithm.clip_ratio_high": 0.0004,
@@ -155,13 +159,13 @@ CASES = [
                  "trainer.nnodes": 2, "trainer.total_epochs": 10, "trainer.total_training_steps": 500,
                  "actor.lr_warmup_steps": 25,  # lr_warmup_steps_ratio 0.05 x 500 steps
                  "algorithm.overlong_buffer.enable": False, "algorithm.overlong_buffer.len": 4096,
-                 "trainer.val_before_train": False},
+                 "trainer.val_before_train": False, **EVERY_OFFLOAD},
          plan={"world": 16, "tp": 1, "pp": 1, "cp": 1, "dp": 16, "engines": 16, "rollout_tp": 1, "steps": 500,
                "epochs": 10}),
     # Qwen3 multi-turn with veRL's GSM8K tool: multi-turn is turned on in the YAML behind --config-path/-name
     Case("run_qwen3-4b_gsm8k_multiturn.sh",
-         refused=[F + "fsdp_config.param_offload"],
-         changes={F + "fsdp_config.param_offload": None},
+         refused=[],
+         changes={},
          expect={"rollout.multi_turn.enable": True, "rollout.multi_turn.max_assistant_turns": 5,
                  "rollout.over_sample_rate": 0.1,
                  "rollout.multi_turn.tool_config_path":
@@ -170,7 +174,8 @@ CASES = [
                  "rollout.n": 16, "rollout.tp": 2, "rollout.num_engines": 4, "actor.lr": 1e-6,
                  "algorithm.kl_coef": 0.001, "algorithm.kl_loss_type": "low_var_kl", "model.hf_path": "{snapshot4b}",
                  "model.tokenizer": "qwen3", "model.tie_word_embeddings": True, "trainer.total_epochs": 15,
-                 "trainer.total_training_steps": None},
+                 "trainer.total_training_steps": None, "actor.offload.ref_params": True,
+                 "actor.offload.params": False},
          plan={"world": 8, "tp": 1, "pp": 1, "cp": 1, "dp": 8, "engines": 4, "rollout_tp": 2, "steps": None,
                "epochs": 15}),
     Case("run_qwen3moe-30b_megatron_96gb.sh",
@@ -178,10 +183,9 @@ CASES = [
                   *(f"+{A}optim.override_optimizer_config.{k}" for k in (
                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
                       "optimizer_cpu_offload")),
-                  A + "megatron.param_offload", A + "megatron.grad_offload", A + "megatron.optimizer_offload",
                   *(f"+{A}megatron.override_transformer_config.moe_{k}" for k in (
                       "token_dispatcher_type", "enable_deepep")),
-                  R + "name", F + "megatron.param_offload"],
+                  R + "name"],
          changes={"data.truncation": "error", M + "path": "{qwen3moe}",
                   # the script's TEST_FILE names an unset $aime24_test_path: the line says data.val_files="['']"
                   "data.val_files": "{home}/verl/dataset/aime-2024.parquet",
@@ -191,8 +195,6 @@ CASES = [
                       "optimizer_cpu_offload")},
                   **{f"{A}megatron.override_transformer_config.moe_{k}": None for k in (
                       "token_dispatcher_type", "enable_deepep")},
-                  A + "megatron.param_offload": "False", A + "megatron.grad_offload": "False",
-                  A + "megatron.optimizer_offload": "False", F + "megatron.param_offload": "False",
                   R + "name": "sglang"},
          expect={"actor.tp": 1, "actor.pp": 1, "actor.cp": 1, "actor.ep": 8, "model.family": "qwen3_moe",
                  "model.num_experts": 128, "rollout.tp": 4, "rollout.num_engines": 2,
@@ -200,9 +202,26 @@ CASES = [
                  "algorithm.overlong_buffer.enable": True, "algorithm.overlong_buffer.len": 4096,
                  "algorithm.overlong_buffer.penalty_factor": 1.0, "data.max_response_length": 8192,
                  "trainer.total_epochs": 10, "trainer.total_training_steps": None, "trainer.save_freq": 100,
-                 "trainer.logger": ["console"], "actor.max_tokens_per_gpu": 10240},
+                 "trainer.logger": ["console"], "actor.max_tokens_per_gpu": 10240, **EVERY_OFFLOAD},
          plan={"world": 8, "tp": 1, "pp": 1, "cp": 1, "dp": 8, "engines": 2, "rollout_tp": 4, "steps": None,
                "epochs": 10}),
+    # Megatron multi-turn: multi-turn on in the YAML behind --config-path/-name (defaults: ppo_megatron_trainer),
+    # the engine by name and every offload on, as veRL's current Megatron scripts pass them
+    Case("run_qwen2.5-3b_megatron_gsm8k_multiturn.sh",
+         # the reference's VPP equals the actor's (accepted as shared); dropped with it
+         refused=[M + "path", A + "megatron.virtual_pipeline_model_parallel_size"],
+         changes={M + "path": "{qwen3}", A + "megatron.virtual_pipeline_model_parallel_size": None,
+                  F + "megatron.virtual_pipeline_model_parallel_size": None},
+         args=MEGATRON_OFFLOAD,
+         expect={"rollout.multi_turn.enable": True, "rollout.multi_turn.max_assistant_turns": 5,
+                 "rollout.multi_turn.tool_config_path":
+                     "{tmp}/examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml",
+                 "actor.tp": 2, "actor.pp": 2, "actor.cp": 2, "actor.seed": 42, "data.train_batch_size": 1024,
+                 "actor.ppo_mini_batch_size": 256, "rollout.tp": 2, "rollout.num_engines": 4, "rollout.n": 8,
+                 "rollout.gpu_memory_utilization": 0.5, "rollout.mode": "colocated", "model.hf_path": "{qwen3}",
+                 "trainer.total_epochs": 15, **EVERY_OFFLOAD},
+         plan={"world": 8, "tp": 2, "pp": 2, "cp": 2, "dp": 1, "engines": 4, "rollout_tp": 2, "steps": None,
+               "epochs": 15}),
 ]
 
 
@@ -243,22 +262,23 @@ def _get(cfg: dict, key: str):
 def test_verl_script_through_both_front_doors(case: Case, hub):
     home = str(hub["tmp"] / "home")
     env = {"HF_HUB_CACHE": hub["HF_HUB_CACHE"]}
-    line = verl_argv(case.script, hub["tmp"], **{k: _fill(v, hub, home) for k, v in case.env.items()})
+    line = verl_argv(case.script, hub["tmp"], *case.args, **{k: _fill(v, hub, home) for k, v in case.env.items()})
 
     # As written: both doors refuse the same keys, by name, with exit status 2 and nothing else.
-    plan, train = _doors(line, env)
-    for door, out in (("mgrpo-plan", plan), ("mgrpo-train", train)):
+    plan, train = _doors(line, env) if case.refused else (None, None)
+    for door, out in (("mgrpo-plan", plan), ("mgrpo-train", train)) if case.refused else ():
         assert out.returncode == 2, (door, out.stderr[-3000:])
         assert "Traceback" not in out.stderr and "usage:" not in out.stderr and "unrecognized" not in out.stderr
         assert out.stderr.startswith(f"{door}: cannot honour these veRL keys"), out.stderr[:500]
         assert _refused(out.stderr) == case.refused, door
         assert out.stdout == ""
-    if any(k.endswith("megatron.param_offload") for k in case.refused):
-        assert "mgrpo keeps parameters on the GPU (no offload)" in train.stderr
+    if any("optimizer_cpu_offload" in k for k in case.refused):  # what to use instead is named
+        assert f"use {A}megatron.optimizer_offload=True (actor.offload.optimizer" in train.stderr
 
     # Changed as a user would: both doors compose the same translation.
     if case.knobs:
-        line = verl_argv(case.script, hub["tmp"], **{k: _fill(v, hub, home) for k, v in {**case.env, **case.knobs}.items()})
+        line = verl_argv(case.script, hub["tmp"], *case.args,
+                         **{k: _fill(v, hub, home) for k, v in {**case.env, **case.knobs}.items()})
     changed = replace_args(line, {k: _fill(v, hub, home) for k, v in case.changes.items()})
     plan, train = _doors(changed, env)
     assert train.returncode == 0, train.stderr[-3000:]
@@ -295,7 +315,7 @@ def test_verl_script_through_both_front_doors(case: Case, hub):
 @pytest.mark.integration
 def test_reference_layout_must_equal_the_actors(hub):
     """The MoE script with only the reference's expert parallelism changed: refused by name."""
-    case = CASES[-1]
+    case = next(c for c in CASES if c.script == "run_qwen3moe-30b_megatron_96gb.sh")
     home = str(hub["tmp"] / "home")
     changes = {**case.changes, F + "megatron.expert_model_parallel_size": "4"}
     line = replace_args(verl_argv(case.script, hub["tmp"]), {k: _fill(v, hub, home) for k, v in changes.items()})
@@ -338,3 +358,31 @@ def test_a_users_config_file_behind_config_path_is_read_key_by_key(hub, tmp_path
     (bad / "two.yaml").write_text("defaults:\n  - ppo_trainer\n  - reward_model: my_rm\n  - _self_\n")
     with pytest.raises(VerlKeyError, match=r"two.yaml:3: defaults entry \{'reward_model': 'my_rm'\}: mgrpo composes"):
         translate([f"--config-path={bad}", "--config-name=two"])
+
+
+@pytest.mark.integration
+def test_megatron_multi_turn_in_verls_current_config_layout(hub):
+    """The Megatron multi-turn config in veRL's current layout (defaults: ppo_trainer and `override model_engine:
+    megatron`) composes to the same config as through ppo_megatron_trainer, from both doors; the engine override
+    has its row, named by file and line."""
+    case = next(c for c in CASES if c.script == "run_qwen2.5-3b_megatron_gsm8k_multiturn.sh")
+    home = str(hub["tmp"] / "home")
+    env = {"HF_HUB_CACHE": hub["HF_HUB_CACHE"]}
+    line = replace_args(verl_argv(case.script, hub["tmp"], *case.args),
+                        {k: _fill(v, hub, home) for k, v in case.changes.items()})
+    layered = replace_args(line, {"--config-name": "gsm8k_multiturn_megatron_grpo_model_engine"})
+    jobs = []
+    for args in (line, layered):
+        plan, train = _doors(args, env)
+        assert plan.returncode == 0 and train.returncode == 0, (plan.stderr[-2000:], train.stderr[-2000:])
+        assert _table(plan.stderr) == _table(train.stderr)
+        jobs.append(yaml.safe_load(train.stdout))
+    assert jobs[0] == jobs[1]
+    rows = {k.strip(): v for k, v in (row.strip().split(" -> ", 1) for row in _table(train.stderr) if " -> " in row)}
+    name = "gsm8k_multiturn_megatron_grpo_model_engine.yaml"
+    assert rows[f"model_engine='megatron' ({name}:11)"] == "superseded by the command line's model_engine"
+    assert rows["model_engine=megatron"] == "ignored: megatron: mgrpo trains with Megatron-Core"
+    for key in ("params", "grads", "optimizer"):
+        assert rows[f"{A}megatron.{key.rstrip('s') if key != 'optimizer' else key}_offload=True"] == \
+            f"actor.offload.{key}=true"
+    assert rows[f"{F}megatron.param_offload=True"] == "actor.offload.ref_params=true"

@@ -32,8 +32,9 @@ exec "$@"
 NOOP = "#!/bin/bash\nexit 0\n"  # conda (activation), python (dataset preparation)
 
 
-def verl_argv(name: str, tmp: Path, **env: str) -> list[str]:
-    """The arguments script `name` passes to veRL's trainer (after `python3 -m <entry point>`)."""
+def verl_argv(name: str, tmp: Path, *args: str, **env: str) -> list[str]:
+    """The arguments script `name` passes to veRL's trainer (after `python3 -m <entry point>`); `args` are the
+    script's own (what its `$@` forwards)."""
     shims = tmp / "verl-shims"
     shims.mkdir(exist_ok=True)
     for tool, text in (("python3", PYTHON3), ("ray", RAY), ("conda", NOOP), ("python", NOOP)):
@@ -41,7 +42,7 @@ def verl_argv(name: str, tmp: Path, **env: str) -> list[str]:
         (shims / tool).chmod(0o755)
     out = tmp / f"{name}.argv"
     run_env = {"PATH": f"{shims}:/usr/bin:/bin", "HOME": str(tmp / "home"), "VERL_ARGV_OUT": str(out), **env}
-    proc = subprocess.run(["bash", str(SCRIPTS / name)], env=run_env, cwd=tmp, capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(SCRIPTS / name), *args], env=run_env, cwd=tmp, capture_output=True, text=True,
                           timeout=60)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"bash {name} exited with {proc.returncode} without reaching veRL's trainer:\n"

@@ -66,16 +66,56 @@ def _ref_parallel(actor_key: str, pk: ParallelKey) -> Rule:
     return rule
 
 
-def _offload(what: str) -> Rule:
-    return only(falsy, "false: nothing offloaded, as in mgrpo",
-                f"mgrpo keeps {what} on the GPU (no offload); drop the key and check the fit with mgrpo-plan")
+def _offload(*targets: str) -> Rule:
+    """veRL's offload switches -> actor.offload.<target> (host memory while the engines generate)."""
+    def rule(v, ctx):
+        return [(f"actor.offload.{t}", not falsy(v)) for t in targets]
+    return rule
+
+
+def _nothing_to_offload(what: str) -> Rule:
+    return ignore(f"the reference has no {what} (forward only); its parameters follow "
+                  f"{F}megatron.param_offload (actor.offload.ref_params)")
+
+
+OFFLOAD_RULES: dict[str, Rule] = {
+    A + "megatron.param_offload": _offload("params"),
+    A + "megatron.grad_offload": _offload("grads"),
+    A + "megatron.optimizer_offload": _offload("optimizer"),
+    F + "megatron.param_offload": _offload("ref_params"),
+    F + "megatron.grad_offload": _nothing_to_offload("gradients"),
+    F + "megatron.optimizer_offload": _nothing_to_offload("optimizer"),
+    # FSDP's param_offload moves the module's gradients with its parameters (veRL's offload_fsdp_model_to_cpu)
+    A + "fsdp_config.param_offload": _offload("params", "grads"),
+    A + "fsdp_config.optimizer_offload": _offload("optimizer"),
+    F + "fsdp_config.param_offload": _offload("ref_params"),
+    F + "fsdp_config.optimizer_offload": _nothing_to_offload("optimizer"),
+}
+"""veRL's param/grad/optimizer offload, FSDP and Megatron, actor and reference -> actor.offload.*."""
+
+OFFLOAD_INSTEAD = (f"use {A}megatron.optimizer_offload=True (actor.offload.optimizer: the optimizer's states in "
+                   "host memory while the engines generate, its step on the accelerator)")
+OPTIMIZER_OFFLOAD_OVERRIDES: dict[str, Rule] = {
+    A + "optim.override_optimizer_config." + k: only(falsy, "off: the optimizer steps on the accelerator",
+                                                     f"megatron's CPU optimizer (its step on the CPU) is not used; "
+                                                     f"{OFFLOAD_INSTEAD}")
+    for k in ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+              "use_precision_aware_optimizer")
+}
+"""megatron-core's HybridDeviceOptimizer knobs veRL passes through (its optimizer_cpu_offload)."""
+
+
+def _model_engine(v, ctx):
+    if v == "megatron":
+        return [("", "megatron: mgrpo trains with Megatron-Core")]
+    if v == "dp":
+        return [("", "dp (veRL's FSDP engine): mgrpo trains with Megatron-Core; the FSDP keys are translated")]
+    raise Refuse(f"mgrpo trains with Megatron-Core: model_engine=megatron (or leave it out); {v!r} has no mgrpo "
+                 "equivalent")
 
 
 # Megatron engine settings that hold for the reference as for the actor.
 MEGATRON_ENGINE: dict[str, Rule] = {
-    "param_offload": _offload("parameters"),
-    "grad_offload": _offload("gradients"),
-    "optimizer_offload": _offload("optimizer states"),
     "use_mbridge": ignore("mgrpo converts HF <-> Megatron weights itself"),
     "vanilla_mbridge": ignore("mgrpo converts HF <-> Megatron weights itself"),
     "use_dist_checkpointing": only(falsy, "false: weights load from model.path",
@@ -124,14 +164,8 @@ LAYOUT_RULES: dict[str, Rule] = {
     **{A + f"megatron.override_transformer_config.recompute_{k}": ignore("part of recompute_granularity")
        for k in ("method", "num_layers", "modules")},
     F + "megatron.override_transformer_config.recompute_granularity": ignore("the reference runs forward only"),
-    A + "fsdp_config.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                          "mgrpo trains with Megatron and keeps parameters on the GPU (no offload); "
-                                          "drop the key and check the fit with mgrpo-plan"),
-    A + "fsdp_config.optimizer_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                              "mgrpo trains with Megatron and keeps optimizer states on the GPU"),
-    F + "fsdp_config.param_offload": only(falsy, "false: nothing offloaded, as in mgrpo",
-                                          "mgrpo keeps the reference model on the GPU, sharded like the actor (no "
-                                          "offload); drop the key and check the fit with mgrpo-plan"),
+    **OFFLOAD_RULES, **OPTIMIZER_OFFLOAD_OVERRIDES,
+    "model_engine": _model_engine,
     # MoE routing replay (R2: replay the trainer's old-policy routing in the update; R3: the rollout engine's)
     A + "router_replay.mode": _router_replay,
     F + "router_replay.mode": ignore("the reference follows actor.router_replay: the rollout's routes under R3, "
@@ -163,8 +197,8 @@ LAYOUT_PREFIX_RULES: dict[str, Rule] = {
     F + "megatron.override_transformer_config.moe_": refuse("not passed to megatron's MoE layers"),
     A + "router_replay.": ignore("used with router_replay.mode"),
     F + "router_replay.": ignore("used with router_replay.mode"),
-    A + "optim.override_optimizer_config.": refuse("not passed to megatron's optimizer (mgrpo keeps the optimizer "
-                                                   "on the GPU in its own precision)"),
+    A + "optim.override_optimizer_config.": refuse("not passed to megatron's optimizer (mgrpo's optimizer steps on "
+                                                   f"the accelerator in fp32); for host memory {OFFLOAD_INSTEAD}"),
     A + "megatron.override_mcore_model_config.": refuse("mgrpo builds the model from config.json"),
     A + "megatron.override_ddp_config.": refuse("not passed to megatron's DDP"),
 }

@@ -118,6 +118,29 @@ REWARD_RULES: dict[str, Rule] = {
     "reward.reward_manager.source": only(lambda v: v in ("register", None), "register: veRL's own managers",
                                          "mgrpo scores each sample with the function of its data_source"),
 }
+# veRL's reward-manager group in both layouts (reward_manager.yaml's top-level reward_manager.*, the newer
+# reward.reward_manager.*) and SandboxFusion's settings at their defaults (no server): what each key means in mgrpo.
+MANAGER_INSTEAD = ("mgrpo scores each sample with the function of its data_source: reward.custom_functions="
+                   "{<data_source>: 'module:function'} (or custom_reward_function.path)")
+for _p in ("reward_manager.", "reward.reward_manager."):
+    REWARD_RULES.update({
+        _p + "source": only(lambda v: v in ("register", None), "register: veRL's own managers", MANAGER_INSTEAD),
+        _p + "name": only(lambda v: v in ("naive", "dapo", None),
+                          "one score per sample by data_source, as in mgrpo (DAPO's overlong shaping is "
+                          "algorithm.overlong_buffer)", MANAGER_INSTEAD),
+        _p + "module.path": only(falsy, "null: no manager module of the user's", MANAGER_INSTEAD),
+        _p + "module.name": ignore("used with module.path"),
+    })
+for _p in ("sandbox_fusion.", "reward.sandbox_fusion.", "reward_model.sandbox_fusion."):
+    REWARD_RULES.update({
+        _p + "url": only(falsy, "null: no SandboxFusion server", "SandboxFusion code execution has no mgrpo "
+                                                                 "equivalent: mgrpo runs code in its own sandbox "
+                                                                 "(sandbox.*, the code tool)"),
+        **{_p + k: ignore("used with sandbox_fusion.url") for k in ("max_concurrent", "memory_limit_mb")},
+    })
+REWARD_RULES["reward.reward_kwargs"] = only(falsy, "empty", "keyword arguments of veRL's reward manager: give them to "
+                                                           "your function in mgrpo (reward.custom_functions)")
+
 REWARD_PREFIX_RULES: dict[str, Rule] = {
     "reward_model.model.fsdp_config.": ignore("the reward model is served by SGLang (--is-embedding), not FSDP"),
     **{p + "rollout.": ignore("a vLLM/SGLang engine setting of veRL's reward rollout: mgrpo launches the reward "
@@ -126,4 +149,7 @@ REWARD_PREFIX_RULES: dict[str, Rule] = {
     **{p: refuse("SandboxFusion code execution has no mgrpo equivalent: mgrpo runs code in its own sandbox "
                  "(sandbox.*, the code tool)") for p in ("sandbox_fusion.", "reward.sandbox_fusion.",
                                                           "reward_model.sandbox_fusion.")},
+    "reward.reward_kwargs.": refuse("keyword arguments of veRL's reward manager: give them to your function in mgrpo "
+                                    "(reward.custom_functions)"),
+    "reward_manager.": refuse(MANAGER_INSTEAD), "reward.reward_manager.": refuse(MANAGER_INSTEAD),
 }

@@ -252,7 +252,9 @@ RULES: dict[str, Rule] = {
     M + "use_shm": ignore("load speed only"),
     M + "trust_remote_code": ignore("mgrpo reads config.json itself"),
     M + "external_lib": only(falsy, "null", "mgrpo trains dense Qwen3 only"),
-    M + "enable_activation_offload": only(falsy, "false, as in mgrpo", "mgrpo does not offload activations"),
+    M + "enable_activation_offload": only(falsy, "false, as in mgrpo",
+                                            "mgrpo does not offload activations; actor.recompute=full (veRL's "
+                                            "enable_gradient_checkpointing) keeps one layer's at a time"),
     M + "custom_chat_template": only(falsy, "null", "mgrpo applies the tokenizer's own chat template"),
     # rollout
     R + "name": _rollout_name,

@@ -26,6 +26,9 @@ class UserConfig:
     """The veRL trainer config its defaults build on (ppo_trainer, ...)."""
     tokens: list[tuple[str, str]]
     """(key=value as a Hydra override, 'file.yaml:line') for every leaf it sets, in file order."""
+    engine: Optional[tuple[str, str]] = None
+    """veRL's `override model_engine: <name>` in `defaults` (its current layout) as (model_engine=<name>,
+    'file.yaml:line'): translated as the same key on the command line."""
 
 
 def find(config_path: Optional[str], config_name: str) -> Optional[str]:
@@ -48,13 +51,13 @@ def read(path: str) -> UserConfig:
         raise Refuse(f"{path}: not valid YAML ({e})") from None
     if not isinstance(root, yaml.MappingNode):
         raise Refuse(f"{path}: a veRL config is a mapping of keys")
-    base, tokens = None, []
+    base, tokens, engine = None, [], None
     for key_node, value_node in root.value:
         key = key_node.value
         if key == "hydra":
             continue  # veRL's search path for its own trainer configs
         if key == "defaults":
-            base = _base(value_node, path)
+            base, engine = _base(value_node, path)
             continue
         tokens += _leaves(key, value_node, path)
     if base is None:
@@ -67,19 +70,37 @@ def read(path: str) -> UserConfig:
         for part in key.split("."):
             value = value[part]
         out.append((f"{key}={hydra_value(value)}", where))
-    return UserConfig(path=path, base=base, tokens=out)
+    if engine is not None:
+        out.insert(0, engine)
+    return UserConfig(path=path, base=base, tokens=out, engine=engine)
 
 
-def _base(node, path: str) -> str:
+def _model_engine(item) -> Optional[str]:
+    """The engine an `override model_engine: <name>` (or `model_engine: <name>`) defaults entry names, else None."""
+    import yaml
+
+    if not (isinstance(item, yaml.MappingNode) and len(item.value) == 1):
+        return None
+    k, v = item.value[0]
+    if k.value.removeprefix("override ").strip() != "model_engine" or not isinstance(v, yaml.ScalarNode):
+        return None
+    return v.value
+
+
+def _base(node, path: str) -> tuple[str, Optional[tuple[str, str]]]:
     import yaml
 
     if not isinstance(node, yaml.SequenceNode):
         raise Refuse(f"{path}:{node.start_mark.line + 1}: field 'defaults' must be a list")
-    base = None
+    base, engine = None, None
     for item in node.value:
         where = f"{path}:{item.start_mark.line + 1}"
         name = item.value if isinstance(item, yaml.ScalarNode) else None
         if name == "_self_":
+            continue
+        chosen = _model_engine(item)
+        if chosen is not None and engine is None:  # veRL's current layout: the trainer engine as a config group
+            engine = (f"model_engine={hydra_value(chosen)}", f"{os.path.basename(path)}:{item.start_mark.line + 1}")
             continue
         if name in VERL_CONFIG_NAMES and base is None:
             base = name
@@ -88,7 +109,7 @@ def _base(node, path: str) -> str:
         raise Refuse(f"{where}: defaults entry {shown!r}: mgrpo composes its own configs/config.yaml and reads only "
                      f"one of veRL's trainer configs ({', '.join(VERL_CONFIG_NAMES)}) as the base; set that "
                      "file's keys on the command line instead")
-    return base
+    return base, engine
 
 
 def _leaves(prefix: str, node, path: str) -> list[tuple[str, str]]:
