@@ -125,8 +125,10 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     """Raise ConfigError naming every problem of `cfg`; return its layout (and memory verdict) otherwise.
     With `check_memory`, a run the memory plan says cannot fit fails here too, unless
     trainer.allow_oversubscribe (mgrpo-plan prints the whole plan)."""
+    from mgrpo.components.teacher import teacher_errors
+
     raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg)
-                 + sandbox_errors(cfg))
+                 + sandbox_errors(cfg) + teacher_errors(cfg))
     memory = None
     if check_memory:
         from mgrpo.plan.memory import check_fits

@@ -9,6 +9,8 @@ Persistent (resident through the whole step):
   optimizer    Adam m, v (8 B) + the fp32 master copy when weights are bf16 (4 B); divided by DP with
                actor.use_distributed_optimizer
   reference    params x weight bytes when a KL term needs it, sharded like the actor
+  teacher      teacher.mode=megatron: the teacher's params x weight bytes, sharded like the actor; its
+               forward's activations replace the log-prob phase's when larger
   context      CUDA context + cuBLAS workspace + NCCL buffers (CUDA_CONTEXT_GIB, an assumption)
 Phases (the peak is the largest):
   generation   colocated SGLang holds rollout.gpu_memory_utilization of the card while the trainer
@@ -187,6 +189,7 @@ def head_working_set(cfg: MGRPOConfig, shape: Shape, v_local: int, e: int, *, tr
 LABELS = {
     "actor_weights": "actor weights", "actor_grads": "actor grads (fp32 buffer)",
     "optimizer_states": "optimizer (Adam m, v; + fp32 master with bf16)", "reference_weights": "reference weights",
+    "teacher_weights": "teacher weights (on-policy distillation)",
     "cuda_context": "CUDA context, cuBLAS, NCCL (assumed)", "activations": "activations",
     "logprob_head": "log-prob head", "backward_working_set": "backward working set (one layer)",
     "gradient_transient": "gradient transient (largest parameter)", "cpu_runtime": "gloo groups, megatron state",
@@ -255,6 +258,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     # the distributed optimizer shards dense states over DP, experts' over their expert-data-parallel ranks
     dp_shard = lay.dp if a.use_distributed_optimizer else 1
+    teacher = _megatron_teacher(cfg)
     edp_shard = a.tp * a.cp * lay.dp // a.ep if a.use_distributed_optimizer else 1
     stages = []
     for stage in range(a.pp):
@@ -274,6 +278,8 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                                                  dp_shard, edp_shard),
             "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
         }
+        if teacher is not None:  # on-policy distillation's Megatron teacher: frozen, sharded like the actor
+            persistent["teacher_weights"] = teacher["counts"]["per_rank_by_stage"][stage] * w
         if device == "cuda":
             persistent["cuda_context"] = int(CUDA_CONTEXT_GIB * GIB)
         else:
@@ -284,6 +290,10 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                  "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0}
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
+        if teacher is not None:  # its forward runs after the reference's, never beside it: the larger of the two
+            tm = teacher["model"]
+            fwd["activations"] = max(fwd["activations"], layer_activations(tm, shape, a.tp, w, spec)
+                                     + shape.tokens * tm.hidden_size * w)
         if moe:
             payload = routing_payload(m, str(a.router_replay) != "off",
                                       math.ceil((a.ppo_mini_batch_size or cfg.data.train_batch_size) * r.n / lay.dp),
@@ -324,6 +334,18 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         by_recompute = {str(rc): stage_activations(cfg, shape, stage, w, spec, rc) for rc in (None, "selective", "full")}
         stages.append(Memory(device, dtype, spec, stage, n, terms, full, capacity, shape, by_recompute))
     return stages
+
+
+def _megatron_teacher(cfg: MGRPOConfig) -> Optional[dict]:
+    """teacher.mode=megatron: the teacher's ModelConfig (from its config.json) and its parameter counts at the
+    actor's layout; None without one."""
+    t = getattr(cfg, "teacher", None)
+    if t is None or not t.hf_path or t.mode != "megatron":
+        return None
+    from mgrpo.models.hf_config import teacher_model
+
+    model = teacher_model(t.hf_path)
+    return {"model": model, "counts": param_counts(model, cfg.actor.tp, cfg.actor.pp, cfg.actor.ep)}
 
 
 def _host_memory() -> int:
