@@ -68,14 +68,15 @@ class StepForwards:
 
 
 class ActorClient:
-    def __init__(self, group, cfg: MGRPOConfig, dp: int):
+    def __init__(self, group, cfg: MGRPOConfig, dp: int, teacher=None):
         self.group = group
         """`mgrpo.cluster.megatron_group.MegatronGroup`: fans calls out to every Megatron rank."""
         self.cfg = cfg
         self.dp = dp
         self.need_ref = cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.teacher = None
-        """On-policy distillation's teacher (`components/teacher.py`): `send(exp)` -> a wait for its log-probs."""
+        self.teacher = teacher
+        """On-policy distillation's teacher (`components/teacher.py`): `send(exp)` -> a wait for its log-probs; an
+        SGLang teacher is given, a Megatron one made here (it is the ranks')."""
         if cfg.teacher.hf_path and cfg.teacher.mode == "megatron":
             from mgrpo.components.teacher import MegatronTeacher
 
@@ -193,6 +194,8 @@ class ActorClient:
         self.group.save_hf(out_dir, tokenizer_dir)
 
     def shutdown(self) -> None:
+        if hasattr(self.teacher, "close"):  # an SGLang teacher's engines
+            self.teacher.close()
         self.group.shutdown()
 
 
