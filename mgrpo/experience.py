@@ -356,6 +356,15 @@ class Experience:
         return reverse_kl(self.padded(self.student_logprobs()), self.padded(self.teacher_logprobs),
                           self.response_mask(loss_only=True), opd)
 
+    def opd_metrics(self, opd) -> dict[str, float]:
+        """opd/* over the loss tokens (`algorithms/distill.py::opd_metrics`); {} without teacher log-probs."""
+        if self.teacher_logprobs is None:
+            return {}
+        from mgrpo.algorithms.distill import opd_metrics
+
+        return opd_metrics(self.teacher_kl(opd), self.padded(self.student_logprobs()),
+                           self.padded(self.teacher_logprobs), self.response_mask(loss_only=True))
+
     # --- cuts for the trainer ------------------------------------------------------------------------
     def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:
         """Sample indices of each mini-batch (whole prompt groups, shuffled with a seeded generator

@@ -54,13 +54,10 @@ def test_pure_distillation_and_context_tokens_carry_no_term():
 
 
 def test_opd_metrics_are_the_mean_over_loss_tokens():
-    from mgrpo.algorithms.distill import opd_metrics
-
     cfg = MGRPOConfig()
     exp = _exp([[-0.5, -2.5], [-0.5]], [[-1.0, -2.0], [-0.5]], [1.0, 0.0])
     exp.in_loss = [True, False]  # the second sample is out of the loss: it counts in no metric
-    m = opd_metrics(exp.teacher_kl(cfg.algorithm.opd), exp.padded(exp.student_logprobs()),
-                    exp.padded(exp.teacher_logprobs), exp.response_mask(loss_only=True))
+    m = exp.opd_metrics(cfg.algorithm.opd)
     assert m["opd/tokens"] == 2.0
     assert m["opd/reverse_kl"] == pytest.approx(0.0)  # -0.5 and +0.5
     assert m["opd/reverse_kl_max"] == pytest.approx(0.5) and m["opd/reverse_kl_min"] == pytest.approx(-0.5)
@@ -74,7 +71,7 @@ def _teacher_dir(tmp_path, model: ModelConfig, tokenizer=None) -> str:
 
 
 def test_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
-    from mgrpo.components.teacher import teacher_errors
+    from mgrpo.preflight import teacher_errors
     from mgrpo.data.printable import printable_tokenizer
 
     printable = ModelConfig(tokenizer="printable", vocab_size=107)
@@ -88,7 +85,7 @@ def test_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
 
 
 def test_wider_teacher_with_the_students_tokenizer_is_accepted_and_planned(tmp_path):
-    from mgrpo.components.teacher import teacher_errors
+    from mgrpo.preflight import teacher_errors
     from mgrpo.data.synthetic import synthetic_tokenizer
     from mgrpo.plan.memory import estimate, param_counts
 
@@ -106,7 +103,7 @@ def test_wider_teacher_with_the_students_tokenizer_is_accepted_and_planned(tmp_p
 
 
 def test_distillation_without_a_teacher_and_sglang_teacher_limits_are_refused(tmp_path):
-    from mgrpo.components.teacher import teacher_errors
+    from mgrpo.preflight import teacher_errors
 
     cfg = MGRPOConfig()
     cfg.algorithm.adv_estimator = "none"

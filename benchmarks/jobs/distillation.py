@@ -26,11 +26,24 @@ TARGET = 0.8
 REWARD = "critic/score/mean"
 
 
+RAY_START_TRIES = 3
+"""Starts of one run when Ray's node does not come up in its fixed 30 s (a loaded shared machine); each counted."""
+RAY_TIMEOUT = "The current node timed out during startup"
+ray_retries = 0
+
+
 def run(overrides: list[str], run_dir: str) -> list[dict]:
     """One mgrpo-train run; its step metrics."""
+    global ray_retries
     cmd = [sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", "trainer.save_hf=false",
            *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    for attempt in range(RAY_START_TRIES):
+        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=3600)
+        if proc.returncode == 0 or RAY_TIMEOUT not in proc.stdout or attempt == RAY_START_TRIES - 1:
+            break
+        ray_retries += 1
+        print(f"Ray's node did not start in time; starting the run again ({attempt + 2}/{RAY_START_TRIES})", flush=True)
     if proc.returncode != 0:
         sys.exit(f"mgrpo-train {' '.join(overrides)} exited {proc.returncode}:\n{proc.stdout[-4000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -45,7 +58,7 @@ def steps_to(rewards: list[float], target: float = TARGET):
     return None
 
 
-def curve(args, name: str, overrides: list[str]) -> dict:
+def curve(name: str, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="mgrpo-distill-") as tmp:
         t0 = time.time()
         steps = run(overrides, tmp)
@@ -104,8 +117,23 @@ def main(argv=None) -> None:
                  "trainer.experiment_name=opd-teacher)")
     result: dict = {"command": "python -m benchmarks.jobs.distillation " + " ".join(argv or sys.argv[1:]),
                     "teacher": args.teacher, "target": TARGET, "agreement": [], "seeds": []}
+
+    def save():
+        write_json(args, "distillation_cpu", {**result, "ray_start_retries": ray_retries,
+                                              "machine": machine(packages=("torch", "megatron-core"))})
+
     for mode in ("megatron", "sglang"):
         result["agreement"].append(agreement(teacher, mode, []))
+        save()
+    for seed in [] if args.skip_curves else args.seeds:
+        same = [f"trainer.seed={seed}", f"data.seed={seed}", f"actor.seed={seed}"]
+        opd = curve(f"distillation seed {seed}", [*same, f"trainer.total_training_steps={args.distill_steps}",
+                                                   f"teacher.hf_path={teacher}", *args.distill])
+        result["seeds"].append({"seed": seed, "distillation": opd})
+        save()
+        result["seeds"][-1]["grpo"] = curve(f"grpo seed {seed}",
+                                            [*same, f"trainer.total_training_steps={args.grpo_steps}"])
+        save()
     with tempfile.TemporaryDirectory(prefix="mgrpo-wide-teacher-") as wide:  # a wider, deeper random teacher
         from mgrpo.config import ModelConfig
         from mgrpo.data.synthetic import synthetic_tokenizer
@@ -117,15 +145,7 @@ def main(argv=None) -> None:
             row = agreement(wide, mode, [])
             row["teacher"] = "random, hidden 192, ffn 512, 3 layers (the student: 128, 256, 2)"
             result["agreement"].append(row)
-    for seed in [] if args.skip_curves else args.seeds:
-        same = [f"trainer.seed={seed}", f"data.seed={seed}", f"actor.seed={seed}"]
-        grpo = curve(args, f"grpo seed {seed}", [*same, f"trainer.total_training_steps={args.grpo_steps}"])
-        opd = curve(args, f"distillation seed {seed}", [*same, f"trainer.total_training_steps={args.distill_steps}",
-                                                          f"teacher.hf_path={teacher}", *args.distill])
-        result["seeds"].append({"seed": seed, "grpo": grpo, "distillation": opd})
-        write_json(args, "distillation_cpu", {**result, "machine": machine(packages=("torch", "megatron-core"))})
-    write_json(args, "distillation_cpu", {**result, "machine": machine(packages=("torch", "megatron-core"))})
-
+            save()
 
 if __name__ == "__main__":
     main()

@@ -76,11 +76,7 @@ def step_metrics(exp, metrics: dict, cfg, layout, train_data, counters: dict) ->
     out["data/epoch"] = float(train_data.epoch)
     for key, value in counters.items():
         out[key + "_total"] = float(value)
-    if exp.teacher_logprobs is not None:  # on-policy distillation's signal, over the loss tokens
-        from mgrpo.algorithms.distill import opd_metrics
-
-        out.update(opd_metrics(exp.teacher_kl(cfg.algorithm.opd), exp.padded(exp.student_logprobs()),
-                               exp.padded(exp.teacher_logprobs), exp.response_mask(loss_only=True)))
+    out.update(exp.opd_metrics(cfg.algorithm.opd))  # on-policy distillation's signal ({} without a teacher)
     return out
 
 

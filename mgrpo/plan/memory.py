@@ -9,8 +9,7 @@ Persistent (resident through the whole step):
   optimizer    Adam m, v (8 B) + the fp32 master copy when weights are bf16 (4 B); divided by DP with
                actor.use_distributed_optimizer
   reference    params x weight bytes when a KL term needs it, sharded like the actor
-  teacher      teacher.mode=megatron: the teacher's params x weight bytes, sharded like the actor; its
-               forward's activations replace the log-prob phase's when larger
+  teacher      teacher.mode=megatron: its params x weight bytes, sharded like the actor (log-probs: the larger forward)
   context      CUDA context + cuBLAS workspace + NCCL buffers (CUDA_CONTEXT_GIB, an assumption)
 Phases (the peak is the largest):
   generation   colocated SGLang holds rollout.gpu_memory_utilization of the card while the trainer
@@ -50,6 +49,7 @@ from mgrpo.plan.moe import (dispatch_buffers, ep_gather, is_moe, largest_exporte
                                       routing_payload)
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
 from mgrpo.config.validate import default_dtype, resolved_device
+from mgrpo.models.hf_config import teacher_model
 
 GIB = 1024**3
 MIB = 1024**2
@@ -258,7 +258,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     # the distributed optimizer shards dense states over DP, experts' over their expert-data-parallel ranks
     dp_shard = lay.dp if a.use_distributed_optimizer else 1
-    teacher = _megatron_teacher(cfg)
+    tm = teacher_model(cfg.teacher.hf_path) if cfg.teacher.hf_path and cfg.teacher.mode == "megatron" else None
     edp_shard = a.tp * a.cp * lay.dp // a.ep if a.use_distributed_optimizer else 1
     stages = []
     for stage in range(a.pp):
@@ -278,8 +278,8 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                                                  dp_shard, edp_shard),
             "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
         }
-        if teacher is not None:  # on-policy distillation's Megatron teacher: frozen, sharded like the actor
-            persistent["teacher_weights"] = teacher["counts"]["per_rank_by_stage"][stage] * w
+        if tm is not None:  # on-policy distillation's Megatron teacher: frozen, sharded like the actor
+            persistent["teacher_weights"] = param_counts(tm, a.tp, a.pp, a.ep)["per_rank_by_stage"][stage] * w
         if device == "cuda":
             persistent["cuda_context"] = int(CUDA_CONTEXT_GIB * GIB)
         else:
@@ -290,8 +290,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                  "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0}
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
-        if teacher is not None:  # its forward runs after the reference's, never beside it: the larger of the two
-            tm = teacher["model"]
+        if tm is not None:  # its forward runs after the reference's, never beside it: the larger of the two
             fwd["activations"] = max(fwd["activations"], layer_activations(tm, shape, a.tp, w, spec)
                                      + shape.tokens * tm.hidden_size * w)
         if moe:
@@ -334,18 +333,6 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         by_recompute = {str(rc): stage_activations(cfg, shape, stage, w, spec, rc) for rc in (None, "selective", "full")}
         stages.append(Memory(device, dtype, spec, stage, n, terms, full, capacity, shape, by_recompute))
     return stages
-
-
-def _megatron_teacher(cfg: MGRPOConfig) -> Optional[dict]:
-    """teacher.mode=megatron: the teacher's ModelConfig (from its config.json) and its parameter counts at the
-    actor's layout; None without one."""
-    t = getattr(cfg, "teacher", None)
-    if t is None or not t.hf_path or t.mode != "megatron":
-        return None
-    from mgrpo.models.hf_config import teacher_model
-
-    model = teacher_model(t.hf_path)
-    return {"model": model, "counts": param_counts(model, cfg.actor.tp, cfg.actor.pp, cfg.actor.ep)}
 
 
 def _host_memory() -> int:
