@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mgrpo.algorithms.advantages import compute_advantages, scores_to_token_rewards
+from mgrpo.algorithms.distill import add_teacher_term
 from mgrpo.algorithms.filtering import apply_overlong_buffer, overlong_filter
 from mgrpo.algorithms.kl import apply_kl_in_reward
 from mgrpo.algorithms.support import SampleSupport
@@ -36,6 +37,8 @@ class ForwardResults:
     """pi_old: the weights that sampled, recomputed by the trainer (or the on-policy update's own)."""
     entropy: Optional[list[list[float]]] = None
     ref_logprobs: Optional[list[list[float]]] = None
+    teacher_logprobs: Optional[list[list[float]]] = None
+    """On-policy distillation (teacher.hf_path): the teacher's log-probs of each sampled token."""
     routed_experts: Optional[list[np.ndarray]] = None
     """actor.router_replay=old: the routes the old-policy forward recorded (what the update replays)."""
 
@@ -71,6 +74,8 @@ class Experience:
     None: the rollout and trainer log-probs are over the whole tempered vocabulary."""
     old_logprobs: Optional[list[list[float]]] = None
     ref_logprobs: Optional[list[list[float]]] = None
+    teacher_logprobs: Optional[list[list[float]]] = None
+    """On-policy distillation: the teacher's log-probs of each response token (the teacher's forward)."""
     entropy: Optional[list[list[float]]] = None
     advantages: Optional[list[list[float]]] = None
     engines: list = field(default_factory=list)
@@ -302,6 +307,29 @@ class Experience:
             for i, row in zip(keep, adv):
                 adv_rows[i] = row
         self.advantages = adv_rows
+        if self.teacher_logprobs is not None:  # on-policy distillation: the teacher's term on every loss token
+            self.advantages = self.unpadded(add_teacher_term(self.padded(adv_rows), self.teacher_kl(al.opd), al.opd))
+
+    def student_logprobs(self) -> list[list[float]]:
+        """The student's log-probs of its sampled tokens for the distillation term: pi_old when the trainer
+        computed it before the update, else the engine's (the same weights, measured within 1e-6 in fp32)."""
+        return self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+
+    def teacher_kl(self, opd) -> np.ndarray:
+        """[N, L] per-token reverse KL (student - teacher log-prob) on the loss tokens (`algorithms/distill.py`)."""
+        from mgrpo.algorithms.distill import reverse_kl
+
+        return reverse_kl(self.padded(self.student_logprobs()), self.padded(self.teacher_logprobs),
+                          self.response_mask(loss_only=True), opd)
+
+    def opd_metrics(self, opd) -> dict[str, float]:
+        """opd/* over the loss tokens (`algorithms/distill.py::opd_metrics`); {} without teacher log-probs."""
+        if self.teacher_logprobs is None:
+            return {}
+        from mgrpo.algorithms.distill import opd_metrics
+
+        return opd_metrics(self.teacher_kl(opd), self.padded(self.student_logprobs()),
+                           self.padded(self.teacher_logprobs), self.response_mask(loss_only=True))
 
     # --- cuts for the trainer ------------------------------------------------------------------------
     def mini_batches(self, cfg: MGRPOConfig, epoch_seed: int) -> list[list[int]]:

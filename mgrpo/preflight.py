@@ -140,6 +140,75 @@ def _router_replay_errors(cfg: MGRPOConfig, family) -> list[str]:
     return e
 
 
+def teacher_errors(cfg) -> list[str]:
+    """What refuses a teacher at start: no checkpoint, another vocabulary or chat template than the student's
+    (the teacher scores the student's token ids, which must mean the same text to both), a Megatron teacher the
+    actor's layout cannot split, and a distillation setting without a teacher."""
+    t, al = cfg.teacher, cfg.algorithm
+    e: list[str] = []
+    if al.opd.coef < 0:
+        e.append(f"algorithm.opd.coef={al.opd.coef} must be non-negative")
+    if not t.hf_path:
+        if al.adv_estimator == "none":
+            e.append("algorithm.adv_estimator=none trains on on-policy distillation's teacher term alone, but "
+                     "teacher.hf_path is not set")
+        return e
+    from mgrpo.config import ConfigError, InputError
+    from mgrpo.data.tokenizer import load_tokenizer
+    from mgrpo.models.hf_config import teacher_model
+
+    try:
+        model = teacher_model(t.hf_path)
+    except (FileNotFoundError, InputError, ValueError) as err:
+        return e + [f"teacher.hf_path={t.hf_path!r}: {err}"]
+    if model.vocab_size != cfg.model.vocab_size:
+        e.append(f"teacher.hf_path={t.hf_path!r} has vocab_size={model.vocab_size} but the student "
+                 f"(model.tokenizer={cfg.model.tokenizer!r}) has model.vocab_size={cfg.model.vocab_size}: "
+                 "the teacher must share the student's tokenizer")
+    try:
+        student, teacher = load_tokenizer(cfg.model), load_tokenizer(model)
+    except (ConfigError, OSError, ValueError) as err:
+        return e + [f"teacher.hf_path={t.hf_path!r}: its tokenizer cannot be loaded ({err})"]
+    e.extend(tokenizer_differences(student, f"the student's (model.tokenizer={cfg.model.tokenizer!r})",
+                                   teacher, f"the teacher's (teacher.hf_path={t.hf_path!r}, tokenizer "
+                                   f"{model.tokenizer!r})"))
+    if t.mode == "megatron":
+        a = cfg.actor
+        if model.num_layers % a.pp:
+            e.append(f"teacher.mode=megatron lays the teacher out like the actor: its {model.num_layers} layers "
+                     f"({t.hf_path}) do not split over actor.pp={a.pp} stages")
+        if model.num_query_groups % a.tp or model.num_attention_heads % a.tp:
+            e.append(f"teacher.mode=megatron lays the teacher out like the actor: its {model.num_attention_heads} "
+                     f"heads / {model.num_query_groups} key-value heads do not split over actor.tp={a.tp}")
+    else:
+        if t.tp < 1 or t.num_engines < 1:
+            e.append(f"teacher.tp={t.tp} and teacher.num_engines={t.num_engines} must be at least 1")
+        # SGLang's input-token log-probs are log_softmax of the raw logits over the whole vocabulary
+        # (logprob_processor.py): neither tempered nor over a sampling support
+        if cfg.rollout.temperature != 1.0:
+            e.append(f"teacher.mode=sglang returns untempered log-probs (SGLang's input_token_logprobs), but "
+                     f"rollout.temperature={cfg.rollout.temperature}: use teacher.mode=megatron, whose forward "
+                     "takes the rollout temperature")
+        if al.logprob_support == "sampled":
+            e.append("teacher.mode=sglang returns log-probs over the whole vocabulary, not over each token's "
+                     "sampling support (algorithm.logprob_support=sampled): use teacher.mode=megatron")
+    return e
+
+
+def tokenizer_differences(a, a_name: str, b, b_name: str) -> list[str]:
+    """One line per way two tokenizers differ (vocabulary, special tokens' ids, chat template), naming both."""
+    e: list[str] = []
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        differ = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])[:3]
+        e.append(f"{b_name} vocabulary ({len(vb)} tokens) differs from {a_name} ({len(va)} tokens), e.g. "
+                 f"{differ}: on-policy distillation needs the student's tokenizer in the teacher")
+    if (a.chat_template or None) != (b.chat_template or None):
+        e.append(f"{b_name} chat template differs from {a_name}: the teacher would read the student's prompts "
+                 "as another conversation")
+    return e
+
+
 @dataclass(frozen=True)
 class Checked:
     layout: Layout
@@ -155,7 +224,7 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
     trainer.allow_oversubscribe (mgrpo-plan prints the whole plan). With `check_placement`, a layout the Ray
     this run would start on this machine cannot place fails here too (`placement_errors`)."""
     raise_errors(field_errors(cfg, check_files=check_files) + registry_errors(cfg) + engine_errors(cfg)
-                 + sandbox_errors(cfg))
+                 + sandbox_errors(cfg) + teacher_errors(cfg))
     if check_placement:  # a run about to start Ray here (mgrpo-plan plans for other machines too)
         raise_errors(placement_errors(cfg, layout(cfg)))  # needs a layout: after the field errors
     memory = None
@@ -167,4 +236,4 @@ def preflight(cfg: MGRPOConfig, *, check_files: bool = True, check_memory: bool 
 
 
 __all__ = ["Checked", "ConfigError", "engine_errors", "placement_errors", "preflight", "registry_errors",
-           "sandbox_errors"]
+           "sandbox_errors", "teacher_errors"]

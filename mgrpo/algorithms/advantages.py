@@ -117,6 +117,12 @@ def reinforce_plus_plus_baseline(scores, group_index, response_mask, cfg, token_
     return (masked_whiten(adv, mask) * mask).astype(np.float32)
 
 
+def no_advantage(scores, group_index, response_mask, cfg, token_rewards=None):
+    """Zero everywhere: the reward moves nothing (pure on-policy distillation, whose teacher term is added
+    afterwards, `mgrpo/algorithms/distill.py`)."""
+    return np.zeros(np.shape(response_mask), dtype=np.float32)
+
+
 def compute_advantages(scores: np.ndarray, group_index: np.ndarray, response_mask: np.ndarray,
                        cfg: AlgorithmConfig, token_rewards: np.ndarray | None = None) -> np.ndarray:
     """Advantages [N, L] (float32, zero where response_mask is 0) with cfg.adv_estimator.

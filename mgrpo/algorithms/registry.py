@@ -66,6 +66,8 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("algorithm.adv_est
     # Batch-whitened returns: no group baseline, so single responses per prompt are fine.
     "reinforce_plus_plus": AdvantageEstimator(_A + "advantages:reinforce_plus_plus", needs_groups=False),
     "reinforce_plus_plus_baseline": AdvantageEstimator(_A + "advantages:reinforce_plus_plus_baseline"),
+    # No reward advantage: on-policy distillation's teacher term alone (algorithm.opd).
+    "none": AdvantageEstimator(_A + "advantages:no_advantage", needs_groups=False),
 })
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("algorithm.policy_loss", {

@@ -35,6 +35,9 @@ class StepForwards:
         self.keep_ref = need_ref and not self.old
         self._old = client.send_logprobs(exp, "actor") if self.old else None
         self._ref = client.send_logprobs(exp, "ref", keep=self.keep_ref) if need_ref else None
+        # on-policy distillation: the teacher's forward goes with the reference's (the ranks run them back to
+        # back while the driver judges; an SGLang teacher's engines run beside the ranks)
+        self._teacher = client.teacher.send(exp) if client.teacher is not None else None
 
     def collect(self, *, kept: bool = False) -> tuple[ForwardResults, dict[str, float]]:
         """Wait for the forwards the driver reads; return them, and the seconds spent waiting for each
@@ -53,6 +56,9 @@ class StepForwards:
                 out = self._ref()
             if not self.keep_ref:
                 got.ref_logprobs = out["logprobs"]
+        if self._teacher is not None:
+            with timer("teacher"):
+                got.teacher_logprobs = self._teacher()["logprobs"]
         return got, timer.seconds
 
     def update(self, exp: Experience, step: int) -> tuple[dict, ForwardResults]:
@@ -62,12 +68,19 @@ class StepForwards:
 
 
 class ActorClient:
-    def __init__(self, group, cfg: MGRPOConfig, dp: int):
+    def __init__(self, group, cfg: MGRPOConfig, dp: int, teacher=None):
         self.group = group
         """`mgrpo.cluster.megatron_group.MegatronGroup`: fans calls out to every Megatron rank."""
         self.cfg = cfg
         self.dp = dp
         self.need_ref = cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.teacher = teacher
+        """On-policy distillation's teacher (`components/teacher.py`): `send(exp)` -> a wait for its log-probs; an
+        SGLang teacher is given, a Megatron one made here (it is the ranks')."""
+        if cfg.teacher.hf_path and cfg.teacher.mode == "megatron":
+            from mgrpo.components.teacher import MegatronTeacher
+
+            self.teacher = MegatronTeacher(self)
 
     # --- log-probs ----------------------------------------------------------------------------------
     def begin(self, exp: Experience) -> StepForwards:
@@ -191,6 +204,8 @@ class ActorClient:
         self.group.save_hf(out_dir, tokenizer_dir)
 
     def shutdown(self) -> None:
+        if hasattr(self.teacher, "close"):  # an SGLang teacher's engines
+            self.teacher.close()
         self.group.shutdown()
 
 

@@ -141,7 +141,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
 
     p, t = prepared, cfg.trainer
     tokenizer, total_steps, checkpointer, resume_dir = p.tokenizer, p.total_steps, p.checkpointer, p.decision.resume_dir
-    rubric = group = rollout = early = None
+    rubric = group = rollout = early = teacher = None
     phase = _Phases()
     engine_pool = ThreadPoolExecutor(1, thread_name_prefix="mgrpo-engines")
     try:
@@ -209,7 +209,13 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
             with phase(stages):
                 group.setup(cfg)
         log.info("start | Megatron ranks use: %s", group.info[0].get("paths", "?"))
-        actor = ActorClient(group, cfg, layout.dp)
+        if cfg.teacher.hf_path and cfg.teacher.mode == "sglang":  # on-policy distillation's teacher engines
+            from mgrpo.components.teacher import SGLangTeacher
+
+            with phase(f"{cfg.teacher.num_engines} SGLang teacher engine(s) ({cfg.teacher.hf_path})"):
+                teacher = SGLangTeacher(cfg, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"),
+                                        cpus=t.cpus_per_worker)
+        actor = ActorClient(group, cfg, layout.dp, teacher=teacher)
         weights = WeightSync(cfg.rollout, actor, rollout)
         state = RunState()
         if resume_dir is not None:
@@ -229,6 +235,8 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
         if rollout is None and early is not None:  # engines started beside a failed step: taken down too
             with contextlib.suppress(BaseException):
                 rollout = early.result()
+        if teacher is not None:
+            teacher.close()
         close(None, rubric, rollout, group)
         raise
     finally:

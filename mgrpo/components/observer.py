@@ -136,6 +136,9 @@ class Observer:
             for row, p, r, ro, tr in zip(rows, exp.prompt_ids, exp.response_ids, exp.rollout_logprobs,
                                          exp.old_logprobs or [None] * len(exp)):
                 row.update(prompt_ids=p, response_ids=r, rollout_logprobs=ro, trainer_logprobs=tr)
+            if exp.teacher_logprobs is not None:  # on-policy distillation: the teacher's side, token by token
+                for row, te in zip(rows, exp.teacher_logprobs):
+                    row["teacher_logprobs"] = te
         if exp.turns is not None:  # multi-turn: turns (role, token span, text, calls, errors, latency), finish
             for row, t, m in zip(rows, exp.turns, sampled):
                 # the trajectory's own ending (tool_timeout, max_turns, ...): the experience keeps only

@@ -227,3 +227,19 @@ def plain(cfg):
         return value
 
     return convert(cfg)
+
+
+class TeacherMode(StrEnum):
+    """Where the on-policy distillation teacher runs (teacher.mode)."""
+
+    megatron = "megatron"
+    """A frozen Megatron model in the actor's ranks, laid out like the reference."""
+    sglang = "sglang"
+    """An auxiliary SGLang engine returning the log-probs of the student's tokens."""
+
+
+class OpdLossMode(StrEnum):
+    """The on-policy distillation signal (algorithm.opd.loss_mode)."""
+
+    reverse_kl = "reverse_kl"
+    """Per sampled token, log pi_student - log pi_teacher, subtracted from the advantage (x coef)."""

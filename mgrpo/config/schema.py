@@ -26,6 +26,7 @@ from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.offload import OffloadConfig
 from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
 from mgrpo.config.sandbox import SandboxConfig
+from mgrpo.config.teacher import OpdConfig, TeacherConfig
 
 
 @dataclass
@@ -131,7 +132,8 @@ class AlgorithmConfig:
     """The GRPO-family objective."""
 
     adv_estimator: str = "grpo"
-    """grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline"""
+    """grpo | dr_grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | none (no reward advantage:
+    pure on-policy distillation, with teacher.hf_path)"""
     norm_adv_by_std_in_grpo: bool = True
     policy_loss: str = "vanilla"
     """vanilla (PPO clip; dual-clip when clip_ratio_c is set) | gspo (sequence-level ratio)"""
@@ -164,6 +166,8 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False
     """Mask out of the loss responses truncated at max_response_length."""
+    opd: OpdConfig = field(default_factory=OpdConfig)
+    """On-policy distillation's signal; applies when teacher.hf_path is set."""
 
 
 @dataclass
@@ -421,6 +425,7 @@ class MGRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self):

@@ -107,3 +107,9 @@ def resolve_hf_dir(path: str) -> Optional[str]:
         if snaps:
             return os.path.dirname(snaps[-1])
     return None
+
+
+def teacher_model(teacher_hf_path: str) -> ModelConfig:
+    """The on-policy distillation teacher's ModelConfig (teacher.hf_path), from its config.json alone: the
+    driver checks it and the planner sizes it without torch; the Megatron ranks build it from the same."""
+    return ModelConfig(hf_path=teacher_hf_path, **hf_architecture(teacher_hf_path))

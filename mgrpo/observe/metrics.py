@@ -76,6 +76,7 @@ def step_metrics(exp, metrics: dict, cfg, layout, train_data, counters: dict) ->
     out["data/epoch"] = float(train_data.epoch)
     for key, value in counters.items():
         out[key + "_total"] = float(value)
+    out.update(exp.opd_metrics(cfg.algorithm.opd))  # on-policy distillation's signal ({} without a teacher)
     return out
 
 

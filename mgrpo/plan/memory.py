@@ -9,6 +9,7 @@ Persistent (resident through the whole step):
   optimizer    Adam m, v (8 B) + the fp32 master copy when weights are bf16 (4 B); divided by DP with
                actor.use_distributed_optimizer
   reference    params x weight bytes when a KL term needs it, sharded like the actor
+  teacher      teacher.mode=megatron: its params x weight bytes, sharded like the actor (log-probs: the larger forward)
   context      CUDA context + cuBLAS workspace + NCCL buffers (CUDA_CONTEXT_GIB, an assumption)
 Phases (the peak is the largest):
   generation   colocated SGLang holds rollout.gpu_memory_utilization of the card while the trainer
@@ -50,6 +51,7 @@ from mgrpo.plan.moe import (dispatch_buffers, ep_gather, is_moe, largest_exporte
 from mgrpo.config import ConfigError, Layout, MGRPOConfig, layout
 from mgrpo.plan import offload as host_offload
 from mgrpo.config.validate import default_dtype, resolved_device
+from mgrpo.models.hf_config import teacher_model
 
 GIB = 1024**3
 MIB = 1024**2
@@ -189,6 +191,7 @@ def head_working_set(cfg: MGRPOConfig, shape: Shape, v_local: int, e: int, *, tr
 LABELS = {
     "actor_weights": "actor weights", "actor_grads": "actor grads (fp32 buffer)",
     "optimizer_states": "optimizer (Adam m, v; + fp32 master with bf16)", "reference_weights": "reference weights",
+    "teacher_weights": "teacher weights (on-policy distillation)",
     "cuda_context": "CUDA context, cuBLAS, NCCL (assumed)", "activations": "activations",
     "logprob_head": "log-prob head", "backward_working_set": "backward working set (one layer)",
     "gradient_transient": "gradient transient (largest parameter)", "cpu_runtime": "gloo groups, megatron state",
@@ -257,6 +260,7 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
         max(v // a.tp for k, v in counts["per_layer"].items() if k != "norms")
     # the distributed optimizer shards dense states over DP, experts' over their expert-data-parallel ranks
     dp_shard = lay.dp if a.use_distributed_optimizer else 1
+    tm = teacher_model(cfg.teacher.hf_path) if cfg.teacher.hf_path and cfg.teacher.mode == "megatron" else None
     edp_shard = a.tp * a.cp * lay.dp // a.ep if a.use_distributed_optimizer else 1
     stages = []
     for stage in range(a.pp):
@@ -276,6 +280,8 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                                                  dp_shard, edp_shard),
             "reference_weights": n * w if (al.use_kl_loss or al.use_kl_in_reward) else 0,
         }
+        if tm is not None:  # on-policy distillation's Megatron teacher: frozen, sharded like the actor
+            persistent["teacher_weights"] = param_counts(tm, a.tp, a.pp, a.ep)["per_rank_by_stage"][stage] * w
         if a.lora.enabled:  # the base frozen (weights only), the adapters trained, the reference = the base
             la, la_expert = (c[stage] for c in adapter_counts(m, a.lora, a.tp, a.pp, a.ep))
             persistent.update(actor_weights=(n + la) * w, actor_grads=la * 4, reference_weights=0,
@@ -294,6 +300,9 @@ def estimate_stages(cfg: MGRPOConfig, lay: Optional[Layout] = None, *, gpu_mem_g
                  "logprob_head": head_working_set(cfg, shape, v_local, w, training=True) if last else 0}
         fwd = {"activations": layer_activations(m, shape, a.tp, w, spec) + shape.tokens * m.hidden_size * w,
                "logprob_head": head_working_set(cfg, shape, v_local, w, training=False) if last else 0}
+        if tm is not None:  # its forward runs after the reference's, never beside it: the larger of the two
+            fwd["activations"] = max(fwd["activations"], layer_activations(tm, shape, a.tp, w, spec)
+                                     + shape.tokens * tm.hidden_size * w)
         if moe:
             payload = routing_payload(m, str(a.router_replay) != "off",
                                       math.ceil((a.ppo_mini_batch_size or cfg.data.train_batch_size) * r.n / lay.dp),

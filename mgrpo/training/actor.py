@@ -84,6 +84,7 @@ class MegatronActor:
                                          init_hf_dir)
             self.ref.requires_grad_(False)
             self.ref.eval()
+        self.teacher = self._build_teacher() if cfg.teacher.hf_path and cfg.teacher.mode == "megatron" else None
         # mixture of experts: each model's routers, driven per micro-batch (routing replay and its metrics)
         self.routing = self._routing(gpt)
         self.ref_routing = self._routing(self.ref) if self.ref is not None else None
@@ -99,14 +100,33 @@ class MegatronActor:
         """(batch key, per-sample reference log-probs or None off the last stage, seconds): kept for the update."""
 
     # --- construction ---------------------------------------------------------------------------
-    def _build_stage(self, tf_config, hf_dir: str):
+    def _build_stage(self, tf_config, hf_dir: str, model_cfg=None):
         c = self.ctx
-        gpt = build_gpt_model(self.cfg.model, tf_config, pre_process=c.is_first_stage, post_process=c.is_last_stage,
+        model_cfg = model_cfg or self.cfg.model
+        gpt = build_gpt_model(model_cfg, tf_config, pre_process=c.is_first_stage, post_process=c.is_last_stage,
                               pg_collection=c.pg_collection, packed=self.layout.packed)
-        load_hf_into_megatron(gpt, hf_dir, self.cfg.model, tp_rank=c.tp_rank, tp_size=c.tp,
+        load_hf_into_megatron(gpt, hf_dir, model_cfg, tp_rank=c.tp_rank, tp_size=c.tp,
                                             pp_rank=c.pp_rank, pp_size=c.pp)
         emit_hidden_states(gpt)
         return gpt
+
+    def _build_teacher(self):
+        """On-policy distillation's Megatron teacher: frozen, forward-only, in the actor's processes and parallel
+        layout like the reference, with an architecture of its own (teacher.hf_path's config.json; the
+        vocabulary is the student's, checked at start)."""
+        from mgrpo.models.hf_config import teacher_model
+
+        model = teacher_model(self.cfg.teacher.hf_path)
+        tf = self.tf_config
+        tf_config = transformer_config(model, tp=self.ctx.tp, pp=self.ctx.pp, cp=self.ctx.cp, ep=self.ctx.ep,
+                                       use_cpu=self.ctx.device.type == "cpu", params_dtype=tf.params_dtype,
+                                       fp8=self.cfg.actor.fp8, fp8_recipe=self.cfg.actor.fp8_recipe,
+                                       fp8_param=self.cfg.actor.fp8_param, cp_comm_type=self.cfg.actor.cp_comm_type,
+                                       recompute=None, routing_replay=False)
+        teacher = self._build_stage(tf_config, self.cfg.teacher.hf_path, model)
+        teacher.requires_grad_(False)
+        teacher.eval()
+        return teacher
 
     def _routing(self, model) -> Optional[ModelRouting]:
         if not self.cfg.model.num_experts:
@@ -174,8 +194,8 @@ class MegatronActor:
     # --- log-probs ------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, batch: RankBatch, which: str, keep: bool = False) -> Optional[dict]:
-        """Per-response-token log-probs of `which` in {'actor', 'ref'}, and the actor's entropy (None
-        per sample for the reference, whose entropy nothing reads).
+        """Per-response-token log-probs of `which` in {'actor', 'ref', 'teacher'}, and the actor's entropy (None
+        per sample for the reference and the teacher, whose entropy nothing reads).
 
         Returned by the last pipeline stage (one TP and CP rank suffices; all hold the same values).
         `keep` (the reference only): nothing is returned; every rank keeps its values for the update of
@@ -184,9 +204,9 @@ class MegatronActor:
         if which == "ref" and self.lora is not None:  # the base with the adapters switched off
             with self.lora.disabled():
                 return self._logprobs(self.actor, self.gpt, batch, which, keep)
-        model = self.actor if which == "actor" else self.ref
+        model = {"actor": self.actor, "ref": self.ref, "teacher": self.teacher}[which]
         if model is None:
-            raise RuntimeError("reference log-probs requested but no reference model was built")
+            raise RuntimeError(f"{which} log-probs requested but no {which} model was built")
         gpt = model.module if which == "actor" else model
         if which == "ref":
             self.host.restore("ref")
@@ -199,7 +219,8 @@ class MegatronActor:
     def _logprobs(self, model, gpt, batch: RankBatch, which: str, keep: bool) -> Optional[dict]:
         t0 = time.perf_counter()
         mbs, groups = self._micro_batches(batch)
-        routing = self.routing if which == "actor" else self.ref_routing
+        # the teacher routes its own experts: the routes the student's engine recorded are not its routers'
+        routing = {"actor": self.routing, "ref": self.ref_routing}.get(which)
         action = self._routing_pass(routing, batch, which)
         step = forward_only_step(self.head, lambda: output_weight(gpt), entropy=which == "actor",
                                  routing=routing)

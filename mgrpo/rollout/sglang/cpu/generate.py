@@ -177,8 +177,6 @@ def parse(body: Any, limits: Limits, tokenizer=None):
         raise RequestError(f"/generate: {extra} not implemented by the CPU server (it takes {sorted(GENERATE_FIELDS)})")
     if body.get("stream"):
         raise RequestError("/generate: stream=true is not implemented by the CPU server")
-    if body.get("logprob_start_len") not in (None, -1):
-        raise RequestError("/generate: prompt log-probs are not implemented by the CPU server (logprob_start_len -1)")
     ids = body.get("input_ids")
     if ids is None:
         raise RequestError("/generate: the CPU server takes input_ids only (no tokenizer: send token ids)")
@@ -204,14 +202,17 @@ def parse(body: Any, limits: Limits, tokenizer=None):
     if len(sps) != n:
         raise RequestError(f"/generate: sampling_params has {len(sps)} entries for a batch of {n} requests")
     logprob = _per_request(body.get("return_logprob"), n, single, "return_logprob", _bool, False)
+    # SGLang's input-token log-probs (scheduler.py: ignored without return_logprob; -1 = none of the input's)
+    starts = _per_request(body.get("logprob_start_len"), n, single, "logprob_start_len",
+                          lambda v: v is None or _is_int(v), -1)
     tops = _per_request(body.get("top_logprobs_num"), n, single, "top_logprobs_num",
                         lambda v: v is None or (_is_int(v) and v >= 0), 0)
     mask = _per_request(body.get("return_sampling_mask"), n, single, "return_sampling_mask", _bool, False)
     modes = _per_request(body.get("sampling_logprobs_mode"), n, single, "sampling_logprobs_mode",
                          lambda v: v in (None, "selected", "support"), None)
     routes = body.get("return_routed_experts") or False
-    start = body.get("routed_experts_start_len") or 0
-    if not isinstance(routes, bool) or not _is_int(start):
+    start_routes = body.get("routed_experts_start_len") or 0
+    if not isinstance(routes, bool) or not _is_int(start_routes):
         raise RequestError("/generate: return_routed_experts must be a boolean and routed_experts_start_len an "
                            "integer")
     reqs = []
@@ -220,12 +221,16 @@ def parse(body: Any, limits: Limits, tokenizer=None):
         if modes[i] is not None and not mask[i]:
             raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
         max_new = _check_length(len(prompt), s["max_new_tokens"], limits.context_len)
+        start = starts[i] if logprob[i] else -1
+        if start > len(prompt):  # scheduler.py's refusal, word for word
+            raise RequestError(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                               f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller logprob_start_len.")
         if mask[i] and s["top_k"] != 1 and not 1 < s["top_k"] <= limits.mask_max_tokens:
             raise RequestError(f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
                                f"{limits.mask_max_tokens}; got top_k={s['top_k']}. Lower top_k or increase "
                                "--sampling-mask-max-tokens.")
         if routes and limits.routes:  # without the server flag SGLang ignores the request field
-            err = routes_from_error(start, len(prompt))
+            err = routes_from_error(start_routes, len(prompt))
             if err is not None:
                 raise RequestError(err)
         reqs.append(Req(rid=rid, input_ids=list(prompt), temperature=float(s["temperature"]),
@@ -234,7 +239,8 @@ def parse(body: Any, limits: Limits, tokenizer=None):
                         stops=s["stops"], grammar_key=s["grammar_key"],
                         top_logprobs_num=(tops[i] or 0) if logprob[i] else 0,
                         mask_mode=(modes[i] or "selected") if mask[i] else None,
-                        routes_from=start if routes and limits.routes else None))
+                        routes_from=start_routes if routes and limits.routes else None,
+                        logprob_start_len=start if start >= 0 else None))
     return reqs, single, logprob
 
 
@@ -274,6 +280,10 @@ def answer(r, weight_version: str, return_logprob: bool, t0: float) -> dict:
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
         meta["output_token_logprobs_length"] = len(r.out)
+        # tokenizer_manager.py::add_logprob_to_meta_info: (logprob, id, text) of input positions logprob_start_len..,
+        # the first None (logprob_result_processor.py: [None] + values[:-1]); [] when none were asked
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs,
+                                                                       r.input_ids[r.logprob_start_len or 0:])]
         if r.top_logprobs_num:  # tokenizer_manager.py::detokenize_top_logprobs_tokens, no text
             meta["output_top_logprobs"] = [[[v, t, None] for v, t in zip(*row)] for row in r.top_logprobs]
     if r.mask_mode is not None:

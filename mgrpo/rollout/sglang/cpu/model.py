@@ -44,6 +44,10 @@ class Req:
     """Keep each output position's top log-probs (SGLang's top_logprobs_num, under return_logprob)."""
     routes_from: Optional[int] = None
     """Return the routed experts of positions [routes_from, prompt + output - 1)."""
+    logprob_start_len: Optional[int] = None
+    """The first input position whose log-prob is returned (SGLang's logprob_start_len); None: none of them."""
+    input_logprobs: list = field(default_factory=list)
+    """Log-probs of input positions logprob_start_len.. given the tokens before them; the first is None."""
     stops: StopStrings = field(default_factory=StopStrings)
     """Stop strings (SGLang's sampling_params.stop, normalised; rollout/stops.py)."""
     grammar_key: Optional[tuple[str, str]] = None
@@ -57,6 +61,10 @@ class Req:
     route_rows: list = field(default_factory=list)
     routes: Optional[torch.Tensor] = None
     finish: Optional[dict] = None
+
+
+INPUT_LOGITS_BYTES = 256 << 20
+"""Most fp32 logits one batch of input-token log-probs holds (rows x width x vocabulary x 4)."""
 
 
 class ModelError(ValueError):
@@ -178,6 +186,8 @@ class CPUModel:
         for r in reqs:
             if r.max_new_tokens == 0:  # SGLang answers at once: nothing generated, finished by length
                 r.finish = {"type": "length", "length": 0}
+        self._input_logprobs([r for r in reqs
+                              if r.logprob_start_len is not None and r.logprob_start_len < len(r.input_ids)])
         active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, running=False)]
         if active:
             self._decode(active, started)
@@ -200,6 +210,31 @@ class CPUModel:
                 else {"type": "abort", "message": "Abort in waiting queue"}
             return True
         return False
+
+    def _input_logprobs(self, reqs: list[Req]) -> None:
+        """SGLang's input-token log-probs: at every input position from logprob_start_len on, log_softmax of the
+        logits (untempered, as logprob_processor.py computes them) at the token before, taken at the input's token;
+        the first position None (logprob_result_processor.py). Rows are batched left-padded, as the prefill, at
+        most INPUT_LOGITS_BYTES of fp32 logits at once."""
+        vocab = self.model.config.vocab_size
+        width_of = lambda r: len(r.input_ids)  # noqa: E731
+        order = sorted(reqs, key=width_of)
+        while order:
+            width = width_of(order[-1])
+            rows = max(1, INPUT_LOGITS_BYTES // (4 * width * vocab))
+            batch, order = order[-rows:], order[:-rows]
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
+                mask[i, width - len(r.input_ids):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            for i, r in enumerate(batch):
+                pad, n = width - len(r.input_ids), len(r.input_ids)
+                rows_lp = torch.log_softmax(logits[i, pad + r.logprob_start_len:pad + n - 1].float(), dim=-1)
+                nxt = torch.tensor(r.input_ids[r.logprob_start_len + 1:])
+                r.input_logprobs = [None] + rows_lp.gather(-1, nxt[:, None])[:, 0].tolist()
 
     def _decode(self, reqs: list[Req], started: float) -> None:
         n, width = len(reqs), max(len(r.input_ids) for r in reqs)
