@@ -73,6 +73,7 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
                 gpu_mem_gb: Optional[float] = None) -> dict:
     """Per-accelerator memory by phase, the verdict and a change that fits (mgrpo.plan.memory)."""
     from mgrpo.plan.memory import estimate, verdict
+    from mgrpo.plan.memory import ALLOCATOR_SLACK
     from mgrpo.plan.offload import table as offload_table
 
     v = verdict(cfg, lay, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
@@ -91,7 +92,7 @@ def memory_plan(cfg: MGRPOConfig, lay: Layout, *, dtype: Optional[str] = None,
         "fits": m.fits, "verdict": v.message(),
         "suggestion": v.suggestion, "suggested_peak": v.suggested.peak if v.suggested else None,
         **({"lora": lora_plan(cfg, lay, m, dtype=dtype, gpu_mem_gb=gpu_mem_gb)} if cfg.actor.lora.enabled else {}),
-        "offload": offload_table(cfg, estimate, gpu_mem_gb=gpu_mem_gb, dtype=dtype),
+        "offload": offload_table(cfg, estimate, slack=ALLOCATOR_SLACK, gpu_mem_gb=gpu_mem_gb, dtype=dtype),
     }
 
 

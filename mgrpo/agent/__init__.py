@@ -7,6 +7,8 @@
                  tokens), and the drift check against the template's own rendering
   trajectory.py  one trajectory as token ids with a sampled/context mask, its turns and finish reason
   runner.py      runs trajectories, each advancing on its own, through any `generate` callable
+episode.py     one trajectory's run as a typed record and the states of the runner's state machine
+threads.py     synchronous user code (tools, environments) in daemon threads, never holding the process
   calls.py       a trajectory's tool calls: timeouts, parallel calls, veRL's tool lifecycle, truncated replies
   constrain.py   constrained tool calls (tool_choice, reset_tool_choice, stop_after_call) as SGLang constrains them
   environment.py environments (games, user simulators): `reset` / `step` after turns without tool calls

@@ -13,7 +13,7 @@ to SUM losses and gradients across micro-batches and data-parallel ranks.
   kl.py              per-token KL estimators (kl_estimate, apply_kl_in_reward)
   aggregation.py     loss aggregation as per-token weights over the global mini-batch (token_weights)
   filtering.py       DAPO's dynamic sampling and overlong filtering / shaping
-  failed_samples.py  samples without a reward: which groups keep a baseline, what failures count as
+  distill.py         on-policy distillation's per-token reverse-KL term on the advantages
   support.py         sampling supports of response tokens (logprob_support=sampled), kept compactly
 
 This package imports none of its modules: import from them directly. That keeps registry.py

@@ -12,8 +12,6 @@ the assembly that builds and takes them down in order.
   evaluator.py          validation: when it runs and what it measures (mean@n, pass@n)
   observer.py           the only writer of a run's record files (metrics, trajectories, TensorBoard)
   logprob_guard.py      stops a run whose engine and trainer log-probs disagree
-  reward_engines.py     reward models' servers, hosted as rollout engines are
-  reward_models.py      reward models on auxiliary engines, combined with the rules per data_source
-  judges.py             generative judges on auxiliary engines
+  teacher.py            on-policy distillation's teacher (Megatron ranks or SGLang engines) as the loop sees it
   signals.py            stop requests (SIGUSR1, SIGTERM, SIGINT)
 """

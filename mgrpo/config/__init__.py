@@ -4,6 +4,10 @@
   multi_turn.py   rollout.multi_turn's group
   reward.py       reward.*'s groups (rules, reward models, failed samples)
   sandbox.py      sandbox.*'s group
+  algorithm.py    algorithm.*'s groups (the objective, dynamic sampling, overlong shaping)
+  lora.py         actor.lora: the adapters' group, targets and checks
+  offload.py      actor.offload's group
+  teacher.py      teacher.* and algorithm.opd.* (on-policy distillation)
   choices.py      the closed choices (StrEnums)
   registry.py     named (open) choices and what each one is
   validate.py     the one validator: field-local checks, every message naming its key

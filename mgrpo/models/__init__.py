@@ -15,6 +15,7 @@
   hf_checkpoint.py load an HF directory into a stage (each rank reads only its slices)
   weight_iter.py   stream a stage out as HF tensors (TP gather per parameter, EP gather per expert); buckets
   megatron_ckpt.py megatron distributed checkpoints of the weights (reshard on load)
+  peft_export.py   Megatron LoRA adapters -> a Hugging Face PEFT adapter folder
   attention.py     core attention for the local spec (packed, context-parallel, padded) through torch's
                    fused attention
   attention_layout.py  which tokens a context-parallel rank holds

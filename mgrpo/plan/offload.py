@@ -55,12 +55,13 @@ def largest_share(mem, slack: float) -> float:
     return max(mem.capacity / (1 + slack) - held, 0) / mem.capacity
 
 
-def table(cfg, estimate, *, gpu_mem_gb: Optional[float] = None, dtype: Optional[str] = None) -> Optional[dict]:
+def table(cfg, estimate, *, slack: float, gpu_mem_gb: Optional[float] = None,
+          dtype: Optional[str] = None) -> Optional[dict]:
     """Per offload choice (none, each alone, all): the trainer's bytes in every phase, the peak and whether it fits,
     the largest engine share that fits while generating and the KV tokens it buys, against no offload. None when
     no engine shares the trainer's accelerators (nothing to hand memory to)."""
     from mgrpo.config.offload import OffloadConfig
-    from mgrpo.plan.memory import ALLOCATOR_SLACK, param_counts
+    from mgrpo.models.registry import param_counts  # the model family's count; imports no torch
 
     base = estimate(cfg, gpu_mem_gb=gpu_mem_gb, dtype=dtype)
     if "generation" not in base.phases:
@@ -75,7 +76,7 @@ def table(cfg, estimate, *, gpu_mem_gb: Optional[float] = None, dtype: Optional[
         mem = estimate(replace(cfg, actor=replace(cfg.actor, offload=o)), gpu_mem_gb=gpu_mem_gb, dtype=dtype)
         trainer = {p: sum(v for k, v in t.items() if not k.startswith("sglang") and k != "allocator_slack")
                    for p, t in mem.phases.items()}
-        share = largest_share(mem, ALLOCATOR_SLACK)
+        share = largest_share(mem, slack)
         tokens = kv_tokens(share, mem.capacity, weights, per_token)
         tokens_none = tokens if tokens_none is None else tokens_none
         rows[name] = {"keys": [f"actor.offload.{k}=true" for k in ORDER if getattr(o, k)],

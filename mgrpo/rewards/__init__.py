@@ -4,6 +4,23 @@ services) that all take `ScoreRequest`s and answer a `ScoreResult`; the `Rubric`
 
 Imports only mgrpo.config and libraries (math-verify, transformers, openai lazily); no torch, so worker processes
 start fast. Servers are started and reached through an `EngineKit` given from above (cluster/aux_engines.py).
+
+  scoring.py      the one protocol: ScoreRequest in, ScoreResult out
+  rubric.py       every scorer of a run composed per data_source by weight (reward.compose)
+  judging.py      a batch's judgement: re-judging, masks of failed samples, the failure rate
+  failed.py       samples without a reward: which groups keep a baseline, what failures count as
+  rules.py        reward functions by data_source in isolated worker processes, with timeouts
+  worker.py       a reward worker process (`python -m mgrpo.rewards.worker`)
+  registry.py     reward functions keyed by data_source, veRL's signature
+  gsm8k.py        veRL's GSM8K judge
+  math_reward.py  competition math with math-verify
+  synthetic.py    rewards of the built-in synthetic tasks
+  models.py       reward models (sequence classifiers) on auxiliary engines
+  generative.py   generative judges on auxiliary engines
+  judge.py        a judge's prompt, and its answer parsed to a score
+  hosting.py      a scorer's servers: start, reach, health-check, restart (composition, not inheritance)
+  service.py      an HTTP reward service (slime's --rm-url)
+  metrics.py      validation metrics per data source (mean@n, pass@n)
 """
 
 from mgrpo.rewards.failed import FailureRateExceeded

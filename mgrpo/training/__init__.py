@@ -10,4 +10,6 @@
   router_replay.py  routing replay on megatron-core's RouterReplay
   cpu_compat.py     megatron-core on a machine without CUDA
   spawn.py          a function on N local processes of one gloo group (no Ray)
+lora.py           LoRA adapters on the actor's linears, the base frozen; merged and disabled views
+offload.py        host memory for a rank's storages while the engines generate (actor.offload)
 """

@@ -21,11 +21,12 @@ from mgrpo.data.packing import over_budget, pack_by_tokens, pack_micro_batches
 from mgrpo.heap import trim_before_backward_of
 from mgrpo.models import bucketize, iter_megatron_to_hf, load_hf_into_megatron
 from mgrpo.models.gpt import build_gpt_model, transformer_config
-from mgrpo.training.batch import RankBatch, batch_layout, build_micro_batch, split_per_sample
-from mgrpo.training.forward import LogProbHead, emit_hidden_states, forward_only_step, output_weight, train_step
-from mgrpo.training.offload import HostOffload, unique_storages
+from mgrpo.training.batch import RankBatch, batch_key, batch_layout, build_micro_batch, by_sample
+from mgrpo.training.forward import (LogProbHead, emit_hidden_states, forward_only_step, moe_metrics, output_weight,
+                                    train_step)
+from mgrpo.training.offload import HostOffload, grad_storages, optimizer_storages, unique_storages
 from mgrpo.training.optim import build_optimizer, build_scheduler, optimizer_steps_per_step, torch_optimizers
-from mgrpo.training.parallel import init_parallel
+from mgrpo.training.parallel import destroy_parallel, init_parallel
 from mgrpo.training.router_replay import RECORD, REPLAY, ModelRouting, routing_metrics
 
 
@@ -160,7 +161,7 @@ class MegatronActor:
         from mgrpo.models.capability import fused_paths, resolve_use_te
 
         c, a = self.ctx, self.cfg.actor
-        use_te = resolve_use_te(None, use_cpu=c.device.type == "cpu")
+        use_te = resolve_use_te(None, use_cpu=c.device.type == "cpu")  # as the model build resolves it
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, cp_rank=c.cp_rank, dp_rank=c.dp_rank,
                     ep_rank=c.ep_rank, is_last_stage=c.is_last_stage, is_weight_source=c.is_weight_source,
                     paths=fused_paths(use_te=use_te, logprob_impl=a.logprob_impl, fp8=a.fp8,
@@ -234,12 +235,12 @@ class MegatronActor:
         if keep:
             if which != "ref":
                 raise ValueError("only the reference's log-probs are kept for the update")
-            values = _by_sample(len(batch), mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
-            self._kept_ref = (_batch_key(batch), values, time.perf_counter() - t0)
+            values = by_sample(len(batch), mbs, groups, out)["logprobs"] if self.ctx.is_last_stage else None
+            self._kept_ref = (batch_key(batch), values, time.perf_counter() - t0)
             return None
         if not self.ctx.reports:
             return None
-        result = _by_sample(len(batch), mbs, groups, out)
+        result = by_sample(len(batch), mbs, groups, out)
         if action == RECORD:  # actor.router_replay=old: what the update replays
             result["routed_experts"] = routes
         return result
@@ -256,7 +257,7 @@ class MegatronActor:
         if batch.ref_logprobs is None and self._kept_ref is not None:  # computed just before, kept here
             key, values, ref_seconds = self._kept_ref
             self._kept_ref = None
-            if key != _batch_key(batch):
+            if key != batch_key(batch):
                 raise RuntimeError("the kept reference log-probs belong to another batch than this update's")
             batch = replace(batch, ref_logprobs=values)
         self.actor.train()
@@ -303,7 +304,7 @@ class MegatronActor:
         if ref_seconds is not None:  # the kept reference forward, on the ranks while the driver judged
             metrics["timing_s/ref_on_ranks"] = ref_seconds
         if per_token is not None and self.ctx.reports:
-            metrics["per_sample"] = _by_sample(len(batch), mbs, groups, per_token)
+            metrics["per_sample"] = by_sample(len(batch), mbs, groups, per_token)
         return metrics
 
     def _reduce_metrics(self, out: Sequence[dict]) -> dict:
@@ -323,36 +324,16 @@ class MegatronActor:
         return metrics
 
     # --- host memory while the engines generate (actor.offload) ----------------------------------
-    def _param_storages(self) -> list:
-        return unique_storages(self.gpt.parameters())
-
-    def _grad_storages(self) -> list:
-        """The DDP gradient buffers (every main_grad is a view into one) and any other .grad."""
-        ddp = self.actor
-        buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
-        tensors = [b.grad_data for b in buffers] + [p.grad for p in self.gpt.parameters() if p.grad is not None]
-        return unique_storages(tensors, skip={s.data_ptr() for s in self._param_storages()})
-
-    def _optimizer_storages(self) -> list:
-        """The torch optimizers' states and their own parameters where those are not the model's (the fp32
-        master weights of a bf16 actor)."""
-        tensors = []
-        for opt in torch_optimizers(self.optimizer):
-            tensors += [p for g in opt.param_groups for p in g["params"]]
-            tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        skip = {s.data_ptr() for s in self._param_storages() + self._grad_storages()}
-        return unique_storages(tensors, skip=skip)
-
     def offload(self) -> dict:
         """Move what actor.offload names to host memory (before the engines generate); the seconds and bytes
         moved since the last report (a reference release after its last forward included)."""
         o = self.cfg.actor.offload
         if o.optimizer:  # first: which storages are the optimizer's own is told apart from resident ones
-            self.host.offload("optimizer", self._optimizer_storages())
+            self.host.offload("optimizer", optimizer_storages(self.optimizer, self.actor, self.gpt))
         if o.grads:  # zeroed at the start of every update: nothing worth copying
-            self.host.offload("grads", self._grad_storages(), copy=False)
+            self.host.offload("grads", grad_storages(self.actor, self.gpt), copy=False)
         if o.params:
-            self.host.offload("params", self._param_storages())
+            self.host.offload("params", unique_storages(self.gpt.parameters()))
         return self.host.take()
 
     def restore(self) -> dict:
@@ -363,9 +344,7 @@ class MegatronActor:
         return self.host.take()
 
     def offloaded_bytes(self) -> dict:
-        """Each offloaded group now: {'released': bytes it held, 'resident': bytes its storages hold now (0)}."""
-        return {name: {"released": sum(got.sizes), "resident": sum(s.nbytes() for s in got.storages)}
-                for name, got in self.host.out.items()}
+        return self.host.held()
 
     # --- weight sync ----------------------------------------------------------------------------
     def _export_stream(self):
@@ -467,43 +446,4 @@ class MegatronActor:
         load_checkpoint(self, ckpt_dir)
 
     def shutdown(self) -> None:
-        from mgrpo.training.parallel import destroy_parallel
-
         destroy_parallel()
-
-
-def moe_metrics(model_cfg, ctx, num_microbatches: int) -> dict:
-    """The step's load-balancing loss (without its coefficient, averaged over layers) from megatron's
-    aux-loss tracker: every layer's loss per micro-batch, summed over the TP and CP ranks that share a
-    sequence, averaged over this rank's micro-batches and then over DP ranks, as the gradient weighs it
-    (megatron scales each micro-batch's aux-loss gradient by 1/micro-batches; DDP averages over DP)."""
-    if not (model_cfg.num_experts and model_cfg.router_aux_loss_coef > 0):
-        return {}
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
-
-    name = "load_balancing_loss"
-    tracked = get_moe_layer_wise_logging_tracker().get(name)
-    if tracked is not None:  # micro-batch counts differ between DP ranks: average them locally first
-        tracked["values"] /= max(num_microbatches, 1)
-    totals: dict = {}
-    track_moe_metrics(loss_scale=1.0, iteration=0, total_loss_dict=totals, force_initialize=True, track_names=[name],
-                      num_layers=model_cfg.num_layers, pg_collection=ctx.pg_collection)
-    return {"actor/moe_load_balancing_loss": float(totals[name])}
-
-
-def _batch_key(batch: RankBatch) -> tuple:
-    """What identifies a rank's batch between the reference forward and the update: its samples and lengths."""
-    return tuple(batch.seq_index), tuple(batch.lengths())
-
-
-def _by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
-    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order (the
-    order its `seq_index` names; the actor client restores the experience's order from that). A value
-    a forward did not compute (the reference's entropy) stays None per sample."""
-    out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
-    for mb, idx, res in zip(mbs, groups, per_mb):
-        for key, values in out.items():
-            if res[key] is not None:
-                for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
-                    values[i] = v
-    return out

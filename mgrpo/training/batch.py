@@ -262,3 +262,21 @@ def split_per_sample(values: torch.Tensor, response_lens: list[int]) -> list[lis
         out.append(flat[start:start + n])
         start += n
     return out
+
+
+def batch_key(batch: RankBatch) -> tuple:
+    """What identifies a rank's batch between the reference forward and the update: its samples and lengths."""
+    return tuple(batch.seq_index), tuple(batch.lengths())
+
+
+def by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
+    """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order (the
+    order its `seq_index` names; the actor client restores the experience's order from that). A value
+    a forward did not compute (the reference's entropy) stays None per sample."""
+    out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
+    for mb, idx, res in zip(mbs, groups, per_mb):
+        for key, values in out.items():
+            if res[key] is not None:
+                for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
+                    values[i] = v
+    return out

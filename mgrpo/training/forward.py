@@ -222,3 +222,22 @@ def train_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], loss_s
         return out, loss_func
 
     return step
+
+
+def moe_metrics(model_cfg, ctx, num_microbatches: int) -> dict:
+    """The step's load-balancing loss (without its coefficient, averaged over layers) from megatron's
+    aux-loss tracker: every layer's loss per micro-batch, summed over the TP and CP ranks that share a
+    sequence, averaged over this rank's micro-batches and then over DP ranks, as the gradient weighs it
+    (megatron scales each micro-batch's aux-loss gradient by 1/micro-batches; DDP averages over DP)."""
+    if not (model_cfg.num_experts and model_cfg.router_aux_loss_coef > 0):
+        return {}
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+
+    name = "load_balancing_loss"
+    tracked = get_moe_layer_wise_logging_tracker().get(name)
+    if tracked is not None:  # micro-batch counts differ between DP ranks: average them locally first
+        tracked["values"] /= max(num_microbatches, 1)
+    totals: dict = {}
+    track_moe_metrics(loss_scale=1.0, iteration=0, total_loss_dict=totals, force_initialize=True, track_names=[name],
+                      num_layers=model_cfg.num_layers, pg_collection=ctx.pg_collection)
+    return {"actor/moe_load_balancing_loss": float(totals[name])}

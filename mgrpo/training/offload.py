@@ -123,3 +123,28 @@ class HostOffload:
         caching allocator would otherwise keep it for this process)."""
         if storages and storages[0].device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def held(self) -> dict:
+        """Each offloaded group now: {'released': bytes it held, 'resident': bytes its storages hold now (0)}."""
+        return {name: {"released": sum(got.sizes), "resident": sum(s.nbytes() for s in got.storages)}
+                for name, got in self.out.items()}
+
+
+def grad_storages(ddp, gpt) -> list:
+    """The DDP gradient buffers (every main_grad is a view into one) and any other .grad."""
+    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    tensors = [b.grad_data for b in buffers] + [p.grad for p in gpt.parameters() if p.grad is not None]
+    return unique_storages(tensors, skip={s.data_ptr() for s in unique_storages(gpt.parameters())})
+
+
+def optimizer_storages(optimizer, ddp, gpt) -> list:
+    """The torch optimizers' states and their own parameters where those are not the model's (the fp32 master
+    weights of a bf16 actor)."""
+    from mgrpo.training.optim import torch_optimizers
+
+    tensors = []
+    for opt in torch_optimizers(optimizer):
+        tensors += [p for g in opt.param_groups for p in g["params"]]
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    skip = {s.data_ptr() for s in unique_storages(gpt.parameters()) + grad_storages(ddp, gpt)}
+    return unique_storages(tensors, skip=skip)

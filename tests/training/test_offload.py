@@ -207,6 +207,7 @@ def test_plan_shows_each_offload_and_suggests_it_when_it_makes_the_run_fit():
     names actor.offload.optimizer as the cheapest change that fits, and its table takes exactly the offloaded terms
     out of the generation phase (and the reference out of every phase but its forward)."""
     from mgrpo.plan import offload as plan_offload
+    from mgrpo.plan.memory import ALLOCATOR_SLACK
     from mgrpo.plan.memory import estimate, verdict
     from mgrpo_launchers.plan import compose_config
 
@@ -216,7 +217,7 @@ def test_plan_shows_each_offload_and_suggests_it_when_it_makes_the_run_fit():
     assert not v.fits and v.memory.peak_phase == "generation"
     assert v.suggestion == ["actor.offload.optimizer=true"] and v.suggested.fits
     base = v.memory.phases
-    t = plan_offload.table(cfg, estimate)
+    t = plan_offload.table(cfg, estimate, slack=ALLOCATOR_SLACK)
     rows = t["choices"]
     for key, term in plan_offload.OFFLOADED_TERM.items():
         gen = rows[key]["trainer_by_phase"]["generation"]
