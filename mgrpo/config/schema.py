@@ -26,6 +26,7 @@ from mgrpo.config.lora import LoraConfig  # noqa: F401 - re-exported
 from mgrpo.config.multi_turn import MultiTurnConfig
 from mgrpo.config.offload import OffloadConfig
 from mgrpo.config.reward import FailedSamplesConfig, Gsm8kJudgeConfig, RewardConfig  # noqa: F401 - re-exported
+from mgrpo.config import seeds
 from mgrpo.config.sandbox import SandboxConfig
 from mgrpo.config.teacher import TeacherConfig
 
@@ -338,7 +339,7 @@ class TrainerConfig:
     1e-7 to 2e-7 per step) and 0.1 in bf16 (slime's CI bound; bf16 runs report 0.016-0.03)."""
     logprob_diff_patience: int = 3
     """Consecutive steps over trainer.max_logprob_diff before the run stops; 0 turns the guard off."""
-    seed: int = 1
+    seed: int = seeds.RUN_DEFAULT
     """The run's seed: every random stream (model init, data order, sampling, mini-batches, Megatron's RNG) is a
     function of it, so two runs with one seed on one machine give the same metrics."""
     gpu_memory_gb: Optional[float] = None

@@ -10,6 +10,15 @@ from __future__ import annotations
 _STEP = 1_009
 _RUN = 1_000_003
 
+RUN_DEFAULT = 1
+"""trainer.seed's default."""
+
+
+def stream_seed(seed: int | None) -> int:
+    """A stream's own seed (data.seed, actor.seed): a run sets it from trainer.seed when unset; a group used on its
+    own (a DataConfig outside a run) takes the run's default."""
+    return RUN_DEFAULT if seed is None else seed
+
 
 def sampling_seed(seed: int, step: int, round_: int = 0) -> int:
     """Rollout sampling of training step `step` (0-based), dynamic-sampling round `round_`."""

@@ -82,7 +82,7 @@ class PromptDataset:
         self.num_filtered = 0
         self.filtered_by_source: dict[str, int] = {}
         self._load(records)
-        self.seed, self.shuffle = data_cfg.seed, data_cfg.shuffle
+        self.seed, self.shuffle = seeds.stream_seed(data_cfg.seed), data_cfg.shuffle
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from mgrpo.config import seeds
 from mgrpo.config.registry import Registry
 from mgrpo.config.schema import DataConfig
 
@@ -74,7 +75,7 @@ def peek_records(cfg: DataConfig) -> list[dict]:
     model can only guess: chance is 0.1."""
     import random
 
-    rng = random.Random(cfg.seed)
+    rng = random.Random(seeds.stream_seed(cfg.seed))
     digits = [i % 10 for i in range(PEEK_RECORDS)]
     rng.shuffle(digits)
     return [

@@ -30,6 +30,10 @@ def test_registries_are_what_config_validation_accepts(registry, field):
     assert len(registry) >= 2
     for name in registry:
         assert callable(registry[name].load()), name
+        if field == "adv_estimator" and name == "none":  # pure distillation: valid, and it asks for its teacher
+            with pytest.raises(ConfigError, match="teacher.hf_path"):
+                preflight(MGRPOConfig(algorithm=AlgorithmConfig(**{field: name})), check_memory=False)
+            continue
         preflight(MGRPOConfig(algorithm=AlgorithmConfig(**{field: name})), check_memory=False)
     with pytest.raises(ConfigError) as info:
         preflight(MGRPOConfig(algorithm=AlgorithmConfig(**{field: "nope"})), check_memory=False)
@@ -189,7 +193,8 @@ def test_aggregation_modes_by_hand():
 OLD = torch.tensor([L(.5), L(.5), L(.5), L(.5), L(.5), L(.2)])
 NEW = torch.tensor([L(.6), L(.25), L(.7), L(.2), L(.75), L(.8)])
 ADV = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0])
-CFG = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=False)
+CFG = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=False,
+                      entropy_coeff=0.0)  # the by-hand references have no entropy term
 
 
 def _inputs(**kw) -> TokenLossInputs:
@@ -252,7 +257,8 @@ def test_gspo_by_hand():
     w = torch.full((4,), 0.25)
     inputs = TokenLossInputs(old_logprob=old, advantages=torch.tensor([1.0, 1.0, -1.0, -1.0]), token_weight=w,
                              metric_weight=w, seq_index=torch.tensor([7, 7, 3, 3]))
-    cfg = AlgorithmConfig(policy_loss="gspo", clip_ratio_low=0.05, clip_ratio_high=0.05, use_kl_loss=False)
+    cfg = AlgorithmConfig(entropy_coeff=0.0, policy_loss="gspo", clip_ratio_low=0.05, clip_ratio_high=0.05,
+                          use_kl_loss=False)
     loss, m = policy_loss(lp, None, inputs, cfg)
     assert loss.item() == pytest.approx(-0.035)
     assert m["actor/pg_clipfrac"].item() == pytest.approx(0.5)
@@ -281,8 +287,8 @@ GSPO_BY_MODE = {
 def test_gspo_honours_loss_agg_mode_by_hand(mode):
     """veRL 0.9.1's compute_policy_loss_gspo aggregates with the actor's loss_agg_mode (agg_loss), not a
     fixed seq-mean-token-mean: the weights the trainer computes for GSPO follow algorithm.loss_agg_mode."""
-    cfg = AlgorithmConfig(policy_loss="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2, use_kl_loss=False,
-                          loss_agg_mode=mode)
+    cfg = AlgorithmConfig(entropy_coeff=0.0, policy_loss="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          use_kl_loss=False, loss_agg_mode=mode)
     mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
     tok, seq = global_counts(mask)
     # the driver's weights (numpy) become the rank's tensors, as a RankBatch's lists do
@@ -312,9 +318,9 @@ def test_ppo_kl_clamps_the_log_ratio_like_verl():
     w = torch.full((2,), 0.5)
     inputs = TokenLossInputs(old_logprob=old, advantages=torch.tensor([1.0, -1.0]), token_weight=w, metric_weight=w,
                              seq_index=torch.tensor([0, 1]))
-    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(use_kl_loss=False))
+    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(entropy_coeff=0.0, use_kl_loss=False))
     assert m["actor/ppo_kl"].item() == pytest.approx((-20.0 + 0.5) / 2)
-    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(policy_loss="gspo", use_kl_loss=False))
+    _, m = policy_loss(lp, None, inputs, AlgorithmConfig(entropy_coeff=0.0, policy_loss="gspo", use_kl_loss=False))
     assert m["actor/ppo_kl"].item() == pytest.approx((-30.0 + 0.5) / 2)
 
 
@@ -337,7 +343,7 @@ def test_chunked_token_loss_equals_whole_batch(variant):
         token_weight=w, metric_weight=(w > 0).double() / int((w > 0).sum()),
         ref_logprob=lp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64),
         rollout_logprob=lp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64))
-    cfg = replace(AlgorithmConfig(use_kl_loss=False), **variant)
+    cfg = replace(AlgorithmConfig(entropy_coeff=0.0, use_kl_loss=False), **variant)
 
     a, e = lp.clone().requires_grad_(), ent.clone().requires_grad_()
     loss_all, m_all = policy_loss(a, e, inputs, cfg)

@@ -39,7 +39,8 @@ NEW_LAYOUT = ["reward.reward_model.enable=True", "reward.reward_model.model_path
               "reward.reward_model.rollout.gpu_memory_utilization=0.5",
               "reward.reward_model.rollout.free_cache_engine=True", "reward.reward_manager.name=naive",
               "reward.reward_manager.source=register", "reward.custom_reward_function.path=pkg://my_rewards.math",
-              "reward.custom_reward_function.name=score", "algorithm.adv_estimator=grpo"]
+              "reward.custom_reward_function.name=score", "algorithm.adv_estimator=grpo",
+              "trainer.n_gpus_per_node=8"]  # veRL's GPU layout, asked for (a line that names none keeps the machine's)
 
 
 def test_verl_newer_reward_layout_translates_and_the_plan_counts_its_pool():

@@ -114,7 +114,7 @@ def test_fused_adds_the_weight_grad_to_a_main_grad_buffer_beside_a_tied_embeddin
 
 def test_fused_without_entropy_and_with_frozen_weight():
     p = make_problem(seed=3)
-    fn = grpo_fn(p, kl_loss_type="k1", kl_coef=0.1)
+    fn = grpo_fn(p, kl_loss_type="k1", kl_coef=0.1, entropy_coeff=0.0)
     h = p["hidden"].clone().requires_grad_()
     loss, metrics, lp, ent = K.fused_linear_loss(h, p["weight"], p["labels"], fn, compute_entropy=False,
                                                  **SMALL_CHUNKS)

@@ -180,7 +180,7 @@ def test_logprob_support_is_validated_and_a_no_op_is_logged(caplog):
     from mgrpo.components.experience_maker import ExperienceMaker
 
     def maker(cfg):  # the part that asks the engines for supports
-        return ExperienceMaker(cfg, tokenizer=None, train_data=None, judger=None, rollout=None)
+        return ExperienceMaker(cfg, tokenizer=None, train_data=None, rubric=None, rollout=None)
 
     sampled = AlgorithmConfig(logprob_support="sampled")
     with caplog.at_level(logging.INFO, logger="mgrpo"):

@@ -195,7 +195,7 @@ def test_rollout_requests_ask_for_routes_and_sglang_is_launched_for_them():
     ctx = EngineContext(eos_token_ids=[1], pad_token_id=0)
     for mode, want in (("off", False), ("old", False), ("rollout", True)):
         cfg = _moe_config(router_replay=mode)
-        maker = ExperienceMaker(cfg, tokenizer=None, train_data=None, judger=None, rollout=None)
+        maker = ExperienceMaker(cfg, tokenizer=None, train_data=None, rubric=None, rollout=None)
         assert maker.sampling(0).return_routed_experts is want
         assert _sglang_kwargs(cfg, ctx)["return_routed_experts"] is want
         assert _hf_kwargs(cfg, ctx)["return_routed_experts"] is want
