@@ -146,7 +146,7 @@ def make_runners(x, args, impls):
             TokenLossInputs(old_logprob=x["old_lp"] + shift, advantages=x["adv"], token_weight=weights,
                             metric_weight=weights, ref_logprob=x["ref_lp"] + shift),
             AlgorithmConfig(clip_ratio_low=CLIP, clip_ratio_high=CLIP, use_kl_loss=True, kl_loss_type="k3",
-                            kl_coef=KL_COEF))
+                            kl_coef=KL_COEF, entropy_coeff=0.0))  # Liger's GRPO loss has no entropy term
     ours = dict(chunk_size=args.chunk_size, vocab_chunk_size=args.vocab_chunk_size,
                 compute_entropy=not args.no_entropy)
     supports = x.get("supports", {None: None})  # --support spec -> CSR (offsets, ids); None: full vocabulary
