@@ -121,7 +121,8 @@ def mgrpo_overrides(w: Workload, data_dir: str | None) -> list[str]:
     out = [f"model.{k}={v}" for k, v in w.model.items()]
     out += [f"rollout={w.rollout}", f"data.train_batch_size={w.prompts_per_step}", f"rollout.n={w.samples_per_prompt}",
             f"data.max_response_length={w.max_new_tokens}", f"data.max_prompt_length={w.max_prompt_length}",
-            f"rollout.temperature={w.temperature}", f"actor.lr={w.lr}", f"algorithm.kl_coef={w.kl_coef}"]
+            f"rollout.temperature={w.temperature}", f"actor.lr={w.lr}", f"algorithm.kl_coef={w.kl_coef}",
+            "algorithm.entropy_coeff=0.0"]  # TRL's GRPO loss has no entropy bonus: the same objective on both sides
     if w.data == "gsm8k":
         out += ["data=gsm8k", f"data.train_files=[{os.path.join(data_dir, 'train.parquet')}]", "data.val_files=[]",
                 *[f"reward.gsm8k.{k}={v}" for k, v in w.gsm8k_judge.items()]]
