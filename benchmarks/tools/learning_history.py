@@ -224,13 +224,14 @@ def latest(history: list[dict]) -> dict[str, dict]:
 
 def table(history: list[dict]) -> str:
     """The learning table the docs show: per recipe the newest line's spread over seeds."""
-    rows = ["| recipe | seeds | last-10 min / median / max | first-10 median | floor | median wall | line |",
+    rows = ["| recipe | seeds | last-10 min / median / max | first-10 median | floor | median wall (load) | line |",
             "|---|---|---|---|---|---|---|"]
     for name, got in latest(history).items():
         firsts = [r["first10"] for r in got["seeds"].values() if "first10" in r]
+        loads = [r["load_1m_at_start"] for r in got["seeds"].values() if "load_1m_at_start" in r]
         rows.append(f"| {RECIPES[name].what if name in RECIPES else name} | {len(got['seeds'])} | {got['min']:.3f} / "
                     f"{got['median']:.3f} / {got['max']:.3f} | {statistics.median(firsts):.3f} | {got['floor']} | "
-                    f"{got['median_wall_s']:.0f} s | {got['commit']} |")
+                    f"{got['median_wall_s']:.0f} s ({min(loads):.0f}-{max(loads):.0f}) | {got['commit']} |")
     return "\n".join(rows)
 
 

@@ -102,9 +102,9 @@ def learning_main_block() -> str:
     firsts = sorted(r["first10"] for r in got["seeds"].values())
     return (f"Mean reward over the last 10 of {got['seeds'][seeds[0]]['steps']} steps, trainer.seed "
             f"{seeds[0]}-{seeds[-1]}: **{got['min']:.3f} to {got['max']:.3f}, median {got['median']:.3f}** "
-            f"(the first 10 steps: {firsts[0]:.3f} to {firsts[-1]:.3f}); median wall {got['median_wall_s']:.0f} s "
-            f"(commit {got['commit']}, {got['date_utc'][:10]}, `python -m benchmarks.tools.learning_history "
-            f"--recipes main`).")
+            f"(the first 10 steps: {firsts[0]:.3f} to {firsts[-1]:.3f}); commit {got['commit']}, "
+            f"{got['date_utc'][:10]}, `python -m benchmarks.tools.learning_history --recipes main`. Its time and "
+            f"memory on a quiet machine: [results](docs/results.md).")
 
 
 def learning_block() -> str:
