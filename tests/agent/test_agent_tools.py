@@ -23,6 +23,7 @@ from mgrpo.agent.tools import BaseTool, FunctionTool, ToolSet, function_schema, 
 from mgrpo.config import ConfigError
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.rollout.types import SamplingParams
+from tests.helpers import ROOT
 from tests.helpers.agent import ScriptedPolicy, add, call_text as _call, tool_prompts as _prompts
 
 
@@ -272,7 +273,6 @@ from mgrpo.agent.tools import FunctionTool, ToolSet
 from mgrpo.config.schema import MultiTurnConfig
 from mgrpo.data.tokenizer import qwen3_tokenizer_dir
 from mgrpo.rollout.types import SamplingParams
-from tests.helpers import ROOT
 from tests.helpers.agent import ScriptedPolicy, call_text, tool_prompts
 
 def hang(x: int) -> str:

@@ -50,12 +50,12 @@ def _child() -> None:
         res[f"loss/{kl}/{c}"] = e
     p = make_problem(seed=3)
     h = p["hidden"].clone().requires_grad_()
-    loss, metrics, lp, ent = K.fused_linear_loss(h, p["weight"], p["labels"], grpo_fn(p, kl_coef=0.1),
-                                                 compute_entropy=False, impl="fused")
+    no_entropy = grpo_fn(p, kl_coef=0.1, entropy_coeff=0.0)
+    loss, metrics, lp, ent = K.fused_linear_loss(h, p["weight"], p["labels"], no_entropy, compute_entropy=False,
+                                                 impl="fused")
     loss.backward()
     h0 = p["hidden"].clone().requires_grad_()
-    K.fused_linear_loss(h0, p["weight"], p["labels"], grpo_fn(p, kl_coef=0.1), compute_entropy=False,
-                        impl="naive")[0].backward()
+    K.fused_linear_loss(h0, p["weight"], p["labels"], no_entropy, compute_entropy=False, impl="naive")[0].backward()
     res["frozen_weight_no_entropy"] = {"gh": rel_err(h.grad, h0.grad), "ent_is_none": float(ent is not None)}
     from tests.helpers.kernels import run_tied_loss
 
