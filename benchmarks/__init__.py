@@ -81,3 +81,14 @@ def fresh_work(args) -> str:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     return work
+
+
+def checkout_state() -> tuple[str, list[str]]:
+    """The checkout a history line measures: HEAD's short commit and the tracked files modified beside it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+
+    modified = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    return git("rev-parse", "--short=10", "HEAD").strip(), modified

@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from benchmarks import REPO, add_output_args, output_path
+from benchmarks import REPO, add_output_args, checkout_state, output_path
 from benchmarks.tools.proctree import machine
 
 ASYNC = ("rollout.mode=disaggregated", "trainer.n_gpus_per_node=2")
@@ -258,10 +258,7 @@ def main(argv=None) -> int:
     unknown = set(names) - set(RECIPES)
     if unknown:
         ap.error(f"unknown recipes {sorted(unknown)}; known: {', '.join(RECIPES)}")
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.splitlines()
+    commit, dirty = checkout_state()
     line = {"commit": commit, "modified_tracked_files": dirty,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": "python -m benchmarks.tools.learning_history " + " ".join(argv if argv is not None

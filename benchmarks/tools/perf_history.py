@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import OUTPUTS, REPO, add_output_args, output_path
+from benchmarks import OUTPUTS, REPO, add_output_args, checkout_state, output_path
 from benchmarks.tools.proctree import machine
 
 COMPARISONS = {
@@ -117,10 +117,7 @@ def main(argv=None) -> int:
     unknown = set(names) - set(COMPARISONS)
     if unknown:
         ap.error(f"unknown comparisons {sorted(unknown)}; known: {list(COMPARISONS)}")
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.splitlines()
+    commit, dirty = checkout_state()
     folder = os.path.join(OUTPUTS, "perf_history_runs", commit)
     os.makedirs(folder, exist_ok=True)
     line = {"commit": commit, "modified_tracked_files": dirty, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
