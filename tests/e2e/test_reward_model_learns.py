@@ -19,7 +19,7 @@ from tests.helpers.runs import read_metrics
 @pytest.mark.system
 def test_default_job_learns_from_a_reward_model_alone(tmp_path):
     # the script's changes of the default job (why: its docstring), applied below as the script applies them
-    assert JOB_OVERRIDES == ("algorithm.norm_adv_by_std_in_grpo=false", "algorithm.entropy_coeff=0.0")
+    assert JOB_OVERRIDES == ("algorithm.norm_adv_by_std_in_grpo=false",)
     rm = train_reward_model(str(tmp_path / "rm"))
     assert rm["rm_right_answer_ranked_first"] == 1.0, rm
     cfg = MGRPOConfig()
@@ -28,7 +28,7 @@ def test_default_job_learns_from_a_reward_model_alone(tmp_path):
         reward=dataclasses.replace(cfg.reward, models={"rm": RewardModelConfig(hf_path=str(tmp_path / "rm"),
                                                                              batch_size=256)},
                                    compose={"mgrpo/sum": {"rm": 1.0}}),
-        algorithm=dataclasses.replace(cfg.algorithm, norm_adv_by_std_in_grpo=False, entropy_coeff=0.0),
+        algorithm=dataclasses.replace(cfg.algorithm, norm_adv_by_std_in_grpo=False),
         trainer=dataclasses.replace(cfg.trainer, output_dir=str(tmp_path / "run"), logger=["tensorboard"],
                                     save_hf=False))
     Trainer(cfg).fit()
