@@ -51,7 +51,7 @@ BAD = {
     "sampling_logprobs_mode": ["all", 5],
     "return_routed_experts": ["yes", 2],
     "routed_experts_start_len": ["x", 1.5],
-    "stream": [True], "logprob_start_len": [0, 3], "top_logprobs_num": [-1, "x", 1.5], "text": ["hello", ["a", "b"]],
+    "stream": [True], "logprob_start_len": ["x", 1.5], "top_logprobs_num": [-1, "x", 1.5], "text": ["hello", ["a", "b"]],
     "foo": [1, "bar", [1]], "input_embeds": [[[0.0]]],
 }
 
