@@ -179,7 +179,27 @@ def multi_turn_plan(cfg: MGRPOConfig, lay: Layout, samples: int) -> dict:
         out["warnings"].append(f"rollout.multi_turn: {turns} turn(s) x {per_turn} new tokens use at most "
                                f"{per_turn * turns} of data.max_response_length={d.max_response_length}: the rest "
                                "is left to tool replies")
+    out["warnings"] += call_fit_warnings(cfg)
     return out
+
+
+def call_fit_warnings(cfg: MGRPOConfig) -> list[str]:
+    """The run's start-up check that a tool call fits an assistant turn, from the run's tokenizer and tools."""
+    from mgrpo.agent.parse import call_cannot_fit
+    from mgrpo.agent.tools import ToolSet, function_tools_strict
+    from mgrpo.data import load_tokenizer
+
+    mt = cfg.rollout.multi_turn
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        tools = ToolSet.from_config(list(mt.function_tools), mt.tool_config_path,
+                                    function_tools_strict(mt.tool_choice, mt.required_per_group,
+                                                          mt.strict_function_tools))
+    except Exception as e:  # the plan still prints; the run itself fails on this at start
+        return [f"rollout.multi_turn: the tools or tokenizer did not load, so whether a call fits a turn is "
+                f"unchecked: {type(e).__name__}: {e}"]
+    why = call_cannot_fit(mt, tools, tokenizer, cfg.data.max_response_length)
+    return [why] if why else []
 
 
 def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:

@@ -140,3 +140,27 @@ class ToolCallParser:
             known = it.name in self.known
             calls.append(ToolCall(it.name, args, known=known, error=None if known else f"unknown tool {it.name!r}"))
         return ParsedTurn(content=normal, calls=calls, malformed=max(opened - len(items), 0))
+
+
+def shortest_call_tokens(fmt: str, tools, tokenizer) -> int:
+    """Tokens of the shortest call of any of `tools` (a ToolSet) in format `fmt`: a call with no arguments, a
+    lower bound on every call's length. 0 without tools or for a format without call tags."""
+    names = list(tools.tools)
+    if not names:
+        return 0
+    parser = ToolCallParser(fmt, tools.schemas(names))
+    texts = [t for t in (parser.shortest_call(n) for n in names) if t]
+    return min((len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts), default=0)
+
+
+def call_cannot_fit(mt, tools, tokenizer, max_response_length: int) -> Optional[str]:
+    """Why no tool call can complete in an assistant turn (the turn's budget is shorter than the shortest call),
+    or None. Said at start and by the planner: such a run trains on cut calls only and never runs a tool."""
+    shortest = shortest_call_tokens(mt.format, tools, tokenizer)
+    budget = min(max_response_length, mt.max_tokens_per_turn or max_response_length)
+    if shortest <= budget:
+        return None
+    return (f"no tool call can complete: the shortest (a call with no arguments) is {shortest} tokens and an "
+            f"assistant turn may write {budget} (data.max_response_length={max_response_length}, "
+            f"rollout.multi_turn.max_tokens_per_turn={mt.max_tokens_per_turn}); every call will be cut as "
+            f"'length'. Raise data.max_response_length to at least {shortest} plus the tool replies' tokens")

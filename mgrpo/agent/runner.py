@@ -36,7 +36,7 @@ from mgrpo.agent.constrain import CallConstraints
 from mgrpo.agent.environment import EnvironmentSession, call_maybe_sync
 from mgrpo.agent import threads
 from mgrpo.agent.episode import AgentTask, Batch, Episode, Request, State
-from mgrpo.agent.parse import ToolCallParser
+from mgrpo.agent.parse import ToolCallParser, call_cannot_fit, shortest_call_tokens
 from mgrpo.agent.turn_routes import add_turn_routes, finish_routes
 from mgrpo.agent.template import ChatTemplate, count_drift
 from mgrpo.agent.tools import ToolSet
@@ -70,24 +70,14 @@ class AgentRunner:
         self.eos = tokenizer.eos_token_id
         self.constraints = CallConstraints(cfg, tokenizer)
         self.stop = self.constraints.stop
-        self.shortest_call = self._shortest_call()
+        self.shortest_call = shortest_call_tokens(cfg.format, tools, tokenizer)
         """Tokens of the shortest call of any tool (a call with no arguments), 0 when there is no tool."""
         self.turn_budget = min(max_response_length, cfg.max_tokens_per_turn or max_response_length)
-        if self.shortest_call > self.turn_budget:
-            log.warning("no tool call can complete: the shortest (a call with no arguments) is %d tokens and an "
-                        "assistant turn may write %d (data.max_response_length=%d, rollout.multi_turn."
-                        "max_tokens_per_turn=%d); every call will be cut as 'length'", self.shortest_call,
-                        self.turn_budget, max_response_length, cfg.max_tokens_per_turn)
+        cannot_fit = call_cannot_fit(cfg, tools, tokenizer, max_response_length)
+        if cannot_fit:
+            log.warning(cannot_fit)
         self.handlers = {State.GENERATE: self._generate, State.PARSE: self._parse, State.CALL_TOOLS: self._call_tools,
                          State.ENV_STEP: self._env_step, State.APPEND: self._append}
-
-    def _shortest_call(self) -> int:
-        names = list(self.tools.tools)
-        if not names:
-            return 0
-        parser = ToolCallParser(self.cfg.format, self.tools.schemas(names))
-        texts = [t for t in (parser.shortest_call(n) for n in names) if t]
-        return min((len(self.tok(t, add_special_tokens=False)["input_ids"]) for t in texts), default=0)
 
     # --- the batch ----------------------------------------------------------------------------------
     def run(self, prompts: Sequence, sampling: SamplingParams, generate: Generate, *,

@@ -110,6 +110,7 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
     check_vocab(tokenizer, cfg.model)
     tools = tools_for = None
     if cfg.rollout.multi_turn.enable:
+        from mgrpo.agent.parse import call_cannot_fit
         from mgrpo.agent.tools import ToolSet, function_tools_strict
 
         mt = cfg.rollout.multi_turn
@@ -117,6 +118,9 @@ def prepare(cfg: MGRPOConfig, run_dir: str) -> Prepared:
                                     function_tools_strict(mt.tool_choice, mt.required_per_group,
                                                           mt.strict_function_tools))
         tools_for = lambda extra, where: tools.schemas(tools.for_record(extra, where))  # noqa: E731
+        cannot_fit = call_cannot_fit(mt, tools, tokenizer, cfg.data.max_response_length)
+        if cannot_fit:  # said before Ray starts, not after a minute of start-up
+            log.warning(cannot_fit)
     train_data = PromptDataset(cfg.data, tokenizer, cfg.data.train_files, split="train", tools_for=tools_for)
     val_data = PromptDataset(cfg.data, tokenizer, cfg.data.val_files, split="val", tools_for=tools_for)
     check_data_sources(train_data.data_sources() | val_data.data_sources(), cfg.reward,

@@ -134,7 +134,7 @@ def test_multi_turn_context_is_counted(capsys):
     over = ["data.train_batch_size=4", "rollout.n=8", "rollout.multi_turn.enable=true",
             "rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_concurrent_per_engine=10",
             "rollout.multi_turn.function_tools=[mgrpo.agent.examples:calculator]",
-            "model.tokenizer=printable"]
+            "model.tokenizer=printable", "data.max_response_length=64"]  # a calculator call is 43 characters
     b = plan_json(capsys, *over)["batch"]
     seq = b["max_sequence_tokens"]  # tool replies count in it, so it does not grow
     mt = b["multi_turn"]
@@ -145,6 +145,9 @@ def test_multi_turn_context_is_counted(capsys):
     b = plan_json(capsys, *over, "rollout.multi_turn.max_tokens_per_turn=2", "data.max_response_length=32")["batch"]
     assert b["multi_turn"]["new_tokens_per_turn_at_most"] == 2
     assert any("3 turn(s) x 2 new tokens use at most 6 of data.max_response_length=32" in w for w in b["warnings"])
+    # the run's own start-up check: a turn of 2 tokens holds no call of the calculator
+    assert any(w.startswith("no tool call can complete: the shortest (a call with no arguments) is ")
+               and "an assistant turn may write 2 " in w for w in b["warnings"])
     main(over)
     assert "multi-turn up to 3 assistant turn(s)" in capsys.readouterr().out
     assert "multi_turn" not in plan_json(capsys)["batch"]
