@@ -54,7 +54,10 @@ def registry_errors(cfg: MGRPOConfig) -> list[str]:
         e.append(f"actor.cp={a.cp} splits every response over CP ranks, but algorithm.policy_loss="
                  f"{al.policy_loss!r} is sequence-level and needs each whole response on one rank "
                  "(use actor.cp=1 or a token-level loss such as vanilla)")
-    if not d.train_files:
+    if not d.train_files and d.synthetic_task is None:
+        e.append("data.train_files is empty and data.synthetic_task is null: give the records to train on "
+                 "(data.train_files=[my.jsonl]) or a built-in task (data.synthetic_task=sum)")
+    elif not d.train_files:
         task = _registered(e, "data.synthetic_task", d.synthetic_task, SYNTHETIC_TASKS)
         if (task is not None and task.data_source not in BUILTIN_REWARDS
                 and not {task.data_source, EVERY_SOURCE} & set(cfg.reward.custom_functions)):

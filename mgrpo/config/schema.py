@@ -92,8 +92,9 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     """Validation RL records; empty with the synthetic task = that task's prompts (it has only
     (synthetic_max_operand + 1)^2 of them, so validation measures greedy accuracy on all of them)."""
-    synthetic_task: str = "sum"
-    """Built-in task used when train_files is empty: 'sum' (a+b for single digits)."""
+    synthetic_task: Optional[str] = "sum"
+    """Built-in task used when train_files is empty: 'sum' (a+b for single digits), 'peek' (the tool task);
+    null: none (then data.train_files must be given). Ignored when train_files are given."""
     synthetic_max_operand: int = 4
     """Largest operand of the synthetic sum task (a, b in 0..max)."""
     prompt_key: str = "prompt"

@@ -57,6 +57,8 @@ def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, error):
     ({"trainer": {"n_gpus_per_node": 3}, "actor": {"tp": 2}}, "does not divide the trainer's 3 accelerators"),
     ({"algorithm": {"adv_estimator": "ppo"}}, "algorithm.adv_estimator='ppo' is not one of"),
     ({"data": {"train_files": ["/nope.jsonl"]}}, "data.train_files[0]='/nope.jsonl' does not exist"),
+    ({"data": {"synthetic_task": None}}, "data.train_files is empty and data.synthetic_task is null: give the "
+     "records to train on (data.train_files=[my.jsonl]) or a built-in task (data.synthetic_task=sum)"),
     ({"rollout": {"n": 1}}, "rollout.n=1 must be at least 2"),
     ({"rollout": {"health_check_interval_s": -1.0}}, "rollout.health_check_interval_s=-1.0 and"),
     ({"trainer": {"max_ckpt_to_keep": 0}}, "trainer.max_ckpt_to_keep=0 must be at least 1"),
