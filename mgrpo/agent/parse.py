@@ -1,9 +1,9 @@
 """Tool calls parsed by SGLang's own `FunctionCallParser` (sglang/srt/function_call/, from the installed wheel).
 
 Importing the `sglang` package runs its CUDA-minded __init__; the function-call modules themselves need only
-pydantic, orjson, partial-json-parser, openai's types, pybase64 and xgrammar. So the package is registered
-as a bare namespace pointing at the wheel's folder and `sglang.srt.function_call.function_call_parser` is
-imported from it as SGLang itself imports it.
+pydantic, orjson, partial-json-parser, openai's types, pybase64, xgrammar and IPython (which sglang.utils
+imports). So the package is registered as a bare namespace pointing at the wheel's folder and
+`sglang.srt.function_call.function_call_parser` is imported from it as SGLang itself imports it.
 
 SGLang's parser skips what it cannot use with a log warning: a call whose JSON does not parse, and a call to
 an undefined function (unless SGLANG_FORWARD_UNKNOWN_TOOLS). Neither may be silent here: unknown names are
