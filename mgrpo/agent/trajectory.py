@@ -176,7 +176,8 @@ def warn_invalid_calls(metrics: dict) -> None:
     metrics["multi_turn/mostly_invalid_batches"] = int(written > 0 and invalid > MOSTLY_INVALID * written)
     if metrics["multi_turn/mostly_invalid_batches"]:
         log.warning("%d of the %d tool calls the model wrote in this batch could not run (bad arguments %d, "
-                    "malformed %d, unknown tool %d): is each tool's schema one the model can follow? (a function "
-                    "tool is constrained by its schema only when strict: rollout.multi_turn.strict_tools)",
+                    "malformed %d, unknown tool %d): is each tool's schema one the model can follow? (a call's "
+                    "arguments follow the schema only when the tool is strict: rollout.multi_turn."
+                    "strict_function_tools for function tools, `strict: true` in a tool-config YAML's function)",
                     invalid, written, metrics.get("multi_turn/bad_arguments", 0),
                     metrics.get("multi_turn/parse_errors", 0), metrics.get("multi_turn/unknown_tool", 0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import math
 import os
 import subprocess
@@ -114,6 +115,8 @@ def test_a_batch_whose_calls_mostly_cannot_run_is_warned_about_and_counted(qwen3
     assert (m["multi_turn/invalid_calls"], m["multi_turn/invalid_call_rate"], m["multi_turn/mostly_invalid_batches"]) \
         == (3, 1.0, 1)
     assert "3 of the 3 tool calls the model wrote in this batch could not run (bad arguments 3" in caplog.text
+    key = re.search(r"rollout\.multi_turn\.(\w+)", caplog.text).group(1)  # the key it names is one a user can set
+    assert key == "strict_function_tools" and hasattr(MultiTurnConfig(), key)
     caplog.clear()
     good = lambda uid, turn: _call("add", {"a": 1}) if turn == 0 else "done"  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="mgrpo"):
