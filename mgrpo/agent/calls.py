@@ -8,14 +8,28 @@ trajectory fails (tool_timeout)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import numbers
 import time
+import uuid
 from typing import Optional
 
 from mgrpo.agent.tools import BadArguments, ToolResult, ToolSet, as_text
 from mgrpo.agent.trajectory import Trajectory
 from mgrpo.config.schema import MultiTurnConfig
+
+
+def create(tool, create_kwargs: dict):
+    """A tool instance for one trajectory, called so that a class written for either of veRL's rollouts gets its
+    record's values and a unique id: an instance id (veRL's SGLang rollout passed its request id; a tool that
+    does not make one itself still gets its own), the record's create_kwargs as keywords (that rollout's
+    call), and, when the method takes **kwargs, also as `create_kwargs=` (veRL's agent loop's call, which
+    tools written for it read from kwargs)."""
+    params = inspect.signature(tool.create).parameters
+    extra = {"create_kwargs": create_kwargs} if "create_kwargs" not in create_kwargs and (
+        "create_kwargs" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())) else {}
+    return tool.create(str(uuid.uuid4()), **create_kwargs, **extra)
 
 
 class ToolTimeout(Exception):
@@ -87,7 +101,7 @@ class ToolCalls:
         traj.count(f"multi_turn/tool_calls/{name}")
         try:
             if name not in instances:
-                made = await asyncio.wait_for(tool.create(**(per.get("create_kwargs") or {})), self.cfg.tool_timeout_s)
+                made = await asyncio.wait_for(create(tool, per.get("create_kwargs") or {}), self.cfg.tool_timeout_s)
                 instances[name] = made[0] if isinstance(made, tuple) else made  # newer veRL: (id, response)
             out = await asyncio.wait_for(tool.execute(instances[name], args, **(per.get("execute_kwargs") or {})),
                                          self.cfg.tool_timeout_s)

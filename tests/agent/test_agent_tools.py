@@ -106,6 +106,48 @@ def test_a_function_tools_keyword_only_parameters_are_hidden_and_filled_per_reco
     assert m["multi_turn/tool_raised"] == 1 and "extra_info.tools_kwargs.lookup.create_kwargs" in _replies(qwen3, t)
 
 
+class _OldStyle:
+    """Written for veRL's SGLang rollout, which called create(request_id, **create_kwargs); makes no id itself."""
+
+    def __init__(self, config, tool_schema):
+        self.tool_schema, self.secrets = tool_schema, {}
+
+    async def create(self, instance_id=None, secret=None):
+        self.secrets[instance_id] = secret
+        return instance_id
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return f"secret={self.secrets[instance_id]}", 0.0, {}
+
+    async def release(self, instance_id, **kwargs):
+        self.secrets.pop(instance_id)
+
+
+class _AgentLoopStyle(_OldStyle):
+    """Written for veRL's agent loop, which calls create(create_kwargs={...}) and reads them from kwargs."""
+
+    async def create(self, instance_id=None, **kwargs):
+        self.secrets[instance_id] = kwargs["create_kwargs"]["secret"]
+        return instance_id, None
+
+
+@pytest.mark.parametrize("cls", [_OldStyle, _AgentLoopStyle])
+def test_a_verl_tool_class_of_either_rollout_gets_its_own_instance_and_its_records_values(qwen3, cls):
+    schema = {"type": "function", "function": {"name": "secret", "description": "The secret.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    tool = cls({}, schema)
+    tools = ToolSet([tool])
+    runner = AgentRunner(MultiTurnConfig(), qwen3, tools, max_response_length=1024)
+    prompts = _prompts(qwen3, tools, 3)
+    records = [(p, {"tools_kwargs": {"secret": {"create_kwargs": {"secret": 10 + i}}}}, f"data.jsonl:{i + 1}")
+               for i, p in enumerate(prompts)]
+    script = lambda uid, turn: _call("secret", {}) if turn == 0 else "done"  # noqa: E731
+    trajs, m = runner.run(records, SamplingParams(max_new_tokens=4096), ScriptedPolicy(qwen3, script, prompts))
+    # each trajectory's reply is its own record's value (one shared instance id would give every one the last)
+    assert [_replies(qwen3, t).count(f"secret={10 + i}") for i, t in enumerate(trajs)] == [1, 1, 1]
+    assert m.get("multi_turn/tool_errors", 0) == 0 and m["multi_turn/tool_calls"] == 3 and tool.secrets == {}  # released
+
+
 # --- what would fail silently: mostly invalid calls, a budget no call fits -----------------------------------
 def test_a_batch_whose_calls_mostly_cannot_run_is_warned_about_and_counted(qwen3, caplog):
     tools = ToolSet([FunctionTool(add)])
