@@ -170,7 +170,7 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
 
     from mgrpo.config import MGRPOConfig
     from mgrpo.data import PromptDataset, synthetic_tokenizer
-    from mgrpo.rollout.sglang.cpu.model import CPUModel
+    from mgrpo.rollout.sampler import truncate
 
     cfg = MGRPOConfig()
     tok = synthetic_tokenizer()
@@ -179,7 +179,7 @@ def reachable(hf_dir: str, top_k: int, top_p: float, temperature: float = 1.0) -
     def mu(ids: list[int], target: int) -> float:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].float()
-        weights, order = CPUModel.truncate(torch.softmax(logits / temperature, -1), top_k, top_p)
+        weights, order = truncate(torch.softmax(logits / temperature, -1), top_k, top_p)
         kept = dict(zip(order.tolist(), (weights / weights.sum()).tolist()))
         return kept.get(target, 0.0)
 

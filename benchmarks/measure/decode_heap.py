@@ -1,11 +1,13 @@
-"""What each way of bounding the decode loop's heap costs in time: transformers `generate` on the qwen3vocab model.
+"""What each way of bounding the decode loop's heap costs in time: the CPU engines' decode loop (rollout/decode.py)
+on the qwen3vocab model.
 
     python -m benchmarks.measure.decode_heap            # 32 rows x 48 tokens, 3 calls per setting, settings alternated
     python -m benchmarks.measure.decode_heap --rows 32 --tokens 128 --rounds 2
 
 Settings, each in a fresh process with one malloc arena (what a Megatron rank has, mgrpo/heap.py):
-- `adaptive`: glibc's own mmap threshold (raised to each freed mapped block's size, up to 32 MiB);
-- `trim16`:   the same, with `TrimHeap` (malloc_trim every 16 decode steps), what the in-process engine does;
+- `adaptive`: glibc's own mmap threshold (raised to each freed mapped block's size, up to 32 MiB), the loop's
+  trims turned off;
+- `trim16`:   the same, with malloc_trim every 16 decode steps, what the CPU engines do;
 - `mmap4mib`: `MALLOC_MMAP_THRESHOLD_=4MiB`, every block of 4 MiB or more a mapping of its own.
 Per setting: the calls' wall time, the process's minor page faults, and its RSS growth at the peak. The heap's
 fragmentation itself shows in a rank (rank_memory.py --trace-ms), not here: this process allocates nothing between
@@ -27,8 +29,8 @@ SETTINGS = {"adaptive": {}, "trim16": {}, "mmap4mib": {"MALLOC_MMAP_THRESHOLD_":
 
 CHILD = r"""
 import json, sys, time, torch
-from transformers import LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
-from mgrpo.rollout.hf_engine import TrimHeap
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from mgrpo.rollout import decode
 rows, tokens, calls, trim = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -44,15 +46,16 @@ def status(key):
 def minflt():
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[7])
+if not trim:
+    decode.trim_heap = lambda: None
 times, f0, base = [], minflt(), status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 for _ in range(calls):
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                       max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=[151645], pad_token_id=151643,
-                       logits_processor=LogitsProcessorList([TrimHeap()] if trim else []))
+        decode.decode(model, [decode.Req(rid=str(i), input_ids=row, max_new_tokens=tokens, ignore_eos=True)
+                              for i, row in enumerate(ids.tolist())], pad_id=151643, stop_ids={151645})
     times.append(time.perf_counter() - t0)
 print(json.dumps({"call_s": times, "minor_faults": minflt() - f0, "peak_growth_mib": status("VmHWM") - base}))
 """

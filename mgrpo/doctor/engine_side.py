@@ -3,7 +3,7 @@
 The model is built as the CPU server (`rollout/sglang/cpu/model.py`) and the in-process engine
 (`rollout/hf_engine.py`) build it: `AutoModelForCausalLM.from_pretrained(dir, dtype=...)`, eval mode. The
 log-probs are theirs too: the logits in float32, log_softmax(logits / T) (over the top-k / top-p support with
-`Support('sampled', ...)`, as transformers' warpers cut it), the sampled token's entry. One
+`Support('sampled', ...)`, as both engines' sampler cuts it: rollout/sampler.py), the sampled token's entry. One
 difference is deliberate: the engines decode token by token with a KV cache, the doctor runs the whole
 sequence in one forward (the same computation up to summation order; `--trajectory` shows the recorded
 engine log-probs next to this recomputation, so a cache or batching effect shows as a gap between them).
@@ -63,18 +63,18 @@ class Support:
         return "full" if self.name == "full" else f"sampled (top_k={self.top_k}, top_p={self.top_p:g})"
 
     def kept(self, logits: torch.Tensor, temperature: float) -> Optional[torch.Tensor]:
-        """[positions, vocab] bool: each position's support, as transformers' generate draws it (temperature,
-        then its top-k and top-p warpers, in that order); None for the whole vocabulary."""
+        """[positions, vocab] bool: each position's support as the CPU engines' sampler cuts it (SGLang's torch
+        sampler, rollout/sampler.py::truncate, over softmax(logits / T)); None for the whole vocabulary."""
         if self.name == "full":
             return None
-        from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+        from mgrpo.rollout.sampler import truncate
 
-        scores = logits.float() / (1.0 if temperature == 0 else temperature)
-        if self.top_k > 0:
-            scores = TopKLogitsWarper(top_k=self.top_k)(None, scores)
-        if self.top_p < 1:
-            scores = TopPLogitsWarper(top_p=self.top_p)(None, scores)
-        return torch.isfinite(scores)
+        probs = torch.softmax(logits.float() / (1.0 if temperature == 0 else temperature), dim=-1)
+        kept = torch.zeros(probs.shape, dtype=torch.bool)
+        for i, row in enumerate(probs):
+            weights, ids = truncate(row, self.top_k, self.top_p)
+            kept[i, ids[weights > 0]] = True
+        return kept
 
     def csr(self, logits: torch.Tensor, temperature: float) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The supports in the kernels' CSR form (`support_offsets`, `support_ids`), or (None, None)."""

@@ -1,8 +1,7 @@
 """Grammar-constrained decoding on CPU: SGLang's `sampling_params.structural_tag` (and, on the CPU server,
 `json_schema`, `regex`, `ebnf`), enforced with xgrammar as SGLang 0.5.23's grammar backend enforces it
-(sglang/srt/constrained/xgrammar_backend.py). One path for both CPU engines: the in-process engine
-(`hf_engine.py`, through `GrammarProcessor`) and the CPU SGLang-protocol server (`sglang/cpu/model.py`, one
-matcher per request).
+(sglang/srt/constrained/xgrammar_backend.py). One path for both CPU engines: their shared decode loop
+(`rollout/decode.py`, one matcher per request, its mask applied before sampling).
 
 `compile_structural_tag` is SGLang's `XGrammarGrammarBackend.dispatch_structural_tag`: a legacy tag
 (`{"structures": [{begin, schema, end}], "triggers": [...], "at_least_one": ...}`, what SGLang's
@@ -13,10 +12,6 @@ vocab_size=<the model's>, stop_token_ids=<the model's EOS ids>)`. A tag that doe
 with SGLang's message ("Failed to compile structural_tag grammar: ..."; SGLang aborts the request with it,
 answered 400). `compile(kind, ...)` is the other dispatch_<kind>: json (SGLang's schema check from the wheel,
 any whitespace), regex, ebnf.
-
-`GrammarProcessor` applies it in transformers' `generate` (like `xgrammar.contrib.hf.LogitsProcessor`, which
-cannot skip rows that stopped on a per-request stop token): one matcher per row, the token sampled last step
-accepted, the next-token bitmask applied to the logits.
 
 `restricted_steps` replays a generated turn through a fresh matcher and says, per token, whether the
 grammar allowed fewer than all of the tokenizer's tokens there. Such a token was not the policy's free
@@ -34,7 +29,6 @@ import threading
 from typing import Optional, Sequence
 
 import torch
-from transformers import LogitsProcessor
 
 
 class GrammarError(ValueError):
@@ -151,43 +145,6 @@ def _check_json_schema(schema) -> None:
     mod = wheel.json_schema_validation()
     if mod is not None:
         mod.validate_xgrammar_json_schema(schema)
-
-
-class GrammarProcessor(LogitsProcessor):
-    """Masks each row's logits to what its grammar allows next.
-
-    A row ends at an EOS token (its grammar terminates) or where a stop string matched (transformers then
-    feeds it padding, which its matcher may refuse): from then on its matcher is left alone."""
-
-    def __init__(self, compiled, rows: int, vocab_size: int, pad_id: int):
-        import xgrammar as xgr
-
-        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
-        self.bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
-        self.pad = int(pad_id)
-        self.done = [False] * rows
-        self.started = False
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        import xgrammar as xgr
-
-        if self.started:
-            for i, m in enumerate(self.matchers):
-                if self.done[i]:
-                    continue
-                tok = int(input_ids[i, -1])
-                if not m.accept_token(tok):
-                    if tok != self.pad:
-                        raise RuntimeError(f"the grammar refused token {tok} it had allowed (row {i})")
-                    self.done[i] = True  # stopped by a stop string: padding from here on
-                elif m.is_terminated():
-                    self.done[i] = True
-        self.started = True
-        for i, m in enumerate(self.matchers):
-            if not self.done[i]:
-                m.fill_next_token_bitmask(self.bitmask, i)
-        xgr.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device), vocab_size=scores.shape[-1])
-        return scores
 
 
 def restricted_steps(compiled, token_ids: Sequence[int], n_tokens: int) -> list[bool]:

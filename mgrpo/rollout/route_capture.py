@@ -1,5 +1,5 @@
 """The experts each token was routed to, captured from a transformers mixture-of-experts model's own routers:
-what the CPU server (sglang/cpu/model.py) and the in-process engine (hf_engine.py) return as
+what both CPU engines (their decode loop, rollout/decode.py) return as
 `GenerateResult.routed_experts`, as SGLang 0.5.23 returns them (srt/state_capturer/routed_experts.py,
 layers/moe/topk.py: per layer, the top-k expert ids the router chose for every token the model computed).
 
@@ -9,10 +9,8 @@ the indices the experts were then called with: the same tensor, not a recomputat
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 
 
@@ -58,32 +56,6 @@ class RouteCapture:
         out = torch.stack([t.reshape(batch, seq, self.top_k) for t in self._seen], dim=2).to(torch.int32)
         self._seen = [None] * len(self.modules)
         return out
-
-    @contextlib.contextmanager
-    def every_forward(self, model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-        """Inside: the routes of each forward of `model` (transformers' generate runs one per step: the
-        prefill [batch, prompt width], then [batch, 1] per fed token) are appended to the list yielded."""
-        forwards: list[torch.Tensor] = []
-
-        def hook(module, args, kwargs, output):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            forwards.append(self.take(*ids.shape))
-
-        handle = model.register_forward_hook(hook, with_kwargs=True)
-        try:
-            yield forwards
-        finally:
-            handle.remove()
-            self._seen = [None] * len(self.modules)
-
-
-def generated_routes(forwards: list[torch.Tensor], row: int, prompt_len: int, width: int, out_len: int) -> np.ndarray:
-    """Request `row`'s routes from the forwards of one left-padded generate() call (prompts end at column
-    `width`): its prompt positions in the prefill, then one row per generated token that was fed back,
-    i.e. all but the last: [prompt_len + out_len - 1, L, K], as SGLang returns them."""
-    prefill = forwards[0][row, width - prompt_len:width]
-    fed = [f[row] for f in forwards[1:out_len]]  # the token of step j is fed by forward j + 1
-    return torch.cat([prefill, *fed]).numpy()
 
 
 def routes_from_error(start: int, prompt_len: int) -> Optional[str]:

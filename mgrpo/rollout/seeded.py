@@ -10,15 +10,13 @@ trajectory reproducible whatever the dispatcher put next to it. `position` is th
 token fed (the model runner passes `seq_lens - 1` at prefill and `positions` at decode), so for the k-th
 new token (0-based) of a request with P input tokens it is P - 1 + k.
 
-The CPU SGLang-protocol server (`rollout/sglang/cpu/model.py`) and the in-process engine (`hf_engine.py`)
-both sample a seeded request here; SGLang's own CPU path calls sgl_kernel's murmur_hash32_cpu, which is
-not installed on this machine (its wheel needs CUDA), so the hash is written out below from the Triton
-kernel, and tests check it against MurmurHash3's published reference.
+Both CPU engines sample a seeded request here, through their shared sampler (`rollout/sampler.py`).
+SGLang's own CPU path calls sgl_kernel's murmur_hash32_cpu, which is not installed on this machine (its
+wheel needs CUDA), so the hash is written out below from the Triton kernel, and tests check it against
+MurmurHash3's published reference.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -71,27 +69,3 @@ def multinomial_with_seed(logprobs: torch.Tensor, seed: torch.Tensor, positions:
     x.add_(logprobs.to(torch.float64))
     return torch.argmax(x, dim=1, keepdim=True)
 
-
-def sample_row(probs: torch.Tensor, top_k: int, top_p: float, seed: int, position: int, sorted_too: bool = True
-               ) -> tuple[int, Optional[torch.Tensor], Optional[torch.Tensor], Optional[int]]:
-    """One row as SGLang's torch sampler draws it with a seed: the whole vocabulary (no top-k, no top-p:
-    `sampling_from_probs_torch`, log(probs) in vocabulary order) or the truncated one
-    (`top_k_top_p_min_p_sampling_from_probs_torch`: the full descending sort, ranks >= top_k and the mass past
-    top_p zeroed, Gumbel over the sorted columns in float64). Returns (token, weights by decreasing
-    probability, their ids, the sampled column among them); the whole-vocabulary case sorts only for a caller
-    that keeps the support (`sorted_too`; else three Nones: a sort of Qwen3's vocabulary costs more than the draw)."""
-    s = torch.tensor([seed], dtype=torch.int64)
-    p = torch.tensor([position], dtype=torch.int64)
-    if top_k <= 0 and top_p >= 1.0:
-        tok = int(multinomial_with_seed(torch.log(probs).view(1, -1), s, p))
-        if not sorted_too:
-            return tok, None, None, None
-        probs_sort, probs_idx = probs.sort(descending=True)
-        return tok, probs_sort, probs_idx, int((probs_idx == tok).nonzero()[0])
-    probs_sort, probs_idx = probs.sort(descending=True)
-    probs_sum = probs_sort.cumsum(0)
-    if top_k > 0:
-        probs_sort[top_k:] = 0.0
-    probs_sort[(probs_sum - probs_sort) > top_p] = 0.0
-    pick = int(multinomial_with_seed(probs_sort.to(torch.float64).log().view(1, -1), s, p))
-    return int(probs_idx[pick]), probs_sort, probs_idx, pick

@@ -127,26 +127,26 @@ SAMPLED = Support("sampled", top_k=5, top_p=0.9)
 
 @pytest.fixture(scope="module")
 def sampled_ids(clean):
-    """A prompt and 24 tokens the engine sampled from its top-k / top-p support (transformers' generate, seeded):
-    every response token lies in its support, as in a run."""
-    from transformers import AutoModelForCausalLM
+    """A prompt and 24 tokens the in-process engine sampled from its top-k / top-p support (seeded): every
+    response token lies in its support, as in a run."""
+    from mgrpo.rollout.hf_engine import HFRolloutEngine
+    from mgrpo.rollout.types import GenerateRequest, SamplingParams
 
     hf_dir, ids, _ = clean
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    torch.manual_seed(5)
-    out = model.generate(torch.tensor([ids[:PROMPT]]), do_sample=True, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p,
-                         max_new_tokens=24, min_new_tokens=24, eos_token_id=None, pad_token_id=0)
-    return out[0].tolist()
+    engine = HFRolloutEngine(hf_dir, eos_token_ids=[], pad_token_id=0)
+    got = engine.generate([GenerateRequest(uid=0, prompt_ids=ids[:PROMPT])],
+                          SamplingParams(top_k=SAMPLED.top_k, top_p=SAMPLED.top_p, max_new_tokens=24, seed=5))[0]
+    assert len(got.token_ids) == 24
+    return ids[:PROMPT] + got.token_ids
 
 
 def _support_reference(logits: torch.Tensor, tokens: list[int], k: int, p: float) -> torch.Tensor:
-    """By hand: keep the k largest logits, then the shortest prefix of them (by probability, descending) whose
-    mass before each kept token is below p; the token's log-prob renormalised over what is kept."""
+    """By hand, as SGLang's torch sampler cuts: of the k most probable tokens, those whose preceding mass in the
+    whole distribution is at most p; the token's log-prob renormalised over what is kept."""
     out = []
     for z, y in zip(logits.double(), tokens):
-        top, idx = z.topk(k)
-        probs = torch.softmax(top, 0)
-        keep = idx[(probs.cumsum(0) - probs) < p]
+        probs, idx = torch.softmax(z, 0).sort(descending=True)
+        keep = idx[:k][((probs.cumsum(0) - probs) <= p)[:k]]
         assert y in keep.tolist()
         out.append(z[y] - torch.logsumexp(z[keep], 0))
     return torch.stack(out)

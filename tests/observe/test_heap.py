@@ -4,7 +4,7 @@ The child allocates what a decode loop allocates: a 19 MB `[32 x vocab]` logits 
 one after it (a growing KV cache), and small blocks that stay alive in between. Under glibc's adaptive mmap
 threshold the big blocks are carved from the heap once the first is freed, and the small survivors pin it: the
 process keeps ~1 GB it no longer uses, with one arena as without. Trimmed every DECODE_TRIM_EVERY steps, as the
-in-process engine's decode loop is (`TrimHeap`), it keeps at most those steps' holes.
+CPU engines' decode loop is (rollout/decode.py), it keeps at most those steps' holes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from mgrpo import heap
 from mgrpo.heap import DECODE_TRIM_EVERY, arena_env, trim_heap
-from mgrpo.rollout import hf_engine
 
 CHILD = r"""
 import sys, torch
@@ -62,13 +61,23 @@ def test_decode_loop_trims_bound_what_the_heap_holds():
     assert trimmed < 700 and trimmed < untrimmed / 2.5, (trimmed, untrimmed)
 
 
-def test_trim_heap_processor_trims_every_n_steps_and_leaves_scores(monkeypatch):
+def test_decode_loop_trims_every_n_steps(monkeypatch):
+    """The CPU engines' decode loop (rollout/decode.py) trims the heap every DECODE_TRIM_EVERY steps; a scripted
+    model stands in for the forward."""
+    from types import SimpleNamespace
+
+    from mgrpo.rollout import decode
+
     calls = []
-    monkeypatch.setattr(hf_engine, "trim_heap", lambda: calls.append(1))
-    p = hf_engine.TrimHeap(every=4)
-    scores = torch.randn(2, 7)
-    outs = [p(torch.zeros(2, 3, dtype=torch.long), scores) for _ in range(10)]
-    assert len(calls) == 2 and all(o is scores for o in outs)
+    monkeypatch.setattr(decode, "trim_heap", lambda: calls.append(1))
+
+    def model(input_ids, **kw):
+        return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], 1, 5), past_key_values=None)
+
+    steps = 2 * DECODE_TRIM_EVERY + 3
+    reqs = [decode.Req(rid="0", input_ids=[1, 2], temperature=0.0, max_new_tokens=steps)]
+    decode.decode(model, reqs, pad_id=0, stop_ids=set())
+    assert len(reqs[0].out) == steps and len(calls) == 2
 
 
 def test_user_setting_wins(monkeypatch):

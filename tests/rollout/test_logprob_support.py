@@ -23,12 +23,12 @@ from tests.helpers.convert import make_hf_checkpoint, tiny_cfg
 # --- the in-process transformers engine --------------------------------------------------------------
 
 def _top_k_top_p(z: torch.Tensor, k: int, p: float) -> list[int]:
-    """The support of softmax(z) under top-k then top-p (of the renormalised top-k), written out: keep
-    a token (in descending order) while the mass before it is below p."""
-    order = torch.argsort(z, descending=True)[:k]
-    probs = torch.softmax(z[order], -1)
+    """The support of softmax(z) under top-k and top-p as SGLang's torch sampler cuts, written out: of the k
+    most probable tokens (in descending order) those whose mass before them in the whole distribution is at
+    most p."""
+    probs, order = torch.softmax(z, -1).sort(descending=True)
     before = torch.cumsum(probs, 0) - probs
-    return sorted(order[before < p].tolist())
+    return sorted(order[:k][before[:k] <= p].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_engine_returns_supports_and_log_probs_over_them(engine):
     from transformers import AutoModelForCausalLM
 
     eng, hf_dir = engine
-    temperature, k, p = 0.8, 7, 0.8
+    temperature, k, p = 0.8, 7, 0.3  # p cuts inside the top 7 of the whole distribution at some steps only
     sp = SamplingParams(temperature=temperature, top_k=k, top_p=p, max_new_tokens=6, seed=1, return_support=True)
     results = eng.generate(REQUESTS, sp)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

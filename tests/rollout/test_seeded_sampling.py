@@ -97,12 +97,11 @@ def _batch_invariant(engine, VOCAB):
             assert max(abs(a - b) for a, b in zip(alone.logprobs, batch[i].logprobs)) < 1e-5
             assert alone.support == batch[i].support
         assert len({tuple(r.token_ids) for r in batch}) > 4  # different seeds, different rows
-        if sampling.return_support:  # the draw stays inside the support transformers' warpers kept
+        if sampling.return_support:  # the draw stays inside the support the sampler kept
             assert all(t in s for r in batch for t, s in zip(r.token_ids, r.support) if s is not None)
 
 
 def test_cpu_server_model_seeded_row_alone_equals_the_row_in_a_batch(tmp_path):
-    from mgrpo.rollout.seeded import sample_row
     from mgrpo.rollout.sglang.cpu.model import CPUModel, Req
     from tests.helpers.sglang_cpu import VOCAB, Reference, tiny_checkpoint
 
@@ -112,12 +111,14 @@ def test_cpu_server_model_seeded_row_alone_equals_the_row_in_a_batch(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (as above)
     try:
-        _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference)
+        _server_batch_invariant(model, hf, prompts, Req, Reference)
     finally:
         torch.set_num_threads(threads)
 
 
-def _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference):
+def _server_batch_invariant(model, hf, prompts, Req, Reference):
+    from mgrpo.rollout.sampler import RowSampling, sample
+
 
     def reqs(idx):
         return [Req(rid=str(i), input_ids=prompts[i], temperature=0.8, top_k=6, max_new_tokens=10, seed=77 + i,
@@ -131,7 +132,7 @@ def _server_batch_invariant(model, hf, prompts, Req, sample_row, Reference):
     ref = Reference(hf).model
     with torch.no_grad():
         logits = ref(input_ids=torch.tensor([prompts[2]])).logits[0, -1].float()
-    tok = sample_row(torch.softmax(logits / 0.8, dim=-1), 6, 1.0, 79, len(prompts[2]) - 1)[0]
+    tok = sample(logits[None], [RowSampling(0.8, 6, 1.0, 79)], [len(prompts[2]) - 1], [True])[0].token
     assert batch[2].out[0] == tok
 
 

@@ -310,70 +310,15 @@ def test_a_stop_regex_ends_a_request_over_http_as_in_sglang(tok, server):
     assert engine.health().ok  # refusals leave it serving
 
 
-def _drive_stops(tok, streams, stops, eos, width=3):
-    """The in-process engine's stop criterion (hf_engine.SGLangStops) fed `streams` one token per step as
-    transformers' decode loop feeds it: a left-padded prompt of `width` columns, and a row it has finished (its
-    stop found or an EOS generated) padded from then on."""
+def test_an_unbounded_pattern_is_decoded_once_per_token(tok):
+    """`a.*b` can match any length (SGLang's bound 2**30), so each step of the CPU engines' decode loop
+    (rollout/decode.py) decodes the whole output, as SGLang's scheduler does; a finished row then decodes
+    nothing more (checking every prefix again would decode n(n+1)/2 more tokens: 2 million for this 2,000-token
+    row). A scripted model's logits make the greedy rows the two streams."""
     import torch
 
-    from mgrpo.rollout.hf_engine import SGLangStops
+    from mgrpo.rollout.decode import Req, decode
 
-    crit = SGLangStops(stops, tok, width, eos)
-    pad = VOCAB["<|endoftext|>"]
-    rows = [[pad] * width for _ in streams]
-    finished = [False] * len(streams)
-    for step in range(len(streams[0])):
-        for i, s in enumerate(streams):
-            rows[i].append(pad if finished[i] else s[step])
-        said = crit(torch.tensor(rows), None)
-        finished = [f or bool(d) or r[-1] in eos for f, d, r in zip(finished, said.tolist(), rows)]
-    return crit
-
-
-def test_the_engine_finishes_where_a_rescan_of_every_prefix_does(tok):
-    """hf_engine keeps each row's stop step as SGLangStops finds it while generating and `_finish` applies the
-    rules with it; the answer (tokens kept, finish reason, or the abort's error) equals checking every prefix
-    with finish_after (the rules checked against SGLang's own above) on 1,500 random batches of streams."""
-    from mgrpo.rollout.hf_engine import HFRolloutEngine
-
-    rng = random.Random(2)
-    alphabet = [CALL_END, EOS, VOCAB[" "], VOCAB["\n"]] + [VOCAB[c] for c in "12abx</tool_call>"]
-    cases = [(None, r"\d{2}"), (["</tool_call>", "ab"], None), (["x"], [r"</tool_call>\s*$", "a.*b"]),
-             (None, [r"(?<=1+)2"]), (["21"], "1[^2]{3}1")]
-    eos = {EOS}
-    seen: dict[str, int] = {}
-    for case in range(1500):
-        stop, regex = rng.choice(cases)
-        stops = StopStrings.normalize(stop, tok, regex)
-        max_new = rng.randint(1, 24)
-        steps = rng.randint(1, max_new)  # every row of a batch runs the same steps (shorter: all rows ended)
-        streams = [[rng.choice(alphabet) for _ in range(steps)] for _ in range(3)]
-        crit = _drive_stops(tok, streams, stops, eos)
-        for i, s in enumerate(streams):
-            want = None
-            for j in range(len(s)):
-                fin = finish_after(s[:j + 1], stops=stops, tokenizer=tok, stop_token_ids=eos, max_new_tokens=max_new)
-                if fin is not None:
-                    want = ("error", fin["message"]) if fin["type"] == "abort" else (j + 1, fin["type"])
-                    break
-            want = want or (len(s), "length")
-            try:
-                got = HFRolloutEngine._finish(s, crit.found[i], eos, max_new)
-            except ValueError as e:
-                got = ("error", str(e))
-            assert got == want, (case, s, stop, regex, max_new, crit.found[i])
-            first = next((j + 1 for j in range(len(s)) if stops.check(s[:j + 1], tok) is not None), None)
-            if crit.found[i] is not None:  # the step recorded is the first prefix check() answers for
-                assert crit.found[i][0] == first, (case, s, crit.found[i])
-            kind = "error" if want[0] == "error" else want[1]
-            seen[kind] = seen.get(kind, 0) + 1
-    assert all(seen.get(k, 0) > 100 for k in ("stop", "length", "error")), seen
-
-
-def test_an_unbounded_pattern_is_decoded_once_per_token(tok):
-    """`a.*b` can match any length (SGLang's bound 2**30), so each step decodes the whole output, as SGLang's
-    scheduler does; finishing the row then decodes nothing more (checking every prefix again decoded
-    n(n+1)/2 more tokens: 2 million for this 2,000-token row)."""
     calls = []
 
     class Counting:
@@ -384,16 +329,22 @@ def test_an_unbounded_pattern_is_decoded_once_per_token(tok):
         def encode(self, *a, **kw):
             return tok.encode(*a, **kw)
 
-    from mgrpo.rollout.hf_engine import HFRolloutEngine
-
     n = 2000
-    stream = [VOCAB["a"]] + [VOCAB["x"]] * (n - 2) + [VOCAB["b"]]
+    streams = [[VOCAB["a"]] + [VOCAB["x"]] * (n - 2) + [VOCAB["b"]], [VOCAB["x"], EOS] + [VOCAB["y"]] * (n - 2)]
+    step = [0]
+
+    def model(input_ids, **kw):
+        logits = torch.zeros(len(streams), 1, len(VOCAB))
+        for i, s in enumerate(streams):
+            logits[i, 0, s[step[0]]] = 1.0
+        step[0] += 1
+        return SimpleNamespace(logits=logits, past_key_values=None)
+
     stops = StopStrings.normalize(None, tok, "a.*b")
-    crit = _drive_stops(Counting(), [stream, [VOCAB["x"], EOS] + [VOCAB["y"]] * (n - 2)], stops, {EOS})
-    assert crit.found == [(n, {"type": "stop", "matched": "a.*b"}), None]
+    reqs = [Req(rid=str(i), input_ids=[VOCAB["x"]], temperature=0.0, max_new_tokens=4096, stops=stops)
+            for i in range(2)]
+    decode(model, reqs, pad_id=0, stop_ids={EOS}, tokenizer=Counting())
+    assert [r.finish for r in reqs] == [{"type": "stop", "matched": "a.*b"}, {"type": "stop", "matched": EOS}]
+    assert [r.out for r in reqs] == [streams[0], streams[1][:2]]
     # one decode per step of the long row, of the output so far; the row that ended on EOS at step 2 no more
     assert calls == [1, 1, 2, 2] + list(range(3, n + 1))
-    calls.clear()
-    assert HFRolloutEngine._finish(stream, crit.found[0], {EOS}, 4096) == (n, "stop")
-    assert HFRolloutEngine._finish([VOCAB["x"], EOS], crit.found[1], {EOS}, 4096) == (2, "stop")
-    assert calls == []

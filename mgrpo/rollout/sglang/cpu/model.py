@@ -2,65 +2,23 @@
 loading, memory release. No HTTP here (server.py); every call runs on the server's single
 model thread, so generation and weight loads never interleave.
 
-Sampling follows SGLang's per-request semantics: each request has its own sampling params and, when
-`sampling_seed` is given, is drawn by SGLang's seeded sampler (rollout/seeded.py: Gumbel noise hashed from
-the seed, the position and the column), so a request's tokens do not depend on what else is in the batch. Log-probs are those of the full tempered distribution, log_softmax(logits / T),
-before top-p/top-k truncation (T=0: greedy, log-probs at T=1), as `hf_engine.py` and the trainer
-compute them. On request (`mask_mode`) also each token's sampling support and behaviour log-prob, as
-SGLang's sampler captures them (srt/layers/sampler.py::_build_sampling_mask_output: the tokens the
-filtered distribution keeps, by decreasing probability, and log(p / mass kept)), and the experts each
-position was routed to (rollout/route_capture.py).
+Generation is the decode loop and sampler the in-process engine runs too (rollout/decode.py,
+rollout/sampler.py: SGLang's per-request semantics, seeded requests by SGLang's seeded sampler, log-probs of
+the full tempered distribution, supports as SGLang's sampler captures them, grammars, stops, routed experts);
+here: the requests checked, aborts, SGLang's input-token log-probs, and each unseeded request's own generator
+drawn from the server's --random-seed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from mgrpo.rollout.categorical import sample_categorical
-from mgrpo.rollout.seeded import sample_row
+from mgrpo.rollout.decode import Req, decode, finish_routes
 from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS
-from mgrpo.rollout.stops import StopStrings, finish_after
-
-
-@dataclass
-class Req:
-    rid: str
-    input_ids: list[int]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: Optional[int] = None
-    mask_mode: Optional[str] = None
-    """'selected' | 'support': return each token's sampling support (SGLang's return_sampling_mask)."""
-    top_logprobs_num: int = 0
-    """Keep each output position's top log-probs (SGLang's top_logprobs_num, under return_logprob)."""
-    routes_from: Optional[int] = None
-    """Return the routed experts of positions [routes_from, prompt + output - 1)."""
-    logprob_start_len: Optional[int] = None
-    """The first input position whose log-prob is returned (SGLang's logprob_start_len); None: none of them."""
-    input_logprobs: list = field(default_factory=list)
-    """Log-probs of input positions logprob_start_len.. given the tokens before them; the first is None."""
-    stops: StopStrings = field(default_factory=StopStrings)
-    """Stop strings (SGLang's sampling_params.stop, normalised; rollout/stops.py)."""
-    grammar_key: Optional[tuple[str, str]] = None
-    """SGLang's (kind, value) of the request's grammar; `grammar` is it compiled (cpu/text.py)."""
-    grammar: Any = None
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    masks: list[list[int]] = field(default_factory=list)
-    mask_logprobs: list = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)
-    route_rows: list = field(default_factory=list)
-    routes: Optional[torch.Tensor] = None
-    finish: Optional[dict] = None
 
 
 INPUT_LOGITS_BYTES = 256 << 20
@@ -69,46 +27,6 @@ INPUT_LOGITS_BYTES = 256 << 20
 
 class ModelError(ValueError):
     """A request the model cannot serve in its current state (answered with 400)."""
-
-
-class Matchers:
-    """The requests' grammars in one decode loop, as SGLang's scheduler applies them: one xgrammar matcher
-    per request with a grammar, its next-token bitmask applied to that row's logits before sampling (so the
-    log-probs returned are over the masked logits, as SGLang's sampler computes them), the sampled token fed
-    to it after the finish check."""
-
-    def __init__(self, reqs: Sequence[Req], vocab_size: int):
-        self.matchers = [None] * len(reqs)
-        if not any(r.grammar is not None for r in reqs):
-            return
-        import xgrammar as xgr
-
-        self.matchers = [xgr.GrammarMatcher(r.grammar) if r.grammar is not None else None for r in reqs]
-        self.bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)
-        self.vocab_size = vocab_size
-
-    def mask(self, logits: torch.Tensor, reqs: Sequence[Req]) -> None:
-        live = [i for i, m in enumerate(self.matchers)
-                if m is not None and reqs[i].finish is None and not m.is_terminated()]
-        if not live:
-            return
-        import xgrammar as xgr
-
-        self.bitmask.fill_(-1)  # every token allowed in the rows without a grammar
-        for i in live:
-            self.matchers[i].fill_next_token_bitmask(self.bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size)
-
-    def ended(self, i: int) -> bool:
-        return self.matchers[i] is not None and self.matchers[i].is_terminated()
-
-    def accept(self, i: int, r: Req, tok: int) -> None:
-        m = self.matchers[i]
-        if m is None or m.is_terminated():
-            return
-        if not m.accept_token(tok):  # cannot happen under the mask; SGLang aborts the request with this
-            r.finish = {"type": "abort", "message": f"Grammar accept_token failed: Tokens not accepted: {tok}",
-                        "status_code": 500, "err_type": "InternalServerError"}
 
 
 class CPUModel:
@@ -191,11 +109,8 @@ class CPUModel:
         active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, running=False)]
         if active:
             self._decode(active, started)
-        for r in reqs:
-            if r.routes_from is not None and r.finish.get("type") != "abort":
-                rows = torch.cat(r.route_rows) if r.route_rows else torch.empty(0, *self.routes_shape)
-                r.routes = rows[min(r.routes_from, len(rows)):]  # SGLang: [start, seqlen - 1)
-            r.route_rows = []
+        if self.routes is not None:
+            finish_routes(reqs, self.routes_shape)
         return list(reqs)
 
     @property
@@ -237,120 +152,22 @@ class CPUModel:
                 r.input_logprobs = [None] + rows_lp.gather(-1, nxt[:, None])[:, 0].tolist()
 
     def _decode(self, reqs: list[Req], started: float) -> None:
-        n, width = len(reqs), max(len(r.input_ids) for r in reqs)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(reqs):  # left padding: every prompt ends at the last column
-            ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
-            mask[i, width - len(r.input_ids):] = 1
-        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None
+        # unseeded requests: a generator each, seeded from the server's (--random-seed)
+        gens = [None if r.seed is not None
                 else torch.Generator().manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.rng)))
                 for r in reqs]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Prefill: only the last position's logits are sampled from; all of them would be [rows x prompt x vocab]
-        # (10 GB for 64 prompts of 256 tokens at Qwen3's vocabulary).
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        self._keep_routes(reqs, [True] * n, ids.shape[1], lambda i, r: slice(width - len(r.input_ids), width))
-        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
-        last_pos = positions[:, -1]
-        grammars = Matchers(reqs, logits.shape[-1])
-        stop_ids = [self.stop_ids | set(r.stop_token_ids) for r in reqs]
-        for step in range(max(r.max_new_tokens for r in reqs)):
-            nxt = torch.full((n,), self.pad_id, dtype=torch.long)
-            grammars.mask(logits, reqs)
-            for i, r in enumerate(reqs):
-                if r.finish is not None or self._abort_if(r, started, running=True):
-                    continue
-                tok, lp = self._sample(logits[i], r, gens[i], len(r.input_ids) - 1 + len(r.out))
-                r.out.append(tok)
-                r.logprobs.append(lp)
-                nxt[i] = tok
-                # SGLang's order (rollout/stops.py): the grammar's end is checked before the token is fed to it
-                r.finish = finish_after(r.out, stops=r.stops, tokenizer=self.tokenizer, stop_token_ids=stop_ids[i],
-                                        max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos,
-                                        grammar_ended=grammars.ended(i))
-                grammars.accept(i, r, tok)
+
+        def progress():
             self.last_progress = time.monotonic()
-            if all(r.finish is not None for r in reqs):
-                return
-            fed = [r.finish is None for r in reqs]  # a finished request's last token is never fed back
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                             past_key_values=cache, use_cache=True)
-            self._keep_routes(reqs, fed, 1, lambda i, r: slice(0, 1))
-            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+
+        decode(self.model, reqs, pad_id=self.pad_id, stop_ids=self.stop_ids, tokenizer=self.tokenizer,
+               generators=gens, routes=self.routes, stopped=lambda r: self._abort_if(r, started, running=True),
+               progress=progress)
 
     def use_tokenizer(self, tokenizer, stop_ids: set[int]) -> None:
         """The server's tokenizer (stop strings) and the ids it adds to the model's EOS (cpu/text.py)."""
         self.tokenizer = tokenizer
         self.stop_ids = self.eos_ids | set(stop_ids)
-
-    def _keep_routes(self, reqs: list[Req], fed: list[bool], seq: int, rows) -> None:
-        """After a forward: each request that asked keeps the routes of the positions it fed."""
-        if self.routes is None:
-            return
-        got = self.routes.take(len(reqs), seq)
-        for i, r in enumerate(reqs):
-            if r.routes_from is not None and fed[i]:
-                r.route_rows.append(got[i, rows(i, r)].clone())
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, r: Req, gen: torch.Generator, position: int) -> tuple[int, float]:
-        """`position`: of the last token fed (SGLang's seeded sampler hashes it with the request's seed)."""
-        greedy = r.temperature == 0.0 or r.top_k == 1
-        scaled = logits / (1.0 if r.temperature == 0.0 else r.temperature)
-        logp = torch.log_softmax(scaled, dim=-1)
-        if r.top_logprobs_num:  # the same distribution output_token_logprobs reads, highest first (torch.topk)
-            vals, idx = torch.topk(logp, min(r.top_logprobs_num, logp.numel()))
-            r.top_logprobs.append((vals.tolist(), idx.tolist()))
-        if greedy:
-            tok = int(torch.argmax(logits))
-            if r.mask_mode is not None:  # sampler.py::_build_greedy_sampling_mask_output
-                r.masks.append([tok])
-                r.mask_logprobs.append([0.0] if r.mask_mode == "support" else 0.0)
-            return tok, float(logp[tok])
-        if r.seed is not None:  # SGLang's seeded sampler: the row's token depends on its own seed and position only
-            tok, probs_sort, probs_idx, pick = sample_row(torch.softmax(scaled, dim=-1), r.top_k, r.top_p, r.seed,
-                                                          position, sorted_too=r.mask_mode is not None)
-        elif r.top_k <= 0 and r.top_p >= 1.0 and r.mask_mode is None:
-            # SGLang's sampling_from_probs_torch: the whole vocabulary unsorted, drawn as torch.multinomial draws
-            # (rollout/categorical.py; a sort of Qwen3's vocabulary and multinomial's exponentials cost ~10 ms a row)
-            tok = int(sample_categorical(logp.exp().view(1, -1), generator=gen))
-            return tok, float(logp[tok])
-        else:
-            probs_sort, probs_idx = CPUModel.truncate(logp.exp(), r.top_k, r.top_p)
-            pick = int(torch.multinomial(probs_sort, 1, generator=gen))
-            tok = int(probs_idx[pick])
-        if r.mask_mode is not None:
-            CPUModel._keep_support(r, probs_sort, probs_idx, pick)
-        return tok, float(logp[tok])
-
-    @staticmethod
-    def truncate(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights by decreasing probability, their token ids) of SGLang's torch sampler
-        (srt/layers/sampler.py::top_k_top_p_min_p_sampling_from_probs_torch): sort once, zero ranks >= top_k
-        and tokens whose preceding mass already exceeds top_p; the support is the ids of the non-zero weights.
-        Top-p reads the whole distribution's mass, not the mass left after top-k (transformers' warpers, and
-        so the in-process engine, renormalise after top-k and cut more)."""
-        probs_sort, probs_idx = probs.sort(descending=True)
-        probs_sum = probs_sort.cumsum(0)
-        if top_k > 0:
-            probs_sort[top_k:] = 0.0
-        probs_sort[(probs_sum - probs_sort) > top_p] = 0.0
-        return probs_sort, probs_idx
-
-    @staticmethod
-    def _keep_support(r: Req, probs_sort: torch.Tensor, probs_idx: torch.Tensor, pick: int) -> None:
-        """sampler.py::_build_sampling_mask_output for the torch sampler: the kept tokens (weights > 0) by
-        decreasing weight; the behaviour log-prob log(weight / mass kept) of the sampled one, or of each."""
-        kept = int((probs_sort > 0).sum())  # sorted descending: the kept tokens lead
-        mass = probs_sort[:kept].sum(dtype=torch.float32)
-        r.masks.append(probs_idx[:kept].tolist())
-        if r.mask_mode == "support":
-            r.mask_logprobs.append(torch.log(probs_sort[:kept].float() / mass).tolist())
-        else:
-            r.mask_logprobs.append(float(torch.log(probs_sort[pick].float() / mass)))
 
     # --- weights ------------------------------------------------------------------------------------
     @torch.no_grad()
