@@ -14,6 +14,7 @@ position was routed to (rollout/route_capture.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class Req:
     grammar_key: Optional[tuple[str, str]] = None
     """SGLang's (kind, value) of the request's grammar; `grammar` is it compiled (cpu/text.py)."""
     grammar: Any = None
+    lora: Any = None
+    """The adapter the request named (cpu/lora.py::Adapter; SGLang's lora_path), None: the base model."""
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
@@ -147,6 +150,8 @@ class CPUModel:
         self.lock = threading.Lock()  # guards the abort state, written from the HTTP thread
         self.last_progress = time.monotonic()
         self.busy = 0
+        self.lora = None
+        """The server's adapters (cpu/lora.py::LoraBank), set by the server."""
 
     # --- generation -------------------------------------------------------------------------------
     def check_servable(self) -> None:
@@ -190,13 +195,17 @@ class CPUModel:
                               if r.logprob_start_len is not None and r.logprob_start_len < len(r.input_ids)])
         active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, running=False)]
         if active:
-            self._decode(active, started)
+            with self._adapters(active):
+                self._decode(active, started)
         for r in reqs:
             if r.routes_from is not None and r.finish.get("type") != "abort":
                 rows = torch.cat(r.route_rows) if r.route_rows else torch.empty(0, *self.routes_shape)
                 r.routes = rows[min(r.routes_from, len(rows)):]  # SGLang: [start, seqlen - 1)
             r.route_rows = []
         return list(reqs)
+
+    def _adapters(self, rows: Sequence[Req]):
+        return self.lora.batch([r.lora for r in rows]) if self.lora is not None else contextlib.nullcontext()
 
     @property
     def routes_shape(self) -> tuple[int, int]:
@@ -229,7 +238,8 @@ class CPUModel:
                 ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
                 mask[i, width - len(r.input_ids):] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            with self._adapters(batch):
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             for i, r in enumerate(batch):
                 pad, n = width - len(r.input_ids), len(r.input_ids)
                 rows_lp = torch.log_softmax(logits[i, pad + r.logprob_start_len:pad + n - 1].float(), dim=-1)
