@@ -248,18 +248,24 @@ def add_routes(app, state, body_of) -> None:
 
     async def load_from_tensors(request: Request):
         body = await body_of(request, "/load_lora_adapter_from_tensors")
+        if not bank.enabled:  # the tokenizer manager answers before any rank reads the tensors
+            return answer({"success": False, "error_message": NOT_ENABLED, "loaded_adapters": None})
         payloads = body["serialized_named_tensors"]
         if len(payloads) != state.args.tp_size:
             return answer(bank.result(False, f"serialized_named_tensors has {len(payloads)} entries for --tp-size "
                                              f"{state.args.tp_size} (one per TP rank)"))
         tensors = None
-        for rank, payload in enumerate(payloads):  # each TP rank deserialises its own copy (tp_worker.py)
-            data = receive.deserialize(payload)
-            if rank == 0:
-                fmt = body.get("load_format")
-                tensors = dict(unflatten(data["flattened_tensor"], data["metadata"])) if fmt == FLATTENED else data
-            del data
-        if not isinstance(tensors, dict):
+        try:
+            for rank, payload in enumerate(payloads):  # each TP rank deserialises its own copy (tp_worker.py)
+                data = receive.deserialize(payload)
+                if rank == 0:
+                    fmt = body.get("load_format")
+                    tensors = dict(unflatten(data["flattened_tensor"], data["metadata"])) if fmt == FLATTENED \
+                        else data
+                del data
+        except Exception as e:  # noqa: BLE001 - a payload that does not decode fails the load, with the reason
+            return answer(bank.result(False, f"serialized_named_tensors: {type(e).__name__}: {e}"))
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             return answer(bank.result(False, f"expected a {{name: tensor}} payload, got {type(tensors).__name__}"))
         return answer(await state.on_model(bank.load, body["lora_name"], body["config_dict"], tensors, "__tensor__",
                                            body.get("added_tokens_config")))
