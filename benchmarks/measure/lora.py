@@ -5,12 +5,16 @@ the planner's LoRA table for the Qwen3 GPU presets.
     python -m benchmarks.measure.lora --update-results     # benchmarks/results/lora_cpu.json
 
 Each (workload, LoRA on/off) runs in a fresh process: the real MegatronActor (fp32, one rank) on the workload's
-model shape (benchmarks/peers/grpo_workloads.py), a random batch of the workload's size, then per step one
-optimizer step (`train_mini_batch`) and one weight sync to a receiver that counts bytes. Per step: the bytes the
-merged sync sent (every base weight, base + alpha/r * B @ A merged in), the bytes of the adapters alone (the
-PEFT tensors an adapter-only sync would carry: mgrpo does not build that mode yet, so this is the size, not a
-measured send), and the rank's peak RSS over the step (VmHWM, reset through /proc/self/clear_refs at its
-start). The planner rows come from `mgrpo-plan`'s own function (launchers/plan.py::build_plan).
+model shape (benchmarks/peers/grpo_workloads.py), a random batch of the workload's size, and the CPU rollout
+server on the same checkpoint (launched as the rollout group launches it, with SGLang's LoRA arguments), then
+per step one optimizer step (`train_mini_batch`) and the weight syncs, both to that server through the real
+client: the full sync (every base weight through /update_weights_from_tensor; with LoRA base + alpha/r * B @ A
+merged in, actor.lora.sync=merged) and, with LoRA, the adapter-only sync (the PEFT tensors through
+/load_lora_adapter_from_tensors under a new name, the old one unloaded, actor.lora.sync=adapter). Per step: the
+bytes and seconds of each sync as the client sent them, and the rank's peak RSS over the reference forward and
+the optimizer step (VmHWM, reset through /proc/self/clear_refs at its start, read before the syncs, whose staging
+buffers are the client's; the server is another process). The planner rows come from
+`mgrpo-plan`'s own function (launchers/plan.py::build_plan).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import multiprocessing as mp
 import os
 import socket
 import tempfile
+import time
 
 from benchmarks import add_output_args, write_json
 
@@ -46,15 +51,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-class _Counter:
-    def __init__(self):
-        self.bytes = 0
+def _engine(hf_dir: str, log_dir: str):
+    from mgrpo.rollout.sglang import SGLangEngine
 
-    def update_weights(self, bucket):
-        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-
-    def finish_weight_update(self, version):
-        pass
+    return SGLangEngine.launch(hf_dir, host="127.0.0.1", server="cpu", log_dir=log_dir, startup_timeout_s=600,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               extra_args=["--enable-lora", "--max-lora-rank", str(LORA["rank"]),
+                                           "--lora-target-modules", "all"])
 
 
 def _model_cfg(workload: str):
@@ -70,7 +73,7 @@ def _run(workload: str, lora: bool, hf_dir: str, steps: int, out):
 
     from mgrpo.config import MGRPOConfig
     from mgrpo.config.schema import LoraConfig
-    from mgrpo.models.peft_export import iter_peft_tensors
+    from mgrpo.models.peft_export import peft_config
     from mgrpo.training.actor import MegatronActor
     from mgrpo.training.batch import RankBatch
 
@@ -90,20 +93,31 @@ def _run(workload: str, lora: bool, hf_dir: str, steps: int, out):
                       advantages=[torch.randn(r, generator=g).tolist() for _ in range(n)],
                       token_weight=[[1.0 / (n * r)] * r for _ in range(n)], metric_weight=1.0 / (n * r))
     rows = []
-    for step in range(steps):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _status()["VmRSS"]
-        actor.compute_logprobs(batch, "ref", keep=True)  # the reference forward, as a step with a KL term runs it
-        actor.train_mini_batch(batch)
-        counter = _Counter()
-        actor.sync_weights([counter], bucket_bytes=64 << 20)
-        adapter = 0
-        if lora:
-            adapter = sum(t.numel() * t.element_size() for _, t in iter_peft_tensors(
-                actor.gpt, cfg.model, tp_group=actor.ctx.tp_group, tp_size=1, pp_rank=0, pp_size=1))
-        rows.append({"step": step + 1, "merged_sync_bytes": counter.bytes, "adapter_bytes": adapter,
-                     "rss_before_mib": round(before), "peak_rss_mib": round(_status()["VmHWM"])})
+    engine = _engine(hf_dir, tempfile.mkdtemp(prefix="mgrpo-lora-measure-"))
+    try:
+        for step in range(steps):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            before = _status()["VmRSS"]
+            actor.compute_logprobs(batch, "ref", keep=True)  # the reference forward, as a step with a KL term
+            actor.train_mini_batch(batch)
+            peak = _status()["VmHWM"]
+            t0, sent0 = time.perf_counter(), engine.stats["weight_bytes"]
+            actor.sync_weights([engine], bucket_bytes=64 << 20)
+            engine.finish_weight_update(step + 1)
+            full_s, full = time.perf_counter() - t0, engine.stats["weight_bytes"] - sent0
+            adapter, adapter_s = 0, 0.0
+            if lora:
+                t0 = time.perf_counter()
+                tensors = actor.peft_tensors()
+                config = peft_config(tensors, cfg.actor.lora, hf_dir)
+                adapter = engine.use_lora_adapter(f"v{step + 1}", tensors, config, step + 1)
+                adapter_s = time.perf_counter() - t0
+            rows.append({"step": step + 1, "full_sync_bytes": full, "full_sync_s": round(full_s, 4),
+                         "adapter_sync_bytes": adapter, "adapter_sync_s": round(adapter_s, 4),
+                         "rss_before_mib": round(before), "peak_rss_mib": round(peak)})
+    finally:
+        engine.shutdown()
     trainable = sum(q.numel() for q in actor.gpt.parameters() if q.requires_grad)
     actor.shutdown()
     out.put({"workload": workload, "lora": lora, "trainable_params": trainable, "steps": rows,
@@ -143,8 +157,9 @@ def main(argv=None) -> None:
                 proc.join(timeout=60)
     for r in runs:
         for s in r["steps"]:
-            print(f"{r['workload']:<11} lora={str(r['lora']):<5} step {s['step']}: merged sync "
-                  f"{s['merged_sync_bytes'] / 2**20:8.2f} MiB, adapters {s['adapter_bytes'] / 2**20:7.3f} MiB, "
+            print(f"{r['workload']:<11} lora={str(r['lora']):<5} step {s['step']}: full sync "
+                  f"{s['full_sync_bytes'] / 2**20:8.2f} MiB in {s['full_sync_s']:.3f}s, adapter sync "
+                  f"{s['adapter_sync_bytes'] / 2**20:7.3f} MiB in {s['adapter_sync_s']:.3f}s, "
                   f"peak RSS {s['peak_rss_mib']} MiB")
     plan = _plan_rows()
     for name, row in plan.items():
@@ -153,8 +168,9 @@ def main(argv=None) -> None:
         for k in row["lora"]:
             print(f"  {k:<20} LoRA {row['lora'][k] / 2**30:8.2f} GiB   full {row['full'][k] / 2**30:8.2f} GiB")
     write_json(args, "lora_cpu", {"lora": LORA, "runs": runs, "plan": plan,
-                                  "note": "adapter_bytes: the PEFT tensors an adapter-only sync would send "
-                                          "(not built yet); merged_sync_bytes: measured"})
+                                  "note": "bytes and seconds as the client sent them to the CPU server: full_sync "
+                                          "(/update_weights_from_tensor, merged with LoRA), adapter_sync "
+                                          "(/load_lora_adapter_from_tensors, LoRA only)"})
 
 
 if __name__ == "__main__":

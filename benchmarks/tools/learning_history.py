@@ -67,6 +67,10 @@ RECIPES: dict[str, Recipe] = {
                                  "one-step-off asynchronous rollout (disaggregated engine)"),
     "async-bounded": Recipe(ASYNC + ("rollout.async_mode=bounded_staleness", "rollout.max_staleness=2"), 0.8,
                             "bounded-staleness asynchronous rollout (max_staleness 2)"),
+    "main-lora": Recipe(("actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=1e-3",
+                         "actor.lora.modules_to_save=[embed_tokens]"), 0.8,
+                        "the main job with LoRA rank 16 and the (tied) embedding trained whole "
+                        "(`actor.lora.modules_to_save=[embed_tokens]`, merged sync)", slow=True),
     "moe-r3": Recipe(("model=tiny-moe", "actor.router_replay=rollout"), 0.8, "Qwen3-MoE (tiny-moe) with R3"),
     "moe-r3-ep2": Recipe(("model=tiny-moe", "actor.router_replay=rollout", "actor.ep=2"), 0.8,
                          "Qwen3-MoE with R3 at EP2", slow=True),

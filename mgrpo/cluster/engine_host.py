@@ -59,6 +59,10 @@ class EngineSlot:
     def finish_weight_update(self, version: int):
         self.engine.finish_weight_update(version)
 
+    @ray.method(concurrency_group="engine")
+    def use_lora_adapter(self, name: str, tensors: dict, config: dict, version: int) -> int:
+        return self.engine.use_lora_adapter(name, tensors, config, version)
+
     @ray.method(concurrency_group="health")
     def health(self):
         return self.engine.health()

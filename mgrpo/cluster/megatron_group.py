@@ -94,6 +94,9 @@ class MegatronRank(EngineSlot):
         finally:
             trim_after_call()
 
+    def peft_tensors(self):
+        return self.impl.peft_tensors()
+
     def offload(self) -> dict:
         try:
             return self.impl.offload()
@@ -251,6 +254,10 @@ class MegatronGroup:
 
     def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
         self._all(lambda r: r.save_hf.remote(out_dir, tokenizer_dir))
+
+    def peft_tensors(self) -> dict:
+        """The adapters in PEFT layout (global rank 0 collects them; every rank takes part in the gathers)."""
+        return self._all(lambda r: r.peft_tensors.remote())[0]
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         self._all(lambda r: r.save_checkpoint.remote(ckpt_dir))

@@ -279,6 +279,19 @@ class RolloutGroup:
         return sorted((x for k in sorted(results) for x in results[k]), key=lambda x: x.uid), stats
 
     # --- weights and health ---------------------------------------------------------------------
+    def load_adapter(self, name: str, tensors: dict, config: dict, version: int,
+                     engines: Optional[list] = None) -> int:
+        """A LoRA adapter into every engine (or the given ones) under `name`, which their generate requests (and
+        the router's) name from now on, the previous one unloaded, the engines' weight version `version`;
+        returns the bytes of one copy."""
+        sent = ray.get([e.use_lora_adapter.remote(name, tensors, config, version)
+                        for e in (engines if engines is not None else self.engines)])
+        if self.front is not None:
+            self.front.client.lora_name = name
+        if engines is None:
+            self.weight_version = version
+        return max(sent, default=0)
+
     def finish_weight_update(self, version: int, done: bool = False) -> None:
         """Close the update on every engine (`done`: the sending rank already has)."""
         if not done:

@@ -203,6 +203,13 @@ class ActorClient:
     def save_hf(self, out_dir: str, tokenizer_dir: str | None) -> None:
         self.group.save_hf(out_dir, tokenizer_dir)
 
+    def adapter(self) -> tuple[dict, dict]:
+        """The LoRA adapters as a PEFT adapter: ({PEFT key: tensor}, adapter_config.json's fields)."""
+        from mgrpo.models.peft_export import peft_config
+
+        tensors = self.group.peft_tensors()
+        return tensors, peft_config(tensors, self.cfg.actor.lora, "")
+
     def shutdown(self) -> None:
         if hasattr(self.teacher, "close"):  # an SGLang teacher's engines
             self.teacher.close()

@@ -220,7 +220,7 @@ def build(cfg: MGRPOConfig, layout: Layout, run_dir: str, prepared: Prepared) ->
                 teacher = SGLangTeacher(cfg, api_key=rollout.api_key, log_dir=os.path.join(run_dir, "logs"),
                                         cpus=t.cpus_per_worker)
         actor = ActorClient(group, cfg, layout.dp, teacher=teacher)
-        weights = WeightSync(cfg.rollout, actor, rollout)
+        weights = WeightSync(cfg.rollout, actor, rollout, adapters=adapter_sync(cfg))
         state = RunState()
         if resume_dir is not None:
             with phase(f"resume from {resume_dir}"):
@@ -279,6 +279,14 @@ def _import_parts() -> None:
     """Import PART_MODULES (a thread of `build`'s, while Ray starts)."""
     for name in PART_MODULES:
         importlib.import_module(name)
+
+
+def adapter_sync(cfg: MGRPOConfig) -> bool:
+    """Whether the engines take the LoRA adapters alone (actor.lora.sync resolved to adapter)."""
+    from mgrpo.config.lora import sync_mode
+
+    lora = cfg.actor.lora
+    return lora.enabled and sync_mode(lora, engine=cfg.rollout.engine, num_experts=cfg.model.num_experts) == "adapter"
 
 
 def initial_weights(cfg: MGRPOConfig, run_dir: str, tokenizer) -> str:

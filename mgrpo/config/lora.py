@@ -19,6 +19,11 @@ FUSED = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj
 EXPERTS = "experts"
 """Target name for the routed experts' fc1 and fc2 only (a mixture-of-experts model)."""
 ALL = "all-linear"
+SAVED = {"embed_tokens": "embedding.word_embeddings", "lm_head": "output_layer"}
+"""PEFT's `modules_to_save` names this actor can train whole -> the megatron module (with tied embeddings both
+name the one shared matrix)."""
+SYNC = ("auto", "adapter", "merged")
+"""actor.lora.sync: how the engines get the trained policy (see LoraConfig.sync)."""
 INIT_A = ("kaiming", "xavier", "uniform")
 """lora_A initialisations: PEFT's kaiming_uniform(a=sqrt(5)), Megatron-Bridge's xavier (normal) and uniform
 (xavier-uniform)."""
@@ -92,7 +97,44 @@ def check_lora(lora, *, num_experts: int) -> Optional[str]:
         parse_targets(lora.target_modules, num_experts=num_experts)
     except ValueError as err:
         return str(err)
+    unknown = [m for m in lora.modules_to_save if m not in SAVED]
+    if unknown:
+        return (f"actor.lora.modules_to_save: {unknown[0]!r} is not a module this actor can train whole; "
+                f"choose from {', '.join(SAVED)}")
+    if lora.sync not in SYNC:
+        return f"actor.lora.sync={lora.sync!r}: choose from {', '.join(SYNC)}"
     return None
+
+
+def adapter_sync_problem(lora, *, engine: str, num_experts: int) -> Optional[str]:
+    """Why the engines cannot take the adapters alone (SGLang's LoRA protocol) in this job, or None."""
+    engine = getattr(engine, "value", engine)
+    if engine != "sglang":
+        return (f"rollout.engine={engine}: only SGLang engines load adapters (/load_lora_adapter_from_tensors); "
+                "the in-process engine takes merged weights")
+    linears = parse_targets(lora.target_modules, num_experts=num_experts).linears
+    if num_experts and linears & {EXPERTS, "linear_fc1", "linear_fc2"}:
+        return ("adapters on a mixture-of-experts model's experts: the PEFT layout mgrpo exports has no per-expert "
+                "adapters (transformers fuses the experts) and the CPU server does not apply expert adapters")
+    if lora.modules_to_save:
+        return (f"actor.lora.modules_to_save={list(lora.modules_to_save)}: SGLang's LoRA adapters carry low-rank "
+                "factors only (a module trained whole is not part of what /load_lora_adapter_from_tensors loads)")
+    return None
+
+
+def hf_targets(lora, *, num_experts: int) -> list[str]:
+    """The HF/PEFT module names the adapters sit on (megatron's fused linears split as PEFT names them)."""
+    linears = parse_targets(lora.target_modules, num_experts=num_experts).linears
+    by = {"linear_qkv": FUSED["linear_qkv"], "linear_proj": ("o_proj",), "linear_fc1": FUSED["linear_fc1"],
+          "linear_fc2": ("down_proj",)}
+    return [n for lin in LINEARS if lin in linears for n in by[lin]]
+
+
+def sync_mode(lora, *, engine: str, num_experts: int) -> str:
+    """'adapter' or 'merged': actor.lora.sync resolved (auto: adapter where the engines can take it)."""
+    if lora.sync != "auto":
+        return lora.sync
+    return "merged" if adapter_sync_problem(lora, engine=engine, num_experts=num_experts) else "adapter"
 
 
 @dataclass
@@ -115,6 +157,15 @@ class LoraConfig:
     init_a: str = "kaiming"
     """kaiming | xavier | uniform: lora_A's initialisation (PEFT's kaiming-uniform with a=sqrt(5); Megatron-Bridge's
     and veRL's xavier-normal and xavier-uniform); lora_B starts at zero."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """PEFT's modules_to_save: modules trained whole beside the adapters: embed_tokens (the input embedding) and
+    lm_head (the output layer; with tied embeddings both are the one shared matrix). The reference keeps their
+    initial weights."""
+    sync: str = "auto"
+    """How the engines get the trained policy after each step: adapter (only the adapters, in PEFT layout, through
+    SGLang's /load_lora_adapter_from_tensors under a versioned name that generate requests name), merged (base +
+    alpha/rank * B A through the full-weight path), or auto (adapter where it can be used: SGLang engines, no
+    adapters on experts, no modules_to_save; else merged)."""
 
     @property
     def enabled(self) -> bool:

@@ -20,7 +20,7 @@ from mgrpo.config.checks import (choice, divides, multi_turn_errors, positive, r
 from mgrpo.config.choices import (CP_COMM_TYPES, AsyncMode, Device, Dtype, Engine, Fp8Format, Fp8Recipe, Logger,
                                   LogprobImpl, LogprobSupport, LrDecayStyle, Recompute, RolloutMode, RouterReplay,
                                   SmallGroup, is_choice, plain)
-from mgrpo.config.lora import check_lora
+from mgrpo.config.lora import adapter_sync_problem, check_lora
 from mgrpo.config.registry import target_error
 from mgrpo.config.schema import MGRPOConfig
 
@@ -139,6 +139,10 @@ def _actor(cfg: MGRPOConfig) -> list[str]:
     lora_problem = check_lora(a.lora, num_experts=m.num_experts)
     if lora_problem:
         e.append(lora_problem)
+    elif a.lora.enabled and a.lora.sync == "adapter":
+        why = adapter_sync_problem(a.lora, engine=cfg.rollout.engine, num_experts=m.num_experts)
+        if why:
+            e.append(f"actor.lora.sync=adapter cannot be used: {why}; use actor.lora.sync=merged (or auto)")
     choice(e, "actor.dtype", a.dtype, Dtype)
     if a.dtype == Dtype.bf16 and t.device == Device.cpu:
         e.append("actor.dtype=bf16 needs CUDA (megatron's mixed-precision optimizer); on trainer.device=cpu "

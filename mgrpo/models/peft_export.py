@@ -35,6 +35,14 @@ def iter_peft_tensors(model, model_cfg, *, tp_group, tp_size: int, pp_rank: int,
     modules = dict(model.named_modules())
     for w in stage.weights(model_cfg):
         module = modules.get(w.megatron.rsplit(".", 1)[0])
+        p = stage.params.get(w.megatron)
+        if p is not None and p.requires_grad and w.kind not in ADAPTED + EXPERT_KINDS:
+            # trained whole (PEFT's modules_to_save: the embedding, the output layer): saved whole, under its
+            # module's name as PEFT saves it (base_model.model.<module>.weight)
+            shards = p.detach().unsqueeze(0) if tp_size == 1 else _gather(p.detach(), tp_group, tp_size)
+            for hf_name, part in hf_from_shards(w, shards, d):
+                yield "base_model.model." + hf_name, part.contiguous()
+            continue
         if module is None or not hasattr(module, "lora_A"):
             continue
         if w.kind in EXPERT_KINDS:
@@ -54,16 +62,28 @@ def iter_peft_tensors(model, model_cfg, *, tp_group, tp_size: int, pp_rank: int,
             yield prefix + ".lora_B.weight", b.contiguous()
 
 
-def write_peft_adapter(out_dir: str, tensors: dict, lora, base_dir: str) -> None:
+def peft_config(tensors: dict, lora, base_dir: str, tied: bool = False) -> dict:
+    """adapter_config.json's fields (PEFT's LoraConfig) for these adapter tensors. Modules trained whole
+    (modules_to_save) are named as the tensors hold them; with tied embeddings PEFT ties the output layer to the
+    saved embedding (ensure_weight_tying)."""
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k})
+    saved = sorted({k.rsplit(".", 2)[-2] for k in tensors if ".lora_" not in k})
+    extra = {"modules_to_save": saved, "ensure_weight_tying": tied} if saved else {}
+    return {**extra, "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_dir,
+            "r": int(lora.rank), "lora_alpha": float(lora.alpha), "lora_dropout": float(lora.dropout),
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "inference_mode": True}
+
+
+def write_peft_adapter(out_dir: str, tensors: dict, lora, base_dir: str, tied: bool = False) -> None:
     """adapter_config.json (PEFT's LoraConfig fields) and adapter_model.safetensors."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_dir,
-              "r": int(lora.rank), "lora_alpha": float(lora.alpha), "lora_dropout": float(lora.dropout),
-              "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-              "init_lora_weights": True, "inference_mode": True}
+    config = peft_config(tensors, lora, base_dir, tied)
+    emb = "base_model.model.model.embed_tokens.weight"
+    if tied and emb in tensors:  # PEFT ties lm_head to the saved embedding and loads it under its own name too
+        tensors = {**tensors, "base_model.model.lm_head.weight": tensors[emb]}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     save_file({k: v.detach().to("cpu", torch.float32).clone() for k, v in tensors.items()},  # fused parts share A

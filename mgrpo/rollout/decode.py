@@ -54,6 +54,8 @@ class Req:
     grammar_key: Optional[tuple[str, str]] = None
     """SGLang's (kind, value) of the request's grammar; `grammar` is it compiled (xgrammar)."""
     grammar: Any = None
+    lora: Any = None
+    """The adapter the request named (cpu/lora.py::Adapter; SGLang's lora_path), None: the base model."""
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)

@@ -99,7 +99,21 @@ def _sglang_kwargs(cfg: MGRPOConfig, ctx: EngineContext) -> dict:
                 request_timeout_s=r.request_timeout_s, health_timeout_s=r.health_check_timeout_s,
                 log_dir=os.path.join(ctx.log_dir, "sglang") if ctx.log_dir else None,
                 enable_memory_saver=r.shares_actor_devices, visible_devices=ctx.visible_devices,
-                api_key=ctx.api_key, return_routed_experts=returns_routes(cfg))
+                api_key=ctx.api_key, return_routed_experts=returns_routes(cfg), extra_args=lora_launch_args(cfg))
+
+
+def lora_launch_args(cfg: MGRPOConfig) -> list[str]:
+    """SGLang's LoRA arguments where the engines take the adapters alone (actor.lora.sync resolved to adapter):
+    the rank and target modules its adapter pool is sized for, and, with engines on the actor's devices, a CPU
+    backup of the (frozen) base weights, which come back on resume instead of being synced again."""
+    from mgrpo.config.lora import hf_targets, sync_mode
+
+    lora = cfg.actor.lora
+    if not lora.enabled or sync_mode(lora, engine=cfg.rollout.engine, num_experts=cfg.model.num_experts) != "adapter":
+        return []
+    args = ["--enable-lora", "--max-lora-rank", str(int(lora.rank)), "--lora-target-modules",
+            *hf_targets(lora, num_experts=cfg.model.num_experts)]
+    return args + (["--enable-weights-cpu-backup"] if cfg.rollout.shares_actor_devices else [])
 
 
 def _sglang_sender(cfg: MGRPOConfig, addresses: list[dict], generation: int, api_key: Optional[str]):

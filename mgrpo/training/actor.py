@@ -421,19 +421,19 @@ class MegatronActor:
 
     def save_peft(self, out_dir: str) -> None:
         """The adapters as a PEFT adapter (adapter_config.json, adapter_model.safetensors) for the initial
-        HF weights: every stage's weight source sends its tensors (small) to global rank 0, which writes."""
-        from mgrpo.models.peft_export import iter_peft_tensors, write_peft_adapter
+        HF weights."""
+        from mgrpo.models.peft_export import write_peft_adapter
 
-        c = self.ctx
-        mine = {}
-        if c.exports_weights:
-            mine = {k: t.cpu() for k, t in iter_peft_tensors(self.gpt, self.cfg.model, tp_group=c.tp_group,
-                                                             tp_size=c.tp, pp_rank=c.pp_rank, pp_size=c.pp)}
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if c.is_weight_source else {}, parts, dst=0)
-        if dist.get_rank() == 0:
-            write_peft_adapter(out_dir, {k: v for p in parts for k, v in p.items()}, self.cfg.actor.lora,
-                               self.init_hf_dir)
+        tensors = self.peft_tensors()
+        if tensors is not None:
+            write_peft_adapter(out_dir, tensors, self.cfg.actor.lora, self.init_hf_dir,
+                               tied=self.cfg.model.tie_word_embeddings)
+
+    def peft_tensors(self) -> Optional[dict]:
+        """{PEFT key: CPU tensor} of every adapter on global rank 0, None elsewhere (every rank takes part)."""
+        from mgrpo.training.lora import gather_peft
+
+        return gather_peft(self.gpt, self.cfg.model, self.ctx)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         from mgrpo.training.checkpoint import save_checkpoint

@@ -115,23 +115,30 @@ def _shard_in_checkpoints(module, axes: dict) -> None:
 
 
 class LoraAdapters:
-    """The adapters of one model stage; `enabled` is read by every hook."""
+    """The adapters of one model stage; `enabled` is read by every hook. `saved`: the parameters trained whole
+    (PEFT's modules_to_save) with a copy of their initial values, which the reference uses."""
 
-    def __init__(self, adapters: list):
+    def __init__(self, adapters: list, saved: Optional[list] = None):
         self.adapters = adapters
+        self.saved = saved or []
         self.enabled = True
 
     def params(self) -> list:
-        return [p for a in self.adapters for p in (a.A, a.B)]
+        return [p for a in self.adapters for p in (a.A, a.B)] + [p for p, _ in self.saved]
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
-        """The base model: the reference policy."""
+        """The base model: the reference policy (modules trained whole hold their initial weights inside)."""
         self.enabled = False
+        swapped = [(p, p.data) for p, _ in self.saved]
+        for p, initial in self.saved:
+            p.data = initial
         try:
             yield
         finally:
             self.enabled = True
+            for p, data in swapped:
+                p.data = data
 
     @contextmanager
     def merged(self) -> Iterator[None]:
@@ -188,9 +195,23 @@ def _parent(model, parts):
 
 def attach_lora(model, lora, *, num_experts: int, seed: int) -> LoraAdapters:
     """Adapters on `model`'s (one unwrapped stage's) target linears; every other parameter frozen."""
+    from mgrpo.config.lora import SAVED
+
     targets = parse_targets(lora.target_modules, num_experts=num_experts)
     for p in model.parameters():
         p.requires_grad_(False)
+    saved, seen = [], set()
+    names = list(getattr(lora, "modules_to_save", ()))
+    if names and getattr(model, "share_embeddings_and_output_weights", False):
+        names = list(SAVED)  # tied: the first stage's embedding and the last stage's copy train as one
+    for name in names:  # trained whole; with tied embeddings one shared matrix
+        module = _parent(model, SAVED[name].split(".")) if hasattr(model, SAVED[name].split(".")[0]) else None
+        p = getattr(module, "weight", None) if module is not None else None
+        if p is None or id(p) in seen:  # not on this pipeline stage, or tied to the embedding
+            continue
+        seen.add(id(p))
+        p.requires_grad_(True)
+        saved.append((p, p.detach().clone()))
     rank = int(lora.rank)
     scaling = float(lora.alpha) / rank
     adapters = []
@@ -201,7 +222,7 @@ def attach_lora(model, lora, *, num_experts: int, seed: int) -> LoraAdapters:
         g = _global_name(model, path)
         adapters.append(_Adapter(g, module, kind, rank, scaling, float(lora.dropout),
                                  seed=(seed * 1_000_003 + zlib.crc32(g.encode())) % 2**63, init_a=lora.init_a))
-    state = LoraAdapters(adapters)
+    state = LoraAdapters(adapters, saved)
 
     def hook(module, args, output):
         if not state.enabled:
@@ -215,3 +236,19 @@ def attach_lora(model, lora, *, num_experts: int, seed: int) -> LoraAdapters:
         a.module._mgrpo_lora = a
         a.module.register_forward_hook(hook)
     return state
+
+
+def gather_peft(model, model_cfg, ctx) -> Optional[dict]:
+    """{PEFT key: CPU tensor} of every adapter of the actor on global rank 0 (None elsewhere): each pipeline
+    stage's weight source sends its (small) tensors there, TP shards gathered. Every rank takes part."""
+    import torch.distributed as dist
+
+    from mgrpo.models.peft_export import iter_peft_tensors
+
+    mine = {}
+    if ctx.exports_weights:
+        mine = {k: t.cpu() for k, t in iter_peft_tensors(model, model_cfg, tp_group=ctx.tp_group, tp_size=ctx.tp,
+                                                         pp_rank=ctx.pp_rank, pp_size=ctx.pp)}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if ctx.is_weight_source else {}, parts, dst=0)
+    return {k: v for p in parts for k, v in p.items()} if dist.get_rank() == 0 else None

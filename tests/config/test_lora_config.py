@@ -51,6 +51,15 @@ def test_verl_lora_settings_mgrpo_lacks_are_refused_with_the_reason():
      "'experts' matches no module: the model has no experts"),
     (["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"], "q_proj without k_proj"),
     (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha=0.0: must be > 0"),
+    (["actor.lora.rank=8", "actor.lora.modules_to_save=[norm]"],
+     "actor.lora.modules_to_save: 'norm' is not a module this actor can train whole"),
+    (["actor.lora.rank=8", "actor.lora.sync=adapters"], "actor.lora.sync='adapters': choose from auto, adapter"),
+    (["actor.lora.rank=8", "actor.lora.sync=adapter", "rollout=hf_cpu"],
+     "actor.lora.sync=adapter cannot be used: rollout.engine=hf: only SGLang engines load adapters"),
+    (["actor.lora.rank=8", "actor.lora.sync=adapter", "actor.lora.modules_to_save=[embed_tokens]"],
+     "actor.lora.sync=adapter cannot be used: actor.lora.modules_to_save=['embed_tokens']"),
+    (["actor.lora.rank=8", "actor.lora.sync=adapter", "model=tiny-moe"],
+     "actor.lora.sync=adapter cannot be used: adapters on a mixture-of-experts model's experts"),
 ])
 def test_bad_lora_input_is_one_line_naming_the_key(overrides, message):
     from mgrpo.config.validate import validate
@@ -59,6 +68,24 @@ def test_bad_lora_input_is_one_line_naming_the_key(overrides, message):
     with pytest.raises(Exception) as info:
         validate(cfg, check_files=False)
     assert message in str(info.value), str(info.value)
+
+
+def test_auto_sync_sends_the_adapters_alone_where_the_engines_can_take_them():
+    from mgrpo.components.assemble import adapter_sync
+    from mgrpo.rollout.factory import lora_launch_args
+
+    def cfg(*extra):
+        return compose_config(["trainer.device=cpu", "actor.lora.rank=8", *extra])
+
+    assert adapter_sync(cfg()) and not adapter_sync(cfg("rollout=hf_cpu"))
+    assert not adapter_sync(cfg("actor.lora.modules_to_save=[embed_tokens]"))
+    assert not adapter_sync(cfg("model=tiny-moe")) and adapter_sync(cfg("model=tiny-moe",
+                                                                         "actor.lora.target_modules=[linear_qkv]"))
+    assert not adapter_sync(cfg("actor.lora.sync=merged"))
+    assert lora_launch_args(cfg("actor.lora.target_modules=[linear_qkv,linear_fc2]", "rollout.mode=disaggregated")) \
+        == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
+            "down_proj"]
+    assert lora_launch_args(cfg("actor.lora.sync=merged")) == []
 
 
 @pytest.mark.integration

@@ -33,8 +33,13 @@ def _config(moe: bool, layout: dict):
     else:
         from tests.helpers.packing import run_config
     layout = dict(layout)
+    saved = layout.pop("modules_to_save", [])
+    tied = layout.pop("tied", False)
     cfg = run_config(**layout)
-    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=LoraConfig(**LORA)))
+    if tied:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_word_embeddings=True))
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, lora=LoraConfig(**LORA,
+                                                                                       modules_to_save=saved)))
 
 
 def _resumed(rank, world, port, hf_dir, moe: bool, layout: dict, ckpt: str):
@@ -80,7 +85,7 @@ def _one_run(rank, world, port, hf_dir, moe: bool, layout: dict, out_dir: str):
     actor.save_checkpoint(out_dir + "-ckpt")
     planned = adapter_counts(cfg.model, cfg.actor.lora, c.tp, c.pp, c.ep)[0][c.pp_rank]
     return dict(samples=mine, before=before, planned=planned,
-                adapter_numel=sum(p.numel() for p in actor.gpt.parameters() if p.requires_grad),
+                adapter_numel=sum(p.numel() for n, p in actor.gpt.named_parameters() if "lora_" in n),
                 ref=ref, after=after, ref_after=ref_after, metrics=metrics,
                 trainable=trainable, in_optimizer=in_optimizer, base_moved=base_moved, unmerged=unmerged,
                 synced=receiver.sums, has_ref_model=actor.ref is not None)
@@ -205,3 +210,27 @@ def test_moe_lora_on_experts_at_ep2_and_tp2_ep2(tmp_path):
                     timeout_s=900)
     for i, layout in enumerate(layouts):
         _check_same(_merged([r[i] for r in two]), want, str(layout))
+
+
+def test_modules_to_save_trains_the_embedding_whole_and_the_reference_keeps_it(tmp_path):
+    """PEFT's modules_to_save=[embed_tokens] on the tied tiny model: the shared embedding trains beside the
+    adapters (in the optimizer), the reference keeps its initial values, the merged export and PEFT's adapter
+    (the embedding saved whole, tied to lm_head) give the actor's log-probs."""
+    from mgrpo.models import init_hf_checkpoint
+    from tests.helpers.convert import tiny_cfg
+
+    hf_dir = init_hf_checkpoint(str(tmp_path / "hf"), tiny_cfg(max_position_embeddings=128,
+                                                               tie_word_embeddings=True), seed=3)
+    layout = dict(packed=True, modules_to_save=["embed_tokens"], tied=True)
+    (one,) = run_ranks(_runs, 1, hf_dir, False, [layout], [str(tmp_path / "one")], timeout_s=600)[0]
+    got = _merged([one])
+    emb = "embedding.word_embeddings.weight"
+    assert one["trainable"] == {n for n in one["trainable"] if "lora_" in n} | {emb}, one["trainable"]
+    assert one["in_optimizer"] == one["trainable"]
+    assert one["base_moved"] == [emb] and one["unmerged"] == [emb]
+    assert max_diff(got["before"], got["ref"]) == 0.0 and max_diff(got["ref_after"], got["ref"]) == 0.0
+    batch = make_batch(100)
+    d_base = max_diff(_hf_logprobs(hf_dir, batch), got["ref"])
+    d_merged = max_diff(_hf_logprobs(str(tmp_path / "one"), batch), got["after"])
+    assert d_base < 1e-5 and d_merged < 1e-5, (d_base, d_merged)
+    _check_peft(got, hf_dir, str(tmp_path / "one"), 100, "modules_to_save")

@@ -38,7 +38,7 @@ from mgrpo.rollout.sglang.protocol.tables import MEMORY_TAGS, ROUTING_KEY
 from mgrpo.rollout.sglang.server import (CPU_MODULE, check_host, choose_server, launch_command, log_tail,
                                          start_on_free_port, start_server, terminate_group, url_of)
 from mgrpo.rollout.sglang.session import WeightSession
-from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer
+from mgrpo.rollout.sglang.weights_tensor import payload_object, serialize, staging_buffer, tensor_payloads
 from mgrpo.rollout.types import EngineDefaults, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class SGLangEngine(EngineDefaults):
         """The module `launch` ran (sglang.launch_server or the CPU server); None for `connect`."""
         self.stats = {"generated": 0, "generate_retries": 0, "aborted_retries": 0, "bad_answer_retries": 0,
                       "weight_buckets": 0, "weight_bytes": 0, "cut": 0, "launch_port_retries": 0}
+        self.lora_name: Optional[str] = None
+        """The LoRA adapter every generate request names (SGLang's lora_path); None: the base weights."""
         self._cut_at = float("-inf")
         """When `abort_all(cut=True)` last cut the requests in flight (monotonic): SGLang's abort answers of
         requests sent before it are what was asked for, not a failure to retry."""
@@ -206,6 +208,8 @@ class SGLangEngine(EngineDefaults):
             body = build_generate_payload(pending, sampling, rids=rids, stop_token_ids=self.stop_token_ids,
                                           single=self.unbatched,
                                           send_seed=self.send_seed)
+            if self.lora_name is not None:
+                body["lora_path"] = self.lora_name if self.unbatched else [self.lora_name] * len(pending)
             # one request through SGLang's router: its session key keeps a trajectory's turns on one engine
             session = pending[0].session if self.unbatched else None
             sent = time.monotonic()
@@ -327,6 +331,38 @@ class SGLangEngine(EngineDefaults):
             self._received.update(n for n, _ in bucket)
             self.stats["weight_buckets"] += 1
             self.stats["weight_bytes"] += bucket_bytes(bucket)
+
+    def load_lora_adapter(self, name: str, tensors: dict, config: dict, *, use: bool = True) -> int:
+        """`POST /load_lora_adapter_from_tensors`: a PEFT adapter (`{PEFT name: tensor}`, adapter_config.json's
+        fields) under `name`, one flattened payload per TP rank (node-local handles, as the tensor weight path);
+        `use`: generate requests name it from now on. Returns the bytes sent."""
+        bucket = sorted(tensors.items())
+        if torch.cuda.is_available() and self.server_module != CPU_MODULE:
+            bucket = [(n, t.to("cuda")) for n, t in bucket]
+        payloads, keep_alive = tensor_payloads(bucket, self.tp, FLATTENED)
+        self.client.post_result("/load_lora_adapter_from_tensors", {
+            "lora_name": name, "config_dict": config, "serialized_named_tensors": payloads,
+            "load_format": FLATTENED})
+        del keep_alive
+        if use:
+            self.lora_name = name
+        return bucket_bytes(bucket)
+
+    def use_lora_adapter(self, name: str, tensors: dict, config: dict, version: int) -> int:
+        """Load `name`, name it in every request from now on, unload the adapter used before, and set the server's
+        weight version (what its answers report); the bytes sent."""
+        before = self.lora_name
+        sent = self.load_lora_adapter(name, tensors, config)
+        if before is not None and before != name:
+            self.unload_lora_adapter(before)
+        self.session.set_version(version)
+        self.weight_version = version
+        return sent
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.client.post_result("/unload_lora_adapter", {"lora_name": name})
+        if self.lora_name == name:
+            self.lora_name = None
 
     def finish_weight_update(self, version: int) -> None:
         """Close the session, check completeness (for buckets that came through this object), set

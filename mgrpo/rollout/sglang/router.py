@@ -166,8 +166,10 @@ class RoutedClient:
         in flight to the old one fail and are sent again by the rollout group)."""
         log.warning("restarting the SGLang router (was %s, exit code %s)", self.router.url, self.router.process.poll())
         self._retries_before += self.router.port_retries + self.client.retries
+        lora_name = self.client.lora_name  # the LoRA adapter the requests name (adapter-only weight sync)
         self.router.shutdown()
         self._start(urls)
+        self.client.lora_name = lora_name
 
     def refused_requests(self) -> Optional[int]:
         return self.router.refused_requests()

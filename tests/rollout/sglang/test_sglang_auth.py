@@ -36,11 +36,12 @@ def _wheel_file(*parts):
 
 def _served_routes() -> dict[str, set[str]]:
     """path -> methods of every route the CPU server defines (read from its source, as the app builds them)."""
+    import mgrpo.rollout.sglang.cpu.lora as lora
     import mgrpo.rollout.sglang.cpu.server as srv
     import mgrpo.rollout.sglang.cpu.weights as wts
 
     routes: dict[str, set[str]] = {}
-    for mod in (srv, wts):
+    for mod in (srv, wts, lora):
         for node in ast.walk(ast.parse(open(mod.__file__).read())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "app"):

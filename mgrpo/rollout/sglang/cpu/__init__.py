@@ -7,6 +7,7 @@
 - `auth.py`      SGLang's decision on a request's key (the wheel's rules, or the same written out)
 - `receive.py`   a received request checked, a weight payload unpickled, the weight-update group joined
 - `generate.py`  /generate: the body checked as SGLang checks it, and SGLang's answer
+- `lora.py`      `--enable-lora`: adapters loaded by name (/load_lora_adapter*), applied to the requests naming them
 - `model.py`     the model side: generation (the CPU engines' decode loop), weight loading, memory release
 - `moe.py`       SGLang's weight names for a transformers MoE model
 - `classify.py`  `--is-embedding`: a sequence classifier (reward model) served through /classify

@@ -58,7 +58,7 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 GENERATE_FIELDS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                              "top_logprobs_num", "stream", "return_text_in_logprobs", "log_metrics",
                              "return_sampling_mask", "sampling_logprobs_mode", "return_routed_experts",
-                             "routed_experts_start_len"})
+                             "routed_experts_start_len", "lora_path"})
 
 
 @dataclass(frozen=True)

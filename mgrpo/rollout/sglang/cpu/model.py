@@ -11,6 +11,7 @@ drawn from the server's --random-seed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -65,6 +66,8 @@ class CPUModel:
         self.lock = threading.Lock()  # guards the abort state, written from the HTTP thread
         self.last_progress = time.monotonic()
         self.busy = 0
+        self.lora = None
+        """The server's adapters (cpu/lora.py::LoraBank), set by the server."""
 
     # --- generation -------------------------------------------------------------------------------
     def check_servable(self) -> None:
@@ -108,10 +111,14 @@ class CPUModel:
                               if r.logprob_start_len is not None and r.logprob_start_len < len(r.input_ids)])
         active = [r for r in reqs if r.finish is None and not self._abort_if(r, started, running=False)]
         if active:
-            self._decode(active, started)
+            with self._adapters(active):
+                self._decode(active, started)
         if self.routes is not None:
             finish_routes(reqs, self.routes_shape)
         return list(reqs)
+
+    def _adapters(self, rows: Sequence[Req]):
+        return self.lora.batch([r.lora for r in rows]) if self.lora is not None else contextlib.nullcontext()
 
     @property
     def routes_shape(self) -> tuple[int, int]:
@@ -144,7 +151,8 @@ class CPUModel:
                 ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
                 mask[i, width - len(r.input_ids):] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            with self._adapters(batch):
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             for i, r in enumerate(batch):
                 pad, n = width - len(r.input_ids), len(r.input_ids)
                 rows_lp = torch.log_softmax(logits[i, pad + r.logprob_start_len:pad + n - 1].float(), dim=-1)

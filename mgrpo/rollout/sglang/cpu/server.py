@@ -3,18 +3,18 @@
     python -m mgrpo.rollout.sglang.cpu.server --model-path D --tp-size 1 --host H --port P \\
         --mem-fraction-static F --weight-version V [--enable-memory-saver] [--config KEYS.yaml] ...
 
-It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either with the same
-arguments) and serves the native endpoints the rollout path uses, with SGLang 0.5.23's request
-and answer shapes (`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
-`tokenizer_manager.py`, `scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang.
-Stop strings and grammars (json_schema, regex, ebnf, structural_tag) work as SGLang's with the tokenizer of
-`--tokenizer-path` / `--model-path` (cpu/text.py; without one, as under `--skip-tokenizer-init`).
-Requests are checked with SGLang's own classes where the wheel is installed (receive.py, ../protocol/). It is
-stricter than SGLang where SGLang would silently do the wrong thing: unknown fields, generating
-with released or not-yet-reloaded weights, releasing memory with requests in flight. API keys
-(`--api-key`, `--admin-api-key`, or both from a `--config` YAML file, SGLang's way of keeping them off
-the command line) are enforced by SGLang's rules before any route runs (guard.py); `/generate`
-is checked and answered as SGLang does (generate.py), with sampling masks and routed experts.
+It takes `sglang.launch_server`'s command line (SGLangEngine.launch runs either with the same arguments) and
+serves the native endpoints the rollout path uses, with SGLang 0.5.23's request and answer shapes
+(`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`, `tokenizer_manager.py`,
+`scheduler_components/weight_updater.py`), FastAPI + uvicorn as SGLang. Stop strings and grammars (json_schema,
+regex, ebnf, structural_tag) work as SGLang's with the tokenizer of `--tokenizer-path` / `--model-path`
+(cpu/text.py; without one, as under `--skip-tokenizer-init`). Requests are checked with SGLang's own classes
+where the wheel is installed (receive.py, ../protocol/). It is stricter than SGLang where SGLang would silently
+do the wrong thing: unknown fields, generating with released or not-yet-reloaded weights, releasing memory with
+requests in flight. API keys (`--api-key`, `--admin-api-key`, or both from a `--config` YAML file, SGLang's way
+of keeping them off the command line) are enforced by SGLang's rules before any route runs (guard.py);
+`/generate` is checked and answered as SGLang does (generate.py), with sampling masks and routed experts. With
+`--enable-lora` it holds LoRA adapters by name and applies them to the requests that name them (lora.py).
 
 With `--is-embedding` it serves a sequence classifier (a reward model) on `/classify` and `/encode`, as
 SGLang serves one (classify.py), and refuses `/generate`.
@@ -38,6 +38,7 @@ from typing import Any, Optional
 from fastapi import Request  # module level: FastAPI resolves the string annotations here
 
 from mgrpo.rollout.sglang.cpu import generate as cpu_generate
+from mgrpo.rollout.sglang.cpu import lora as cpu_lora
 from mgrpo.rollout.sglang.cpu import receive
 from mgrpo.rollout.sglang.cpu.guard import BodyTooLarge, Guard, Refusals
 from mgrpo.rollout.sglang.cpu.receive import RequestError
@@ -51,12 +52,11 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # sglang/srt/entrypoints/http_server.py HEALTH_CH
 IGNORED_FLAGS = ("--enable-deterministic-inference", "--disable-cuda-graph", "--trust-remote-code",
                  "--disable-radix-cache", "--enable-metrics", "--disable-overlap-schedule",
                  "--enable-torch-compile", "--disable-custom-all-reduce", "--enable-return-hidden-states")
-IGNORED_OPTIONS = ("--chunked-prefill-size", "--max-running-requests", "--max-total-tokens",
-                   "--attention-backend", "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes",
-                   "--node-rank", "--dist-init-addr", "--load-format", "--cuda-graph-max-bs-decode",
-                   "--cuda-graph-max-bs-prefill", "--schedule-policy",
-                   "--log-level-http", "--quantization", "--kv-cache-dtype", "--watchdog-timeout",
-                   "--dist-timeout", "--device")
+IGNORED_OPTIONS = ("--chunked-prefill-size", "--max-running-requests", "--max-total-tokens", "--attention-backend",
+                   "--sampling-backend", "--base-gpu-id", "--gpu-id-step", "--nnodes", "--node-rank",
+                   "--dist-init-addr", "--load-format", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill",
+                   "--schedule-policy", "--log-level-http", "--quantization", "--kv-cache-dtype",
+                   "--watchdog-timeout", "--dist-timeout", "--device")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--is-embedding", action="store_true",
                    help="serve a sequence classifier (a reward model) on /classify and /encode (cpu/classify.py)")
     p.add_argument("--config", default=None, help="YAML file of arguments (SGLang's --config)")
+    cpu_lora.add_arguments(p)
     for flag in IGNORED_FLAGS:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for opt in IGNORED_OPTIONS:
@@ -290,6 +291,7 @@ def build_app(state: State):
         except RequestError as e:  # SGLang's contract error: {"error": "<message>"}
             return JSONResponse({"error": str(e)}, status_code=400)
         reqs, single, logprob = cpu_generate.parse(body, state.limits, state.text.tokenizer)
+        cpu_lora.attach(model.lora, reqs, body, single)  # the adapter each request names (SGLang's lora_path)
         if any(r.grammar_key is not None for r in reqs):  # compiling may take a while: not on the event loop
             await asyncio.get_running_loop().run_in_executor(None, state.text.compile, reqs)
         model.check_servable()
@@ -329,17 +331,15 @@ def build_app(state: State):
         return Response(status_code=503)
 
     async def model_info():
-        return {"model_path": state.args.model_path,
+        return {"model_path": state.args.model_path, "is_generation": not state.args.is_embedding,
                 "served_model_name": state.args.served_model_name or state.args.model_path,
                 "tokenizer_path": state.args.tokenizer_path or state.args.model_path,
-                "is_generation": not state.args.is_embedding,
                 "preferred_sampling_params": None, "weight_version": state.weight_version, "load_format": None,
                 "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-                "model_type": model.model.config.model_type,
-                "architectures": getattr(model.model.config, "architectures", None)}
+                "model_type": model.model.config.model_type, "architectures": getattr(model.model.config,
+                                                                                       "architectures", None)}
 
-    app.get("/model_info")(model_info)
-    app.get("/get_model_info")(model_info)
+    app.get("/model_info")(model_info), app.get("/get_model_info")(model_info)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -389,6 +389,7 @@ def build_app(state: State):
     from mgrpo.rollout.sglang.cpu import weights as cpu_weights
 
     cpu_weights.add_routes(app, state, body_of, result)
+    cpu_lora.add_routes(app, state, body_of)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
@@ -436,6 +437,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         text = ServerText.load(args, model.model.config.vocab_size, model.eos_ids)
         model.use_tokenizer(text.tokenizer, text.stop_ids())
+    model.lora = cpu_lora.from_args(model.model, args)
     state = State(args, model, text)
     log.info("loaded %s (%d parameters) in %.1fs; sglang request classes: %s; API key: %s", args.model_path,
              model.info()["parameters"], time.monotonic() - t0,

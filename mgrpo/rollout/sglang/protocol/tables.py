@@ -46,6 +46,11 @@ REQUESTS = {
     "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", {"tags"}),
     "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", {"tags"}),
     "/abort_request": ("AbortReq", {"abort_all", "finished_reason", "abort_message", "weight_versions"}),
+    "/load_lora_adapter": ("LoadLoRAAdapterReqInput", {"lora_name", "lora_path", "pinned", "lora_id"}),
+    "/load_lora_adapter_from_tensors": ("LoadLoRAAdapterFromTensorsReqInput", {
+        "lora_name", "config_dict", "serialized_named_tensors", "pinned", "added_tokens_config", "lora_id",
+        "load_format", "expected_checksums"}),
+    "/unload_lora_adapter": ("UnloadLoRAAdapterReqInput", {"lora_name", "lora_id"}),
 }
 BASE_FIELDS = frozenset({"rid", "http_worker_ipc"})
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
@@ -56,7 +61,8 @@ ALWAYS_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_OPTIONAL = frozenset({
     "/flush_cache", "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
     "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request"})
+    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors", "/unload_lora_adapter"})
 """SGLang 0.5.23 (entrypoints/http_server.py): `@auth_level(AuthLevel.ADMIN_OPTIONAL)` routes the CPU server
 serves. With an admin key set they take only that key; the others (/generate, /model_info) take the API key."""
 
