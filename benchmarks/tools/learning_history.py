@@ -283,6 +283,7 @@ def main(argv=None) -> int:
                                               f"{got['load_1m_at_start']}" if "last10" in got else
                                               f"FAILED {got['error'][-300:]}"), flush=True)
         line["recipes"][name] = summarise(name, runs)
+        line["recipes"][name]["recipe_overrides"] = list(RECIPES[name].overrides)  # a recipe may change later
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
     print(f"appended to {path}\n" + table([{**line, "overrides": []}]))
