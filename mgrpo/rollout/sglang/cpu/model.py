@@ -48,6 +48,9 @@ class Req:
     """The first input position whose log-prob is returned (SGLang's logprob_start_len); None: none of them."""
     input_logprobs: list = field(default_factory=list)
     """Log-probs of input positions logprob_start_len.. given the tokens before them; the first is None."""
+    input_top_logprobs: list = field(default_factory=list)
+    """With top_logprobs_num: per input position of `input_logprobs` its (values, ids) highest first; the first
+    None (logprob_result_processor.py::_process_input_top_logprobs)."""
     stops: StopStrings = field(default_factory=StopStrings)
     """Stop strings (SGLang's sampling_params.stop, normalised; rollout/stops.py)."""
     grammar_key: Optional[tuple[str, str]] = None
@@ -235,6 +238,9 @@ class CPUModel:
                 rows_lp = torch.log_softmax(logits[i, pad + r.logprob_start_len:pad + n - 1].float(), dim=-1)
                 nxt = torch.tensor(r.input_ids[r.logprob_start_len + 1:])
                 r.input_logprobs = [None] + rows_lp.gather(-1, nxt[:, None])[:, 0].tolist()
+                if r.top_logprobs_num:  # input_top_logprobs: the same rows' top entries, the first None too
+                    vals, idx = torch.topk(rows_lp, min(r.top_logprobs_num, rows_lp.shape[-1]))
+                    r.input_top_logprobs = [None] + list(zip(vals.tolist(), idx.tolist()))
 
     def _decode(self, reqs: list[Req], started: float) -> None:
         n, width = len(reqs), max(len(r.input_ids) for r in reqs)
