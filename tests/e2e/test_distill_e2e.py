@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def _expected(run_dir: str, teacher: str) -> dict:
 @pytest.mark.timeout(900)
 def test_forward_kl_topk_first_step_equals_transformers(tmp_path, teacher, mode):
     run_dir = str(tmp_path / "run")
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="mgrpo-opd-", dir="/tmp")}  # AF_UNIX paths: short
     proc = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *ARGS,
                            f"teacher.hf_path={teacher}", f"teacher.mode={mode}"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=840)
