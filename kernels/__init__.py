@@ -15,6 +15,7 @@ that name to the installed package (_pypi.py) instead of breaking transformers.
   triton_kernel.py "fused": the Triton kernels, imported after a capability check
   reference.py     "naive": the full-logits oracle the fast paths are tested against
   support.py       per-token sampling supports: validation, and which columns a chunk needs
+  topk.py          top-k log-probs per token (a distillation teacher's) and log-probs of given ids (the student's)
   _pypi.py         PyPI's `kernels` loaded in this folder's place when imported by the short name
 """
 
@@ -26,6 +27,7 @@ else:
     from .chunked import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK, num_valid_rows
     from .dispatch import IMPLS, capabilities, fused_linear_loss, linear_logprobs
     from .reference import full_linear_loss, full_logprobs
+    from .topk import linear_ids_logprobs, linear_topk
 
     __all__ = ["IMPLS", "capabilities", "linear_logprobs", "fused_linear_loss", "num_valid_rows", "full_logprobs",
-               "full_linear_loss", "DEFAULT_CHUNK_SIZE", "DEFAULT_VOCAB_CHUNK"]
+               "full_linear_loss", "DEFAULT_CHUNK_SIZE", "DEFAULT_VOCAB_CHUNK", "linear_topk", "linear_ids_logprobs"]

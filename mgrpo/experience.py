@@ -39,6 +39,10 @@ class ForwardResults:
     ref_logprobs: Optional[list[list[float]]] = None
     teacher_logprobs: Optional[list[list[float]]] = None
     """On-policy distillation (teacher.hf_path): the teacher's log-probs of each sampled token."""
+    teacher_topk_logprobs: Optional[list[np.ndarray]] = None
+    teacher_topk_ids: Optional[list[np.ndarray]] = None
+    """algorithm.opd.loss_mode=forward_kl_topk: per sample [response length, topk] the teacher's top log-probs at
+    each response position (float32, highest first) and their token ids (int32)."""
     routed_experts: Optional[list[np.ndarray]] = None
     """actor.router_replay=old: the routes the old-policy forward recorded (what the update replays)."""
 
@@ -76,6 +80,9 @@ class Experience:
     ref_logprobs: Optional[list[list[float]]] = None
     teacher_logprobs: Optional[list[list[float]]] = None
     """On-policy distillation: the teacher's log-probs of each response token (the teacher's forward)."""
+    teacher_topk_logprobs: Optional[list[np.ndarray]] = None
+    teacher_topk_ids: Optional[list[np.ndarray]] = None
+    """forward_kl_topk: the teacher's top-k per response position ([length, topk] each; `ForwardResults`)."""
     entropy: Optional[list[list[float]]] = None
     advantages: Optional[list[list[float]]] = None
     engines: list = field(default_factory=list)
@@ -307,7 +314,7 @@ class Experience:
             for i, row in zip(keep, adv):
                 adv_rows[i] = row
         self.advantages = adv_rows
-        if self.teacher_logprobs is not None:  # on-policy distillation: the teacher's term on every loss token
+        if self.teacher_logprobs is not None and al.opd.loss_mode == "reverse_kl":  # distillation's advantage term
             self.advantages = self.unpadded(add_teacher_term(self.padded(adv_rows), self.teacher_kl(al.opd), al.opd))
 
     def student_logprobs(self) -> list[list[float]]:

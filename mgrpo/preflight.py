@@ -151,6 +151,13 @@ def teacher_errors(cfg) -> list[str]:
     e: list[str] = []
     if al.opd.coef < 0:
         e.append(f"algorithm.opd.coef={al.opd.coef} must be non-negative")
+    if al.opd.loss_mode == "forward_kl_topk":
+        if al.opd.topk < 1 or al.opd.topk > cfg.model.vocab_size:
+            e.append(f"algorithm.opd.topk={al.opd.topk} must be between 1 and model.vocab_size="
+                     f"{cfg.model.vocab_size}")
+        if al.logprob_support == "sampled":
+            e.append("algorithm.opd.loss_mode=forward_kl_topk compares whole-vocabulary top-k log-probs, not "
+                     "log-probs over each token's sampling support (algorithm.logprob_support=sampled)")
     if not t.hf_path:
         if al.adv_estimator == "none":
             e.append("algorithm.adv_estimator=none trains on on-policy distillation's teacher term alone, but "

@@ -4,7 +4,9 @@ teacher checkpoint's own transformers forward, per teacher mode (and for a teach
 
 The teacher is a model the main job trained (its HF export):
     mgrpo-train trainer.experiment_name=opd-teacher          # -> outputs/mgrpo/opd-teacher/hf
-    python -m benchmarks.jobs.distillation --teacher outputs/mgrpo/opd-teacher/hf --seeds 1 2
+    python -m benchmarks.jobs.distillation --teacher outputs/mgrpo/opd-teacher/hf --seeds 1 2 3
+    python -m benchmarks.jobs.distillation --seeds 1 --distill-steps 60 --skip-agreement \
+        --reuse benchmarks/results/distillation_cpu.json --variant 'NAME: OVERRIDES' ...   # what else a user tries
 
 Writes benchmarks/results/distillation_cpu.json (with --update-results; else outputs/benchmarks/).
 """
@@ -24,6 +26,10 @@ from benchmarks.tools.proctree import machine
 
 TARGET = 0.8
 REWARD = "critic/score/mean"
+DEFAULT_VARIANT = ("forward_kl_topk: algorithm.adv_estimator=none algorithm.opd.loss_mode=forward_kl_topk "
+                   "algorithm.opd.topk=8 actor.lr=2e-3")
+"""Pure distillation over the teacher's top 8 log-probs at every position (the vocabulary has 16 tokens), at 4x the
+main job's learning rate: a dense signal takes it (the GRPO curves keep the main job's 5e-4)."""
 
 
 RAY_START_TRIES = 3
@@ -100,39 +106,81 @@ def agreement(teacher: str, mode: str, extra: list[str]) -> dict:
     return {"mode": mode, "command": "mgrpo-train " + " ".join(overrides), "max_abs_diff": worst, "tokens": tokens}
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """'name: key=value key=value' -> (name, overrides)."""
+    name, _, rest = text.partition(":")
+    return name.strip(), rest.split()
+
+
+def reused(previous: list[dict], command: str):
+    """A curve of an earlier result whose command was this one (the same overrides, seed included), or None."""
+    return next((c for c in previous if c.get("command") == command), None)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher", default="outputs/mgrpo/opd-teacher/hf")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--grpo-steps", type=int, default=150)
-    ap.add_argument("--distill-steps", type=int, default=75)
-    ap.add_argument("--distill", nargs="*", default=["algorithm.opd.coef=1.0"],
-                    help="the distillation run's overrides besides the teacher")
+    ap.add_argument("--distill-steps", type=int, default=75, help="at most half of --grpo-steps")
+    ap.add_argument("--variant", action="append", default=None, metavar="'NAME: OVERRIDES'",
+                    help="a distillation curve's name and overrides besides the teacher (repeatable; default: "
+                         "forward_kl_topk, pure)")
+    ap.add_argument("--skip-agreement", action="store_true", help="the curves only")
     ap.add_argument("--skip-curves", action="store_true", help="the teacher agreement only")
+    ap.add_argument("--reuse", default=None, help="an earlier result JSON: curves with the same command are taken "
+                                                  "from it, not run again (marked reused)")
     add_output_args(ap, "distillation_cpu")
     args = ap.parse_args(argv)
     teacher = os.path.abspath(args.teacher)
     if not os.path.isfile(os.path.join(teacher, "config.json")):
         sys.exit(f"--teacher {args.teacher}: no config.json there (train it: mgrpo-train "
                  "trainer.experiment_name=opd-teacher)")
+    variants = [parse_variant(v) for v in (args.variant or [DEFAULT_VARIANT])]
+    previous: list[dict] = []
+    if args.reuse:
+        with open(args.reuse) as f:
+            old = json.load(f)
+        previous = [c for s in old.get("seeds", []) for c in [s.get("grpo"), *s.get("distillation", {}).values()]
+                    if c]
     result: dict = {"command": "python -m benchmarks.jobs.distillation " + " ".join(argv or sys.argv[1:]),
-                    "teacher": args.teacher, "target": TARGET, "agreement": [], "seeds": []}
+                    "teacher": args.teacher, "target": TARGET, "agreement": [], "seeds": [], "summary": {}}
 
     def save():
         write_json(args, "distillation_cpu", {**result, "ray_start_retries": ray_retries,
                                               "machine": machine(packages=("torch", "megatron-core"))})
 
-    for mode in ("megatron", "sglang"):
-        result["agreement"].append(agreement(teacher, mode, []))
-        save()
+    def curve_or_reuse(name: str, overrides: list[str]) -> dict:
+        got = reused(previous, "mgrpo-train " + " ".join(overrides))
+        if got is not None:
+            print(f"{name}: reused from {args.reuse}", flush=True)
+            return {**got, "name": name, "reused": args.reuse}
+        return curve(name, overrides)
+
     for seed in [] if args.skip_curves else args.seeds:
         same = [f"trainer.seed={seed}", f"data.seed={seed}", f"actor.seed={seed}"]
-        opd = curve(f"distillation seed {seed}", [*same, f"trainer.total_training_steps={args.distill_steps}",
-                                                   f"teacher.hf_path={teacher}", *args.distill])
-        result["seeds"].append({"seed": seed, "distillation": opd})
+        row: dict = {"seed": seed, "distillation": {}}
+        result["seeds"].append(row)
+        row["grpo"] = curve_or_reuse(f"grpo seed {seed}", [*same, f"trainer.total_training_steps={args.grpo_steps}"])
         save()
-        result["seeds"][-1]["grpo"] = curve(f"grpo seed {seed}",
-                                            [*same, f"trainer.total_training_steps={args.grpo_steps}"])
+        for name, extra in variants:
+            row["distillation"][name] = curve_or_reuse(
+                f"{name} seed {seed}", [*same, f"trainer.total_training_steps={args.distill_steps}",
+                                        f"teacher.hf_path={teacher}", *extra])
+            save()
+    for name, _ in variants:  # steps to 0.8 per seed, and whether each seed took at most half of GRPO's
+        per = [(r["grpo"]["steps_to_0.8"], r["distillation"][name]["steps_to_0.8"]) for r in result["seeds"]]
+        result["summary"][name] = {
+            "grpo_steps_to_0.8": [g for g, _ in per], "distill_steps_to_0.8": [d for _, d in per],
+            "distill_last10": [round(r["distillation"][name]["reward_last10"], 3) for r in result["seeds"]],
+            "at_most_half_of_grpo": all(d is not None and (g is None or d <= g / 2) for g, d in per)}
+        print(f"{name}: steps to {TARGET} per seed {result['summary'][name]['distill_steps_to_0.8']} against GRPO "
+              f"{result['summary'][name]['grpo_steps_to_0.8']}", flush=True)
+    save()
+    if args.skip_agreement:
+        return
+    for mode in ("megatron", "sglang"):
+        result["agreement"].append(agreement(teacher, mode, []))
         save()
     with tempfile.TemporaryDirectory(prefix="mgrpo-wide-teacher-") as wide:  # a wider, deeper random teacher
         from mgrpo.config import ModelConfig

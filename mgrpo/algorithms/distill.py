@@ -43,3 +43,17 @@ def opd_metrics(kl: np.ndarray, student: np.ndarray, teacher: np.ndarray, mask: 
             "opd/reverse_kl_max": float(k.max()), "opd/reverse_kl_min": float(k.min()),
             "opd/student_logprob": float(s.mean()), "opd/teacher_logprob": float(t.mean()),
             "opd/teacher_better_frac": float((k < 0).mean()), "opd/tokens": float(m.sum())}
+
+
+def forward_kl_topk(student_topk, teacher_topk, cfg: OpdConfig):
+    """veRL's forward_kl_topk per token: sum_k p_teacher(k) (log p_teacher(k) - log p_student(k)) over the
+    teacher's top-k ids ([T, k] log-probs each, torch; differentiable through the student's), with veRL's
+    clamps: both sides' log-probs from below at log_prob_min_clamp, the term to at most loss_max_clamp, and to at
+    least 0 (over a top-k support the two distributions do not sum to 1, so the sum can go negative). [T]."""
+    s, t = student_topk.float(), teacher_topk.float().detach()
+    if cfg.log_prob_min_clamp is not None:
+        s, t = s.clamp_min(cfg.log_prob_min_clamp), t.clamp_min(cfg.log_prob_min_clamp)
+    kl = (t.exp() * (t - s)).sum(-1)
+    if cfg.loss_max_clamp is not None:
+        kl = kl.clamp_max(cfg.loss_max_clamp)
+    return kl.clamp_min(0.0)

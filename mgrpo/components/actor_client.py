@@ -58,7 +58,9 @@ class StepForwards:
                 got.ref_logprobs = out["logprobs"]
         if self._teacher is not None:
             with timer("teacher"):
-                got.teacher_logprobs = self._teacher()["logprobs"]
+                out = self._teacher()
+            got.teacher_logprobs = out["logprobs"]
+            got.teacher_topk_logprobs, got.teacher_topk_ids = out.get("topk_logprobs"), out.get("topk_ids")
         return got, timer.seconds
 
     def update(self, exp: Experience, step: int) -> tuple[dict, ForwardResults]:
@@ -98,7 +100,8 @@ class ActorClient:
             outs = wait()
             if keep:
                 return {}
-            keys = ["logprobs", "entropy"] + (["routed_experts"] if all("routed_experts" in o for o in outs) else [])
+            keys = ["logprobs", "entropy"] + [k for k in ("routed_experts", "topk_logprobs", "topk_ids")
+                                              if all(k in o for o in outs)]
             return {k: in_sample_order(shards, [o[k] for o in outs]) for k in keys}
 
         return collect
@@ -168,6 +171,8 @@ class ActorClient:
                 metric_weight=metric_weight,
                 support=pick(sub.support),  # every forward of a sample renormalises over its supports
                 routed_experts=pick(sub.routed_experts),  # routing replay: whichever forward has them replays
+                teacher_topk_logprobs=pick(sub.teacher_topk_logprobs) if for_training else None,
+                teacher_topk_ids=pick(sub.teacher_topk_ids) if for_training else None,
             ))
         return batches
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 if TYPE_CHECKING:
     from mgrpo.experience import Experience
 
@@ -43,7 +45,7 @@ class SGLangTeacher:
         from mgrpo.rollout.sglang import SGLangEngine
 
         t = cfg.teacher
-        self.cfg, self.timeout_s = t, t.request_timeout_s
+        self.cfg, self.timeout_s, self.topk = t, t.request_timeout_s, cfg.algorithm.opd.teacher_topk
         client = dict(request_timeout_s=t.request_timeout_s, max_retries=cfg.rollout.max_retries, api_key=api_key)
         kwargs = [dict(tp=t.tp, mem_fraction_static=t.gpu_memory_utilization, enable_memory_saver=False,
                        extra_args=[], log_dir=os.path.join(log_dir, f"teacher-{k}"), **client)
@@ -57,35 +59,59 @@ class SGLangTeacher:
         n = len(exp)
         cuts = [range(k * n // len(self.engines), (k + 1) * n // len(self.engines)) for k in range(len(self.engines))]
         futures = [self.pool.submit(self.logprobs, engine, [exp.prompt_ids[i] for i in idx],
-                                    [exp.response_ids[i] for i in idx]) for engine, idx in zip(self.engines, cuts)]
+                                    [exp.response_ids[i] for i in idx], self.topk)
+                   for engine, idx in zip(self.engines, cuts)]
 
         def collect() -> dict:
-            return {"logprobs": [row for f in futures for row in f.result(timeout=self.timeout_s * 2)]}
+            rows = [row for f in futures for row in zip(*f.result(timeout=self.timeout_s * 2))]
+            out = {"logprobs": [lp for lp, _ in rows]}
+            if self.topk:
+                out["topk_logprobs"] = [top[0] for _, top in rows]
+                out["topk_ids"] = [top[1] for _, top in rows]
+            return out
 
         return collect
 
     @staticmethod
-    def logprobs(engine, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-        """One /generate batch: the teacher's log-prob of every response token given what precedes it."""
+    def logprobs(engine, prompts: list[list[int]], responses: list[list[int]], topk: int = 0):
+        """One /generate batch: the teacher's log-prob of every response token given what precedes it, and
+        with `topk` ([length, topk] log-probs float32, ids int32) its top log-probs at each response position
+        (SGLang's top_logprobs_num: the response's entries of meta_info.input_top_logprobs, [logprob, id, text]
+        triples highest first, the first entry None like input_token_logprobs'). Two lists, one row a sample."""
         from mgrpo.rollout.sglang.http import SGLangBadResponseError
 
         if not prompts:
-            return []
+            return [], []
         body = {"input_ids": [list(p) + list(r) for p, r in zip(prompts, responses)],
                 "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                 "return_logprob": True, "logprob_start_len": [len(p) - 1 for p in prompts]}
+        if topk:
+            body["top_logprobs_num"] = topk
         items = engine.client.json("POST", "/generate", body)
         if not isinstance(items, list) or len(items) != len(prompts):
             raise SGLangBadResponseError(f"teacher /generate answered {type(items).__name__} for {len(prompts)} "
                                          "samples")
-        out = []
+        out, tops = [], []
         for item, r in zip(items, responses):
-            got = ((item or {}).get("meta_info") or {}).get("input_token_logprobs")
+            meta = (item or {}).get("meta_info") or {}
+            got = meta.get("input_token_logprobs")
             if not isinstance(got, list) or len(got) != len(r) + 1:
                 raise SGLangBadResponseError(f"teacher /generate: input_token_logprobs of {len(r) + 1} positions "
                                              f"expected, got {str(got)[:200]}")
             out.append([float(v) for v, *_ in got[1:]])
-        return out
+            if topk:
+                top = meta.get("input_top_logprobs")
+                if (not isinstance(top, list) or len(top) != len(r) + 1
+                        or any(not isinstance(row, list) or len(row) != topk for row in top[1:])):
+                    raise SGLangBadResponseError(f"teacher /generate: input_top_logprobs of {len(r) + 1} positions "
+                                                 f"x {topk} expected, got {str(top)[:200]}")
+                vals = [[float(e[0]) for e in row] for row in top[1:]]
+                ids = [[int(e[1]) for e in row] for row in top[1:]]
+                tops.append((np.array(vals, dtype=np.float32).reshape(len(r), topk),
+                             np.array(ids, dtype=np.int32).reshape(len(r), topk)))
+            else:
+                tops.append(None)
+        return out, tops
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

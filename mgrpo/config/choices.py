@@ -243,3 +243,6 @@ class OpdLossMode(StrEnum):
 
     reverse_kl = "reverse_kl"
     """Per sampled token, log pi_student - log pi_teacher, subtracted from the advantage (x coef)."""
+    forward_kl_topk = "forward_kl_topk"
+    """Per response position, sum over the teacher's top-k tokens of p_teacher (log p_teacher - log p_student),
+    a loss term of its own (x coef), differentiated through the student's log-probs (veRL's forward_kl_topk)."""

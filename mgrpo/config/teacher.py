@@ -42,8 +42,22 @@ class OpdConfig:
     distillation, no reward in the loss)."""
     loss_mode: OpdLossMode = "reverse_kl"
     """reverse_kl (the sampled-token reverse KL as an advantage term, which the policy loss turns into a
-    policy gradient: slime's OPD and veRL's use_policy_gradient form). Only this mode is implemented."""
+    policy gradient: slime's OPD and veRL's use_policy_gradient form) | forward_kl_topk (veRL's: the teacher
+    returns its top `topk` log-probs at every response position, and the loss gains
+    coef x sum_k p_teacher(k) (log p_teacher(k) - log p_student(k)) per loss token, aggregated like the policy
+    loss and differentiated through the student's log-probs of those k tokens)."""
+    topk: int = 8
+    """loss_mode=forward_kl_topk: how many of the teacher's likeliest tokens each position's term covers (veRL's
+    distillation_loss.topk)."""
     log_prob_min_clamp: Optional[float] = None
-    """Clamp both log-probs from below before the difference (veRL's log_prob_min_clamp); None: no clamp."""
+    """Clamp both log-probs from below before the difference (veRL's log_prob_min_clamp; for forward_kl_topk both
+    sides' top-k log-probs); None: no clamp."""
     loss_max_clamp: Optional[float] = None
-    """Clamp the per-token reverse KL to [-this, this] (veRL's loss_max_clamp); None: no clamp."""
+    """Clamp the per-token reverse KL to [-this, this], the per-token forward_kl_topk term to at most this (veRL's
+    loss_max_clamp; the top-k term is also clamped at 0 from below, as veRL does: over a top-k support it can go
+    negative); None: no clamp."""
+
+    @property
+    def teacher_topk(self) -> int:
+        """How many top log-probs per position the teacher returns: topk under forward_kl_topk, else 0."""
+        return self.topk if self.loss_mode == "forward_kl_topk" else 0

@@ -49,6 +49,9 @@ class Req:
     """The first input position whose log-prob is returned (SGLang's logprob_start_len); None: none of them."""
     input_logprobs: list = field(default_factory=list)
     """Log-probs of input positions logprob_start_len.. given the tokens before them; the first is None."""
+    input_top_logprobs: list = field(default_factory=list)
+    """With top_logprobs_num: per input position of `input_logprobs` its (values, ids) highest first; the first
+    None (logprob_result_processor.py::_process_input_top_logprobs)."""
     stops: StopStrings = field(default_factory=StopStrings)
     """Stop strings (SGLang's sampling_params.stop, normalised; rollout/stops.py)."""
     grammar_key: Optional[tuple[str, str]] = None

@@ -223,8 +223,8 @@ class MegatronActor:
         # the teacher routes its own experts: the routes the student's engine recorded are not its routers'
         routing = {"actor": self.routing, "ref": self.ref_routing}.get(which)
         action = self._routing_pass(routing, batch, which)
-        step = forward_only_step(self.head, lambda: output_weight(gpt), entropy=which == "actor",
-                                 routing=routing)
+        step = forward_only_step(self.head, lambda: output_weight(gpt), entropy=which == "actor", routing=routing,
+                                 topk=self.cfg.algorithm.opd.teacher_topk if which == "teacher" else 0)
         try:
             out = self._run(model, step, mbs, True)
             routes = (routing.recorded_per_sample(mbs, groups, batch.lengths(), self.ctx, self.cfg.model.num_layers)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from mgrpo.algorithms.support import SampleSupport
@@ -97,7 +98,8 @@ class MicroBatch:
     response_lens: list[int]
     """Response length of every sample of the micro-batch (all of it, whichever rank holds it)."""
     fields: dict[str, torch.Tensor]
-    """[T] per-token fields in the same order; plus 'seq_index' as [T] long."""
+    """[T] per-token fields in the same order; plus 'seq_index' as [T] long, and forward_kl_topk's
+    'teacher_topk_logprobs' ([T, topk] float) and 'teacher_topk_ids' ([T, topk] long)."""
     metric_weight: float = 0.0
     packed_seq_params: Optional[object] = None
     """megatron's PackedSeqParams (THD) when packed; None for padded rows."""
@@ -185,6 +187,12 @@ def build_micro_batch(batch: RankBatch, layout: BatchLayout = BatchLayout(), pad
                 raise ValueError(f"{name} has {got[bad]} values for a response of {resp_lens[bad]} tokens"
                                  if bad is not None else f"{name} has {len(got)} samples, the batch {len(lens)}")
             fields[name] = torch.tensor(list(chain.from_iterable(values)), dtype=torch.float32)[order_t]
+    for name, dtype in (("teacher_topk_logprobs", torch.float32), ("teacher_topk_ids", torch.long)):
+        rows = getattr(batch, name)
+        if rows is not None:  # forward_kl_topk: [T, topk] in the labels' order
+            if [len(r) for r in rows] != resp_lens:
+                raise ValueError(f"{name} has {[len(r) for r in rows]} rows for responses of {resp_lens} tokens")
+            fields[name] = torch.from_numpy(np.concatenate([np.asarray(r) for r in rows])).to(dtype)[order_t]
     if batch.seq_index:
         fields["seq_index"] = torch.tensor(batch.seq_index, dtype=torch.long)[rows_t]
     support = None
@@ -272,11 +280,21 @@ def batch_key(batch: RankBatch) -> tuple:
 def by_sample(n: int, mbs, groups, per_mb: Sequence[dict]) -> dict:
     """Per-micro-batch per-token {'logprobs', 'entropy'} -> per-sample lists in the batch's order (the
     order its `seq_index` names; the actor client restores the experience's order from that). A value
-    a forward did not compute (the reference's entropy) stays None per sample."""
-    out: dict = {"logprobs": [None] * n, "entropy": [None] * n}
+    a forward did not compute (the reference's entropy) stays None per sample. [T, k] values (a teacher's
+    'topk_logprobs' / 'topk_ids') come back as one numpy array [length, k] per sample."""
+    keys = ["logprobs", "entropy"] + [k for k in ("topk_logprobs", "topk_ids") if per_mb and k in per_mb[0]]
+    out: dict = {k: [None] * n for k in keys}
     for mb, idx, res in zip(mbs, groups, per_mb):
         for key, values in out.items():
-            if res[key] is not None:
+            if res[key] is None:
+                continue
+            if res[key].dim() == 2:
+                arr = res[key].detach().cpu()
+                arr = arr.numpy().astype(np.float32 if arr.is_floating_point() else np.int32)
+                cuts = np.cumsum(mb.response_lens)[:-1]
+                for i, v in zip(idx, np.split(arr, cuts)):
+                    values[i] = v
+            else:
                 for i, v in zip(idx, split_per_sample(res[key], mb.response_lens)):
                     values[i] = v
     return out

@@ -76,6 +76,31 @@ class LogProbHead:
     def _gather(hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         return hidden.reshape(-1, hidden.shape[-1])[mb.positions]
 
+    def topk(self, hidden, weight, mb: MicroBatch, k: int):
+        """(log-probs [T, k], ids [T, k]) of the k likeliest tokens at each response position, at the rollout
+        temperature (forward_kl_topk's teacher side; `mgrpo_kernels.linear_topk`, a chunk of logits at a time)."""
+        kw = self._kernel_kwargs(weight, mb)
+        return mgrpo_kernels.linear_topk(self._gather(hidden, mb), weight, k, temperature=kw["temperature"],
+                                         chunk_size=kw["chunk_size"], tp_group=kw["tp_group"],
+                                         vocab_start=kw["vocab_start"], vocab_size=kw["vocab_size"])
+
+    def distill_term(self, h, weight, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
+        """forward_kl_topk's loss term of one micro-batch: coef x sum over loss tokens of token_weight x the
+        per-token forward KL over the teacher's top-k (`algorithms/distill.py::forward_kl_topk`), the student's
+        log-probs of those ids differentiable; and its metric sums (global token means, as the policy loss's)."""
+        from mgrpo.algorithms.distill import forward_kl_topk
+
+        f, opd = mb.fields, self.cfg.algorithm.opd
+        kw = {k: v for k, v in self._kernel_kwargs(weight, mb).items() if not k.startswith("support_")}
+        student = mgrpo_kernels.linear_ids_logprobs(h, weight, f["teacher_topk_ids"], **kw)
+        kl = forward_kl_topk(student, f["teacher_topk_logprobs"], opd)
+        w = f["token_weight"]
+        m = (w != 0).float() * mb.metric_weight
+        metrics = {"opd/forward_kl": (m * kl).sum().detach(),
+                   "opd/student_topk_mass": (m * student.detach().exp().sum(-1)).sum(),
+                   "opd/teacher_topk_mass": (m * f["teacher_topk_logprobs"].exp().sum(-1)).sum()}
+        return opd.coef * (w * kl).sum(), metrics
+
     def logprobs(self, hidden, weight, mb: MicroBatch, entropy: bool = True):
         """Per-token log-probs and entropy (None unless `entropy`: the reference needs none, and at a
         real vocabulary the entropy is a second pass over every chunk's logits)."""
@@ -130,6 +155,10 @@ class LogProbHead:
             if on_policy:
                 inputs.old_logprob = lp.detach()
             loss, metrics = policy_loss(lp, ent, inputs, algo)
+        if "teacher_topk_ids" in f:  # on-policy distillation's forward_kl_topk: a loss term of its own
+            term, more = self.distill_term(h, weight, mb)
+            loss = loss + term
+            metrics = {**metrics, **more}
         if per_token is not None:
             per_token.update(logprobs=lp.detach(), entropy=ent.detach())  # both paths compute entropy
         return loss, metrics
@@ -168,16 +197,17 @@ def in_sample_order(values: torch.Tensor, mb: MicroBatch, cp_group) -> torch.Ten
     the group is exact."""
     if mb.token_order is None:
         return values
-    full = values.new_zeros(sum(mb.response_lens))
+    full = values.new_zeros((sum(mb.response_lens), *values.shape[1:]))
     full[mb.token_order] = values
     torch.distributed.all_reduce(full, group=cp_group)
     return full
 
 
 def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor], entropy: bool = True,
-                      routing=None):
+                      routing=None, topk: int = 0):
     """forward_step_func for megatron's schedules collecting per-token log-probs (and, with `entropy`,
-    entropy), in sample order (gathered over the CP group). `routing`: see `run_model`."""
+    entropy; with `topk`, each position's top-k log-probs and ids), in sample order (gathered over the CP
+    group). `routing`: see `run_model`."""
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
@@ -186,7 +216,12 @@ def forward_only_step(head: LogProbHead, get_weight: Callable[[], torch.Tensor],
         def collect(hidden):
             lp, ent = head.logprobs(hidden, get_weight(), mb, entropy=entropy)
             lp, ent = (None if x is None else in_sample_order(x.detach(), mb, head.ctx.cp_group) for x in (lp, ent))
-            return torch.zeros((), dtype=torch.float32), {"logprobs": lp, "entropy": ent}
+            out = {"logprobs": lp, "entropy": ent}
+            if topk:
+                k_lp, k_ids = head.topk(hidden, get_weight(), mb, topk)
+                out.update(topk_logprobs=in_sample_order(k_lp, mb, head.ctx.cp_group),
+                           topk_ids=in_sample_order(k_ids, mb, head.ctx.cp_group))
+            return torch.zeros((), dtype=torch.float32), out
 
         return out, collect
 

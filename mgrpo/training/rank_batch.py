@@ -33,6 +33,10 @@ class RankBatch:
     support: Optional[list[SampleSupport]] = None
     """Each sample's per-response-token sampling supports (algorithm.logprob_support=sampled), or None:
     every token normalised over the whole vocabulary."""
+    teacher_topk_logprobs: Optional[list] = None
+    teacher_topk_ids: Optional[list] = None
+    """algorithm.opd.loss_mode=forward_kl_topk: per sample [response length, topk] arrays, the teacher's top
+    log-probs at each response position and their ids (`Experience.teacher_topk_*`)."""
     routed_experts: Optional[list] = None
     """Routing replay: per sample the experts to send each position to, [length - 1, layers, top_k] integer
     arrays (numpy or torch; the last token's row and padding get `default_route`)."""
@@ -49,7 +53,8 @@ class RankBatch:
             input_ids=pick(self.input_ids), prompt_lens=pick(self.prompt_lens),
             seq_index=pick(self.seq_index) if self.seq_index else [],
             **{f: pick(getattr(self, f)) for f in TOKEN_FIELDS}, metric_weight=self.metric_weight,
-            support=pick(self.support), routed_experts=pick(self.routed_experts))
+            support=pick(self.support), routed_experts=pick(self.routed_experts),
+            teacher_topk_logprobs=pick(self.teacher_topk_logprobs), teacher_topk_ids=pick(self.teacher_topk_ids))
 
 
 def compact_routes(routes: np.ndarray) -> np.ndarray:

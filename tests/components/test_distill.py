@@ -145,3 +145,51 @@ def test_cpu_server_input_token_logprobs_equal_a_transformers_forward(tmp_path):
     assert cpu_generate.answer(model.generate(reqs)[0], "0", True, 0.0)["meta_info"]["input_token_logprobs"] == []
     with pytest.raises(cpu_generate.RequestError, match="is higher than the number of input tokens"):
         cpu_generate.parse({"input_ids": seqs[2], "return_logprob": True, "logprob_start_len": 5}, limits)
+
+
+def test_cpu_server_input_top_logprobs_equal_a_transformers_forward(tmp_path):
+    """top_logprobs_num with logprob_start_len: meta_info.input_top_logprobs as SGLang builds it (the first
+    position None, then per input position top_logprobs_num [logprob, id, None] highest first)."""
+    from mgrpo.rollout.sglang.cpu import generate as cpu_generate
+    from mgrpo.rollout.sglang.cpu.model import CPUModel
+    from tests.helpers.sglang_cpu import Reference, tiny_checkpoint
+
+    hf = tiny_checkpoint(str(tmp_path))
+    model, ref = CPUModel(hf), Reference(hf)
+    limits = cpu_generate.Limits(vocab_size=16, context_len=256)
+    seqs, starts = [[1, 5, 6, 7, 2, 9, 3], [4, 4, 8, 11, 12]], [3, 0]
+    body = {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": starts, "top_logprobs_num": 5}
+    reqs, _, _ = cpu_generate.parse(body, limits)
+    for seq, start, r in zip(seqs, starts, model.generate(reqs)):
+        meta = cpu_generate.answer(r, "0", True, 0.0)["meta_info"]
+        top = meta["input_top_logprobs"]
+        assert len(top) == len(meta["input_token_logprobs"]) == len(seq) - start and top[0] is None
+        want_v, want_i = torch.log_softmax(ref.model(torch.tensor([seq])).logits[0].float(), -1)[
+            start:len(seq) - 1].topk(5, -1)
+        assert [[t for _, t, _ in row] for row in top[1:]] == want_i.tolist()
+        assert max(abs(v - w) for row, wrow in zip(top[1:], want_v.tolist()) for (v, _, _), w in zip(row, wrow)) < 1e-5
+        assert all(text is None for row in top[1:] for _, _, text in row)
+
+
+def test_forward_kl_topk_refusals():
+    from mgrpo.preflight import teacher_errors
+
+    cfg = MGRPOConfig()
+    cfg.algorithm.adv_estimator = "none"
+    cfg.algorithm.opd.loss_mode = "forward_kl_topk"
+    cfg.algorithm.opd.topk = 17  # the synthetic vocabulary has 16 tokens
+    cfg.algorithm.logprob_support = "sampled"
+    errors = teacher_errors(cfg)
+    assert any("algorithm.opd.topk=17 must be between 1 and model.vocab_size=16" in e for e in errors)
+    assert any("forward_kl_topk" in e and "algorithm.logprob_support=sampled" in e for e in errors)
+
+
+def test_forward_kl_topk_leaves_the_advantages_to_the_reward():
+    cfg = MGRPOConfig()
+    cfg.algorithm.opd.loss_mode = "forward_kl_topk"
+    exp = _exp([[-0.5, -2.5], [-0.5]], [[-1.0, -2.0], [-0.5]], [1.0, 0.0])
+    exp.compute_advantages(cfg)  # GRPO alone: the teacher's term is a loss of its own, not an advantage
+    g = 0.5 / (math.sqrt(0.5) + 1e-6)
+    np.testing.assert_allclose(exp.advantages[0], [g, g], rtol=1e-5)
+    np.testing.assert_allclose(exp.advantages[1], [-g], rtol=1e-5)

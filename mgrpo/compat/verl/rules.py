@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mgrpo.compat.verl.kit import A, F, M, MICRO, PROFILE, R, TUNING, Refuse, Rule, falsy, ignore, only, refuse, to
+from mgrpo.compat.verl.distill import DISTILL_RULES, enabled, task_rewards, teacher_rule
 from mgrpo.compat.verl.layout import LAYOUT_PREFIX_RULES, LAYOUT_RULES
 from mgrpo.compat.verl.lora import LORA_RULES
 from mgrpo.compat.verl.multi_turn import MULTI_TURN_RULES
@@ -23,7 +24,7 @@ from mgrpo.models.hf_config import hf_architecture, resolve_hf_dir
 VERL_ONLY_PREFIXES = ("actor_rollout_ref.", "critic.", "reward_model.", "reward_manager.", "custom_reward_function.",
                       "ray_kwargs.", "ray_init.", "global_profiler.", "transfer_queue.", "reward.reward_kwargs.",
                       "reward.reward_manager.", "reward.reward_model.", "reward.custom_reward_function.",
-                      "reward.sandbox_fusion.", "sandbox_fusion.")
+                      "reward.sandbox_fusion.", "sandbox_fusion.", "distillation.")
 # veRL's trainer configs (verl/trainer/config/, and the DAPO recipe's): what --config-name=<name> is taken to mean.
 VERL_CONFIG_NAMES = {
     "ppo_trainer": "veRL's FSDP trainer config",
@@ -170,6 +171,9 @@ def _adv_estimator(v, ctx):
     if v == "gae":
         raise Refuse("gae needs a critic; mgrpo trains critic-free estimators (grpo, dr_grpo, rloo, "
                       "reinforce_plus_plus[_baseline])")
+    if enabled(ctx) and not task_rewards(ctx):
+        return [("", "superseded: distillation.distillation_loss.use_task_rewards=false trains on the teacher alone "
+                     "(algorithm.adv_estimator=none)")]
     return [("algorithm.adv_estimator", v)]
 
 
@@ -352,6 +356,7 @@ RULES: dict[str, Rule] = {
                                 "(dynamic sampling adds rounds until the batch is full); drop the key"),
     **REWARD_RULES,
     **LAYOUT_RULES,
+    **DISTILL_RULES,
 }
 # Whole subtrees with one outcome (longest prefix wins after the exact keys above).
 PREFIX_RULES: dict[str, Rule] = {
@@ -367,6 +372,7 @@ PREFIX_RULES: dict[str, Rule] = {
                          "(rollout.multi_turn.max_concurrent_per_engine)"),
     R + "multi_turn.": refuse("this multi-turn setting has no mgrpo equivalent (see rollout.multi_turn.*)"),
     R + "trace.": ignore(PROFILE), R + "prometheus.": ignore(PROFILE),
+    "distillation.": refuse("this distillation setting has no mgrpo equivalent (see docs/distillation.md)"),
 }
 # Shared keys whose veRL values need a translation too.
 VALUE_RULES: dict[str, Rule] = {
@@ -383,6 +389,9 @@ VALUE_RULES: dict[str, Rule] = {
 def rule_for(key: str) -> Optional[Rule]:
     if key in RULES:
         return RULES[key]
+    teacher = teacher_rule(key)  # distillation.teacher_models.<name>.*: the name is the user's
+    if teacher is not None:
+        return teacher
     for prefix in sorted(PREFIX_RULES, key=len, reverse=True):
         if key.startswith(prefix):
             return PREFIX_RULES[prefix]

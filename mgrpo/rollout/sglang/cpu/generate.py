@@ -16,7 +16,8 @@ tokenizer manager does (`_handle_abort_finish_reason`): 400 {"error": {"message"
 than SGLang: fields and sampling parameters the CPU server does not implement are refused when set, instead of being ignored.
 
 The answer (tokenizer_manager.py::_handle_batch_output): `meta_info` with output_token_logprobs as
-[logprob, token_id, None] (and output_top_logprobs, per position the top_logprobs_num [logprob, token_id, None]), output_token_sampling_mask / _logprobs / _mask_length, and routed_experts as
+[logprob, token_id, None] (and, with top_logprobs_num, input_top_logprobs and output_top_logprobs: per position that many
+[logprob, token_id, None], an input row None where its log-prob is), output_token_sampling_mask / _logprobs / _mask_length, and routed_experts as
 base64 of int32 [rows, num_layers, top_k].
 """
 
@@ -284,7 +285,9 @@ def answer(r, weight_version: str, return_logprob: bool, t0: float) -> dict:
         # the first None (logprob_result_processor.py: [None] + values[:-1]); [] when none were asked
         meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.input_logprobs,
                                                                        r.input_ids[r.logprob_start_len or 0:])]
-        if r.top_logprobs_num:  # tokenizer_manager.py::detokenize_top_logprobs_tokens, no text
+        if r.top_logprobs_num:  # tokenizer_manager.py::detokenize_top_logprobs_tokens, no text; None rows stay
+            meta["input_top_logprobs"] = [None if row is None else [[v, t, None] for v, t in zip(*row)]
+                                          for row in r.input_top_logprobs]
             meta["output_top_logprobs"] = [[[v, t, None] for v, t in zip(*row)] for row in r.top_logprobs]
     if r.mask_mode is not None:
         masks, values = mask_lists(r.masks, r.mask_logprobs, r.mask_mode == "support")

@@ -158,6 +158,9 @@ class CPUModel:
                 rows_lp = torch.log_softmax(logits[i, pad + r.logprob_start_len:pad + n - 1].float(), dim=-1)
                 nxt = torch.tensor(r.input_ids[r.logprob_start_len + 1:])
                 r.input_logprobs = [None] + rows_lp.gather(-1, nxt[:, None])[:, 0].tolist()
+                if r.top_logprobs_num:  # input_top_logprobs: the same rows' top entries, the first None too
+                    vals, idx = torch.topk(rows_lp, min(r.top_logprobs_num, rows_lp.shape[-1]))
+                    r.input_top_logprobs = [None] + list(zip(vals.tolist(), idx.tolist()))
 
     def _decode(self, reqs: list[Req], started: float) -> None:
         # unseeded requests: a generator each, seeded from the server's (--random-seed)
