@@ -34,13 +34,13 @@ def teacher(tmp_path_factory) -> str:
                               seed=7, tokenizer=synthetic_tokenizer())
 
 
-def _expected(run_dir: str, teacher: str) -> dict:
+def _expected(run_dir: str, teacher: str, step: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     t_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     s_model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "init_hf"), dtype=torch.float32).eval()
     with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [r for r in map(json.loads, f) if r["step"] == step]
     kls, s_mass, t_mass = [], [], []
     with torch.no_grad():
         for row in rows:
@@ -71,3 +71,21 @@ def test_forward_kl_topk_first_step_equals_transformers(tmp_path, teacher, mode)
     for key, want in _expected(run_dir, teacher).items():
         assert got[key] == pytest.approx(want, abs=2e-5), key
     assert got["actor/opd/forward_kl"] > 0.05  # a random teacher and student disagree: the term is not 0
+
+
+@pytest.mark.timeout(900)
+def test_a_teacher_under_one_step_off_async_rollout(tmp_path, teacher):
+    """Asynchronous rollout with a Megatron teacher: every step has the teacher's term, and step 1 (the initial
+    weights on both sides) equals the transformers computation."""
+    run_dir = str(tmp_path / "run")
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="mgrpo-opd-", dir="/tmp")}
+    args = [a for a in ARGS if not a.startswith("trainer.total_training_steps")]
+    proc = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *args,
+                           "trainer.total_training_steps=3", f"teacher.hf_path={teacher}", "rollout.mode=disaggregated",
+                           "trainer.n_gpus_per_node=2", "rollout.async_mode=one_step_off"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = read_metrics(run_dir)
+    assert [m["step"] for m in got] == [1, 2, 3] and all(m["actor/opd/forward_kl"] > 0.0 for m in got)
+    for key, want in _expected(run_dir, teacher, step=1).items():
+        assert got[0][key] == pytest.approx(want, abs=2e-5), key

@@ -18,11 +18,25 @@ from tests.helpers.runs import train, kill_everything, published, wait_for_check
 
 STEPS, BATCH, N = 5, 8, 4
 LORA = ("actor.lora.rank=8", "actor.lora.alpha=32", "actor.lr=2e-2", "actor.lora.sync=adapter")
+TEACHER = ("teacher",)
+"""A Megatron teacher (wider and deeper than the student) scoring every step: its term resumes exactly too."""
+
+
+def _teacher(tmp_path) -> tuple[str, ...]:
+    from mgrpo.config import ModelConfig
+    from mgrpo.data.synthetic import synthetic_tokenizer
+    from mgrpo.models.hf_io import init_hf_checkpoint
+
+    path = init_hf_checkpoint(str(tmp_path / "teacher"), ModelConfig(hidden_size=192, num_layers=3), seed=7,
+                              tokenizer=synthetic_tokenizer())
+    return (f"teacher.hf_path={path}",)
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora-adapter-sync"])
+@pytest.mark.parametrize("extra", [(), LORA, TEACHER], ids=["full", "lora-adapter-sync", "megatron-teacher"])
 def test_sigkill_mid_run_resumes_exactly(tmp_path, extra):
+    if extra == TEACHER:
+        extra = _teacher(tmp_path)
     ray_tmp = tempfile.mkdtemp(prefix="mgrpo-kill-", dir="/tmp")
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     p = train(straight, ray_tmp + "/a", *extra)
@@ -43,7 +57,8 @@ def test_sigkill_mid_run_resumes_exactly(tmp_path, extra):
     a, b = read_metrics(straight), read_metrics(killed)
     assert [m["step"] for m in b] == list(range(1, STEPS + 1))  # every step exactly once
     for step in range(k + 1, STEPS + 1):
-        for key in LOSS_KEYS + ("critic/score/mean", "rollout/weight_version", "actor/lr"):
+        for key in LOSS_KEYS + ("critic/score/mean", "rollout/weight_version", "actor/lr") + \
+                (("opd/reverse_kl", "opd/teacher_logprob") if "opd/reverse_kl" in a[step - 1] else ()):
             assert b[step - 1][key] == pytest.approx(a[step - 1][key], abs=1e-6), (step, key)
         assert b[step - 1]["rollout/logprob_abs_diff_max"] <= 1e-5, step  # the engines hold the resumed weights
     with open(os.path.join(killed, "trajectories.jsonl")) as f:
