@@ -153,10 +153,12 @@ def shortest_call_tokens(fmt: str, tools, tokenizer) -> int:
     return min((len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts), default=0)
 
 
-def call_cannot_fit(mt, tools, tokenizer, max_response_length: int) -> Optional[str]:
+def call_cannot_fit(mt, tools, tokenizer, max_response_length: int, shortest: Optional[int] = None) -> Optional[str]:
     """Why no tool call can complete in an assistant turn (the turn's budget is shorter than the shortest call),
-    or None. Said at start and by the planner: such a run trains on cut calls only and never runs a tool."""
-    shortest = shortest_call_tokens(mt.format, tools, tokenizer)
+    or None. Said at start and by the planner: such a run trains on cut calls only and never runs a tool.
+    `shortest`: shortest_call_tokens when the caller has it already."""
+    if shortest is None:
+        shortest = shortest_call_tokens(mt.format, tools, tokenizer)
     budget = min(max_response_length, mt.max_tokens_per_turn or max_response_length)
     if shortest <= budget:
         return None

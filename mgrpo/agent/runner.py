@@ -73,7 +73,7 @@ class AgentRunner:
         self.shortest_call = shortest_call_tokens(cfg.format, tools, tokenizer)
         """Tokens of the shortest call of any tool (a call with no arguments), 0 when there is no tool."""
         self.turn_budget = min(max_response_length, cfg.max_tokens_per_turn or max_response_length)
-        cannot_fit = call_cannot_fit(cfg, tools, tokenizer, max_response_length)
+        cannot_fit = call_cannot_fit(cfg, tools, tokenizer, max_response_length, self.shortest_call)
         if cannot_fit:
             log.warning(cannot_fit)
         self.handlers = {State.GENERATE: self._generate, State.PARSE: self._parse, State.CALL_TOOLS: self._call_tools,
