@@ -446,7 +446,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "--config-name of one of veRL's trainer configs; mgrpo composes configs/config.yaml)")
     parser.add_argument("--config-name", "-cn", default=None, help="veRL's --config-name: ppo_trainer, "
                         "ppo_megatron_trainer, dapo_trainer or dapo_megatron_trainer")
-    args = parser.parse_intermixed_args(argv)
+    from mgrpo.compat import slime
+
+    try:  # slime's flags first: argparse would refuse them
+        from_slime = slime.translate(sys.argv[1:] if argv is None else argv,
+                                     own={"--json": False, "--dtype": True, "--gpu-mem-gb": True})
+    except ConfigError as err:
+        print(f"mgrpo-plan: {err}", file=sys.stderr)
+        sys.exit(2)
+    if from_slime.rows:
+        print(f"mgrpo-plan: {slime.render(from_slime)}", file=sys.stderr)
+    args = parser.parse_intermixed_args(from_slime.args)
     flags = [f"--config-path={args.config_path}"] * (args.config_path is not None) + \
         [f"--config-name={args.config_name}"] * (args.config_name is not None)
     try:

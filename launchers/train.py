@@ -6,9 +6,11 @@
     mgrpo-train recipe=qwen3-8b-gsm8k-grpo        # a ready recipe from configs/recipe/
     mgrpo-train --cfg job                         # print the composed config and exit
     mgrpo-train actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...   # a veRL command line
+    mgrpo-train --hf-checkpoint DIR --use-opd --opd-type megatron --opd-teacher-load DIR ...   # a slime one
 
-veRL keys are translated into mgrpo's before Hydra composes (mgrpo.compat.verl): the table of what
-became of each is printed to stderr, and keys mgrpo cannot honour are refused by name (exit status 2).
+slime's flags (mgrpo.compat.slime), then veRL's keys (mgrpo.compat.verl), are translated into mgrpo's before
+Hydra composes: the table of what became of each is printed to stderr, and flags or keys mgrpo cannot honour
+are refused by name (exit status 2).
 
 The YAML in configs/ is composed onto the typed dataclasses of `mgrpo.config` (structured configs):
 unknown keys and wrong types fail while composing, naming the key; cross-field problems fail in
@@ -76,10 +78,14 @@ def fail(err: Exception) -> None:
 
 
 def main() -> None:
+    from mgrpo.compat import slime
     from mgrpo.compat.verl import translate
 
     try:
-        translation = translate(sys.argv[1:])
+        from_slime = slime.translate(sys.argv[1:])
+        if from_slime.rows:
+            print(f"mgrpo-train: {slime.render(from_slime)}", file=sys.stderr)
+        translation = translate(from_slime.args)
         if translation.is_verl:
             print(f"mgrpo-train: {translation.render()}", file=sys.stderr)
         args = overrides.shaped(translation.args)

@@ -73,18 +73,23 @@ def test_forward_kl_topk_first_step_equals_transformers(tmp_path, teacher, mode)
     assert got["actor/opd/forward_kl"] > 0.05  # a random teacher and student disagree: the term is not 0
 
 
+@pytest.mark.parametrize("mode", ["megatron", "sglang"])
 @pytest.mark.timeout(900)
-def test_a_teacher_under_one_step_off_async_rollout(tmp_path, teacher):
-    """Asynchronous rollout with a Megatron teacher: every step has the teacher's term, and step 1 (the initial
-    weights on both sides) equals the transformers computation."""
+def test_a_teacher_under_one_step_off_async_rollout(tmp_path, teacher, mode):
+    """Asynchronous rollout with each teacher: every step has the teacher's term, and step 1 (the initial weights
+    on both sides) equals the transformers computation. The SGLang teacher's line is slime's (its OPD flags, the
+    folder mgrpo starts the teacher from as mgrpo's key)."""
     run_dir = str(tmp_path / "run")
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="mgrpo-opd-", dir="/tmp")}
     args = [a for a in ARGS if not a.startswith("trainer.total_training_steps")]
+    who = ([f"teacher.hf_path={teacher}"] if mode == "megatron" else
+           ["--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0", f"teacher.hf_path={teacher}"])
     proc = subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={run_dir}", *args,
-                           "trainer.total_training_steps=3", f"teacher.hf_path={teacher}", "rollout.mode=disaggregated",
+                           "trainer.total_training_steps=3", *who, "rollout.mode=disaggregated",
                            "trainer.n_gpus_per_node=2", "rollout.async_mode=one_step_off"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:]
+    assert mode == "megatron" or "--opd-type sglang" in proc.stdout  # the translation table was printed
     got = read_metrics(run_dir)
     assert [m["step"] for m in got] == [1, 2, 3] and all(m["actor/opd/forward_kl"] > 0.0 for m in got)
     for key, want in _expected(run_dir, teacher, step=1).items():
