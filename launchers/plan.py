@@ -246,12 +246,14 @@ def batch_plan(cfg: MGRPOConfig, lay: Layout) -> dict:
 
 def gpu_use(cfg: MGRPOConfig, lay: Layout) -> dict:
     """How many of the job's accelerators train, generate and score (reward engines with accelerators of their
-    own; mgrpo/plan/rewards.py), and a warning for those idle in a phase."""
+    own; mgrpo/plan/rewards.py), the SGLang teacher's engines, and a warning for those idle in a phase."""
     r = cfg.rollout
     own = sum(m.engines * m.tp for m in cfg.reward.models.values() if m.placement == "own" and not m.url
               and not (m.kind == "generative" and m.judge.openai_url))
+    t = cfg.teacher
+    teacher = t.num_engines * t.tp if t.hf_path and t.mode == "sglang" else 0
     out = {"total": lay.total, "training": lay.megatron_world, "generation": lay.rollout_devices,
-           "reward_engines": own, "warnings": []}
+           "reward_engines": own, "teacher_engines": teacher, "warnings": []}
     if r.shares_actor_devices and lay.rollout_devices < lay.total:
         idle = lay.total - lay.rollout_devices
         fix = ("rollout.num_engines=null puts one on every rollout.tp GPUs"
@@ -389,7 +391,8 @@ def render(p: dict) -> str:
     g = p["gpus"]
     out.append(f"{acc:<10}{g['training']} of {g['total']} train, {g['generation']} of {g['total']} generate, "
                + (f"{g['reward_engines']} more score (reward engines)" if g["reward_engines"] else
-                  "no reward engines of their own"))
+                  "no reward engines of their own")
+               + (f", {g['teacher_engines']} more for the teacher's engines" if g["teacher_engines"] else ""))
     out.append("")
     out.append("placement (rank = Megatron bundle; Ray's PACK strategy fills nodes in this order)")
     out.append("  rank  node  local    tp  pp  cp  dp  role")

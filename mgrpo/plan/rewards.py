@@ -1,4 +1,6 @@
-"""The reward models' engines in the plan (reward.models): accelerators, memory, FITS / DOES NOT FIT.
+"""The reward models' engines in the plan (reward.models), and on-policy distillation's SGLang teacher engines
+(teacher.mode=sglang: engines x tp accelerators of their own, like placement=own): accelerators, memory, FITS / DOES
+NOT FIT.
 
 - placement=own: engines x tp accelerators of their own, which must be left over beside the trainer's (and a
   disaggregated rollout's).
@@ -55,12 +57,22 @@ def reward_model_plan(cfg: MGRPOConfig, lay: Layout, memory: Optional[dict] = No
         if size is not None and capacity and size / m.tp > share * capacity:
             problems.append(f"{name}: weights {size / m.tp / 2**30:.2f} GiB per accelerator exceed its share "
                             f"{share} x {capacity / 2**30:.0f} GiB (raise reward.models.{name}.gpu_memory_utilization)")
+    t = cfg.teacher
+    if t.hf_path and t.mode == "sglang":  # on-policy distillation's teacher engines: accelerators of their own
+        size = weights_bytes(t.hf_path)
+        models.append({"name": "teacher", "kind": "teacher", "engines": t.num_engines, "tp": t.tp, "placement": "own",
+                       "accelerators": t.num_engines * t.tp, "shared_accelerators": 0,
+                       "gpu_memory_utilization": t.gpu_memory_utilization, "url": None, "weights_bytes": size})
+        if cuda and size is not None and capacity and size / t.tp > t.gpu_memory_utilization * capacity:
+            problems.append(f"teacher: weights {size / t.tp / 2**30:.2f} GiB per accelerator exceed its share "
+                            f"{t.gpu_memory_utilization} x {capacity / 2**30:.0f} GiB (raise "
+                            "teacher.gpu_memory_utilization or teacher.tp)")
     own = sum(x["accelerators"] for x in models)
     used = lay.megatron_world + (lay.rollout_devices if r.mode == "disaggregated" else 0)
     free = lay.total - used
     if cuda and own > free:
-        problems.append(f"placement=own needs {own} accelerator(s); {free} are left beside the trainer's and the "
-                        "rollout's")
+        who = "placement=own and the teacher need" if t.hf_path and t.mode == "sglang" else "placement=own needs"
+        problems.append(f"{who} {own} accelerator(s); {free} are left beside the trainer's and the rollout's")
     on_card = sum(x["gpu_memory_utilization"] for x in models if x["shared_accelerators"])
     out = {"models": models, "accelerators": own, "cluster_free_accelerators": free,
            "shared_share_per_card": round(on_card, 4)}
@@ -95,6 +107,10 @@ def render_reward_models(rm: dict, device: str) -> list[str]:
                      f"({x['gpu_memory_utilization']} of each card)")
         else:
             where = f"{x['engines']} engine(s) x tp {x['tp']} = {x['accelerators']} accelerator(s)"
+        if x["kind"] == "teacher":
+            out.append(f"teacher   on-policy distillation teacher (SGLang, log-probs of the student's tokens), {where}, "
+                       f"weights {size} per engine, frozen")
+            continue
         what = "judge (chat model)" if x["kind"] == "generative" else "reward model (SGLang --is-embedding)"
         out.append(f"reward    {x['name']}: {x['kind']} {what}, {where}, weights {size} per engine, frozen")
     if not rm["models"]:
@@ -110,5 +126,7 @@ def render_reward_models(rm: dict, device: str) -> list[str]:
                f"shared {rm['shared_share_per_card']} of each rollout card"
                + "".join(f"\n          - {p}" for p in rm["problems"]))
     out.append("          (placed in the run's Ray placement groups: own -> mgrpo-reward-<name>, one bundle of tp "
-               "accelerators per engine; shared -> the rollout engines' bundles, on their accelerators)")
+               "accelerators per engine; shared -> the rollout engines' bundles, on their accelerators"
+               + ("; the teacher's engines: where Ray has room, in no placement group)"
+                  if any(x["kind"] == "teacher" for x in rm["models"]) else ")"))
     return out

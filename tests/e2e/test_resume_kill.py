@@ -18,8 +18,9 @@ from tests.helpers.runs import train, kill_everything, published, wait_for_check
 
 STEPS, BATCH, N = 5, 8, 4
 LORA = ("actor.lora.rank=8", "actor.lora.alpha=32", "actor.lr=2e-2", "actor.lora.sync=adapter")
-TEACHER = ("teacher",)
-"""A Megatron teacher (wider and deeper than the student) scoring every step: its term resumes exactly too."""
+TEACHER, SGLANG_TEACHER = ("teacher",), ("teacher.mode=sglang",)
+"""A teacher (wider and deeper than the student) scoring every step, in the Megatron ranks or on an SGLang engine
+of its own (killed with the rest, started again on resume): its term resumes exactly too."""
 
 
 def _teacher(tmp_path) -> tuple[str, ...]:
@@ -33,10 +34,11 @@ def _teacher(tmp_path) -> tuple[str, ...]:
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("extra", [(), LORA, TEACHER], ids=["full", "lora-adapter-sync", "megatron-teacher"])
+@pytest.mark.parametrize("extra", [(), LORA, TEACHER, SGLANG_TEACHER],
+                         ids=["full", "lora-adapter-sync", "megatron-teacher", "sglang-teacher"])
 def test_sigkill_mid_run_resumes_exactly(tmp_path, extra):
-    if extra == TEACHER:
-        extra = _teacher(tmp_path)
+    if extra in (TEACHER, SGLANG_TEACHER):
+        extra = _teacher(tmp_path) + (() if extra == TEACHER else extra)
     ray_tmp = tempfile.mkdtemp(prefix="mgrpo-kill-", dir="/tmp")
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     p = train(straight, ray_tmp + "/a", *extra)

@@ -66,3 +66,29 @@ def test_plan_counts_reward_engines_that_share_the_rollouts_cards(tmp_path):
     peak = max(t["total"] for name, t in phases.items() if name != "generation")
     assert sm["fits"] == (peak + 0.2 * cap <= cap)
     assert any(x.startswith("training: the trainer's peak") for x in sm["problems"]) == (peak + 0.2 * cap > cap)
+
+
+def test_plan_counts_the_sglang_teachers_engines(tmp_path):
+    """teacher.mode=sglang: teacher.num_engines x teacher.tp accelerators of their own, beside the trainer's and the
+    rollout's, with the checkpoint's weights per engine (a Megatron teacher is a row of the memory table instead)."""
+    from mgrpo.config import ModelConfig
+    from mgrpo.data.synthetic import synthetic_tokenizer
+    from mgrpo.models.hf_io import init_hf_checkpoint
+
+    teacher = init_hf_checkpoint(str(tmp_path / "teacher"), ModelConfig(hidden_size=192, num_layers=3), seed=7,
+                                 tokenizer=synthetic_tokenizer())
+    weights = sum(os.path.getsize(os.path.join(teacher, f)) for f in os.listdir(teacher) if f.endswith(".safetensors"))
+    over = [f"teacher.hf_path={teacher}", "teacher.mode=sglang", "teacher.num_engines=2", "teacher.tp=2"]
+    gpu = ["cluster=gpu", "rollout.mode=disaggregated", "rollout.num_engines=2", *over]
+    full = build_plan(compose_config([*gpu, "trainer.n_gpus_per_node=4"]))
+    got = full["reward_models"]
+    assert got["models"] == [{"name": "teacher", "kind": "teacher", "engines": 2, "tp": 2, "placement": "own",
+                              "accelerators": 4, "shared_accelerators": 0, "gpu_memory_utilization": 0.5,
+                              "url": None, "weights_bytes": weights}]
+    assert full["gpus"]["teacher_engines"] == 4 and not got["fits"]
+    assert "placement=own and the teacher need 4 accelerator(s); 0 are left" in got["problems"][0]
+    text = render(full)
+    assert "teacher   on-policy distillation teacher (SGLang, log-probs of the student's tokens), 2 engine(s) x " \
+           "tp 2 = 4 accelerator(s)" in text and "4 more for the teacher's engines" in text
+    megatron = build_plan(compose_config([f"teacher.hf_path={teacher}"]))
+    assert megatron["reward_models"]["models"] == [] and megatron["gpus"]["teacher_engines"] == 0
