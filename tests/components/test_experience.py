@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from mgrpo.components.actor_client import balanced_split
 from mgrpo.experience import Experience
@@ -146,3 +147,40 @@ def test_tensorboard_records_are_those_torchs_summary_writer_writes(tmp_path):
         w.close()
     want, got = records(tmp_path / "torch"), records(tmp_path / "ours")
     assert len(want) == 7 and got == want
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2, 3])
+def test_a_batchs_weights_are_a_function_of_its_index_not_of_thread_timing(max_staleness):
+    """Batch b is generated with weight version max(0, b - max_staleness) however the producer's and the trainer's
+    times fall: a weight sync waits for every batch the look-ahead allows before taking the engines."""
+    import random
+    import threading
+    import time
+
+    from mgrpo.components.rollout_pipeline import RolloutPipeline
+
+    for trial in range(6):
+        rng, lock = random.Random(trial), threading.Lock()
+        version, started = [0], {}
+
+        def produce(index):
+            with lock:
+                started[index] = version[0]
+                pause = rng.random() * 0.004
+            time.sleep(pause)
+            exp = _experience([index + 1], [True])
+            exp.weight_versions = [started[index]]
+            return exp, {}
+
+        pipe = RolloutPipeline(produce, max_staleness=max_staleness)
+        pipe.start()
+        try:
+            for step in range(8):
+                exp, _ = pipe.next(version[0])
+                time.sleep(rng.random() * 0.004)  # training
+                with pipe.paused():  # the weight sync
+                    version[0] += 1
+                pipe.step_done()
+        finally:
+            pipe.close()
+        assert {b: started[b] for b in range(8)} == {b: max(0, b - max_staleness) for b in range(8)}, trial
