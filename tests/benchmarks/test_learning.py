@@ -36,6 +36,17 @@ def test_history_flags_a_median_drop_and_a_seed_under_the_floor():
     assert under == ["main: 1 of 5 seeds under the floor 0.85 (min 0.8)"]
 
 
+def test_the_own_task_promises_letters_as_well_as_reward():
+    runs = {str(i + 1): {"first10": 0.01, "last10": x, "steps": 150, "wall_s": 60.0, "load_1m_at_start": 1.0,
+                         "letters_solved": n} for i, (x, n) in enumerate([(0.93, 25), (0.90, 23), (0.70, 26)])}
+    line = {"commit": "b", "date_utc": "2026-12-06T00:00:00Z", "overrides": [],
+            "recipes": {"own-task": lh.summarise("own-task", runs)}}
+    # seed 2 misses letters with a reward over the floor, seed 3 misses the floor: each counted once
+    assert lh.regressions([], line) == ["own-task: 2 of 3 seeds under the floor 0.75, or under 24 of 26 letters "
+                                        "(min 0.7)"]
+    assert "(23-26 of 26 letters)" in lh.table([line]) and "| 0.75, 24 letters |" in lh.table([line])
+
+
 def test_a_candidate_line_is_neither_compared_against_nor_shown():
     history = [_line("a", [0.95] * 5), _line("cand", [0.5] * 5, overrides=["actor.lr=1"])]
     assert lh.previous_for(history, "main")["commit"] == "a"
@@ -56,16 +67,18 @@ def test_committed_history_meets_each_recipes_floor():
 
 
 @pytest.mark.system
-def test_a_run_is_a_function_of_its_seed(tmp_path):
-    """Two runs with one trainer.seed give identical metrics (timings aside); another seed gives others."""
+@pytest.mark.parametrize("mode", [(), lh.RECIPES["async-bounded"].overrides], ids=["synchronous", "async-bounded"])
+def test_a_run_is_a_function_of_its_seed(tmp_path, mode):
+    """Two runs with one trainer.seed give identical metrics (timings aside, and how far the asynchronous producer
+    had read the data when a step was logged); another seed gives others."""
     def run(name: str, seed: int) -> list[dict]:
         out = tmp_path / name
         subprocess.run([sys.executable, "-m", "mgrpo_launchers.train", f"trainer.output_dir={out}",
-                        f"trainer.seed={seed}", "trainer.total_training_steps=12"], check=True, capture_output=True,
-                       timeout=900)
+                        f"trainer.seed={seed}", "trainer.total_training_steps=12", *mode], check=True,
+                       capture_output=True, timeout=900)
         rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-        return [{k: v for k, v in m.items() if k != "time" and not k.startswith(("timing_s/", "perf/", "memory/"))}
-                for m in rows]
+        return [{k: v for k, v in m.items() if k not in ("time", "data/epoch")
+                 and not k.startswith(("timing_s/", "perf/", "memory/"))} for m in rows]
 
     a, b, c = run("a", 3), run("b", 3), run("c", 4)
     assert len(a) == 12 and a == b
