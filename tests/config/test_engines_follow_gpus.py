@@ -70,7 +70,7 @@ def test_plan_prints_gpus_per_phase_and_warns_about_idle_ones(capsys):
     main(["--json", "recipe=qwen3-8b-gsm8k-grpo", "trainer.nnodes=2", "rollout.num_engines=1"])
     p = json.loads(capsys.readouterr().out)
     assert p["gpus"] | {"warnings": None} == {"total": 16, "training": 16, "generation": 2, "reward_engines": 0,
-                                              "warnings": None}
+                                              "teacher_engines": 0, "warnings": None}
     assert p["batch"]["warnings"][0] == ("14 of the 16 GPUs generate nothing: 1 engine(s) x rollout.tp 2 = 2 "
                                          "(rollout.num_engines=null puts one on every rollout.tp GPUs)")
     main(["recipe=qwen3-8b-gsm8k-grpo", "trainer.nnodes=2", "rollout.mode=disaggregated", "rollout.num_engines=4"])
