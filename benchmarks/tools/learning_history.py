@@ -147,7 +147,7 @@ def _reward_model(recipe: Recipe, seed: int, tmp: str, timeout_s: float) -> dict
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-800:]}")
     with open(out) as f:
         got = json.load(f)
-    return {"rewards": [s["rule_accuracy"] for s in got["per_step"]]}
+    return {"rewards": got["rule_accuracy"]}  # per step, as the job's summarise() writes it
 
 
 EXTRA: list[str] = []

@@ -47,6 +47,22 @@ def test_the_own_task_promises_letters_as_well_as_reward():
     assert "(23-26 of 26 letters)" in lh.table([line]) and "| 0.75, 24 letters |" in lh.table([line])
 
 
+def test_the_reward_model_recipe_reads_what_its_job_writes(tmp_path, monkeypatch):
+    from benchmarks.jobs import reward_model_sum
+
+    steps = [{"reward/rule/mean": i / 20, "reward/rm/mean": i / 25, "reward/rm/samples_per_s": 100.0,
+              "timing_s/step": 0.5} for i in range(20)]
+
+    def job(cmd, **kw):  # the job's own summary of its steps, written where the tool asked
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump(reward_model_sum.summarise(steps), f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(lh.subprocess, "run", job)
+    got = lh._reward_model(lh.RECIPES["reward-model"], 1, str(tmp_path), 60.0)
+    assert got["rewards"] == [i / 20 for i in range(20)]
+
+
 def test_a_candidate_line_is_neither_compared_against_nor_shown():
     history = [_line("a", [0.95] * 5), _line("cand", [0.5] * 5, overrides=["actor.lr=1"])]
     assert lh.previous_for(history, "main")["commit"] == "a"
