@@ -35,6 +35,8 @@ MEGATRON = "Megatron setting mgrpo chooses itself (from the checkpoint and its o
 ARCH = "Qwen3's architecture: mgrpo reads it from --hf-checkpoint's config.json"
 MICRO = "mgrpo packs micro-batches by tokens (actor.max_tokens_per_gpu); the loss is normalised over the mini-batch"
 LOGGER = "a logger mgrpo does not have (TensorBoard and metrics.jsonl are written to trainer.output_dir)"
+EXTERNAL = ("a teacher or reward server you started; mgrpo starts the SGLang teacher itself: --use-opd --opd-type "
+            "sglang teacher.hf_path=<the teacher's HF folder>")
 
 
 class SlimeFlagError(ConfigError):
@@ -222,6 +224,10 @@ FLAGS: dict[str, tuple[bool, object]] = {
     "--rollout-num-gpus-per-engine": (True, to("rollout.tp", int)),
     "--sglang-mem-fraction-static": (True, to("rollout.gpu_memory_utilization", float)),
     "--custom-rm-path": (True, _custom_rm),
+    "--custom-reward-post-process-path": (True, refuse("slime's reward post-processing hook; mgrpo computes GRPO's "
+                                                       "advantages itself (algorithm.adv_estimator)")),
+    "--rm-url": (True, refuse(EXTERNAL)),
+    "--opd-teacher-url": (True, _opd_flag(refuse(EXTERNAL))),
     "--use-opd": (False, _opd),
     "--opd-type": (True, _opd_flag(_opd_type)),
     "--opd-kl-coef": (True, _opd_flag(to("algorithm.opd.coef", float))),

@@ -107,6 +107,7 @@ def test_sglang_teacher_names_the_folder_mgrpo_starts_it_from(env):
     ({"--expert-tensor-parallel-size": "2"}, "mgrpo never splits experts by TP"),
     ({"--custom-rm-path": "my.reward_func"}, "set custom_reward_function.path=FILE"),
     ({"--rollout-function-path": "my.generate"}, "--rollout-function-path my.generate: no mgrpo equivalent"),
+    ({"--rm-url": "http://127.0.0.1:13141/generate"}, "mgrpo starts the SGLang teacher itself: --use-opd"),
     ({"--hidden-size": "5120"}, "--hidden-size 5120 and --hf-checkpoint"),
     ({"--global-batch-size": "62"}, "62 samples per optimizer step is not a whole number of groups"),
 ])
